@@ -1,0 +1,150 @@
+"""Host-side driver: pads prompts to buckets, runs the compiled prefill and decode loop of a
+request, trims at stop tokens and reports timings and acceptance statistics.
+
+The model states are split once (`nnx.split`); every jitted function merges them inside. The
+target (and drafter) caches live on the engine and are donated through prefill and the loop, so a
+request reuses the previous request's buffers: entries past the pointer are never read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from bp_jax import decode_loops
+from bp_jax.buckets import default_length_buckets, pick_bucket
+from bp_jax.compiled import CompiledCache
+from bp_jax.errors import BadInputError
+from bp_jax.qwen3 import Qwen3
+
+
+@dataclasses.dataclass
+class Generation:
+  """One request's result."""
+  output_ids: list[int]            # new tokens only, trimmed after the first stop token
+  prefill_s: float
+  decode_s: float
+  block_size: int
+  acceptance_lengths: list[int]    # committed tokens per target forward in the loop
+  prompt_len: int
+
+  @property
+  def new_tokens(self) -> int:
+    return len(self.output_ids)
+
+  @property
+  def target_forwards(self) -> int:
+    return len(self.acceptance_lengths)
+
+  @property
+  def tau(self) -> float:
+    a = self.acceptance_lengths
+    return float(np.mean(a)) if a else 0.0
+
+
+def trim_at_stop(ids: Sequence[int], stop_ids: Sequence[int], max_new: int) -> list[int]:
+  """First `max_new` ids, cut just after the first stop token."""
+  out = []
+  for t in list(ids)[:max_new]:
+    out.append(int(t))
+    if t in stop_ids:
+      break
+  return out
+
+
+class Engine:
+  """Decodes requests one at a time with a Qwen3 target (AR); see `SpecEngine` for drafting."""
+
+  def __init__(self, target: Qwen3, *, max_len: int, stop_ids: Sequence[int] = (),
+               length_buckets: Sequence[int] | None = None, hidden_layers: Sequence[int] = ()):
+    if max_len > target.cfg.max_position_embeddings:
+      raise BadInputError(f"--config.max_len={max_len} exceeds the model's "
+                          f"max_position_embeddings={target.cfg.max_position_embeddings}")
+    self.cfg = target.cfg
+    self.max_len = max_len
+    self.length_buckets = tuple(sorted(length_buckets or default_length_buckets(max_len)))
+    if self.length_buckets[-1] > max_len:
+      raise BadInputError(f"length bucket {self.length_buckets[-1]} exceeds "
+                          f"--config.max_len={max_len}")
+    self.stop_ids = list(stop_ids)
+    self._stop_arr = jnp.asarray(self.stop_ids or [-1], jnp.int32)
+    self.hidden_layers = tuple(hidden_layers)
+    self.t_graph, self.t_state = nnx.split(target)
+    self.cache = target.init_cache(1, max_len)
+    self.seq = jnp.zeros((1, max_len), jnp.int32)
+    self.compiled = CompiledCache()
+
+  # -- checks -------------------------------------------------------------------------------
+  def check_request(self, prompt_len: int, max_new_tokens: int, block_size: int = 1):
+    if prompt_len < 1:
+      raise BadInputError("empty prompt: at least one token is needed")
+    need = prompt_len + max_new_tokens + block_size - 1
+    if need > self.max_len:
+      raise BadInputError(
+          f"prompt of {prompt_len} tokens + max_new_tokens={max_new_tokens} + block_size-1="
+          f"{block_size - 1} needs {need} cache slots, more than --config.max_len={self.max_len}")
+
+  # -- compiled pieces ----------------------------------------------------------------------
+  # Each returns (compiled function, its arguments); compiling happens here, outside timings.
+  def _prefill(self, tokens_1P, n, seed_key, temperature):
+    P = tokens_1P.shape[1]
+    args = (self.t_state, tokens_1P, n, self.cache, seed_key, temperature)
+    fn = self.compiled.get(
+        ("prefill", P),
+        lambda: decode_loops.make_prefill(self.t_graph, self.hidden_layers), args,
+        donate_argnums=(3,))
+    return fn, args
+
+  def _loop(self, pre, n, max_new, temperature, seed_key, block_size):
+    del block_size  # plain AR
+    args = (self.t_state, self.seq, self.cache, pre.first_tok, n, max_new, temperature, seed_key,
+            self._stop_arr)
+    fn = self.compiled.get(("ar_loop", 1), lambda: decode_loops.make_ar_loop(self.t_graph), args,
+                           donate_argnums=(1, 2))
+    return fn, args
+
+  def _after_prefill(self, pre):
+    """Hook for subclasses (the drafter takes its context from the prefill)."""
+
+  # -- public -------------------------------------------------------------------------------
+  def encode_padded(self, prompt_ids: Sequence[int]) -> tuple[jax.Array, int]:
+    n = len(prompt_ids)
+    P = pick_bucket(n, self.length_buckets, flag="--config.max_len / --config.length_buckets")
+    toks = np.zeros((1, P), np.int32)
+    toks[0, :n] = prompt_ids
+    return jnp.asarray(toks), P
+
+  def generate(self, prompt_ids: Sequence[int], *, max_new_tokens: int, temperature: float = 0.0,
+               seed: int = 0, block_size: int = 1) -> Generation:
+    n = len(prompt_ids)
+    self.check_request(n, max_new_tokens, block_size)
+    if max(prompt_ids) >= self.cfg.vocab_size or min(prompt_ids) < 0:
+      raise BadInputError(f"prompt token id out of range for vocab_size={self.cfg.vocab_size}")
+    toks, _ = self.encode_padded(prompt_ids)
+    n_arr, temp = jnp.int32(n), jnp.float32(temperature)
+    seed_key = jax.random.key(seed)
+    fn, args = self._prefill(toks, n_arr, seed_key, temp)
+    t0 = time.perf_counter()
+    pre = fn(*args)
+    pre.first_tok.block_until_ready()
+    t1 = time.perf_counter()
+    self.cache = pre.cache
+    self._after_prefill(pre)
+    fn, args = self._loop(pre, n_arr, jnp.int32(max_new_tokens), temp, seed_key, block_size)
+    t2 = time.perf_counter()
+    out = fn(*args)
+    n_gen = int(out.n_gen)
+    t3 = time.perf_counter()
+    self.seq, self.cache = out.seq, out.cache
+    if out.draft_cache is not None:
+      self.draft_cache = out.draft_cache
+    seq = np.asarray(out.seq[0])
+    ids = trim_at_stop(seq[n:n + n_gen], self.stop_ids, max_new_tokens)
+    accept = np.asarray(out.accept_lens[:int(out.cycles)]).tolist()
+    return Generation(ids, t1 - t0, t3 - t2, block_size, accept, n)

@@ -1,0 +1,124 @@
+"""Dense Qwen3 decoder in Flax NNX (DESIGN §1), layers stacked and run with `lax.scan`.
+
+Parameters (Linear weights stored `[in, out]`, layer weights with a leading layer axis L):
+  embed [V, D]; layers.<name> [L, ...] for name in `layers.LAYER_PARAM_NAMES`;
+  final_norm [D]; lm_head [D, V] (absent when `tie_word_embeddings`).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from bp_jax import layers as L
+from bp_jax.config import Qwen3Config
+from bp_jax.kv_cache import KVCache, causal_mask, write_layer
+
+
+def layer_param_shapes(cfg: Qwen3Config) -> dict[str, tuple[int, ...]]:
+  """Shapes of one decoder layer's parameters."""
+  D, F, H = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+  N, K = cfg.num_attention_heads, cfg.num_key_value_heads
+  return {"input_norm": (D,), "q_proj": (D, N * H), "k_proj": (D, K * H), "v_proj": (D, K * H),
+          "o_proj": (N * H, D), "q_norm": (H,), "k_norm": (H,), "post_norm": (D,),
+          "gate_proj": (D, F), "up_proj": (D, F), "down_proj": (F, D)}
+
+
+class LayerStack(nnx.Module):
+  """`num_layers` Qwen3-style layers, each parameter stacked along a leading layer axis."""
+
+  def __init__(self, cfg: Qwen3Config, num_layers: int, dtype, rngs: nnx.Rngs):
+    for name, shape in layer_param_shapes(cfg).items():
+      if len(shape) == 1:  # norm weights
+        value = jnp.ones((num_layers, *shape), dtype)
+      else:
+        value = (0.02 * jax.random.normal(rngs.params(), (num_layers, *shape))).astype(dtype)
+      setattr(self, name, nnx.Param(value))
+
+  def as_dict(self) -> dict[str, jax.Array]:
+    return {name: getattr(self, name)[...] for name in L.LAYER_PARAM_NAMES}
+
+
+class ForwardOutput(NamedTuple):
+  logits: jax.Array          # [B, T', V] float32 (T' = T, or 1 when `logits_at` is given)
+  final_hidden: jax.Array    # [B, T', D] after the final norm, where the logits are taken
+  layer_hiddens: jax.Array   # [n, B, T, D]: outputs of the requested decoder layers
+  cache: KVCache             # k/v written for the new tokens; `lengths` unchanged
+
+
+class Qwen3(nnx.Module):
+  """Qwen3ForCausalLM. `__call__` extends a KV cache by T tokens at positions lengths..lengths+T-1."""
+
+  def __init__(self, cfg: Qwen3Config, *, dtype=jnp.float32, rngs: nnx.Rngs):
+    self.cfg = cfg
+    self.dtype = dtype
+    D, V = cfg.hidden_size, cfg.vocab_size
+    self.embed = nnx.Param((0.02 * jax.random.normal(rngs.params(), (V, D))).astype(dtype))
+    self.layers = LayerStack(cfg, cfg.num_hidden_layers, dtype, rngs)
+    self.final_norm = nnx.Param(jnp.ones((D,), dtype))
+    if not cfg.tie_word_embeddings:
+      self.lm_head = nnx.Param((0.02 * jax.random.normal(rngs.params(), (D, V))).astype(dtype))
+
+  def init_cache(self, batch: int, max_len: int) -> KVCache:
+    c = self.cfg
+    return KVCache.create(c.num_hidden_layers, batch, max_len, c.num_key_value_heads, c.head_dim,
+                          self.dtype)
+
+  def embed_tokens(self, tokens_BT: jax.Array) -> jax.Array:
+    return jnp.take(self.embed[...], tokens_BT, axis=0)
+
+  def head_weight(self) -> jax.Array:
+    """The output projection [D, V] (the embedding, transposed, when tied)."""
+    return self.embed[...].T if self.cfg.tie_word_embeddings else self.lm_head[...]
+
+  def project_to_vocab(self, normed_BTD: jax.Array) -> jax.Array:
+    """lm_head on already-normalised states: float32 logits [B, T, V]."""
+    return jnp.einsum("btd,dv->btv", normed_BTD, self.head_weight(),
+                      preferred_element_type=jnp.float32)
+
+  def __call__(self, tokens_BT: jax.Array, cache: KVCache,
+               hidden_layers: Sequence[int] = (), logits_at: jax.Array | None = None
+               ) -> ForwardOutput:
+    """Runs T tokens through the model on top of `cache`.
+
+    `hidden_layers`: indices of decoder layers whose outputs are returned (same pass).
+    `logits_at`: optional [B] index into T; logits are then computed only there ([B, 1, V]).
+    """
+    c = self.cfg
+    B, T = tokens_BT.shape
+    pos_BT = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+    cos, sin = L.rope_cos_sin(pos_BT, c.head_dim, c.rope_theta)
+    mask_BTS = causal_mask(pos_BT, cache.max_len)
+    n_keep = len(hidden_layers)
+    # Slot of each layer in the returned hidden buffer; unrequested layers go to a spare slot.
+    keep_slot = [n_keep] * c.num_hidden_layers
+    for i, layer in enumerate(hidden_layers):
+      keep_slot[layer] = i
+    x_BTD = self.embed_tokens(tokens_BT)
+    hid = jnp.zeros((n_keep + 1, B, T, c.hidden_size), x_BTD.dtype)
+
+    def body(carry, xs):
+      x, k_all, v_all, hid = carry
+      p, layer, slot = xs
+      xn = L.rms_norm(x, p["input_norm"], c.rms_norm_eps)
+      q = L.project_q(xn, p, cos, sin, c.num_attention_heads, c.head_dim, c.rms_norm_eps)
+      k_new, v_new = L.project_kv(xn, p, cos, sin, c.num_key_value_heads, c.head_dim,
+                                  c.rms_norm_eps)
+      k_all = write_layer(k_all, layer, k_new, pos_BT)
+      v_all = write_layer(v_all, layer, v_new, pos_BT)
+      attn = L.attend(q, k_all[layer], v_all[layer], mask_BTS)
+      h = x + attn @ p["o_proj"]
+      x = h + L.swiglu_mlp(L.rms_norm(h, p["post_norm"], c.rms_norm_eps), p)
+      hid = jax.lax.dynamic_update_index_in_dim(hid, x, slot, axis=0)
+      return (x, k_all, v_all, hid), None
+
+    xs = (self.layers.as_dict(), jnp.arange(c.num_hidden_layers), jnp.asarray(keep_slot))
+    (x_BTD, k_all, v_all, hid), _ = jax.lax.scan(body, (x_BTD, cache.k, cache.v, hid), xs)
+    if logits_at is not None:
+      x_BTD = jnp.take_along_axis(x_BTD, logits_at[:, None, None].astype(jnp.int32), axis=1)
+    normed = L.rms_norm(x_BTD, self.final_norm[...], c.rms_norm_eps)
+    return ForwardOutput(self.project_to_vocab(normed), normed, hid[:n_keep],
+                         cache.replace(k=k_all, v=v_all))

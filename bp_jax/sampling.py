@@ -1,0 +1,24 @@
+"""Token sampling with per-position keys, so that any decoder visiting the same position with
+the same prefix draws the same token (AR and speculative decoding agree even at T > 0)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def position_keys(seed_key: jax.Array, pos: jax.Array) -> jax.Array:
+  """One typed PRNG key per absolute position, shaped like `pos`."""
+  flat = jax.vmap(lambda p: jax.random.fold_in(seed_key, p))(pos.reshape(-1))
+  return flat.reshape(pos.shape)
+
+
+def sample(logits: jax.Array, temperature: jax.Array, keys: jax.Array) -> jax.Array:
+  """Samples [...] tokens from logits [..., V] with typed keys [...].
+
+  temperature == 0 gives the argmax; otherwise one draw from softmax(logits / temperature).
+  """
+  greedy = jnp.argmax(logits, axis=-1)
+  scaled = logits.reshape(-1, logits.shape[-1]) / jnp.maximum(temperature, 1e-6)
+  drawn = jax.vmap(jax.random.categorical)(keys.reshape(-1), scaled).reshape(greedy.shape)
+  return jnp.where(temperature > 0, drawn, greedy).astype(jnp.int32)
