@@ -23,7 +23,7 @@ from bp_jax.sampling import position_keys, sample
 class PrefillOut(NamedTuple):
   first_tok: jax.Array       # [] int32: the first generated token (position n)
   cache: KVCache             # target cache, pointer = n
-  ctx_hiddens: jax.Array     # [n_layers, 1, P, D] chosen target layers over the prompt
+  draft_cache: KVCache | None  # drafter context cache holding the prompt, pointer = n
   last_logits: jax.Array     # [1, V] logits at the last prompt position
   last_hidden: jax.Array     # [1, D] final hidden state (after the final norm) there
 
@@ -41,17 +41,25 @@ def _is_stop(tokens: jax.Array, stop_ids: jax.Array) -> jax.Array:
   return jnp.any(tokens[..., None] == stop_ids, axis=-1)
 
 
-def make_prefill(graphdef, hidden_layers: Sequence[int]) -> Callable:
-  """prefill(state, tokens_1P, n, cache, seed_key, temperature) -> PrefillOut."""
-  hidden_layers = tuple(hidden_layers)
+def make_prefill(graphdef, draft_graphdef=None) -> Callable:
+  """prefill(state, draft_state, tokens_1P, n, cache, draft_cache, seed_key, temperature).
 
-  def prefill(state, tokens_1P, n, cache, seed_key, temperature):
+  Runs the target over the padded prompt, samples the first token, and (with a drafter) writes
+  the prompt's chosen-layer features into the drafter's context cache, all in one jit.
+  """
+
+  def prefill(state, draft_state, tokens_1P, n, cache, draft_cache, seed_key, temperature):
     model = nnx.merge(graphdef, state)
-    out = model(tokens_1P, cache.with_lengths(jnp.zeros((1,), jnp.int32)), hidden_layers,
-                logits_at=(n - 1)[None])
+    drafter = None if draft_graphdef is None else nnx.merge(draft_graphdef, draft_state)
+    layer_ids = () if drafter is None else drafter.cfg.target_layer_ids
+    zero = jnp.zeros((1,), jnp.int32)
+    out = model(tokens_1P, cache.with_lengths(zero), layer_ids, logits_at=(n - 1)[None])
     logits_1V = out.logits[:, 0]
     first = sample(logits_1V, temperature, position_keys(seed_key, n[None]))[0]
-    return PrefillOut(first, out.cache.with_lengths(n[None]), out.layer_hiddens, logits_1V,
+    if drafter is not None:
+      draft_cache = drafter.add_context(out.layer_hiddens, draft_cache.with_lengths(zero))
+      draft_cache = draft_cache.with_lengths(n[None])
+    return PrefillOut(first, out.cache.with_lengths(n[None]), draft_cache, logits_1V,
                       out.final_hidden[:, 0])
 
   return prefill
@@ -83,3 +91,65 @@ def make_ar_loop(graphdef) -> Callable:
     return LoopOut(seq, n_gen, accept, cycles, cache.with_lengths(pos[None]), None)
 
   return ar_loop
+
+
+def make_spec_loop(graphdef, draft_graphdef, block_size: int) -> Callable:
+  """spec_loop(state, draft_state, seq, cache, draft_cache, first_tok, n, max_new, temperature,
+  seed_key, stop_ids, forced_seq, use_forced) -> LoopOut.
+
+  One cycle: the drafter proposes b-1 tokens after `tok` (its argmax), the target verifies the b
+  tokens [tok, d_1..d_{b-1}] in one forward, samples y at each of the b positions, accepts the
+  longest prefix with d_i == y_{i-1} (length a), commits y_0..y_a, and both caches roll back by
+  pointer to p + a + 1. The target features of block positions 0..a become drafter context.
+
+  `forced_seq`/`use_forced` (runtime values): when `use_forced`, draft tokens are read from
+  `forced_seq` at their positions instead of the drafter's argmax — a perfect drafter for tests
+  and for measuring the engine's ceiling, which still pays the drafter's full compute.
+  """
+  b = block_size
+
+  def spec_loop(state, draft_state, seq_1S, cache, draft_cache, first_tok, n, max_new,
+                temperature, seed_key, stop_ids, forced_seq_1S, use_forced):
+    model = nnx.merge(graphdef, state)
+    drafter = nnx.merge(draft_graphdef, draft_state)
+    mask_id = drafter.cfg.mask_token_id
+    layer_ids = drafter.cfg.target_layer_ids
+    head = model.head_weight()
+    S = seq_1S.shape[1]
+    offs_b = jnp.arange(b, dtype=jnp.int32)
+    seq_1S = seq_1S.at[0, n].set(first_tok, mode="drop")
+
+    def cond(c):
+      return (~c["done"]) & (c["n_gen"] < max_new)
+
+    def body(c):
+      pos, tok = c["pos"], c["tok"]
+      # Draft b-1 tokens with one drafter pass over [tok, MASK, ..., MASK].
+      block_1b = jnp.full((1, b), mask_id, jnp.int32).at[0, 0].set(tok)
+      h_1bD = drafter.draft(model.embed_tokens(block_1b), c["draft_cache"])
+      drafted = jnp.argmax(jnp.einsum("bd,dv->bv", h_1bD[0, 1:], head,
+                                      preferred_element_type=jnp.float32), axis=-1)
+      forced = jax.lax.dynamic_slice_in_dim(forced_seq_1S[0], pos + 1, b - 1)
+      draft = jnp.where(use_forced, forced, drafted).astype(jnp.int32)
+      # Verify the whole block in one target forward.
+      verify_1b = jnp.concatenate([tok[None], draft])[None]
+      out = model(verify_1b, c["cache"].with_lengths(pos[None]), layer_ids)
+      y = sample(out.logits[0], temperature, position_keys(seed_key, pos + 1 + offs_b))
+      a = jnp.sum(jnp.cumprod((draft == y[:-1]).astype(jnp.int32)))
+      new_pos = pos + a + 1
+      seq = c["seq"].at[0, pos + 1 + offs_b].set(y, mode="drop")
+      stop_hit = jnp.any(_is_stop(y, stop_ids) & (offs_b <= a))
+      draft_cache = drafter.add_context(out.layer_hiddens, c["draft_cache"])
+      return dict(seq=seq, cache=out.cache.with_lengths(new_pos[None]),
+                  draft_cache=draft_cache.with_lengths(new_pos[None]), pos=new_pos,
+                  tok=y[a], n_gen=c["n_gen"] + a + 1, done=stop_hit,
+                  accept=c["accept"].at[c["cycles"]].set(a + 1, mode="drop"),
+                  cycles=c["cycles"] + 1)
+
+    init = dict(seq=seq_1S, cache=cache, draft_cache=draft_cache, pos=n, tok=first_tok,
+                n_gen=jnp.int32(1), done=_is_stop(first_tok, stop_ids),
+                accept=jnp.zeros((S,), jnp.int32), cycles=jnp.int32(0))
+    c = jax.lax.while_loop(cond, body, init)
+    return LoopOut(c["seq"], c["n_gen"], c["accept"], c["cycles"], c["cache"], c["draft_cache"])
+
+  return spec_loop

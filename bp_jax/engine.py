@@ -58,11 +58,16 @@ def trim_at_stop(ids: Sequence[int], stop_ids: Sequence[int], max_new: int) -> l
   return out
 
 
+DEFAULT_BLOCK_SIZES = tuple(range(2, 33))
+
+
 class Engine:
-  """Decodes requests one at a time with a Qwen3 target (AR); see `SpecEngine` for drafting."""
+  """Decodes requests one at a time: block_size 1 is plain AR decoding with the target; block
+  sizes > 1 are speculative cycles with the DFlash drafter (one compiled loop per block size)."""
 
   def __init__(self, target: Qwen3, *, max_len: int, stop_ids: Sequence[int] = (),
-               length_buckets: Sequence[int] | None = None, hidden_layers: Sequence[int] = ()):
+               length_buckets: Sequence[int] | None = None, drafter=None,
+               block_sizes: Sequence[int] = DEFAULT_BLOCK_SIZES):
     if max_len > target.cfg.max_position_embeddings:
       raise BadInputError(f"--config.max_len={max_len} exceeds the model's "
                           f"max_position_embeddings={target.cfg.max_position_embeddings}")
@@ -74,14 +79,35 @@ class Engine:
                           f"--config.max_len={max_len}")
     self.stop_ids = list(stop_ids)
     self._stop_arr = jnp.asarray(self.stop_ids or [-1], jnp.int32)
-    self.hidden_layers = tuple(hidden_layers)
     self.t_graph, self.t_state = nnx.split(target)
     self.cache = target.init_cache(1, max_len)
+    self.block_sizes = tuple(sorted(set(block_sizes)))
+    self.drafter = drafter
+    if drafter is not None:
+      drafter.validate_against_target(target.cfg, "drafter")
+      self.d_graph, self.d_state = nnx.split(drafter)
+      self.draft_cache = drafter.init_cache(1, max_len)
+    else:
+      self.d_graph = self.d_state = self.draft_cache = None
+    self.forced_seq = jnp.zeros((1, max_len), jnp.int32)
     self.seq = jnp.zeros((1, max_len), jnp.int32)
     self.compiled = CompiledCache()
 
   # -- checks -------------------------------------------------------------------------------
+  def check_block_size(self, block_size: int):
+    if block_size == 1:
+      return
+    if self.drafter is None:
+      raise BadInputError(f"block_size={block_size} needs a drafter (--config.drafter); "
+                          "without one only block_size=1 (mode=ar) is possible")
+    if block_size not in self.block_sizes:
+      raise BadInputError(f"block_size={block_size} is not one of the configured buckets "
+                          f"{list(self.block_sizes)} (--config.block_size / --config.block_sizes)")
+
   def check_request(self, prompt_len: int, max_new_tokens: int, block_size: int = 1):
+    self.check_block_size(block_size)
+    if max_new_tokens < 1:
+      raise BadInputError(f"--config.max_new_tokens={max_new_tokens} must be >= 1")
     if prompt_len < 1:
       raise BadInputError("empty prompt: at least one token is needed")
     need = prompt_len + max_new_tokens + block_size - 1
@@ -94,23 +120,39 @@ class Engine:
   # Each returns (compiled function, its arguments); compiling happens here, outside timings.
   def _prefill(self, tokens_1P, n, seed_key, temperature):
     P = tokens_1P.shape[1]
-    args = (self.t_state, tokens_1P, n, self.cache, seed_key, temperature)
+    args = (self.t_state, self.d_state, tokens_1P, n, self.cache, self.draft_cache, seed_key,
+            temperature)
     fn = self.compiled.get(
-        ("prefill", P),
-        lambda: decode_loops.make_prefill(self.t_graph, self.hidden_layers), args,
-        donate_argnums=(3,))
+        ("prefill", P), lambda: decode_loops.make_prefill(self.t_graph, self.d_graph), args,
+        donate_argnums=(4, 5))
     return fn, args
 
-  def _loop(self, pre, n, max_new, temperature, seed_key, block_size):
-    del block_size  # plain AR
-    args = (self.t_state, self.seq, self.cache, pre.first_tok, n, max_new, temperature, seed_key,
-            self._stop_arr)
-    fn = self.compiled.get(("ar_loop", 1), lambda: decode_loops.make_ar_loop(self.t_graph), args,
-                           donate_argnums=(1, 2))
+  def _loop(self, pre, n, max_new, temperature, seed_key, block_size, use_forced):
+    if block_size == 1:
+      args = (self.t_state, self.seq, self.cache, pre.first_tok, n, max_new, temperature,
+              seed_key, self._stop_arr)
+      fn = self.compiled.get(("ar_loop", 1), lambda: decode_loops.make_ar_loop(self.t_graph),
+                             args, donate_argnums=(1, 2))
+      return fn, args
+    args = (self.t_state, self.d_state, self.seq, self.cache, self.draft_cache, pre.first_tok, n,
+            max_new, temperature, seed_key, self._stop_arr, self.forced_seq, use_forced)
+    fn = self.compiled.get(
+        ("spec_loop", block_size),
+        lambda: decode_loops.make_spec_loop(self.t_graph, self.d_graph, block_size), args,
+        donate_argnums=(2, 3, 4))
     return fn, args
 
-  def _after_prefill(self, pre):
-    """Hook for subclasses (the drafter takes its context from the prefill)."""
+  def precompile(self, block_sizes: Sequence[int], length_buckets: Sequence[int] | None = None
+                 ) -> dict:
+    """Compiles prefill for each length bucket and the loop of each block size ahead of time."""
+    key, z, f = jax.random.key(0), jnp.int32(1), jnp.float32(0)
+    for P in length_buckets or self.length_buckets:
+      self._prefill(jnp.zeros((1, P), jnp.int32), z, key, f)
+    pre = decode_loops.PrefillOut(z, self.cache, self.draft_cache, None, None)
+    for b in block_sizes:
+      self.check_block_size(b)
+      self._loop(pre, z, z, f, key, b, jnp.bool_(False))
+    return self.compiled.summary()
 
   # -- public -------------------------------------------------------------------------------
   def encode_padded(self, prompt_ids: Sequence[int]) -> tuple[jax.Array, int]:
@@ -121,7 +163,10 @@ class Engine:
     return jnp.asarray(toks), P
 
   def generate(self, prompt_ids: Sequence[int], *, max_new_tokens: int, temperature: float = 0.0,
-               seed: int = 0, block_size: int = 1) -> Generation:
+               seed: int = 0, block_size: int = 1,
+               forced_continuation: Sequence[int] | None = None) -> Generation:
+    """Decodes one request. `forced_continuation` (tests, benchmarks): tokens the perfect
+    drafter proposes after the prompt, e.g. the target's own greedy output."""
     n = len(prompt_ids)
     self.check_request(n, max_new_tokens, block_size)
     if max(prompt_ids) >= self.cfg.vocab_size or min(prompt_ids) < 0:
@@ -134,9 +179,15 @@ class Engine:
     pre = fn(*args)
     pre.first_tok.block_until_ready()
     t1 = time.perf_counter()
-    self.cache = pre.cache
-    self._after_prefill(pre)
-    fn, args = self._loop(pre, n_arr, jnp.int32(max_new_tokens), temp, seed_key, block_size)
+    self.cache, self.draft_cache = pre.cache, pre.draft_cache
+    use_forced = forced_continuation is not None
+    if use_forced:
+      forced = np.zeros((1, self.max_len), np.int32)
+      cont = list(forced_continuation)[:self.max_len - n]
+      forced[0, n:n + len(cont)] = cont
+      self.forced_seq = jnp.asarray(forced)
+    fn, args = self._loop(pre, n_arr, jnp.int32(max_new_tokens), temp, seed_key, block_size,
+                          jnp.bool_(use_forced))
     t2 = time.perf_counter()
     out = fn(*args)
     n_gen = int(out.n_gen)

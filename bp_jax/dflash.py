@@ -1,0 +1,176 @@
+"""DFlash block-diffusion drafter in Flax NNX (DESIGN §2), draft layers stacked and run with `lax.scan`.
+
+Parameters (Linear weights stored `[in, out]`; the same tree as `hf_mapping.drafter_params_from_hf`):
+  layers.<name> [L, ...] for name in `layers.LAYER_PARAM_NAMES`; fc [n*D, D]; hidden_norm [D]; norm [D].
+The drafter has no embedding and no lm_head: the caller embeds the block with the target's embedding
+and multiplies `draft`'s output by the target's head weight.
+
+One draft step, per draft layer (checked against z-lab's public `Qwen3DFlashAttention`):
+  x_n = input_layernorm(x); queries = RoPE(q_norm(q_proj(x_n))) for the block only;
+  keys/values over [c ; x_n] with the same k_proj/v_proj, k_norm on all keys, RoPE at absolute
+  positions. The context features `c = hidden_norm(fc(concat))` are shared by every layer and are
+  NOT passed through the layer's input_layernorm. Attention is not causal.
+
+Because `c` does not depend on the layer's input, the context keys/values of every layer are computed
+once when the context is committed (`add_context`) and kept in a context-only `KVCache` whose slot
+index is the absolute position. `draft` reads slots `j < lengths` and never writes the cache.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from bp_jax import layers as L
+from bp_jax.config import DFlashConfig, Qwen3Config
+from bp_jax.errors import BadInputError
+from bp_jax.kv_cache import KVCache
+from bp_jax.qwen3 import LayerStack
+
+
+def _two_part_attend(q_BTNH: jax.Array, k_ctx_BSKH: jax.Array, v_ctx_BSKH: jax.Array,
+                     ctx_mask_BS: jax.Array, k_blk_BTKH: jax.Array,
+                     v_blk_BTKH: jax.Array) -> jax.Array:
+  """Non-causal GQA of block queries over (masked context slots) + (the whole block); [B, T, N*H].
+
+  One softmax over both parts, computed in float32 without concatenating the cache with the block:
+  shared row max, exponentials of each part, one normaliser. The block part is never empty, so every
+  row has at least one visible key.
+  """
+  B, T, N, H = q_BTNH.shape
+  K = k_ctx_BSKH.shape[2]
+  scale = H ** -0.5
+  q_BTKGH = q_BTNH.reshape(B, T, K, N // K, H)
+  s_ctx_BKGTS = jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, k_ctx_BSKH,
+                           preferred_element_type=jnp.float32) * scale
+  s_blk_BKGTU = jnp.einsum("btkgh,bukh->bkgtu", q_BTKGH, k_blk_BTKH,
+                           preferred_element_type=jnp.float32) * scale
+  mask_B111S = ctx_mask_BS[:, None, None, None, :]
+  s_ctx_BKGTS = jnp.where(mask_B111S, s_ctx_BKGTS, -jnp.inf)
+  m_BKGT1 = jnp.maximum(jnp.max(s_ctx_BKGTS, axis=-1, keepdims=True),
+                        jnp.max(s_blk_BKGTU, axis=-1, keepdims=True))
+  e_ctx_BKGTS = jnp.exp(s_ctx_BKGTS - m_BKGT1)  # masked slots: exp(-inf) = 0
+  e_blk_BKGTU = jnp.exp(s_blk_BKGTU - m_BKGT1)
+  denom_BKGT1 = (jnp.sum(e_ctx_BKGTS, axis=-1, keepdims=True)
+                 + jnp.sum(e_blk_BKGTU, axis=-1, keepdims=True))
+  o_BTKGH = (jnp.einsum("bkgts,bskh->btkgh", e_ctx_BKGTS.astype(v_ctx_BSKH.dtype), v_ctx_BSKH,
+                        preferred_element_type=jnp.float32)
+             + jnp.einsum("bkgtu,bukh->btkgh", e_blk_BKGTU.astype(v_blk_BTKH.dtype), v_blk_BTKH,
+                          preferred_element_type=jnp.float32))
+  o_BTKGH = o_BTKGH / jnp.moveaxis(denom_BKGT1, (1, 2, 3), (2, 3, 1))
+  return o_BTKGH.reshape(B, T, N * H).astype(q_BTNH.dtype)
+
+
+class DFlashDrafter(nnx.Module):
+  """z-lab DFlashDraftModel: draft layers + `fc`/`hidden_norm` (context) + final `norm`."""
+
+  def __init__(self, cfg: DFlashConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+    self.cfg = cfg
+    self.dtype = dtype
+    c = cfg.layers
+    D, n = c.hidden_size, len(cfg.target_layer_ids)
+    self.layers = LayerStack(c, c.num_hidden_layers, dtype, rngs)
+    self.fc = nnx.Param((0.02 * jax.random.normal(rngs.params(), (n * D, D))).astype(dtype))
+    self.hidden_norm = nnx.Param(jnp.ones((D,), dtype))
+    self.norm = nnx.Param(jnp.ones((D,), dtype))
+
+  # ---- context -------------------------------------------------------------------------------
+
+  def init_cache(self, batch: int, max_len: int) -> KVCache:
+    """An empty context-only cache: one k/v entry per draft layer and committed position."""
+    c = self.cfg.layers
+    return KVCache.create(c.num_hidden_layers, batch, max_len, c.num_key_value_heads, c.head_dim,
+                          self.dtype)
+
+  def context_features(self, target_hiddens_nBCD: jax.Array) -> jax.Array:
+    """c [B, C, D] = hidden_norm(fc(concat_n hiddens)), concatenated in `target_layer_ids` order."""
+    n, _, _, D = target_hiddens_nBCD.shape
+    if n != len(self.cfg.target_layer_ids):
+      raise ValueError(f"expected hidden states of {len(self.cfg.target_layer_ids)} target layers, "
+                       f"got {n}")
+    fc_nDE = self.fc[...].reshape(n, D, -1)  # rows of fc are the concat's features, layer-major
+    h_BCE = jnp.einsum("nbcd,nde->bce", target_hiddens_nBCD.astype(self.dtype), fc_nDE)
+    return L.rms_norm(h_BCE, self.hidden_norm[...], self.cfg.layers.rms_norm_eps)
+
+  def add_context(self, target_hiddens_nBCD: jax.Array, cache: KVCache) -> KVCache:
+    """Writes every draft layer's k/v of C new context entries at slots `cache.lengths + arange(C)`.
+
+    RoPE uses those absolute positions. Slots past the cache end are dropped. `cache.lengths` is
+    left unchanged: the caller then sets it to the number of valid context entries
+    (`cache.with_lengths(...)`), so a fixed-size chunk may carry invalid tail entries.
+    """
+    c = self.cfg.layers
+    ctx_BCD = self.context_features(target_hiddens_nBCD)
+    B, C, _ = ctx_BCD.shape
+    pos_BC = cache.lengths[:, None] + jnp.arange(C, dtype=jnp.int32)[None, :]
+    cos_BCH, sin_BCH = L.rope_cos_sin(pos_BC, c.head_dim, c.rope_theta)
+    p = self.layers.as_dict()
+    # c is the same input for every layer: project all layers at once (no scan needed).
+    k_LBCKH = jnp.einsum("bcd,ldx->lbcx", ctx_BCD, p["k_proj"]).reshape(
+        -1, B, C, c.num_key_value_heads, c.head_dim)
+    v_LBCKH = jnp.einsum("bcd,ldx->lbcx", ctx_BCD, p["v_proj"]).reshape(
+        -1, B, C, c.num_key_value_heads, c.head_dim)
+    k_LBCKH = jax.vmap(lambda k, w: L.rms_norm(k, w, c.rms_norm_eps))(k_LBCKH, p["k_norm"])
+    k_LBCKH = jax.vmap(lambda k: L.apply_rope(k, cos_BCH, sin_BCH))(k_LBCKH)
+    b_idx = jnp.arange(B)[:, None]
+    new_k = cache.k.at[:, b_idx, pos_BC].set(k_LBCKH.astype(cache.k.dtype), mode="drop")
+    new_v = cache.v.at[:, b_idx, pos_BC].set(v_LBCKH.astype(cache.v.dtype), mode="drop")
+    return cache.replace(k=new_k, v=new_v)
+
+  # ---- drafting ------------------------------------------------------------------------------
+
+  def draft(self, block_emb_BbD: jax.Array, cache: KVCache) -> jax.Array:
+    """Final-normed hidden states [B, b, D] of a block at positions `cache.lengths + arange(b)`.
+
+    `block_emb_BbD` is the target's embedding of `[t, MASK, ..., MASK]`. Each block position sees the
+    valid context (slots `j < cache.lengths`) and the whole block. The cache is only read. Multiply
+    by the target's head weight for logits; positions 1..b-1 are the draft tokens.
+    """
+    c = self.cfg.layers
+    eps, K, H = c.rms_norm_eps, c.num_key_value_heads, c.head_dim
+    B, b, _ = block_emb_BbD.shape
+    pos_Bb = cache.lengths[:, None] + jnp.arange(b, dtype=jnp.int32)[None, :]
+    cos_BbH, sin_BbH = L.rope_cos_sin(pos_Bb, H, c.rope_theta)
+    ctx_mask_BS = jnp.arange(cache.max_len)[None, :] < cache.lengths[:, None]
+
+    def body(x_BbD, xs):
+      p, k_ctx_BSKH, v_ctx_BSKH = xs
+      xn_BbD = L.rms_norm(x_BbD, p["input_norm"], eps)
+      q_BbNH = L.project_q(xn_BbD, p, cos_BbH, sin_BbH, c.num_attention_heads, H, eps)
+      k_blk_BbKH, v_blk_BbKH = L.project_kv(xn_BbD, p, cos_BbH, sin_BbH, K, H, eps)
+      attn_BbX = _two_part_attend(q_BbNH, k_ctx_BSKH, v_ctx_BSKH, ctx_mask_BS, k_blk_BbKH,
+                                  v_blk_BbKH)
+      h_BbD = x_BbD + attn_BbX @ p["o_proj"]
+      x_BbD = h_BbD + L.swiglu_mlp(L.rms_norm(h_BbD, p["post_norm"], eps), p)
+      return x_BbD, None
+
+    x_BbD, _ = jax.lax.scan(body, block_emb_BbD.astype(self.dtype),
+                            (self.layers.as_dict(), cache.k, cache.v))
+    return L.rms_norm(x_BbD, self.norm[...], eps)
+
+  # ---- compatibility -------------------------------------------------------------------------
+
+  def validate_against_target(self, target_cfg: Qwen3Config, source: str) -> None:
+    validate_drafter_for_target(self.cfg, target_cfg, source)
+
+
+def validate_drafter_for_target(cfg: DFlashConfig, target_cfg: Qwen3Config, source: str) -> None:
+  """Raises BadInputError naming `source` (the drafter's checkpoint) when it cannot serve the target."""
+  c, t = cfg.layers, target_cfg
+  if c.hidden_size != t.hidden_size:
+    raise BadInputError(f"{source}: drafter hidden_size={c.hidden_size} differs from the target's "
+                        f"hidden_size={t.hidden_size}")
+  if cfg.num_target_layers != t.num_hidden_layers:
+    raise BadInputError(f"{source}: drafter was trained for num_target_layers="
+                        f"{cfg.num_target_layers} but the target has {t.num_hidden_layers} layers")
+  bad = [i for i in cfg.target_layer_ids if not 0 <= i < t.num_hidden_layers]
+  if bad:
+    raise BadInputError(f"{source}: target_layer_ids {bad} out of range for a target with "
+                        f"{t.num_hidden_layers} layers")
+  if not 0 <= cfg.mask_token_id < t.vocab_size:
+    raise BadInputError(f"{source}: mask_token_id={cfg.mask_token_id} is outside the target's "
+                        f"vocabulary (vocab_size={t.vocab_size})")
+  if c.vocab_size and c.vocab_size != t.vocab_size:
+    raise BadInputError(f"{source}: drafter vocab_size={c.vocab_size} differs from the target's "
+                        f"vocab_size={t.vocab_size}")

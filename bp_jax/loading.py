@@ -1,0 +1,51 @@
+"""Loading converted checkpoints (targets and drafters) into NNX modules."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from flax import nnx
+
+from bp_jax.checkpoint_io import load_checkpoint
+from bp_jax.config import DFlashConfig, Qwen3Config
+from bp_jax.dflash import DFlashDrafter
+from bp_jax.errors import BadInputError
+from bp_jax.nnx_utils import module_from_params
+from bp_jax.qwen3 import Qwen3
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def parse_dtype(name: str | None, flag: str = "--config.dtype"):
+  """None -> None (keep the checkpoint's dtype); else one of DTYPES, or a clear error."""
+  if name in (None, "", "auto"):
+    return None
+  if name not in DTYPES:
+    raise BadInputError(f"{flag}={name!r} is not a known dtype; use one of {sorted(DTYPES)}")
+  return DTYPES[name]
+
+
+def _build(make, params, ckpt_dir: str, dtype):
+  try:
+    return module_from_params(make, params, dtype)
+  except ValueError as e:
+    raise BadInputError(f"checkpoint {ckpt_dir}: parameters do not match its config.json ({e})")
+
+
+def load_target(ckpt_dir: str, dtype: str | None = None) -> Qwen3:
+  """A Qwen3 target from a folder written by convert_weights.py (or train.py)."""
+  params, config, meta = load_checkpoint(ckpt_dir, expected_kind="qwen3")
+  cfg = Qwen3Config.from_hf_dict(config, f"{ckpt_dir}/config.json")
+  dt = parse_dtype(dtype) or jnp.dtype(meta.get("dtype", "float32"))
+  return _build(lambda: Qwen3(cfg, dtype=dt, rngs=nnx.Rngs(0)), params, ckpt_dir, dt)
+
+
+def load_drafter(ckpt_dir: str, target_cfg: Qwen3Config | None = None,
+                 dtype: str | None = None) -> DFlashDrafter:
+  """A DFlash drafter; checked against `target_cfg` when given."""
+  params, config, meta = load_checkpoint(ckpt_dir, expected_kind="dflash")
+  cfg = DFlashConfig.from_hf_dict(config, f"{ckpt_dir}/config.json")
+  dt = parse_dtype(dtype) or jnp.dtype(meta.get("dtype", "float32"))
+  drafter = _build(lambda: DFlashDrafter(cfg, dtype=dt, rngs=nnx.Rngs(0)), params, ckpt_dir, dt)
+  if target_cfg is not None:
+    drafter.validate_against_target(target_cfg, ckpt_dir)
+  return drafter

@@ -1,0 +1,36 @@
+"""Decodes a prompt set with a Qwen3 target, plainly (mode=ar) or speculatively with a DFlash
+drafter (mode=spec). With no flags it runs the shipped demo (configs/demo.py).
+
+  python decode.py
+  python decode.py --config configs/qwen3_dflash.py --config.target ckpt/qwen3-4b \
+      --config.drafter ckpt/dflash-4b --config.prompts humaneval --config.num_prompts 20
+"""
+
+import sys
+
+from absl import app, logging
+from ml_collections import config_flags
+
+from bp_jax.errors import BadInputError
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", "configs/demo.py", "Decoding config file; override any field with "
+    "--config.<field>=value (see the file for the fields).")
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  logging.set_verbosity(logging.WARNING)
+  from bp_jax import run_decode
+  cfg = _CONFIG.value
+  try:
+    _, summary = run_decode.run(cfg)
+  except BadInputError as e:
+    sys.exit(f"decode.py: error: {e}")
+  run_decode.print_summary(summary)
+  print(f"records: {cfg.output}\nsummary: {cfg.output}.summary.json")
+
+
+if __name__ == "__main__":
+  app.run(main)
