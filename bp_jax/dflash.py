@@ -1,7 +1,8 @@
-"""DFlash block-diffusion drafter in Flax NNX (DESIGN §2), draft layers stacked and run with `lax.scan`.
+"""DFlash block-diffusion drafter in Flax NNX (DESIGN §2); draft layers stacked, run by `lax.scan`.
 
-Parameters (Linear weights stored `[in, out]`; the same tree as `hf_mapping.drafter_params_from_hf`):
-  layers.<name> [L, ...] for name in `layers.LAYER_PARAM_NAMES`; fc [n*D, D]; hidden_norm [D]; norm [D].
+Parameters (Linear weights stored `[in, out]`; the tree of `hf_mapping.drafter_params_from_hf`):
+  layers.<name> [L, ...] for name in `layers.LAYER_PARAM_NAMES`; fc [n*D, D]; hidden_norm [D];
+  norm [D].
 The drafter has no embedding and no lm_head: the caller embeds the block with the target's embedding
 and multiplies `draft`'s output by the target's head weight.
 
@@ -11,7 +12,7 @@ One draft step, per draft layer (checked against z-lab's public `Qwen3DFlashAtte
   positions. The context features `c = hidden_norm(fc(concat))` are shared by every layer and are
   NOT passed through the layer's input_layernorm. Attention is not causal.
 
-Because `c` does not depend on the layer's input, the context keys/values of every layer are computed
+Because `c` does not depend on the layer's input, every layer's context keys/values are computed
 once when the context is committed (`add_context`) and kept in a context-only `KVCache` whose slot
 index is the absolute position. `draft` reads slots `j < lengths` and never writes the cache.
 """
@@ -123,9 +124,9 @@ class DFlashDrafter(nnx.Module):
   def draft(self, block_emb_BbD: jax.Array, cache: KVCache) -> jax.Array:
     """Final-normed hidden states [B, b, D] of a block at positions `cache.lengths + arange(b)`.
 
-    `block_emb_BbD` is the target's embedding of `[t, MASK, ..., MASK]`. Each block position sees the
-    valid context (slots `j < cache.lengths`) and the whole block. The cache is only read. Multiply
-    by the target's head weight for logits; positions 1..b-1 are the draft tokens.
+    `block_emb_BbD` is the target's embedding of `[t, MASK, ..., MASK]`. Each block position sees
+    the valid context (slots `j < cache.lengths`) and the whole block. The cache is only read.
+    Multiply by the target's head weight for logits; positions 1..b-1 give the draft tokens.
     """
     c = self.cfg.layers
     eps, K, H = c.rms_norm_eps, c.num_key_value_heads, c.head_dim
@@ -156,7 +157,7 @@ class DFlashDrafter(nnx.Module):
 
 
 def validate_drafter_for_target(cfg: DFlashConfig, target_cfg: Qwen3Config, source: str) -> None:
-  """Raises BadInputError naming `source` (the drafter's checkpoint) when it cannot serve the target."""
+  """Raises BadInputError naming `source` (the drafter checkpoint) if it cannot serve the target."""
   c, t = cfg.layers, target_cfg
   if c.hidden_size != t.hidden_size:
     raise BadInputError(f"{source}: drafter hidden_size={c.hidden_size} differs from the target's "

@@ -53,3 +53,36 @@ def jax_qwen3_from_torch(model: transformers.Qwen3ForCausalLM, dtype=None):
   params = target_params_from_hf(get, shape_of, keys, cfg, "torch")
   dtype = dtype or jnp.float32
   return module_from_params(lambda: Qwen3(cfg, dtype=dtype, rngs=nnx.Rngs(0)), params)
+
+
+def make_dflash_state_dict(cfg, seed: int = 0) -> dict[str, torch.Tensor]:
+  """Random float32 weights of a z-lab DFlash drafter (`cfg`: bp_jax DFlashConfig), z-lab key names.
+
+  Linear weights are `[out, in]` as in the z-lab safetensors files; norms are near 1.
+  """
+  c = cfg.layers
+  D, F, H = c.hidden_size, c.intermediate_size, c.head_dim
+  N, K, n = c.num_attention_heads, c.num_key_value_heads, len(cfg.target_layer_ids)
+  g = torch.Generator().manual_seed(seed)
+  shapes = {"self_attn.q_proj.weight": (N * H, D), "self_attn.k_proj.weight": (K * H, D),
+            "self_attn.v_proj.weight": (K * H, D), "self_attn.o_proj.weight": (D, N * H),
+            "self_attn.q_norm.weight": (H,), "self_attn.k_norm.weight": (H,),
+            "input_layernorm.weight": (D,), "post_attention_layernorm.weight": (D,),
+            "mlp.gate_proj.weight": (F, D), "mlp.up_proj.weight": (F, D),
+            "mlp.down_proj.weight": (D, F)}
+  shapes = {f"layers.{i}.{k}": s for i in range(c.num_hidden_layers) for k, s in shapes.items()}
+  shapes.update({"fc.weight": (D, n * D), "hidden_norm.weight": (D,), "norm.weight": (D,)})
+  sd = {}
+  for key, shape in shapes.items():
+    if "norm" in key:
+      sd[key] = 1.0 + 0.1 * torch.randn(shape, generator=g)
+    else:
+      sd[key] = 0.08 * torch.randn(shape, generator=g)
+  return sd
+
+
+def dict_getters(sd: dict):
+  """(get, shape_of, keys) over a dict of torch tensors / arrays, for `hf_mapping.*_from_hf`."""
+  np_sd = {k: (v.detach().float().numpy() if isinstance(v, torch.Tensor) else v)
+           for k, v in sd.items()}
+  return np_sd.__getitem__, (lambda k: np_sd[k].shape), set(np_sd)
