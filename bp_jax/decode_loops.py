@@ -41,6 +41,11 @@ def _is_stop(tokens: jax.Array, stop_ids: jax.Array) -> jax.Array:
   return jnp.any(tokens[..., None] == stop_ids, axis=-1)
 
 
+def accept_length(draft: jax.Array, y: jax.Array) -> jax.Array:
+  """Length a of the longest prefix with draft[i] == y[i] (the exact-match rule, lossless)."""
+  return jnp.sum(jnp.cumprod((draft == y[:draft.shape[0]]).astype(jnp.int32)))
+
+
 def make_prefill(graphdef, draft_graphdef=None) -> Callable:
   """prefill(state, draft_state, tokens_1P, n, cache, draft_cache, seed_key, temperature).
 
@@ -135,7 +140,7 @@ def make_spec_loop(graphdef, draft_graphdef, block_size: int) -> Callable:
       verify_1b = jnp.concatenate([tok[None], draft])[None]
       out = model(verify_1b, c["cache"].with_lengths(pos[None]), layer_ids)
       y = sample(out.logits[0], temperature, position_keys(seed_key, pos + 1 + offs_b))
-      a = jnp.sum(jnp.cumprod((draft == y[:-1]).astype(jnp.int32)))
+      a = accept_length(draft, y)
       new_pos = pos + a + 1
       seq = c["seq"].at[0, pos + 1 + offs_b].set(y, mode="drop")
       stop_hit = jnp.any(_is_stop(y, stop_ids) & (offs_b <= a))

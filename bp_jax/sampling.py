@@ -18,7 +18,14 @@ def sample(logits: jax.Array, temperature: jax.Array, keys: jax.Array) -> jax.Ar
 
   temperature == 0 gives the argmax; otherwise one draw from softmax(logits / temperature).
   """
-  greedy = jnp.argmax(logits, axis=-1)
-  scaled = logits.reshape(-1, logits.shape[-1]) / jnp.maximum(temperature, 1e-6)
-  drawn = jax.vmap(jax.random.categorical)(keys.reshape(-1), scaled).reshape(greedy.shape)
-  return jnp.where(temperature > 0, drawn, greedy).astype(jnp.int32)
+  def greedy(logits, keys):
+    del keys
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+  def drawn(logits, keys):
+    scaled = logits.reshape(-1, logits.shape[-1]) / jnp.maximum(temperature, 1e-6)
+    out = jax.vmap(jax.random.categorical)(keys.reshape(-1), scaled)
+    return out.reshape(logits.shape[:-1]).astype(jnp.int32)
+
+  # A real branch: the random draws over the vocabulary are not computed at T == 0.
+  return jax.lax.cond(temperature > 0, drawn, greedy, logits, keys)
