@@ -119,7 +119,6 @@ def make_spec_loop(graphdef, draft_graphdef, block_size: int) -> Callable:
     drafter = nnx.merge(draft_graphdef, draft_state)
     mask_id = drafter.cfg.mask_token_id
     layer_ids = drafter.cfg.target_layer_ids
-    head = model.head_weight()
     S = seq_1S.shape[1]
     offs_b = jnp.arange(b, dtype=jnp.int32)
     seq_1S = seq_1S.at[0, n].set(first_tok, mode="drop")
@@ -132,8 +131,7 @@ def make_spec_loop(graphdef, draft_graphdef, block_size: int) -> Callable:
       # Draft b-1 tokens with one drafter pass over [tok, MASK, ..., MASK].
       block_1b = jnp.full((1, b), mask_id, jnp.int32).at[0, 0].set(tok)
       h_1bD = drafter.draft(model.embed_tokens(block_1b), c["draft_cache"])
-      drafted = jnp.argmax(jnp.einsum("bd,dv->bv", h_1bD[0, 1:], head,
-                                      preferred_element_type=jnp.float32), axis=-1)
+      drafted = jnp.argmax(model.project_to_vocab(h_1bD[:, 1:])[0], axis=-1)
       forced = jax.lax.dynamic_slice_in_dim(forced_seq_1S[0], pos + 1, b - 1)
       draft = jnp.where(use_forced, forced, drafted).astype(jnp.int32)
       # Verify the whole block in one target forward.

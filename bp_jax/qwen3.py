@@ -76,7 +76,10 @@ class Qwen3(nnx.Module):
 
   def project_to_vocab(self, normed_BTD: jax.Array) -> jax.Array:
     """lm_head on already-normalised states: float32 logits [B, T, V]."""
-    return jnp.einsum("btd,dv->btv", normed_BTD, self.head_weight(),
+    if self.cfg.tie_word_embeddings:  # contract with the embedding as stored, no transpose
+      return jnp.einsum("btd,vd->btv", normed_BTD, self.embed[...],
+                        preferred_element_type=jnp.float32)
+    return jnp.einsum("btd,dv->btv", normed_BTD, self.lm_head[...],
                       preferred_element_type=jnp.float32)
 
   def __call__(self, tokens_BT: jax.Array, cache: KVCache,
