@@ -60,13 +60,12 @@ def convert_from_hf(hf_dir: str, out_dir: str, dtype: str | None = None, overwri
   with open_hf_checkpoint(hf_dir) as ckpt:
     np_dtype = np.dtype(parse_dtype(dtype, "--dtype") or ckpt.dtype(ckpt.keys()[0]))
     keys = set(ckpt.keys())
-    bar = tqdm(total=len(keys), desc=f"converting {os.path.basename(os.path.normpath(hf_dir))}",
-               unit="tensor", disable=not show_progress)
     build = hf_mapping.drafter_params_from_hf if dflash else hf_mapping.target_params_from_hf
-    params = build(ckpt.get, ckpt.shape, keys, cfg, hf_dir, np_dtype,
-                   progress=lambda key: bar.update(1))
-    bar.update(len(keys) - bar.n)
-    bar.close()
+    with tqdm(total=len(keys), desc=f"converting {os.path.basename(os.path.normpath(hf_dir))}",
+              unit="tensor", disable=not show_progress) as bar:
+      params = build(ckpt.get, ckpt.shape, keys, cfg, hf_dir, np_dtype,
+                     progress=lambda key: bar.update(1))
+      bar.update(len(keys) - bar.n)
   scratch = f"{os.path.abspath(out_dir)}.tok-{uuid.uuid4().hex[:8]}"
   os.makedirs(scratch)
   try:

@@ -22,13 +22,13 @@ def module_from_params(make: Callable[[], M], params: dict, dtype=None) -> M:
     raise ValueError(f"parameter tree mismatch: missing {sorted(want_paths - got_paths)[:5]}, "
                      f"unexpected {sorted(got_paths - want_paths)[:5]}")
 
-  def convert(x, ref):
-    arr = jnp.asarray(x, dtype or ref.dtype)
-    if arr.shape != ref.shape:
-      raise ValueError(f"shape {arr.shape} != expected {ref.shape}")
-    return arr
+  def convert(path, x, ref):
+    if tuple(x.shape) != tuple(ref.shape):
+      raise ValueError(f"parameter {jax.tree_util.keystr(path)} has shape {tuple(x.shape)}, "
+                       f"expected {tuple(ref.shape)}")
+    return jnp.asarray(x, dtype or ref.dtype)
 
-  state.replace_by_pure_dict(jax.tree.map(convert, params, want))
+  state.replace_by_pure_dict(jax.tree_util.tree_map_with_path(convert, params, want))
   nnx.update(module, state)
   return module
 

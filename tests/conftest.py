@@ -1,0 +1,56 @@
+"""Shared fixtures: one tiny transformers/JAX Qwen3 pair, and a runner for the command lines."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="session")
+def tiny_pair():
+  """(transformers Qwen3ForCausalLM, our Qwen3) with the same random weights (hf_fixtures.TINY:
+  V=128, D=64, 3 layers, 4 query heads over 2 kv heads, head_dim 24, rope_theta 1e4)."""
+  from hf_fixtures import jax_qwen3_from_torch, make_hf_qwen3
+  hf = make_hf_qwen3(seed=0)
+  return hf, jax_qwen3_from_torch(hf)
+
+
+class CliResult:
+  def __init__(self, proc: subprocess.CompletedProcess):
+    self.rc, self.stdout, self.stderr = proc.returncode, proc.stdout, proc.stderr
+
+  def error_line(self, script: str) -> str:
+    """Asserts a clean failure (non-zero exit, no traceback, a single `<script>: error: ...`
+    line on stderr) and returns the error from its marker on."""
+    assert self.rc != 0, f"expected a failure:\n{self.stdout}\n{self.stderr}"
+    assert "Traceback" not in self.stderr, self.stderr
+    marker = f"{script}: error: "
+    assert self.stderr.count(marker) == 1 and "error:" not in self.stderr.replace(marker, ""), \
+        self.stderr
+    line = next(l for l in self.stderr.splitlines() if marker in l)
+    return line[line.index(marker):]
+
+  def error_is_last_line_of_its_own(self, script: str) -> bool:
+    """The error starts its line and nothing (e.g. a progress bar) is printed after it."""
+    lines = [l for l in self.stderr.splitlines() if l.strip()]
+    return bool(lines) and lines[-1].startswith(f"{script}: error: ")
+
+
+@pytest.fixture(scope="session")
+def run_cli():
+  """run_cli("decode.py", *flags) -> CliResult; runs a top-level script of the repository."""
+
+  def run(script: str, *args: str, timeout: float = 300) -> CliResult:
+    env = dict(os.environ)
+    env.setdefault("JAX_PLATFORMS", "cpu")
+    env["PYTHONPATH"] = os.pathsep.join([REPO, env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, os.path.join(REPO, script), *map(str, args)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    return CliResult(proc)
+
+  return run

@@ -1,0 +1,175 @@
+"""Our Qwen3 target (bp_jax/qwen3.py) against transformers' Qwen3ForCausalLM on tiny random
+checkpoints: logits, per-layer hidden states, both RoPE config forms, bfloat16."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from flax import nnx
+
+from bp_jax.config import Qwen3Config
+from bp_jax.convert import convert_from_hf
+from bp_jax.hf_mapping import target_params_from_hf
+from bp_jax.loading import load_target
+from bp_jax.nnx_utils import module_from_params
+from bp_jax.qwen3 import Qwen3
+from hf_fixtures import jax_qwen3_from_torch, make_hf_qwen3, save_hf_qwen3, state_dict_getters
+
+F32_TOL = 1e-4
+
+# Every variant has head_dim != hidden_size / num_attention_heads and >= 2 query heads per kv
+# head; rope_theta differs from our default (1e6) so a RoPE base that is not read would show.
+VARIANTS = {
+    "untied_gqa2": dict(tie=False),
+    "tied_gqa2": dict(tie=True),
+    "untied_gqa3": dict(num_attention_heads=6, num_key_value_heads=2, head_dim=12,
+                        rope_theta=500.0),
+    "tied_gqa4_4layers": dict(tie=True, num_attention_heads=8, num_key_value_heads=2, head_dim=12,
+                              num_hidden_layers=4, rope_theta=2000.0),
+}
+
+
+def _tokens(batch: int, length: int, vocab: int, seed: int = 0) -> np.ndarray:
+  return np.random.default_rng(seed).integers(0, vocab, (batch, length)).astype(np.int32)
+
+
+def _hf_forward(model, tokens: np.ndarray):
+  """(logits, [output of decoder layer j for every j]) from transformers.
+
+  HF's `hidden_states[j + 1]` is decoder layer j's output for all but the last layer; its last
+  entry is after the final norm, so the last layer's output is captured with a forward hook.
+  """
+  captured = {}
+
+  def hook(module, args, output):
+    captured["last"] = output[0] if isinstance(output, tuple) else output
+
+  handle = model.model.layers[-1].register_forward_hook(hook)
+  try:
+    with torch.no_grad():
+      out = model(torch.from_numpy(tokens).long(), output_hidden_states=True)
+  finally:
+    handle.remove()
+  n = model.config.num_hidden_layers
+  layers = [out.hidden_states[j + 1].numpy() for j in range(n - 1)] + [captured["last"].numpy()]
+  return out.logits.numpy(), layers
+
+
+def _ours(model: Qwen3, tokens: np.ndarray, hidden_layers=()):
+  B, T = tokens.shape
+  return model(jnp.asarray(tokens), model.init_cache(B, T + 3), hidden_layers)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_logits_and_hidden_states_match_transformers_float32(variant):
+  hf = make_hf_qwen3(seed=1, **VARIANTS[variant])
+  cfg = hf.config
+  assert cfg.head_dim * cfg.num_attention_heads != cfg.hidden_size
+  assert cfg.num_attention_heads // cfg.num_key_value_heads >= 2
+  ours = jax_qwen3_from_torch(hf)
+  tokens = _tokens(2, 13, cfg.vocab_size)
+  ref_logits, ref_layers = _hf_forward(hf, tokens)
+  n = cfg.num_hidden_layers
+  out = _ours(ours, tokens, hidden_layers=tuple(range(n)))
+  assert out.logits.dtype == jnp.float32 and out.logits.shape == ref_logits.shape
+  np.testing.assert_allclose(np.asarray(out.logits), ref_logits, atol=F32_TOL, rtol=0)
+  assert out.layer_hiddens.shape == (n, 2, 13, cfg.hidden_size)
+  for j in range(n):
+    np.testing.assert_allclose(np.asarray(out.layer_hiddens[j]), ref_layers[j], atol=F32_TOL,
+                               rtol=0, err_msg=f"decoder layer {j}")
+
+
+def test_requested_hidden_layers_come_back_in_requested_order(tiny_pair):
+  hf, ours = tiny_pair
+  tokens = _tokens(1, 9, 128, seed=3)
+  _, ref_layers = _hf_forward(hf, tokens)
+  out = _ours(ours, tokens, hidden_layers=(2, 0))
+  assert out.layer_hiddens.shape[0] == 2
+  np.testing.assert_allclose(np.asarray(out.layer_hiddens[0]), ref_layers[2], atol=F32_TOL, rtol=0)
+  np.testing.assert_allclose(np.asarray(out.layer_hiddens[1]), ref_layers[0], atol=F32_TOL, rtol=0)
+  assert _ours(ours, tokens).layer_hiddens.shape[0] == 0
+
+
+def test_logits_at_returns_the_row_of_each_sequence(tiny_pair):
+  _, ours = tiny_pair
+  tokens = _tokens(2, 10, 128, seed=4)
+  full = _ours(ours, tokens).logits
+  at = jnp.asarray([3, 9], jnp.int32)
+  picked = ours(jnp.asarray(tokens), ours.init_cache(2, 12), logits_at=at)
+  assert picked.logits.shape == (2, 1, 128)
+  np.testing.assert_allclose(np.asarray(picked.logits[0, 0]), np.asarray(full[0, 3]), atol=1e-5)
+  np.testing.assert_allclose(np.asarray(picked.logits[1, 0]), np.asarray(full[1, 9]), atol=1e-5)
+
+
+def _hf_dict_in_form(hf, form: str) -> dict:
+  """The model's config dict with its RoPE base in one of the two on-disk forms."""
+  d = hf.config.to_dict()
+  theta = d.pop("rope_parameters")["rope_theta"]
+  d.pop("rope_theta", None)
+  if form == "top_level_rope_theta":     # official Qwen3 checkpoints
+    d["rope_theta"] = theta
+  else:                                  # files written by transformers 5.x
+    d["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
+  return d
+
+
+@pytest.mark.parametrize("form", ["top_level_rope_theta", "rope_parameters"])
+def test_both_rope_config_forms_parse_and_match_transformers(form):
+  hf = make_hf_qwen3(seed=2, rope_theta=321.0)
+  d = _hf_dict_in_form(hf, form)
+  cfg = Qwen3Config.from_hf_dict(d, f"edited/{form}/config.json")
+  assert cfg.rope_theta == 321.0
+  get, shape_of, keys = state_dict_getters(hf)
+  params = target_params_from_hf(get, shape_of, keys, cfg, "torch")
+  ours = module_from_params(lambda: Qwen3(cfg, rngs=nnx.Rngs(0)), params)
+  tokens = _tokens(1, 40, cfg.vocab_size, seed=5)  # long enough for the base to matter
+  ref_logits, _ = _hf_forward(hf, tokens)
+  np.testing.assert_allclose(np.asarray(_ours(ours, tokens).logits), ref_logits, atol=F32_TOL,
+                             rtol=0)
+
+
+def test_official_config_json_with_top_level_rope_theta_converts_and_matches(tmp_path):
+  hf = make_hf_qwen3(seed=3, tie=True, rope_theta=777.0)
+  src = save_hf_qwen3(str(tmp_path / "hf"), hf)
+  path = os.path.join(src, "config.json")
+  with open(path) as f:
+    d = json.load(f)
+  assert "rope_parameters" in d and "rope_theta" not in d  # what transformers 5 writes
+  with open(path, "w") as f:
+    json.dump(_hf_dict_in_form(hf, "top_level_rope_theta") | {"dtype": "float32"}, f)
+  # transformers reads the official form too, with the same base.
+  reloaded = transformers.Qwen3ForCausalLM.from_pretrained(src).eval()
+  assert reloaded.config.rope_parameters["rope_theta"] == 777.0
+  convert_from_hf(src, str(tmp_path / "ckpt"), show_progress=False)
+  ours = load_target(str(tmp_path / "ckpt"))
+  assert ours.cfg.rope_theta == 777.0 and ours.cfg.tie_word_embeddings
+  tokens = _tokens(2, 33, ours.cfg.vocab_size, seed=6)
+  ref_logits, _ = _hf_forward(reloaded, tokens)
+  np.testing.assert_allclose(np.asarray(_ours(ours, tokens).logits), ref_logits, atol=F32_TOL,
+                             rtol=0)
+
+
+def test_bfloat16_runs_and_stays_close_to_float32_reference(tiny_pair):
+  hf, _ = tiny_pair
+  ours = jax_qwen3_from_torch(hf, dtype=jnp.bfloat16)
+  assert ours.embed[...].dtype == jnp.bfloat16
+  tokens = _tokens(2, 16, 128, seed=7)
+  ref_logits, ref_layers = _hf_forward(hf, tokens)
+  out = _ours(ours, tokens, hidden_layers=(0,))
+  assert out.cache.k.dtype == jnp.bfloat16 and out.logits.dtype == jnp.float32
+  got = np.asarray(out.logits)
+  assert np.all(np.isfinite(got))
+  scale = np.abs(ref_logits).max()
+  assert np.abs(got - ref_logits).max() <= 0.1 * scale
+  # Loose, but far tighter than unrelated logits would be.
+  corr = np.corrcoef(got.ravel(), ref_logits.ravel())[0, 1]
+  assert corr > 0.99
+  assert np.mean(got.argmax(-1) == ref_logits.argmax(-1)) >= 0.8
+  np.testing.assert_allclose(np.asarray(out.layer_hiddens[0], np.float32), ref_layers[0],
+                             atol=0.05 * np.abs(ref_layers[0]).max())
