@@ -95,10 +95,11 @@ class Qwen3(nnx.Module):
     pos_BT = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
     cos, sin = L.rope_cos_sin(pos_BT, c.head_dim, c.rope_theta)
     mask_BTS = causal_mask(pos_BT, cache.max_len)
-    n_keep = len(hidden_layers)
+    kept = sorted(set(hidden_layers))  # a layer may be requested more than once
+    n_keep = len(kept)
     # Slot of each layer in the returned hidden buffer; unrequested layers go to a spare slot.
     keep_slot = [n_keep] * c.num_hidden_layers
-    for i, layer in enumerate(hidden_layers):
+    for i, layer in enumerate(kept):
       keep_slot[layer] = i
     x_BTD = self.embed_tokens(tokens_BT)
     hid = jnp.zeros((n_keep + 1, B, T, c.hidden_size), x_BTD.dtype)
@@ -123,5 +124,6 @@ class Qwen3(nnx.Module):
     if logits_at is not None:
       x_BTD = jnp.take_along_axis(x_BTD, logits_at[:, None, None].astype(jnp.int32), axis=1)
     normed = L.rms_norm(x_BTD, self.final_norm[...], c.rms_norm_eps)
-    return ForwardOutput(self.project_to_vocab(normed), normed, hid[:n_keep],
+    hid = hid[jnp.asarray([kept.index(layer) for layer in hidden_layers], jnp.int32)]
+    return ForwardOutput(self.project_to_vocab(normed), normed, hid,
                          cache.replace(k=k_all, v=v_all))
