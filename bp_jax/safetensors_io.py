@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import math
-import mmap
 import os
 import re
 import uuid
@@ -67,13 +66,12 @@ class _TensorInfo:
 
 
 class _SafetensorsFile:
-  """One memory-mapped `.safetensors` file whose header was validated on open."""
+  """One `.safetensors` file whose header was validated on open; tensors are read on demand."""
 
   def __init__(self, path: str):
     self.path = path
     self.metadata: dict[str, str] = {}
     self.tensors: dict[str, _TensorInfo] = {}
-    self._mmap: mmap.mmap | None = None
     try:
       self._fh = open(path, "rb")
     except OSError as e:
@@ -150,29 +148,28 @@ class _SafetensorsFile:
     return _TensorInfo(self, dtype, tuple(shape), data_start + begin, data_start + end)
 
   def read(self, info: _TensorInfo) -> np.ndarray:
-    """Returns a copy of one tensor, reading only its bytes through the memory map."""
+    """Reads one tensor's bytes straight into a new array (no map of the whole file is kept,
+    so converting holds one copy of the weights, not the file's pages as well)."""
     count = math.prod(info.shape)
+    out = np.empty(info.shape, info.dtype)
     if count == 0:
-      return np.zeros(info.shape, info.dtype)
-    if self._mmap is None:
-      self._mmap = mmap.mmap(self._fh.fileno(), 0, access=mmap.ACCESS_READ)
-    view = np.frombuffer(self._mmap, dtype=info.dtype, count=count, offset=info.start)
-    out = view.reshape(info.shape).copy()
-    del view  # Release the buffer export so the map can be closed.
+      return out
+    buf = memoryview(out.reshape(-1).view(np.uint8))
+    done, total = 0, info.end - info.start
+    while done < total:  # one read returns at most ~2 GiB on Linux
+      got = os.preadv(self._fh.fileno(), [buf[done:]], info.start + done)
+      if got <= 0:
+        raise BadInputError(f"{self.path}: short read of a tensor ({done} of {total} bytes); "
+                            "the file is truncated or changing")
+      done += got
     return out
 
   def close(self) -> None:
-    if self._mmap is not None:
-      try:
-        self._mmap.close()
-      except BufferError:
-        pass  # A view is still alive somewhere; the map goes when it does.
-      self._mmap = None
     self._fh.close()
 
 
 class HFCheckpoint:
-  """Read-only, memory-mapped view of a Hugging Face safetensors checkpoint folder.
+  """Read-only view of a Hugging Face safetensors checkpoint folder (tensors read on demand).
 
   Open with `open_hf_checkpoint(folder)`. Usable as a context manager; `close()` releases
   the file handles and memory maps.
