@@ -26,8 +26,41 @@ from flax import nnx
 from bp_jax import layers as L
 from bp_jax.config import DFlashConfig, Qwen3Config
 from bp_jax.errors import BadInputError
-from bp_jax.kv_cache import KVCache, write_chunk
+from bp_jax.kv_cache import KVCache
 from bp_jax.qwen3 import LayerStack
+
+
+def _two_part_attend(q_BTNH: jax.Array, k_ctx_BSKH: jax.Array, v_ctx_BSKH: jax.Array,
+                     ctx_mask_BS: jax.Array, k_blk_BTKH: jax.Array,
+                     v_blk_BTKH: jax.Array) -> jax.Array:
+  """Non-causal GQA of block queries over (masked context slots) + (the whole block); [B, T, N*H].
+
+  One softmax over both parts, computed in float32 without concatenating the cache with the block:
+  shared row max, exponentials of each part, one normaliser. The block part is never empty, so every
+  row has at least one visible key.
+  """
+  B, T, N, H = q_BTNH.shape
+  K = k_ctx_BSKH.shape[2]
+  scale = H ** -0.5
+  q_BTKGH = q_BTNH.reshape(B, T, K, N // K, H)
+  s_ctx_BKGTS = jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, k_ctx_BSKH,
+                           preferred_element_type=jnp.float32) * scale
+  s_blk_BKGTU = jnp.einsum("btkgh,bukh->bkgtu", q_BTKGH, k_blk_BTKH,
+                           preferred_element_type=jnp.float32) * scale
+  mask_B111S = ctx_mask_BS[:, None, None, None, :]
+  s_ctx_BKGTS = jnp.where(mask_B111S, s_ctx_BKGTS, -jnp.inf)
+  m_BKGT1 = jnp.maximum(jnp.max(s_ctx_BKGTS, axis=-1, keepdims=True),
+                        jnp.max(s_blk_BKGTU, axis=-1, keepdims=True))
+  e_ctx_BKGTS = jnp.exp(s_ctx_BKGTS - m_BKGT1)  # masked slots: exp(-inf) = 0
+  e_blk_BKGTU = jnp.exp(s_blk_BKGTU - m_BKGT1)
+  denom_BKGT1 = (jnp.sum(e_ctx_BKGTS, axis=-1, keepdims=True)
+                 + jnp.sum(e_blk_BKGTU, axis=-1, keepdims=True))
+  o_BTKGH = (jnp.einsum("bkgts,bskh->btkgh", e_ctx_BKGTS.astype(v_ctx_BSKH.dtype), v_ctx_BSKH,
+                        preferred_element_type=jnp.float32)
+             + jnp.einsum("bkgtu,bukh->btkgh", e_blk_BKGTU.astype(v_blk_BTKH.dtype), v_blk_BTKH,
+                          preferred_element_type=jnp.float32))
+  o_BTKGH = o_BTKGH / jnp.moveaxis(denom_BKGT1, (1, 2, 3), (2, 3, 1))
+  return o_BTKGH.reshape(B, T, N * H).astype(q_BTNH.dtype)
 
 
 class DFlashDrafter(nnx.Module):
@@ -81,8 +114,10 @@ class DFlashDrafter(nnx.Module):
         -1, B, C, c.num_key_value_heads, c.head_dim)
     k_LBCKH = jax.vmap(lambda k, w: L.rms_norm(k, w, c.rms_norm_eps))(k_LBCKH, p["k_norm"])
     k_LBCKH = jax.vmap(lambda k: L.apply_rope(k, cos_BCH, sin_BCH))(k_LBCKH)
-    return cache.replace(k=write_chunk(cache.k, k_LBCKH, pos_BC),
-                         v=write_chunk(cache.v, v_LBCKH, pos_BC))
+    b_idx = jnp.arange(B)[:, None]
+    new_k = cache.k.at[:, b_idx, pos_BC].set(k_LBCKH.astype(cache.k.dtype), mode="drop")
+    new_v = cache.v.at[:, b_idx, pos_BC].set(v_LBCKH.astype(cache.v.dtype), mode="drop")
+    return cache.replace(k=new_k, v=new_v)
 
   # ---- drafting ------------------------------------------------------------------------------
 
@@ -101,12 +136,12 @@ class DFlashDrafter(nnx.Module):
     ctx_mask_BS = jnp.arange(cache.max_len)[None, :] < cache.lengths[:, None]
 
     def body(x_BbD, xs):
-      p, k_ctx_BKSH, v_ctx_BKSH = xs
+      p, k_ctx_BSKH, v_ctx_BSKH = xs
       xn_BbD = L.rms_norm(x_BbD, p["input_norm"], eps)
       q_BbNH = L.project_q(xn_BbD, p, cos_BbH, sin_BbH, c.num_attention_heads, H, eps)
       k_blk_BbKH, v_blk_BbKH = L.project_kv(xn_BbD, p, cos_BbH, sin_BbH, K, H, eps)
-      attn_BbX = L.attend_cache_and_chunk(q_BbNH, k_ctx_BKSH, v_ctx_BKSH, ctx_mask_BS,
-                                         k_blk_BbKH, v_blk_BbKH)
+      attn_BbX = _two_part_attend(q_BbNH, k_ctx_BSKH, v_ctx_BSKH, ctx_mask_BS, k_blk_BbKH,
+                                  v_blk_BbKH)
       h_BbD = x_BbD + attn_BbX @ p["o_proj"]
       x_BbD = h_BbD + L.swiglu_mlp(L.rms_norm(h_BbD, p["post_norm"], eps), p)
       return x_BbD, None

@@ -15,28 +15,33 @@ import jax.numpy as jnp
 
 @flax.struct.dataclass
 class KVCache:
-  k: jax.Array        # [L, B, K, S, H]: kv-head major, so attention reads it without transposes
-  v: jax.Array        # [L, B, K, S, H]
+  k: jax.Array        # [L, B, S, K, H]
+  v: jax.Array        # [L, B, S, K, H]
   lengths: jax.Array  # [B] int32: committed tokens per sequence
 
   @classmethod
   def create(cls, num_layers: int, batch: int, max_len: int, num_kv: int, head_dim: int,
              dtype) -> "KVCache":
-    shape = (num_layers, batch, num_kv, max_len, head_dim)
+    shape = (num_layers, batch, max_len, num_kv, head_dim)
     return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
                lengths=jnp.zeros((batch,), jnp.int32))
 
   @property
   def max_len(self) -> int:
-    return self.k.shape[3]
+    return self.k.shape[2]
 
   def with_lengths(self, lengths: jax.Array) -> "KVCache":
     return self.replace(lengths=jnp.asarray(lengths, jnp.int32))
 
 
-def write_chunk(buf_LBKSH: jax.Array, new_LBTKH: jax.Array, slots_BT: jax.Array) -> jax.Array:
-  """Writes every layer's new entries at the given slots; slots beyond the cache are dropped."""
-  b_idx = jnp.arange(new_LBTKH.shape[1])[:, None]
-  # Advanced indices split by a slice put their broadcast dims first: updates are [B, T, L, K, H].
-  upd_BTLKH = jnp.transpose(new_LBTKH, (1, 2, 0, 3, 4)).astype(buf_LBKSH.dtype)
-  return buf_LBKSH.at[:, b_idx, :, slots_BT].set(upd_BTLKH, mode="drop")
+def write_layer(buf_LBSKH: jax.Array, layer: jax.Array, new_BTKH: jax.Array,
+                slots_BT: jax.Array) -> jax.Array:
+  """Writes new entries of one layer at the given slots; slots beyond the cache are dropped."""
+  B = new_BTKH.shape[0]
+  b_idx = jnp.arange(B)[:, None]
+  return buf_LBSKH.at[layer, b_idx, slots_BT].set(new_BTKH.astype(buf_LBSKH.dtype), mode="drop")
+
+
+def causal_mask(q_pos_BT: jax.Array, num_slots: int) -> jax.Array:
+  """[B, T, S]: a query at position q sees key slots 0..q."""
+  return jnp.arange(num_slots)[None, None, :] <= q_pos_BT[:, :, None]

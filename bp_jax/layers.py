@@ -79,37 +79,3 @@ def attend(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
   w_BKGTS = jnp.where(mask_BTS[:, None, None], w_BKGTS, 0.0).astype(v_BSKH.dtype)
   o_BTKGH = jnp.einsum("bkgts,bskh->btkgh", w_BKGTS, v_BSKH)
   return o_BTKGH.reshape(B, T, N * H)
-
-
-def attend_cache_and_chunk(q_BTNH: jax.Array, k_ctx_BKSH: jax.Array, v_ctx_BKSH: jax.Array,
-                           ctx_mask_BS: jax.Array, k_new_BUKH: jax.Array, v_new_BUKH: jax.Array,
-                           new_mask_TU: jax.Array | None = None) -> jax.Array:
-  """GQA of T queries over (masked cache slots) + (the U new entries of this chunk); [B, T, N*H].
-
-  The cache part is kv-head major ([B, K, S, H]) so both products are plain batched matmuls that
-  read it in place. One float32 softmax over both parts without concatenating the cache with the
-  chunk (shared row max, one normaliser). `new_mask_TU` (e.g. causal) limits which new entries a
-  query sees; every query must see at least one new entry (itself).
-  """
-  B, T, N, H = q_BTNH.shape
-  K = k_ctx_BKSH.shape[1]
-  scale = H ** -0.5
-  q_BKGTH = jnp.transpose(q_BTNH.reshape(B, T, K, N // K, H), (0, 2, 3, 1, 4))
-  s_ctx_BKGTS = jnp.einsum("bkgth,bksh->bkgts", q_BKGTH, k_ctx_BKSH,
-                           preferred_element_type=jnp.float32) * scale
-  s_new_BKGTU = jnp.einsum("bkgth,bukh->bkgtu", q_BKGTH, k_new_BUKH,
-                           preferred_element_type=jnp.float32) * scale
-  s_ctx_BKGTS = jnp.where(ctx_mask_BS[:, None, None, None, :], s_ctx_BKGTS, -jnp.inf)
-  if new_mask_TU is not None:
-    s_new_BKGTU = jnp.where(new_mask_TU, s_new_BKGTU, -jnp.inf)
-  m_BKGT1 = jnp.maximum(jnp.max(s_ctx_BKGTS, axis=-1, keepdims=True),
-                        jnp.max(s_new_BKGTU, axis=-1, keepdims=True))
-  e_ctx_BKGTS = jnp.exp(s_ctx_BKGTS - m_BKGT1)  # masked entries: exp(-inf) = 0
-  e_new_BKGTU = jnp.exp(s_new_BKGTU - m_BKGT1)
-  denom_BKGT1 = (jnp.sum(e_ctx_BKGTS, axis=-1, keepdims=True)
-                 + jnp.sum(e_new_BKGTU, axis=-1, keepdims=True))
-  o_BKGTH = (jnp.einsum("bkgts,bksh->bkgth", e_ctx_BKGTS.astype(v_ctx_BKSH.dtype), v_ctx_BKSH,
-                        preferred_element_type=jnp.float32)
-             + jnp.einsum("bkgtu,bukh->bkgth", e_new_BKGTU.astype(v_new_BUKH.dtype), v_new_BUKH,
-                          preferred_element_type=jnp.float32)) / denom_BKGT1
-  return jnp.transpose(o_BKGTH, (0, 3, 1, 2, 4)).reshape(B, T, N * H).astype(q_BTNH.dtype)

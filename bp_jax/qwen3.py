@@ -15,7 +15,7 @@ from flax import nnx
 
 from bp_jax import layers as L
 from bp_jax.config import Qwen3Config
-from bp_jax.kv_cache import KVCache, write_chunk
+from bp_jax.kv_cache import KVCache, causal_mask, write_layer
 
 
 def layer_param_shapes(cfg: Qwen3Config) -> dict[str, tuple[int, ...]]:
@@ -94,9 +94,7 @@ class Qwen3(nnx.Module):
     B, T = tokens_BT.shape
     pos_BT = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
     cos, sin = L.rope_cos_sin(pos_BT, c.head_dim, c.rope_theta)
-    # Committed slots (< lengths) come from the cache, the T new tokens from this pass (causal).
-    ctx_mask_BS = jnp.arange(cache.max_len)[None, :] < cache.lengths[:, None]
-    causal_TT = jnp.arange(T)[:, None] >= jnp.arange(T)[None, :]
+    mask_BTS = causal_mask(pos_BT, cache.max_len)
     kept = sorted(set(hidden_layers))  # a layer may be requested more than once
     n_keep = len(kept)
     # Slot of each layer in the returned hidden buffer; unrequested layers go to a spare slot.
@@ -107,26 +105,25 @@ class Qwen3(nnx.Module):
     hid = jnp.zeros((n_keep + 1, B, T, c.hidden_size), x_BTD.dtype)
 
     def body(carry, xs):
-      x, hid = carry
-      p, k_ctx, v_ctx, slot = xs
+      x, k_all, v_all, hid = carry
+      p, layer, slot = xs
       xn = L.rms_norm(x, p["input_norm"], c.rms_norm_eps)
       q = L.project_q(xn, p, cos, sin, c.num_attention_heads, c.head_dim, c.rms_norm_eps)
       k_new, v_new = L.project_kv(xn, p, cos, sin, c.num_key_value_heads, c.head_dim,
                                   c.rms_norm_eps)
-      attn = L.attend_cache_and_chunk(q, k_ctx, v_ctx, ctx_mask_BS, k_new, v_new, causal_TT)
+      k_all = write_layer(k_all, layer, k_new, pos_BT)
+      v_all = write_layer(v_all, layer, v_new, pos_BT)
+      attn = L.attend(q, k_all[layer], v_all[layer], mask_BTS)
       h = x + attn @ p["o_proj"]
       x = h + L.swiglu_mlp(L.rms_norm(h, p["post_norm"], c.rms_norm_eps), p)
       hid = jax.lax.dynamic_update_index_in_dim(hid, x, slot, axis=0)
-      return (x, hid), (k_new, v_new)
+      return (x, k_all, v_all, hid), None
 
-    xs = (self.layers.as_dict(), cache.k, cache.v, jnp.asarray(keep_slot))
-    (x_BTD, hid), (k_LBTKH, v_LBTKH) = jax.lax.scan(body, (x_BTD, hid), xs)
-    # One write of every layer's new entries, after the scan: the cache buffer is updated in
-    # place instead of being threaded through the layer loop (XLA:CPU copied it per layer).
-    cache = cache.replace(k=write_chunk(cache.k, k_LBTKH, pos_BT),
-                          v=write_chunk(cache.v, v_LBTKH, pos_BT))
+    xs = (self.layers.as_dict(), jnp.arange(c.num_hidden_layers), jnp.asarray(keep_slot))
+    (x_BTD, k_all, v_all, hid), _ = jax.lax.scan(body, (x_BTD, cache.k, cache.v, hid), xs)
     if logits_at is not None:
       x_BTD = jnp.take_along_axis(x_BTD, logits_at[:, None, None].astype(jnp.int32), axis=1)
     normed = L.rms_norm(x_BTD, self.final_norm[...], c.rms_norm_eps)
     hid = hid[jnp.asarray([kept.index(layer) for layer in hidden_layers], jnp.int32)]
-    return ForwardOutput(self.project_to_vocab(normed), normed, hid, cache)
+    return ForwardOutput(self.project_to_vocab(normed), normed, hid,
+                         cache.replace(k=k_all, v=v_all))

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from bp_jax.kv_cache import KVCache, write_chunk
+from bp_jax.kv_cache import KVCache, causal_mask, write_layer
 
 TOL = 1e-5
 V = 128
@@ -130,21 +130,23 @@ def test_writes_past_the_cache_end_are_dropped_not_clamped(model):
   fits = model(tokens[:, 5:8], cache)
   for name in ("k", "v"):
     got, want, old = (np.asarray(getattr(c, name)) for c in (over.cache, fits.cache, before))
-    assert got.shape[3] == slots  # [L, B, K, S, H]
-    np.testing.assert_array_equal(got[:, :, :, :5], old[:, :, :, :5])
-    np.testing.assert_allclose(got[:, :, :, 5:8], want[:, :, :, 5:8], atol=TOL, rtol=0)
-    assert not np.allclose(got[:, :, :, 7], old[:, :, :, 7])  # slot 7 was written (position 7)
+    assert got.shape[2] == slots
+    np.testing.assert_array_equal(got[:, :, :5], old[:, :, :5])
+    np.testing.assert_allclose(got[:, :, 5:8], want[:, :, 5:8], atol=TOL, rtol=0)
+    assert not np.allclose(got[:, :, 7], old[:, :, 7])  # slot 7 was written (by position 7)
   ref = _full_logits(model, tokens[:, :8])
   np.testing.assert_allclose(np.asarray(over.logits[:, :3]), ref[:, 5:8], atol=TOL, rtol=0)
 
 
-def test_write_chunk_drops_out_of_range_slots_and_writes_every_layer():
-  buf = jnp.zeros((2, 2, 1, 4, 2))  # [L, B, K, S, H]
-  new = jnp.arange(1, 25, dtype=jnp.float32).reshape(2, 2, 3, 1, 2)  # [L, B, T, K, H]
-  out = np.asarray(write_chunk(buf, new, jnp.asarray([[2, 3, 4], [0, 1, 2]])))
-  for layer in range(2):
-    want0 = np.zeros((4, 2))
-    want0[2:] = np.asarray(new[layer, 0, :2, 0])  # slot 4 is past the end: dropped, not clamped
-    np.testing.assert_array_equal(out[layer, 0, 0], want0)
-    np.testing.assert_array_equal(out[layer, 1, 0, :3], np.asarray(new[layer, 1, :, 0]))
-    assert np.all(out[layer, 1, 0, 3] == 0)
+def test_write_layer_drops_out_of_range_slots_and_touches_only_its_layer():
+  buf = jnp.zeros((2, 1, 4, 1, 2))
+  new = jnp.arange(1, 7, dtype=jnp.float32).reshape(1, 3, 1, 2)
+  out = np.asarray(write_layer(buf, jnp.int32(1), new, jnp.asarray([[2, 3, 4]])))
+  assert np.all(out[0] == 0)
+  np.testing.assert_array_equal(out[1, 0, :, 0], [[0, 0], [0, 0], [1, 2], [3, 4]])
+
+
+def test_causal_mask_is_by_absolute_position():
+  m = np.asarray(causal_mask(jnp.asarray([[2, 3], [0, 1]]), 4))
+  np.testing.assert_array_equal(m[0], [[1, 1, 1, 0], [1, 1, 1, 1]])
+  np.testing.assert_array_equal(m[1], [[1, 0, 0, 0], [1, 1, 0, 0]])
