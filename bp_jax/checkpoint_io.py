@@ -36,7 +36,7 @@ CONFIG_FILE = "config.json"
 META_FILE = "bp_jax.json"
 PARAMS_DIR = "params"
 COMPLETE_FILE = "COMPLETE"
-KNOWN_KINDS = ("qwen3", "dflash")
+KNOWN_KINDS = ("qwen3", "dflash", "policy")
 _RESERVED = (CONFIG_FILE, META_FILE, PARAMS_DIR, COMPLETE_FILE)
 
 KeyPath = tuple[str, ...]

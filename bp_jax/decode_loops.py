@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from bp_jax.kv_cache import KVCache
+from bp_jax.policy_features import prefill_features
 from bp_jax.sampling import position_keys, sample
 
 
@@ -26,6 +27,11 @@ class PrefillOut(NamedTuple):
   draft_cache: KVCache | None  # drafter context cache holding the prompt, pointer = n
   last_logits: jax.Array     # [1, V] logits at the last prompt position
   last_hidden: jax.Array     # [1, D] final hidden state (after the final norm) there
+  # The block-size policy's inputs (`policy_features.prefill_features`): name -> [1, F] float32;
+  # `pooled_layers` only with a drafter.
+  features: dict[str, jax.Array] | None = None
+  policy_probs: jax.Array | None = None  # [C] float32 class probabilities (with a policy)
+  policy_class: jax.Array | None = None  # [] int32 argmax class = index of the chosen bucket
 
 
 class LoopOut(NamedTuple):
@@ -46,14 +52,20 @@ def accept_length(draft: jax.Array, y: jax.Array) -> jax.Array:
   return jnp.sum(jnp.cumprod((draft == y[:draft.shape[0]]).astype(jnp.int32)))
 
 
-def make_prefill(graphdef, draft_graphdef=None) -> Callable:
-  """prefill(state, draft_state, tokens_1P, n, cache, draft_cache, seed_key, temperature).
+def make_prefill(graphdef, draft_graphdef=None, policy_graphdef=None) -> Callable:
+  """prefill(state, draft_state, tokens_1P, n, cache, draft_cache, seed_key, temperature,
+  policy_state=None) -> PrefillOut.
 
   Runs the target over the padded prompt, samples the first token, and (with a drafter) writes
-  the prompt's chosen-layer features into the drafter's context cache, all in one jit.
+  the prompt's chosen-layer features into the drafter's context cache, all in one jit. The
+  policy features come from that same forward. With `policy_graphdef` (a
+  `bp_jax.policy.BlockPolicy`; its parameters arrive as `policy_state`, an argument, so one
+  compilation serves every policy of the same architecture), the policy runs once on its feature
+  and the argmax class is returned: the host then runs that bucket's compiled loop.
   """
 
-  def prefill(state, draft_state, tokens_1P, n, cache, draft_cache, seed_key, temperature):
+  def prefill(state, draft_state, tokens_1P, n, cache, draft_cache, seed_key, temperature,
+              policy_state=None):
     model = nnx.merge(graphdef, state)
     drafter = None if draft_graphdef is None else nnx.merge(draft_graphdef, draft_state)
     layer_ids = () if drafter is None else drafter.cfg.target_layer_ids
@@ -64,8 +76,15 @@ def make_prefill(graphdef, draft_graphdef=None) -> Callable:
     if drafter is not None:
       draft_cache = drafter.add_context(out.layer_hiddens, draft_cache.with_lengths(zero))
       draft_cache = draft_cache.with_lengths(n[None])
+    features = prefill_features(logits_1V, out.final_hidden[:, 0],
+                                out.layer_hiddens if drafter is not None else None, n)
+    probs = cls = None
+    if policy_graphdef is not None:
+      policy = nnx.merge(policy_graphdef, policy_state)
+      probs = jax.nn.softmax(policy(features[policy.arch.feature_type])[0])
+      cls = jnp.argmax(probs).astype(jnp.int32)
     return PrefillOut(first, out.cache.with_lengths(n[None]), draft_cache, logits_1V,
-                      out.final_hidden[:, 0])
+                      out.final_hidden[:, 0], features, probs, cls)
 
   return prefill
 

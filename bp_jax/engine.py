@@ -4,6 +4,11 @@ request, trims at stop tokens and reports timings and acceptance statistics.
 The model states are split once (`nnx.split`); every jitted function merges them inside. The
 target (and drafter) caches live on the engine and are donated through prefill and the loop, so a
 request reuses the previous request's buffers: entries past the pointer are never read.
+
+Block size per request: a fixed bucket, or `block_size=LEARNED`: the engine's block-size policy
+(`set_policy`) runs inside the prefill jit on the prefill's own features and returns a class;
+the host runs the compiled loop of that class's bucket. The prefill with a policy is compiled
+once per (length bucket, policy architecture); no request compiles anything new.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from bp_jax.compiled import CompiledCache
 from bp_jax.errors import BadInputError
 from bp_jax.qwen3 import Qwen3
 
+LEARNED = "learned"  # `generate(block_size=LEARNED)`: the policy chooses the bucket
+
 
 @dataclasses.dataclass
 class Generation:
@@ -33,6 +40,8 @@ class Generation:
   block_size: int
   acceptance_lengths: list[int]    # committed tokens per target forward in the loop
   prompt_len: int
+  policy_probs: list[float] | None = None  # the policy's class probabilities (block_size=LEARNED)
+  features: dict[str, np.ndarray] | None = None  # prefill features [F] (return_features=True)
 
   @property
   def new_tokens(self) -> int:
@@ -67,7 +76,8 @@ class Engine:
 
   def __init__(self, target: Qwen3, *, max_len: int, stop_ids: Sequence[int] = (),
                length_buckets: Sequence[int] | None = None, drafter=None,
-               block_sizes: Sequence[int] = DEFAULT_BLOCK_SIZES):
+               block_sizes: Sequence[int] = DEFAULT_BLOCK_SIZES, policy=None,
+               policy_sizes: Sequence[int] = ()):
     if max_len > target.cfg.max_position_embeddings:
       raise BadInputError(f"--config.max_len={max_len} exceeds the model's "
                           f"max_position_embeddings={target.cfg.max_position_embeddings}")
@@ -92,6 +102,38 @@ class Engine:
     self.forced_seq = jnp.zeros((1, max_len), jnp.int32)
     self.seq = jnp.zeros((1, max_len), jnp.int32)
     self.compiled = CompiledCache()
+    self.p_graph = self.p_state = self.policy_key = None
+    self.policy_sizes: tuple[int, ...] = ()
+    if policy is not None:
+      self.set_policy(policy, policy_sizes)
+
+  def set_policy(self, policy, block_sizes: Sequence[int]) -> None:
+    """Makes `policy` (a `bp_jax.policy.BlockPolicy`) choose the bucket of LEARNED requests;
+    class i decodes with `block_sizes[i]`, which must all be buckets of this engine."""
+    from bp_jax.policy_features import POOLED_LAYERS
+
+    sizes = tuple(int(b) for b in block_sizes)
+    arch = policy.arch
+    if len(sizes) != arch.num_classes:
+      raise BadInputError(f"the policy has {arch.num_classes} classes but {len(sizes)} block "
+                          f"sizes were given ({list(sizes)})")
+    for b in sizes:
+      self.check_block_size(b)
+    if arch.feature_type == POOLED_LAYERS and self.drafter is None:
+      raise BadInputError("a policy over 'pooled_layers' needs the drafter's chosen layers; "
+                          "give a drafter (--config.drafter)")
+    want = self._feature_dims().get(arch.feature_type)
+    if want != arch.input_dim:
+      raise BadInputError(f"the policy reads {arch.input_dim} '{arch.feature_type}' features but "
+                          f"this target/drafter gives {want}: it was trained for another model")
+    self.p_graph, self.p_state = nnx.split(policy)
+    self.policy_key, self.policy_sizes = arch.signature, sizes
+
+  def _feature_dims(self) -> dict[str, int]:
+    from bp_jax.policy_features import feature_dims
+
+    n = 0 if self.drafter is None else len(self.drafter.cfg.target_layer_ids)
+    return feature_dims(self.cfg.vocab_size, self.cfg.hidden_size, n)
 
   # -- checks -------------------------------------------------------------------------------
   def check_block_size(self, block_size: int):
@@ -118,10 +160,17 @@ class Engine:
 
   # -- compiled pieces ----------------------------------------------------------------------
   # Each returns (compiled function, its arguments); compiling happens here, outside timings.
-  def _prefill(self, tokens_1P, n, seed_key, temperature):
+  def _prefill(self, tokens_1P, n, seed_key, temperature, with_policy: bool = False):
     P = tokens_1P.shape[1]
     args = (self.t_state, self.d_state, tokens_1P, n, self.cache, self.draft_cache, seed_key,
             temperature)
+    if with_policy:
+      args = args + (self.p_state,)
+      fn = self.compiled.get(
+          ("prefill", P, self.policy_key),
+          lambda: decode_loops.make_prefill(self.t_graph, self.d_graph, self.p_graph), args,
+          donate_argnums=(4, 5))
+      return fn, args
     fn = self.compiled.get(
         ("prefill", P), lambda: decode_loops.make_prefill(self.t_graph, self.d_graph), args,
         donate_argnums=(4, 5))
@@ -142,12 +191,18 @@ class Engine:
         donate_argnums=(2, 3, 4))
     return fn, args
 
-  def precompile(self, block_sizes: Sequence[int], length_buckets: Sequence[int] | None = None
-                 ) -> dict:
-    """Compiles prefill for each length bucket and the loop of each block size ahead of time."""
+  def precompile(self, block_sizes: Sequence[int], length_buckets: Sequence[int] | None = None,
+                 policy: bool = False, plain_prefill: bool = True) -> dict:
+    """Compiles prefill for each length bucket and the loop of each block size ahead of time
+    (`policy`: also the prefill that runs the policy; `plain_prefill`: the one without)."""
     key, z, f = jax.random.key(0), jnp.int32(1), jnp.float32(0)
+    if policy and self.p_graph is None:
+      raise BadInputError("precompile(policy=True) on an engine without a policy")
     for P in length_buckets or self.length_buckets:
-      self._prefill(jnp.zeros((1, P), jnp.int32), z, key, f)
+      if plain_prefill:
+        self._prefill(jnp.zeros((1, P), jnp.int32), z, key, f)
+      if policy:
+        self._prefill(jnp.zeros((1, P), jnp.int32), z, key, f, with_policy=True)
     pre = decode_loops.PrefillOut(z, self.cache, self.draft_cache, None, None)
     for b in block_sizes:
       self.check_block_size(b)
@@ -163,22 +218,45 @@ class Engine:
     return jnp.asarray(toks), P
 
   def generate(self, prompt_ids: Sequence[int], *, max_new_tokens: int, temperature: float = 0.0,
-               seed: int = 0, block_size: int = 1,
-               forced_continuation: Sequence[int] | None = None) -> Generation:
-    """Decodes one request. `forced_continuation` (tests, benchmarks): tokens the perfect
-    drafter proposes after the prompt, e.g. the target's own greedy output."""
+               seed: int = 0, block_size: int | str = 1,
+               forced_continuation: Sequence[int] | None = None,
+               return_features: bool = False) -> Generation:
+    """Decodes one request with a fixed bucket `block_size`, or with the bucket the engine's
+    policy picks from the prefill (`block_size=LEARNED`).
+
+    `forced_continuation` (tests, benchmarks): tokens the perfect drafter proposes after the
+    prompt, e.g. the target's own greedy output. `return_features`: copy the prefill's policy
+    features to the host (`Generation.features`). The reported prefill time includes the
+    policy and reading its choice back to the host.
+    """
     n = len(prompt_ids)
-    self.check_request(n, max_new_tokens, block_size)
+    learned = isinstance(block_size, str)
+    if learned:
+      if block_size != LEARNED:
+        raise BadInputError(f"block_size={block_size!r}: give an integer bucket or {LEARNED!r}")
+      if self.p_graph is None:
+        raise BadInputError("block_size='learned' needs a block-size policy "
+                            "(--config.policy with --config.block_policy=learned)")
+      self.check_request(n, max_new_tokens, max(self.policy_sizes))
+    else:
+      self.check_request(n, max_new_tokens, block_size)
     if max(prompt_ids) >= self.cfg.vocab_size or min(prompt_ids) < 0:
       raise BadInputError(f"prompt token id out of range for vocab_size={self.cfg.vocab_size}")
     toks, _ = self.encode_padded(prompt_ids)
     n_arr, temp = jnp.int32(n), jnp.float32(temperature)
     seed_key = jax.random.key(seed)
-    fn, args = self._prefill(toks, n_arr, seed_key, temp)
+    fn, args = self._prefill(toks, n_arr, seed_key, temp, with_policy=learned)
     t0 = time.perf_counter()
     pre = fn(*args)
+    probs = None
+    if learned:
+      block_size = self.policy_sizes[int(pre.policy_class)]
     pre.first_tok.block_until_ready()
     t1 = time.perf_counter()
+    if learned:
+      probs = [round(float(p), 6) for p in np.asarray(pre.policy_probs)]
+    features = ({k: np.asarray(v[0]) for k, v in pre.features.items()} if return_features
+                else None)
     self.cache, self.draft_cache = pre.cache, pre.draft_cache
     use_forced = forced_continuation is not None
     if use_forced:
@@ -198,4 +276,4 @@ class Engine:
     seq = np.asarray(out.seq[0])
     ids = trim_at_stop(seq[n:n + n_gen], self.stop_ids, max_new_tokens)
     accept = np.asarray(out.accept_lens[:int(out.cycles)]).tolist()
-    return Generation(ids, t1 - t0, t3 - t2, block_size, accept, n)
+    return Generation(ids, t1 - t0, t3 - t2, block_size, accept, n, probs, features)

@@ -2,6 +2,7 @@
 
 One config serves both scripts:
   python train.py                      # reproduce demo/target and demo/drafter (stages: all)
+  python train.py --config.stage=blockpilot  # labels, block-size policies (demo/policy), report
   python decode.py                     # decode HumanEval prompts with the shipped demo
 Every field is a `--config.<name>` flag (e.g. --config.lm.steps=100). Run from the repo root:
 relative paths (workdir, export_dir, target, drafter) are relative to the current folder.
@@ -26,7 +27,14 @@ def get_config() -> ml_collections.ConfigDict:
   c.max_new_tokens = 128
   c.max_len = 1024
   c.dtype = "float32"
-  c.block_size = DRAFT_BLOCK_SIZE  # decode with the drafter's training block size
+  c.block_size = DRAFT_BLOCK_SIZE  # the fixed size (and the fallback without a policy)
+  # BlockPilot: the shipped policy picks each request's block size from its prefill. Without
+  # demo/policy, decode.py says so and decodes with block_size. HumanEval prompts the policy was
+  # labelled on are skipped (never evaluate on them).
+  c.policy = "demo/policy"
+  c.block_policy = "learned"
+  c.policy_fallback = True
+  c.labelled_prompts = "skip"
 
   # ---- train.py ------------------------------------------------------------------------------
   c.workdir = "runs/demo"        # datasets, training runs and checkpoints of every stage
@@ -86,4 +94,11 @@ def get_config() -> ml_collections.ConfigDict:
                            clip=1.0)
   c.draft.target_layer_ids = (1, 2)  # target layers whose hidden states feed the drafter
   c.draft.export_dtype = "bfloat16"
+
+  # BlockPilot stages (labels, policy, report): HumanEval split in halves by id (labelling /
+  # evaluation), plus windows of the LM's training files as extra labelling prompts; candidate
+  # sizes DRAFT_BLOCK_SIZE +- 3 = 5..11; 128 new tokens at T=0 (set temperature=1.0 and
+  # label_seeds for T=1 labels).
+  c.blockpilot = qwen3.blockpilot_config(corpus_prompts=256, corpus_prompt_tokens=128,
+                                         hidden_dim=256, depth=2)
   return c

@@ -2,9 +2,57 @@
 
   python decode.py --config configs/qwen3.py --config.target ckpt/qwen3-4b \
       --config.prompts prompts.jsonl --config.output out/qwen3.jsonl
+
+`blockpilot` holds the settings of train.py's BlockPilot stages (labels, policy, report).
 """
 
+from typing import Any
+
 import ml_collections
+
+from bp_jax.train.optim import opt_config
+
+
+def blockpilot_config(**overrides: Any) -> ml_collections.ConfigDict:
+  """`cfg.blockpilot`: the fields of train.py's labels, policy and report stages."""
+  c = ml_collections.ConfigDict()
+  # Candidate block sizes (the policy's classes).
+  c.candidates = ""              # comma-separated sizes; "" = drafter's training size +- radius
+  c.radius = 3
+  # Prompt sets: eval_source is split by id into labelling and evaluation prompts.
+  c.eval_source = "humaneval"
+  c.eval_frac = 0.5              # fraction of eval_source held out for evaluation
+  c.split_seed = 0
+  c.label_sources = ""           # extra labelling prompt sources, comma-separated
+  c.corpus_prompts = 0           # extra labelling prompts cut from the LM's training files
+  c.corpus_prompt_tokens = 128   # tokens per corpus prompt
+  c.limit = 0                    # > 0: keep only the first N labelling and N evaluation prompts
+  # Decoding (labels and report).
+  c.max_new_tokens = 128
+  c.temperature = 0.0
+  c.label_seeds = 1              # decodes per (prompt, size), summed, for labels at T > 0
+  # Policies (stage policy): one per feature type and label rule.
+  c.features = "last_logits,last_hidden,pooled_layers"
+  c.rules = "max_tau,max_throughput"
+  c.hidden_dim = 256
+  c.depth = 2                    # hidden layers; layers after the first are residual
+  c.residual = True
+  c.dropout = 0.2
+  c.label_smoothing = 0.1
+  c.steps = 1500                 # most optimiser steps (early stopping usually ends sooner)
+  c.batch = 32
+  c.val_frac = 0.2               # labelling prompts held out for early stopping
+  c.eval_every = 10              # steps between validation losses
+  c.patience = 15                # validations without improvement before stopping
+  c.opt = opt_config(lr=1e-3, warmup_frac=0.05, min_lr_frac=0.1, weight_decay=0.05, clip=1.0)
+  c.ship = "auto"                # copied to <export_dir>/policy: auto | <feature>:<rule> | ""
+  # Stage report.
+  c.report_dir = ""              # "" = <workdir>/report
+  c.random_seed = 0              # seed of the random control
+  c.report_repeats = 2           # runs per (prompt, method); the fastest times are kept
+  c.replay = True                # intra-request (per-cycle) analysis by teacher-forced replay
+  c.update(overrides)
+  return c
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -30,7 +78,15 @@ def get_config() -> ml_collections.ConfigDict:
   c.length_buckets = ""      # comma-separated prompt-length buckets; empty = powers of two
   c.block_size = 16          # block size for block_policy=fixed (mode=spec)
   c.block_sizes = ""         # comma-separated buckets; empty = drafter's training size +-4
-  c.block_policy = "fixed"   # fixed
+  # Block size per request (mode=spec): fixed | learned (the policy at `policy`) | oracle (best
+  # size per prompt from a labels dataset) | random (uniform over block_sizes, or the drafter's
+  # training size +-3, seeded).
+  c.block_policy = "fixed"
+  c.policy_fallback = False  # learned with no folder at `policy`: decode fixed, with a note
+  c.labelled_prompts = "refuse"  # learned: prompts the policy was labelled on: refuse | skip
+  c.oracle_labels = ""       # oracle: labels dataset '<data dir>/<name>' (train.py stage labels)
+  c.label_rule = "max_tau"   # oracle: max_tau | max_throughput
   c.precompile = False       # compile every bucket up front and report each compile time
   c.report = ""              # folder for PNG plots (acceptance-length histogram)
+  c.blockpilot = blockpilot_config()
   return c

@@ -15,13 +15,23 @@ from bp_jax.errors import BadInputError
 
 StageFn = Callable[[Any], None]
 
-# name -> (module, function); `all` runs them in this order.
+# name -> (module, function), in pipeline order.
 STAGE_SOURCES: dict[str, tuple[str, str]] = {
     "tokenizer": ("bp_jax.train.corpus", "tokenizer_stage"),
     "lm_data": ("bp_jax.train.corpus", "lm_data_stage"),
     "lm": ("bp_jax.train.lm", "lm_stage"),
     "regenerate": ("bp_jax.train.regenerate", "regenerate_stage"),
     "draft": ("bp_jax.train.draft", "draft_stage"),
+    "labels": ("bp_jax.train.labels", "labels_stage"),
+    "policy": ("bp_jax.train.policy_stage", "policy_stage"),
+    "report": ("bp_jax.train.report_stage", "report_stage"),
+}
+
+# Names that stand for several stages: `all` makes the demo's target and drafter; `blockpilot`
+# labels prompts, trains the block-size policies and writes the evaluation report.
+STAGE_GROUPS: dict[str, tuple[str, ...]] = {
+    "all": ("tokenizer", "lm_data", "lm", "regenerate", "draft"),
+    "blockpilot": ("labels", "policy", "report"),
 }
 
 
@@ -33,7 +43,7 @@ def load_stage(name: str) -> StageFn:
   """
   if name not in STAGE_SOURCES:
     raise BadInputError(f"unknown stage {name!r}; known stages: {', '.join(STAGE_SOURCES)} "
-                        "(or 'all')")
+                        f"(or {' / '.join(repr(g) for g in STAGE_GROUPS)})")
   module_name, fn_name = STAGE_SOURCES[name]
   try:
     module = importlib.import_module(module_name)
@@ -63,18 +73,23 @@ STAGES: dict[str, StageFn] = {name: _lazy(name) for name in STAGE_SOURCES}
 
 
 def parse_stages(text: str) -> list[str]:
-  """'all' or a comma-separated list of stage names -> names, in the order given."""
+  """A comma-separated list of stage names or group names (`STAGE_GROUPS`) -> stage names, in
+  the order given (a group expands in place)."""
   names = [s.strip() for s in str(text or "").split(",") if s.strip()]
+  groups = " / ".join(repr(g) for g in STAGE_GROUPS)
   if not names:
-    raise BadInputError(f"--config.stage is empty; give 'all' or some of: "
+    raise BadInputError(f"--config.stage is empty; give {groups} or some of: "
                         f"{', '.join(STAGE_SOURCES)}")
-  if names == ["all"]:
-    return list(STAGE_SOURCES)
+  out: list[str] = []
   for name in names:
-    if name not in STAGE_SOURCES:
+    if name in STAGE_GROUPS:
+      out += STAGE_GROUPS[name]
+    elif name in STAGE_SOURCES:
+      out.append(name)
+    else:
       raise BadInputError(f"--config.stage: unknown stage {name!r}; known stages: "
-                          f"{', '.join(STAGE_SOURCES)} (or 'all')")
-  return names
+                          f"{', '.join(STAGE_SOURCES)} (or {groups})")
+  return out
 
 
 def run_stages(cfg: Any) -> None:

@@ -1,0 +1,211 @@
+"""BlockPilot's block-size policy: a small MLP from one prefill feature vector to a bucket index.
+
+  z = (x - mean) * inv_std                        (normalisation statistics stored with the model)
+  h = dropout(relu(z @ w_in + b_in))
+  h = h + dropout(relu(h @ w_hid[i] + b_hid[i]))   for i < depth - 1 (no `h +` when not residual)
+  logits = h @ w_out + b_out                       (one class per candidate block size)
+
+The published policy is depth 2 (two hidden layers of 2048, the second residual), ReLU, dropout
+0.2, over the last prompt position's logits. Dropout takes an explicit PRNG key (training only),
+so the module holds no RNG state and two policies of the same architecture have the same graph.
+
+A trained policy is saved as a converted checkpoint of kind "policy" (`save_policy`):
+config.json holds the architecture, the candidate block sizes (class i = `block_sizes[i]`), the
+label rule and the target layers of `pooled_layers`; bp_jax.json holds the provenance, including
+the SHA-256 of every labelling prompt, so that evaluating on a labelling prompt can be refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from typing import Any, Iterable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from bp_jax.errors import BadInputError
+from bp_jax.policy_features import check_feature_type, mlp_param_count
+
+POLICY_KIND = "policy"
+LABEL_RULES = ("max_tau", "max_throughput")
+
+
+def prompt_hash(text: str) -> str:
+  """A short SHA-256 of a prompt's text: the identity used to keep label and eval sets apart."""
+  return hashlib.sha256(text.encode("utf-8")).hexdigest()[:20]
+
+
+def check_label_rule(rule: str, flag: str = "--config.blockpilot.rules") -> str:
+  if rule not in LABEL_RULES:
+    raise BadInputError(f"{flag}: unknown label rule {rule!r}; use one of {list(LABEL_RULES)}")
+  return rule
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyArch:
+  """Everything that fixes the policy's graph: policies with equal archs share compiled code."""
+  feature_type: str
+  input_dim: int
+  hidden_dim: int
+  depth: int            # hidden layers (>= 1); layers after the first are residual if `residual`
+  num_classes: int
+  residual: bool = True
+  dropout: float = 0.2
+
+  def __post_init__(self):
+    check_feature_type(self.feature_type, "policy feature_type")
+    for name in ("input_dim", "hidden_dim", "depth"):
+      if getattr(self, name) < 1:
+        raise BadInputError(f"policy {name}={getattr(self, name)} must be >= 1")
+    if self.num_classes < 2:
+      raise BadInputError(f"a policy needs at least 2 candidate block sizes, got "
+                          f"{self.num_classes}")
+    if not 0.0 <= self.dropout < 1.0:
+      raise BadInputError(f"policy dropout={self.dropout} must lie in [0, 1)")
+
+  @property
+  def signature(self) -> str:
+    """Short name of the architecture, e.g. 'last_hidden-256:64x2r-5-d0.2' (a compile-cache
+    key: every field is in it, so equal signatures mean equal graphs)."""
+    return (f"{self.feature_type}-{self.input_dim}:{self.hidden_dim}x{self.depth}"
+            f"{'r' if self.residual else ''}-{self.num_classes}-d{self.dropout:g}")
+
+  def num_params(self) -> int:
+    return mlp_param_count(self.input_dim, self.hidden_dim, self.depth, self.num_classes)
+
+
+class FeatureStat(nnx.Variable):
+  """Input normalisation statistics: stored and loaded with the policy, never trained."""
+
+
+def _he(key: jax.Array, shape: tuple[int, ...], fan_in: int) -> jax.Array:
+  return jax.random.normal(key, shape, jnp.float32) * np.sqrt(2.0 / fan_in)
+
+
+def _dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
+  if key is None or rate <= 0.0:
+    return x
+  keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+  return jnp.where(keep, x / (1.0 - rate), 0.0)
+
+
+class BlockPolicy(nnx.Module):
+  """The MLP of the module docstring; parameters float32."""
+
+  def __init__(self, arch: PolicyArch, *, rngs: nnx.Rngs):
+    self.arch = arch
+    F, H, C, n_hid = arch.input_dim, arch.hidden_dim, arch.num_classes, arch.depth - 1
+    self.feat_mean = FeatureStat(jnp.zeros((F,), jnp.float32))
+    self.feat_inv_std = FeatureStat(jnp.ones((F,), jnp.float32))
+    self.w_in = nnx.Param(_he(rngs.params(), (F, H), F))
+    self.b_in = nnx.Param(jnp.zeros((H,), jnp.float32))
+    if n_hid:
+      # Residual branches start small so the initial network is close to one hidden layer.
+      scale = 0.5 if arch.residual else 1.0
+      self.w_hid = nnx.Param(scale * _he(rngs.params(), (n_hid, H, H), H))
+      self.b_hid = nnx.Param(jnp.zeros((n_hid, H), jnp.float32))
+    self.w_out = nnx.Param(0.1 * _he(rngs.params(), (H, C), H))
+    self.b_out = nnx.Param(jnp.zeros((C,), jnp.float32))
+
+  def set_feature_stats(self, mean_F: np.ndarray, std_F: np.ndarray, floor: float = 1e-3) -> None:
+    """Sets the normalisation to (x - mean) / max(std, floor * median positive std)."""
+    mean_F = np.asarray(mean_F, np.float32)
+    std_F = np.asarray(std_F, np.float32)
+    if mean_F.shape != (self.arch.input_dim,) or std_F.shape != (self.arch.input_dim,):
+      raise BadInputError(f"feature statistics of shape {mean_F.shape}/{std_F.shape} do not fit "
+                          f"a policy over {self.arch.input_dim} features")
+    positive = std_F[std_F > 0]
+    ref = float(np.median(positive)) if positive.size else 1.0
+    self.feat_mean[...] = jnp.asarray(mean_F)
+    self.feat_inv_std[...] = jnp.asarray(1.0 / np.maximum(std_F, floor * ref))
+
+  def __call__(self, x_BF: jax.Array, dropout_key: jax.Array | None = None) -> jax.Array:
+    """Class logits [B, C] of feature vectors [B, F]; dropout only when a key is given."""
+    a = self.arch
+    keys = [None] * a.depth if dropout_key is None else list(jax.random.split(dropout_key, a.depth))
+    z = (x_BF.astype(jnp.float32) - self.feat_mean[...]) * self.feat_inv_std[...]
+    h = _dropout(jax.nn.relu(z @ self.w_in[...] + self.b_in[...]), a.dropout, keys[0])
+    for i in range(a.depth - 1):
+      u = _dropout(jax.nn.relu(h @ self.w_hid[i] + self.b_hid[i]), a.dropout, keys[i + 1])
+      h = h + u if a.residual else u
+    return h @ self.w_out[...] + self.b_out[...]
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyInfo:
+  """What a policy checkpoint says besides its weights."""
+  block_sizes: tuple[int, ...]          # class i decodes with block_sizes[i]
+  label_rule: str
+  target_layer_ids: tuple[int, ...]     # the drafter layers `pooled_layers` was computed from
+  labelled_hashes: frozenset[str]       # `prompt_hash` of every labelling prompt
+  meta: dict                            # the whole bp_jax.json
+
+  def overlap(self, texts: Iterable[str]) -> list[int]:
+    """Indices of the given prompt texts that the policy was labelled on."""
+    return [i for i, t in enumerate(texts) if prompt_hash(t) in self.labelled_hashes]
+
+
+def _config_dict(policy: BlockPolicy, block_sizes: Sequence[int], label_rule: str,
+                 target_layer_ids: Sequence[int]) -> dict[str, Any]:
+  return {"architectures": ["BlockPilotPolicy"], **dataclasses.asdict(policy.arch),
+          "block_sizes": [int(b) for b in block_sizes], "label_rule": label_rule,
+          "target_layer_ids": [int(i) for i in target_layer_ids]}
+
+
+def save_policy(out_dir: str, policy: BlockPolicy, *, block_sizes: Sequence[int],
+                label_rule: str, target_layer_ids: Sequence[int],
+                labelled_hashes: Iterable[str], meta: dict | None = None) -> str:
+  """Saves a trained policy (weights and normalisation statistics) as a "policy" checkpoint.
+
+  `labelled_hashes`: `prompt_hash` of every prompt used to label (train or validate) it.
+  """
+  from bp_jax.checkpoint_io import save_checkpoint
+
+  if len(block_sizes) != policy.arch.num_classes:
+    raise BadInputError(f"{len(block_sizes)} block sizes for a policy with "
+                        f"{policy.arch.num_classes} classes")
+  check_label_rule(label_rule, "label_rule")
+  state = jax.tree.map(np.asarray, nnx.state(policy).to_pure_dict())
+  full_meta = {"kind": POLICY_KIND, **(meta or {}),
+               "labelled_prompt_hashes": sorted(set(labelled_hashes)),
+               "num_trainable_params": policy.arch.num_params()}
+  return save_checkpoint(out_dir, state, _config_dict(policy, block_sizes, label_rule,
+                                                      target_layer_ids), full_meta,
+                         overwrite=True)
+
+
+def load_policy(ckpt_dir: str) -> tuple[BlockPolicy, PolicyInfo]:
+  """Loads a "policy" checkpoint written by `save_policy`."""
+  from bp_jax.checkpoint_io import load_checkpoint
+  from bp_jax.nnx_utils import module_from_params
+
+  params, config, meta = load_checkpoint(ckpt_dir, expected_kind=POLICY_KIND)
+  where = f"{ckpt_dir}/config.json"
+  try:
+    arch = PolicyArch(**{f.name: config[f.name] for f in dataclasses.fields(PolicyArch)})
+    sizes = tuple(int(b) for b in config["block_sizes"])
+    rule = str(config["label_rule"])
+    layer_ids = tuple(int(i) for i in config.get("target_layer_ids", ()))
+  except KeyError as e:
+    raise BadInputError(f"{where}: missing key {e.args[0]!r}") from None
+  except BadInputError as e:
+    raise BadInputError(f"{where}: {e}") from None
+  if len(sizes) != arch.num_classes:
+    raise BadInputError(f"{where}: {len(sizes)} block_sizes for num_classes={arch.num_classes}")
+  try:
+    policy = module_from_params(lambda: BlockPolicy(arch, rngs=nnx.Rngs(0)), params)
+  except ValueError as e:
+    raise BadInputError(f"policy checkpoint {ckpt_dir}: parameters do not match its "
+                        f"config.json ({e})") from None
+  info = PolicyInfo(sizes, rule, layer_ids, frozenset(meta.get("labelled_prompt_hashes", ())),
+                    meta)
+  return policy, info
+
+
+def random_block_size(block_sizes: Sequence[int], seed: int, index: int) -> int:
+  """The `random` control: a uniform draw over the candidates, fixed by (seed, request index)."""
+  rng = np.random.default_rng([int(seed) & 0xFFFFFFFF, int(index), 0x5EED])
+  return int(block_sizes[int(rng.integers(len(block_sizes)))])

@@ -1,0 +1,445 @@
+"""The `labels` stage: BlockPilot's oracle labels (DESIGN §5).
+
+Every prompt of the labelling set (and, separately, of the evaluation set) is decoded once per
+candidate block size with the trained target and drafter (`<workdir>/target`, `<workdir>/drafter`).
+Per prompt and size we record τ, committed tokens, new tokens, cycles (target forwards) and the
+loop's wall time, plus the prompt's policy features from the prefill (`policy_features`, the same
+jitted prefill decoding uses). Two TFDS datasets in `<workdir>/data`:
+
+  policy_labels       labelling prompts: the policy is trained (and validated) on these only;
+  policy_eval_labels  evaluation prompts: for the oracle row and analysis, never for training.
+
+Settings: `cfg.blockpilot` (`configs/qwen3.py: blockpilot_config`). Prompt sets: the prompts
+of `eval_source` (default HumanEval) are split by id with `split_ids` into a labelling part and
+an evaluation part (`eval_frac`); the labelling set may add every prompt of `label_sources` and
+`corpus_prompts` windows cut from the LM's training files.
+Labelling and evaluation prompts never share a text (SHA-256, `policy.prompt_hash`): overlap is
+refused.
+
+Label rules, computed from the stored measurements when needed (`label_values`):
+  max_tau         the size with the highest τ (the paper's label);
+  max_throughput  the size with the most committed tokens per second, where a cycle of size b
+                  costs the median over prompts of (loop time / cycles) at size b
+                  (`cycle_costs`): one robust cost per bucket instead of one noisy timing per
+                  prompt (a cycle's cost barely depends on the position: attention runs over the
+                  whole static cache).
+Ties go to the smaller size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import time
+from typing import Any, Iterator, Mapping, Sequence
+
+import numpy as np
+import tensorflow_datasets as tfds
+
+from bp_jax.data import tfds_io
+from bp_jax.errors import BadInputError
+from bp_jax.policy import LABEL_RULES, check_label_rule, prompt_hash
+from bp_jax.policy_features import parse_feature_types
+from bp_jax.prompts import HUMANEVAL, check_disjoint, load_prompts, split_ids
+from bp_jax.train import workdir as wd
+
+LABELS, EVAL_LABELS = "policy_labels", "policy_eval_labels"
+STAMP_DIR = "labels"  # <workdir>/data/labels/bp_jax_stage.json
+
+
+# ---- prompts ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class LabelPrompt:
+  """One prompt of a labelling or evaluation set."""
+  key: str                        # "<source>:<id>", unique across sources
+  source: str
+  text: str
+  ids: tuple[int, ...] | None = None  # token ids when given directly (corpus windows)
+
+  @property
+  def hash(self) -> str:
+    return prompt_hash(self.text)
+
+
+def _sources(text: str) -> list[str]:
+  return [s.strip() for s in str(text or "").split(",") if s.strip()]
+
+
+def _corpus_prompts(cfg: Any, tok: Any, num: int, prompt_tokens: int) -> list[LabelPrompt]:
+  """`num` windows of `prompt_tokens` tokens from the LM's training files (as the regenerate
+  stage cuts them, with another seed)."""
+  from bp_jax.train.regenerate import cut_prompts, source_documents
+
+  source, docs = source_documents(cfg)
+  windows = cut_prompts(docs, tok, prompt_tokens, 4 * prompt_tokens, num,
+                        int(cfg.seed) + 7_777)
+  return [LabelPrompt(f"corpus:{pid}", source, tok.decode(ids), tuple(int(t) for t in ids))
+          for pid, ids in windows]
+
+
+def prompt_sets(cfg: Any, tok: Any = None) -> tuple[list[LabelPrompt], list[LabelPrompt]]:
+  """(labelling prompts, evaluation prompts) of `cfg.blockpilot` (see the module docstring).
+
+  Raises:
+    BadInputError: a bad source or fraction, an empty part, or a labelling prompt whose text is
+      also an evaluation prompt.
+  """
+  from bp_jax.train.regenerate import check_not_humaneval
+
+  bp = cfg.blockpilot
+  frac = float(bp.eval_frac)
+  if not 0.0 < frac < 1.0:
+    raise BadInputError(f"--config.blockpilot.eval_frac={frac} must lie in (0, 1)")
+  source = str(bp.eval_source)
+  base = load_prompts(source)
+  parts = split_ids([p.id for p in base], {"label": 1.0 - frac, "eval": frac},
+                    int(bp.split_seed))
+  by_id = {p.id: p for p in base}
+  label = [LabelPrompt(f"{source}:{i}", source, by_id[i].text) for i in sorted(parts["label"])]
+  evals = [LabelPrompt(f"{source}:{i}", source, by_id[i].text) for i in sorted(parts["eval"])]
+  for extra in _sources(bp.label_sources):
+    prompts = load_prompts(extra)
+    if source == HUMANEVAL:
+      check_not_humaneval(extra, prompts, "--config.blockpilot.label_sources")
+    label += [LabelPrompt(f"{extra}:{p.id}", extra, p.text) for p in prompts]
+  if int(bp.corpus_prompts) > 0:
+    if tok is None:
+      raise BadInputError("corpus labelling prompts need the tokenizer")
+    label += _corpus_prompts(cfg, tok, int(bp.corpus_prompts), int(bp.corpus_prompt_tokens))
+  limit = int(bp.get("limit", 0) or 0)
+  if limit > 0:  # a quick run: the first N of each part (still disjoint)
+    label, evals = label[:limit], evals[:limit]
+  if not label or not evals:
+    raise BadInputError(f"--config.blockpilot: {len(label)} labelling and {len(evals)} "
+                        "evaluation prompts; both sets must be non-empty")
+  check_no_overlap(label, evals)
+  return label, evals
+
+
+def check_no_overlap(label: Sequence[LabelPrompt], evals: Sequence[LabelPrompt]) -> None:
+  """Refuses labelling and evaluation sets that share a prompt (by key or by text)."""
+  keys = {p.key for p in label}
+  if len(keys) != len(label):
+    raise BadInputError("labelling prompts: the same <source>:<id> appears twice")
+  check_disjoint({"labelling": [p.key for p in label], "evaluation": [p.key for p in evals]})
+  eval_by_hash = {p.hash: p for p in evals}
+  for p in label:
+    if p.hash in eval_by_hash:
+      raise BadInputError(
+          f"labelling prompt {p.key!r} has the same text as evaluation prompt "
+          f"{eval_by_hash[p.hash].key!r}: labelling and evaluation prompts must never overlap "
+          "(--config.blockpilot.label_sources / eval_source)")
+
+
+def candidate_sizes(bp: Any, drafter_block_size: int) -> tuple[int, ...]:
+  """`bp.candidates`, or the drafter's training size +- `bp.radius` (sizes >= 2), ascending."""
+  from bp_jax.run_decode import parse_int_list
+
+  sizes = parse_int_list(bp.candidates, "--config.blockpilot.candidates")
+  if not sizes:
+    r = int(bp.radius)
+    sizes = tuple(range(max(2, drafter_block_size - r), drafter_block_size + r + 1))
+  if len(set(sizes)) != len(sizes) or min(sizes) < 2:
+    raise BadInputError(f"--config.blockpilot.candidates={list(sizes)}: give distinct sizes >= 2")
+  if len(sizes) < 2:
+    raise BadInputError("--config.blockpilot.candidates: a policy needs at least 2 sizes")
+  return tuple(sorted(sizes))
+
+
+# ---- measurement -----------------------------------------------------------------------------
+
+
+def encode(prompt: LabelPrompt, tok: Any, chat: bool) -> list[int]:
+  from bp_jax.tokenizer import encode_prompt
+
+  return list(prompt.ids) if prompt.ids is not None else encode_prompt(tok, prompt.text, chat)
+
+
+def measure_prompt(engine: Any, ids: Sequence[int], sizes: Sequence[int], *, max_new_tokens: int,
+                   temperature: float, seed: int, num_seeds: int = 1,
+                   order_seed: int = 0) -> dict[str, Any]:
+  """Decodes one prompt at every size (`num_seeds` times each, seeds `seed + 7919 * s`); the
+  sizes run in a per-prompt shuffled order so that slow phases of the machine do not always
+  hit the same size.
+
+  Returns:
+    {"tau", "committed", "new_tokens", "cycles", "decode_s"}: [K] arrays summed over the seeds
+    (tau = committed / cycles), "accept_lens": every cycle's acceptance length, size after size
+    (in `sizes` order, seeds consecutive), "prefill_s" (mean), "features": {name: [F]}.
+  """
+  K = len(sizes)
+  committed, new_tokens, cycles = (np.zeros(K, np.int64) for _ in range(3))
+  decode_s = np.zeros(K, np.float64)
+  accepts: list[list[int]] = [[] for _ in range(K)]
+  features, prefill = None, []
+  order = np.random.default_rng([int(order_seed) & 0xFFFFFFFF, 17]).permutation(K)
+  for s in range(num_seeds):
+    for k in order:
+      g = engine.generate(ids, max_new_tokens=max_new_tokens, temperature=temperature,
+                          seed=seed + 7919 * s, block_size=int(sizes[k]),
+                          return_features=features is None)
+      if features is None:
+        features = g.features
+      prefill.append(g.prefill_s)
+      committed[k] += sum(g.acceptance_lengths)
+      new_tokens[k] += g.new_tokens
+      cycles[k] += g.target_forwards
+      decode_s[k] += g.decode_s
+      accepts[k] += g.acceptance_lengths
+  tau = np.where(cycles > 0, committed / np.maximum(cycles, 1), 0.0)
+  return {"tau": tau.astype(np.float32), "committed": committed.astype(np.int32),
+          "new_tokens": new_tokens.astype(np.int32), "cycles": cycles.astype(np.int32),
+          "decode_s": decode_s.astype(np.float32),
+          "accept_lens": np.asarray([a for acc in accepts for a in acc], np.int32),
+          "prefill_s": float(np.mean(prefill)), "features": features}
+
+
+# ---- datasets --------------------------------------------------------------------------------
+
+
+class LabelSetBuilder(tfds_io.OrderedArrayRecordBuilder):
+  """Per-prompt, per-size decode measurements and policy features (one example per prompt)."""
+
+  name = "block_size_labels"
+
+  def __init__(self, *, data_dir: str | os.PathLike, name: str,
+               records: Iterator[Mapping[str, Any]], num_sizes: int,
+               feature_dims: Mapping[str, int], description: str = "", overwrite: bool = False):
+    self._records, self._K, self._dims = records, int(num_sizes), dict(feature_dims)
+    super().__init__(data_dir=data_dir, name=name, description=description, overwrite=overwrite)
+
+  def _features(self) -> tfds.features.FeaturesDict:
+    K = self._K
+    vec = lambda dtype: tfds.features.Tensor(shape=(K,), dtype=dtype)
+    spec = {"key": tfds.features.Text(), "source": tfds.features.Text(),
+            "text_hash": tfds.features.Text(), "split": tfds.features.Text(),
+            "prompt_len": tfds.features.Scalar(dtype=np.int32),
+            "prefill_s": tfds.features.Scalar(dtype=np.float32),
+            "block_sizes": vec(np.int32), "tau": vec(np.float32), "committed": vec(np.int32),
+            "new_tokens": vec(np.int32), "cycles": vec(np.int32), "decode_s": vec(np.float32),
+            "accept_lens": tfds.features.Tensor(shape=(None,), dtype=np.int32)}
+    for f, dim in self._dims.items():
+      spec[f"feat_{f}"] = tfds.features.Tensor(shape=(dim,), dtype=np.float32)
+    return tfds.features.FeaturesDict(spec)
+
+  def _examples(self) -> Iterator[dict[str, Any]]:
+    yield from self._records
+
+
+def write_label_set(data_dir: str, name: str, records: Sequence[Mapping[str, Any]],
+                    description: str) -> tfds_io.Dataset:
+  """Writes (replacing) label dataset `name` from `label_record` dicts and opens it."""
+  if not records:
+    raise BadInputError(f"dataset {name!r}: no labelled prompts to write")
+  dims = {k[len("feat_"):]: int(np.size(v)) for k, v in records[0].items()
+          if k.startswith("feat_")}
+  builder = LabelSetBuilder(data_dir=data_dir, name=name, records=iter(records),
+                            num_sizes=len(records[0]["block_sizes"]), feature_dims=dims,
+                            description=description, overwrite=True)
+  builder.build()
+  return tfds_io.open_dataset(data_dir, name)
+
+
+def label_record(prompt: LabelPrompt, split: str, prompt_len: int, sizes: Sequence[int],
+                 m: Mapping[str, Any]) -> dict[str, Any]:
+  """One dataset example from `measure_prompt`'s output."""
+  rec = {"key": prompt.key, "source": prompt.source, "text_hash": prompt.hash, "split": split,
+         "prompt_len": int(prompt_len), "prefill_s": float(m["prefill_s"]),
+         "block_sizes": np.asarray(sizes, np.int32),
+         **{k: m[k] for k in ("tau", "committed", "new_tokens", "cycles", "decode_s",
+                              "accept_lens")}}
+  for f, v in (m["features"] or {}).items():
+    rec[f"feat_{f}"] = np.asarray(v, np.float32)
+  return rec
+
+
+def open_label_set(path: str) -> tfds_io.Dataset:
+  """A label dataset from '<data_dir>/<name>' (e.g. runs/demo/data/policy_eval_labels)."""
+  data_dir, name = os.path.split(os.path.normpath(path))
+  if not name or not os.path.isdir(data_dir or "."):
+    raise BadInputError(f"labels dataset {path!r}: give '<data dir>/<name>', e.g. "
+                        f"runs/demo/data/{EVAL_LABELS}")
+  ds = tfds_io.open_dataset(data_dir or ".", name)
+  if ds.kind != LabelSetBuilder.name:
+    raise BadInputError(f"dataset {path!r} is a {ds.kind!r} dataset, not block-size labels")
+  return ds
+
+
+# ---- label rules -----------------------------------------------------------------------------
+
+
+def stack(records: Sequence[Mapping[str, Any]], field: str) -> np.ndarray:
+  return np.stack([np.asarray(r[field]) for r in records])
+
+
+def cycle_costs(records: Sequence[Mapping[str, Any]]) -> np.ndarray:
+  """[K] seconds per cycle of each size: the median over prompts of loop time / cycles."""
+  cyc, sec = stack(records, "cycles"), stack(records, "decode_s")
+  out = []
+  for k in range(cyc.shape[1]):
+    ok = cyc[:, k] > 0
+    out.append(float(np.median(sec[ok, k] / cyc[ok, k])) if ok.any() else float("nan"))
+  return np.asarray(out)
+
+
+def label_values(records: Sequence[Mapping[str, Any]], rule: str,
+                 costs: np.ndarray | None = None) -> np.ndarray:
+  """[N, K] what each rule maximises: τ (max_tau) or estimated committed tokens per second
+  (max_throughput: new tokens / (cycles * cost of a cycle of that size))."""
+  check_label_rule(rule)
+  if rule == "max_tau":
+    return stack(records, "tau").astype(np.float64)
+  costs = cycle_costs(records) if costs is None else np.asarray(costs)
+  cyc = stack(records, "cycles").astype(np.float64)
+  new = stack(records, "new_tokens").astype(np.float64)
+  return np.where(cyc > 0, new / np.maximum(cyc * costs[None, :], 1e-12), 0.0)
+
+
+def usable(records: Sequence[Mapping[str, Any]]) -> np.ndarray:
+  """[N] bool: prompts with at least one cycle at every size (others cannot be labelled)."""
+  return (stack(records, "cycles") > 0).all(axis=1)
+
+
+def labels_of(values_NK: np.ndarray) -> np.ndarray:
+  """[N] class = argmax over sizes; ties go to the smaller size (the first maximum)."""
+  return np.argmax(values_NK, axis=1).astype(np.int32)
+
+
+def oracle_table(path: str, rule: str) -> tuple[dict[str, int], tuple[int, ...]]:
+  """({prompt hash: best size under `rule`}, candidate sizes) from a label dataset."""
+  check_label_rule(rule, "--config.label_rule")
+  records = list(open_label_set(path))
+  sizes = tuple(int(b) for b in records[0]["block_sizes"])
+  values = label_values(records, rule)
+  best = labels_of(values)
+  return {r["text_hash"]: sizes[int(c)] for r, c in zip(records, best)}, sizes
+
+
+def read_label_set(cfg: Any, name: str, stage: str) -> list[dict[str, Any]]:
+  """All examples of label dataset `name` of the workdir (made by the labels stage)."""
+  wd.require_dataset(cfg, name, stage, "labels")
+  return list(open_label_set(os.path.join(wd.data_dir(cfg), name)))
+
+
+# ---- the stage -------------------------------------------------------------------------------
+
+
+def _stamp_of(prompts: Sequence[LabelPrompt]) -> str:
+  return hashlib.sha256("\n".join(p.key + "\t" + p.hash for p in prompts).encode()).hexdigest()[:16]
+
+
+def load_models(cfg: Any, stage: str) -> tuple[Any, Any, Any, str]:
+  """(target, drafter, tokenizer, target fingerprint) of the workdir, checked to belong together."""
+  from bp_jax.loading import load_drafter, load_target
+  from bp_jax.tokenizer import load_tokenizer
+  from bp_jax.train.draft import check_drafter_target
+  from bp_jax.train.regenerate import model_fingerprint
+
+  target_path = wd.require_checkpoint(wd.target_dir(cfg), "qwen3", stage, "lm")
+  drafter_path = wd.require_checkpoint(wd.drafter_dir(cfg), "dflash", stage, "draft")
+  dtype = cfg.get("dtype") or None
+  target = load_target(target_path, dtype)
+  check_drafter_target(drafter_path, target, target_path)
+  drafter = load_drafter(drafter_path, target.cfg, dtype)
+  return target, drafter, load_tokenizer(target_path), model_fingerprint(target)
+
+
+def build_engine(cfg: Any, target: Any, drafter: Any, tok: Any, sizes: Sequence[int],
+                 prompt_lens: Sequence[int], max_new: int):
+  """An engine with the candidate sizes; every request is checked before anything decodes."""
+  from bp_jax.engine import Engine
+  from bp_jax.run_decode import parse_int_list
+  from bp_jax.tokenizer import stop_token_ids
+
+  engine = Engine(target, max_len=int(cfg.max_len), stop_ids=stop_token_ids(tok),
+                  length_buckets=parse_int_list(cfg.get("length_buckets", ""),
+                                                "--config.length_buckets") or None,
+                  drafter=drafter, block_sizes=tuple(sizes))
+  for n in prompt_lens:
+    engine.check_request(n, max_new, max(sizes))
+  return engine
+
+
+def labels_stage(cfg: Any) -> None:
+  """Writes `policy_labels` and `policy_eval_labels` to `<workdir>/data` (module docstring).
+
+  Skipped when both exist and were made with the same settings, prompts and models.
+  """
+  from tqdm import tqdm
+
+  from bp_jax.train.regenerate import read_stamp, write_stamp
+
+  bp = cfg.blockpilot
+  target, drafter, tok, fingerprint = load_models(cfg, "labels")
+  sizes = candidate_sizes(bp, drafter.cfg.block_size)
+  parse_feature_types(bp.features)
+  max_new, temperature = int(bp.max_new_tokens), float(bp.temperature)
+  seeds = int(bp.label_seeds)
+  if max_new < 2 or temperature < 0 or seeds < 1:
+    raise BadInputError("--config.blockpilot: max_new_tokens must be >= 2, temperature >= 0 "
+                        "and label_seeds >= 1")
+  if temperature == 0:
+    seeds = 1  # greedy decoding is deterministic: more seeds would only repeat it
+  label, evals = prompt_sets(cfg, tok)
+  encoded = {p.key: encode(p, tok, bool(cfg.get("chat", False))) for p in label + evals}
+  for p in label + evals:
+    if not encoded[p.key] or max(encoded[p.key]) >= target.cfg.vocab_size:
+      raise BadInputError(f"prompt {p.key!r}: empty or token ids beyond the target's vocabulary")
+  data, stamp_dir = wd.data_dir(cfg), os.path.join(wd.data_dir(cfg), STAMP_DIR)
+  want = {"stage": "labels", "sizes": list(sizes), "max_new_tokens": max_new,
+          "temperature": temperature, "label_seeds": seeds, "seed": int(cfg.seed),
+          "target_fingerprint": fingerprint, "drafter": drafter.cfg.to_hf_dict(),
+          "label_prompts": _stamp_of(label), "eval_prompts": _stamp_of(evals),
+          "chat": bool(cfg.get("chat", False)), "max_len": int(cfg.max_len)}
+  stamp = read_stamp(stamp_dir)
+  if (stamp is not None and all(stamp.get(k) == v for k, v in want.items())
+      and tfds_io.dataset_exists(data, LABELS) and tfds_io.dataset_exists(data, EVAL_LABELS)):
+    print(f"[labels] up to date: {data}/{LABELS}, {data}/{EVAL_LABELS}")
+    return
+  engine = build_engine(cfg, target, drafter, tok, sizes, [len(v) for v in encoded.values()],
+                        max_new)
+  t0 = time.perf_counter()
+  used = sorted({engine.encode_padded(ids)[1] for ids in encoded.values()})
+  engine.precompile(sizes, used)
+  print(f"[labels] {len(label)} labelling + {len(evals)} evaluation prompts x sizes "
+        f"{list(sizes)} (T={temperature}, {max_new} new tokens); compiled in "
+        f"{time.perf_counter() - t0:.1f} s", flush=True)
+  counts = {}
+  for split, name, prompts in (("label", LABELS, label), ("eval", EVAL_LABELS, evals)):
+    records = []
+    for i, p in enumerate(tqdm(prompts, desc=f"labels {split}", unit="prompt",
+                               dynamic_ncols=True)):
+      ids = encoded[p.key]
+      m = measure_prompt(engine, ids, sizes, max_new_tokens=max_new, temperature=temperature,
+                         seed=int(cfg.seed) + i, num_seeds=seeds, order_seed=i)
+      records.append(label_record(p, split, len(ids), sizes, m))
+    write_label_set(data, name, records, f"{len(records)} {split} prompts decoded at sizes "
+                    f"{list(sizes)} (T={temperature}, {max_new} new tokens)")
+    counts[split] = summarize_labels(records, sizes)
+  write_stamp(stamp_dir, {**want, "counts": counts,
+                          "seconds": round(time.perf_counter() - t0, 1)})
+  for split, c in counts.items():
+    print(f"[labels] {split}: mean tau by size {c['mean_tau']}; cycle cost (ms) "
+          f"{c['cycle_cost_ms']}; label counts {c['label_counts']}")
+  print(f"[labels] wrote {data}/{LABELS} and {data}/{EVAL_LABELS} "
+        f"({time.perf_counter() - t0:.1f} s)")
+
+
+def summarize_labels(records: Sequence[Mapping[str, Any]], sizes: Sequence[int]) -> dict:
+  """Mean τ per size, cycle cost per size and how often each size is the label, per rule."""
+  ok = usable(records)
+  kept = [r for r, u in zip(records, ok) if u]
+  out = {"prompts": len(records), "usable": int(ok.sum()),
+         "mean_tau": {str(b): round(float(v), 3) for b, v in
+                      zip(sizes, stack(records, "tau").mean(axis=0))},
+         "cycle_cost_ms": {str(b): round(1e3 * float(c), 3) for b, c in
+                           zip(sizes, cycle_costs(records))}, "label_counts": {}}
+  if kept:
+    for rule in LABEL_RULES:
+      lab = labels_of(label_values(kept, rule))
+      out["label_counts"][rule] = {str(b): int((lab == k).sum()) for k, b in enumerate(sizes)}
+  return out
+

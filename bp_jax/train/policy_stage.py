@@ -1,0 +1,306 @@
+"""The `policy` stage: train BlockPilot block-size policies on the labels (DESIGN §5).
+
+For every feature type in `cfg.blockpilot.features` and label rule in `cfg.blockpilot.rules`,
+an MLP (`bp_jax.policy.BlockPolicy`) maps the prompt's prefill feature to the class of its label
+(class i = candidate size i). Training data are `policy_labels` only (made by the labels stage);
+its prompts are split by key into train and validation parts (`val_frac`). Training: AdamW
+(`train.optim`, weight decay), label-smoothed cross-entropy, dropout, mini-batches reshuffled
+each epoch, and early stopping: the validation cross-entropy is measured every `eval_every` steps
+and the parameters of the best one are kept; training stops after `patience` measurements
+without improvement. Input normalisation statistics come from the training part.
+
+Outputs: `<workdir>/policies/<feature>-<rule>/` ("policy" checkpoints) and
+`<workdir>/policies/summary.json` (accuracies, the majority-class baseline, and the validation
+τ / estimated tokens-per-second of each policy's choices against the best static size). One
+policy is copied to `<export_dir>/policy` (`ship`): `auto` picks the best validation estimated
+tokens per second.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+from typing import Any, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from bp_jax.data import epoch_order
+from bp_jax.errors import BadInputError
+from bp_jax.policy import BlockPolicy, PolicyArch, check_label_rule, save_policy
+from bp_jax.policy_features import parse_feature_types
+from bp_jax.prompts import check_disjoint, split_ids
+from bp_jax.train import labels as lab
+from bp_jax.train import workdir as wd
+
+POLICIES_DIR = "policies"
+
+
+@dataclasses.dataclass
+class FitResult:
+  policy: BlockPolicy
+  best_step: int
+  steps_run: int
+  val_loss: float
+  history: list[dict]
+
+
+def _loss_fn(label_smoothing: float):
+  def loss_fn(model: BlockPolicy, frozen: Any, batch: Mapping[str, jax.Array], rng: jax.Array):
+    del frozen
+    logits_BC = model(batch["x"], rng)
+    target_BC = optax.smooth_labels(jax.nn.one_hot(batch["y"], logits_BC.shape[-1]),
+                                    label_smoothing)
+    loss = optax.softmax_cross_entropy(logits_BC, target_BC).mean()
+    acc = (jnp.argmax(logits_BC, -1) == batch["y"]).astype(jnp.float32).mean()
+    return loss, {"accuracy": acc}
+
+  return loss_fn
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _val_metrics(params, rest, graphdef, x_NF, y_N):
+  logits = nnx.merge(graphdef, params, rest)(x_NF)
+  ce = optax.softmax_cross_entropy_with_integer_labels(logits, y_N).mean()
+  return ce, (jnp.argmax(logits, -1) == y_N).astype(jnp.float32).mean()
+
+
+def predict(policy: BlockPolicy, x_NF: np.ndarray) -> np.ndarray:
+  """[N] argmax classes of feature vectors (no dropout)."""
+  return np.asarray(jnp.argmax(policy(jnp.asarray(x_NF, jnp.float32)), axis=-1))
+
+
+def fit_policy(x_train: np.ndarray, y_train: np.ndarray, x_val: np.ndarray | None,
+               y_val: np.ndarray | None, arch: PolicyArch, *, opt_cfg: Any, steps: int,
+               batch: int, label_smoothing: float, eval_every: int, patience: int,
+               seed: int) -> FitResult:
+  """Trains a policy; with a validation set, early-stops on its cross-entropy (see the module
+  docstring) and returns the best parameters, else the last ones."""
+  from bp_jax.train.loop import make_train_step
+  from bp_jax.train.optim import make_optimizer
+
+  x_train, y_train = np.asarray(x_train, np.float32), np.asarray(y_train, np.int32)
+  N = len(x_train)
+  if N < 2 or len(y_train) != N:
+    raise BadInputError(f"policy training needs at least 2 labelled prompts, got {N}")
+  if steps < 1 or batch < 1 or eval_every < 1 or patience < 1:
+    raise BadInputError("--config.blockpilot: steps, batch, eval_every and patience must be >= 1")
+  if not 0.0 <= label_smoothing < 1.0:
+    raise BadInputError(f"--config.blockpilot.label_smoothing={label_smoothing} must lie in "
+                        "[0, 1)")
+  policy = BlockPolicy(arch, rngs=nnx.Rngs(seed))
+  policy.set_feature_stats(x_train.mean(axis=0), x_train.std(axis=0))
+  graphdef, params, rest = nnx.split(policy, nnx.Param, ...)
+  tx, _ = make_optimizer(opt_cfg, steps)
+  step_fn = make_train_step(graphdef, _loss_fn(float(label_smoothing)), tx)
+  params = jax.tree.map(jnp.array, params)
+  opt_state = tx.init(params)
+  bs = min(batch, N)
+  per_epoch = max(1, N // bs)
+  has_val = x_val is not None and len(x_val) > 0
+  if has_val:
+    xv, yv = jnp.asarray(x_val, jnp.float32), jnp.asarray(y_val, jnp.int32)
+  rng = jax.random.PRNGKey(seed)
+  best = (float("inf"), 0, jax.device_get(params))
+  history, bad, done = [], 0, 0
+  order = None
+  for step in range(steps):
+    epoch, j = divmod(step, per_epoch)
+    if j == 0:
+      order = epoch_order(N, seed, epoch)
+    idx = order[j * bs:(j + 1) * bs]
+    params, opt_state, loss, metrics = step_fn(
+        params, opt_state, rest, None, {"x": x_train[idx], "y": y_train[idx]},
+        jax.random.fold_in(rng, step))
+    done = step + 1
+    if has_val and (done % eval_every == 0 or done == steps):
+      ce, acc = (float(v) for v in _val_metrics(params, rest, graphdef, xv, yv))
+      history.append({"step": done, "loss": float(loss), "val_loss": ce, "val_accuracy": acc})
+      if ce < best[0] - 1e-6:
+        best, bad = (ce, done, jax.device_get(params)), 0
+      else:
+        bad += 1
+        if bad >= patience:
+          break
+  final = best[2] if has_val else jax.device_get(params)
+  model = nnx.merge(graphdef, jax.tree.map(jnp.asarray, final), rest)
+  return FitResult(model, best[1] if has_val else done, done, best[0], history)
+
+
+# ---- evaluation of choices -------------------------------------------------------------------
+
+
+def choice_metrics(records: Sequence[Mapping[str, Any]], choice_N: np.ndarray,
+                   costs_K: np.ndarray) -> dict[str, float]:
+  """Aggregate τ (committed tokens / cycles) and estimated tokens per second (new tokens /
+  (cycles * cost per cycle)) when prompt i decodes with class `choice_N[i]`."""
+  rows = np.arange(len(records))
+  committed = lab.stack(records, "committed")[rows, choice_N].sum()
+  cycles = lab.stack(records, "cycles")[rows, choice_N]
+  new = lab.stack(records, "new_tokens")[rows, choice_N].sum()
+  seconds = (cycles * np.asarray(costs_K)[choice_N]).sum()
+  return {"tau": float(committed / max(cycles.sum(), 1)),
+          "est_tokens_per_s": float(new / max(seconds, 1e-12))}
+
+
+def best_static(records: Sequence[Mapping[str, Any]], rule: str, costs_K: np.ndarray) -> int:
+  """The class whose size is best for the whole set under `rule` (aggregate τ, or estimated
+  tokens per second)."""
+  K = len(records[0]["block_sizes"])
+  key = "tau" if rule == "max_tau" else "est_tokens_per_s"
+  scores = [choice_metrics(records, np.full(len(records), k), costs_K)[key] for k in range(K)]
+  return int(np.argmax(scores))
+
+
+# ---- the stage -------------------------------------------------------------------------------
+
+
+def parse_rules(text: str) -> tuple[str, ...]:
+  rules = tuple(s.strip() for s in str(text or "").split(",") if s.strip())
+  if not rules:
+    raise BadInputError("--config.blockpilot.rules is empty; give max_tau and/or max_throughput")
+  return tuple(check_label_rule(r) for r in rules)
+
+
+def policy_dir(cfg: Any, feature: str, rule: str) -> str:
+  return os.path.join(wd.run_dir(cfg, POLICIES_DIR), f"{feature}-{rule}")
+
+
+def split_train_val(records: Sequence[Mapping[str, Any]], val_frac: float, seed: int
+                    ) -> tuple[np.ndarray, np.ndarray]:
+  """Index arrays of the train and validation parts of the labelling prompts (split by key)."""
+  if not 0.0 <= val_frac < 1.0:
+    raise BadInputError(f"--config.blockpilot.val_frac={val_frac} must lie in [0, 1)")
+  keys = [r["key"] for r in records]
+  if val_frac == 0.0:
+    return np.arange(len(keys)), np.arange(0)
+  parts = split_ids(keys, {"train": 1.0 - val_frac, "val": val_frac}, seed)
+  pos = {k: i for i, k in enumerate(keys)}
+  return (np.asarray(sorted(pos[k] for k in parts["train"]), np.int64),
+          np.asarray(sorted(pos[k] for k in parts["val"]), np.int64))
+
+
+def policy_stage(cfg: Any) -> None:
+  """Trains one policy per feature type and label rule (module docstring)."""
+  bp = cfg.blockpilot
+  features, rules = parse_feature_types(bp.features), parse_rules(bp.rules)
+  records = lab.read_label_set(cfg, lab.LABELS, "policy")
+  from bp_jax.data import dataset_exists
+  if dataset_exists(wd.data_dir(cfg), lab.EVAL_LABELS):
+    evals = lab.read_label_set(cfg, lab.EVAL_LABELS, "policy")
+    check_disjoint({"labelling": [r["text_hash"] for r in records],
+                    "evaluation": [r["text_hash"] for r in evals]})
+  ok = lab.usable(records)
+  if not ok.all():
+    print(f"[policy] {int((~ok).sum())} labelling prompt(s) without a decode cycle at some "
+          "size are left out")
+  records = [r for r, u in zip(records, ok) if u]
+  sizes = tuple(int(b) for b in records[0]["block_sizes"])
+  costs = lab.cycle_costs(records)
+  tr, va = split_train_val(records, float(bp.val_frac), int(cfg.seed))
+  if len(tr) < 2:
+    raise BadInputError(f"only {len(tr)} labelling prompts for training; label more prompts "
+                        "(--config.blockpilot.label_sources / corpus_prompts)")
+  layer_ids = _layer_ids(cfg)
+  labelled = {r["text_hash"] for r in lab.read_label_set(cfg, lab.LABELS, "policy")}
+  provenance = _provenance(cfg, records)
+  rec_tr, rec_va = [records[i] for i in tr], [records[i] for i in va]
+  summary = {"sizes": list(sizes), "train_prompts": len(tr), "val_prompts": len(va),
+             "cycle_cost_ms": [round(1e3 * c, 4) for c in costs], "policies": {}}
+  for rule in rules:
+    y = lab.labels_of(lab.label_values(records, rule, costs))
+    static = best_static(rec_tr, rule, costs)
+    majority = int(np.bincount(y[tr], minlength=len(sizes)).argmax())
+    for feature in features:
+      name = f"{feature}:{rule}"
+      field = f"feat_{feature}"
+      if field not in records[0]:
+        raise BadInputError(f"dataset {lab.LABELS!r} holds no {feature!r} features; rerun the "
+                            "labels stage with a drafter")
+      x = lab.stack(records, field).astype(np.float32)
+      arch = PolicyArch(feature, x.shape[1], int(bp.hidden_dim), int(bp.depth), len(sizes),
+                        bool(bp.residual), float(bp.dropout))
+      fit = fit_policy(x[tr], y[tr], x[va] if len(va) else None, y[va] if len(va) else None,
+                       arch, opt_cfg=bp.opt, steps=int(bp.steps), batch=int(bp.batch),
+                       label_smoothing=float(bp.label_smoothing),
+                       eval_every=int(bp.eval_every), patience=int(bp.patience),
+                       seed=int(cfg.seed))
+      entry = {"feature": feature, "rule": rule, "num_params": arch.num_params(),
+               "best_step": fit.best_step, "steps_run": fit.steps_run,
+               "train_accuracy": float((predict(fit.policy, x[tr]) == y[tr]).mean()),
+               "majority_class_size": sizes[majority], "static_size": sizes[static]}
+      if len(va):
+        pred = predict(fit.policy, x[va])
+        entry.update(
+            val_loss=fit.val_loss, val_accuracy=float((pred == y[va]).mean()),
+            val_majority_accuracy=float((y[va] == majority).mean()),
+            val_policy=choice_metrics(rec_va, pred, costs),
+            val_static=choice_metrics(rec_va, np.full(len(va), static), costs),
+            val_oracle=choice_metrics(rec_va, y[va], costs),
+            val_chosen={str(b): int((pred == k).sum()) for k, b in enumerate(sizes)})
+      out = save_policy(policy_dir(cfg, feature, rule), fit.policy, block_sizes=sizes,
+                        label_rule=rule, target_layer_ids=layer_ids,
+                        labelled_hashes=labelled, meta={
+                            "made_by": "train.py policy stage", **provenance,
+                            "history": fit.history[-50:], **{k: v for k, v in entry.items()
+                                                             if k.startswith("val_")}})
+      entry["checkpoint"] = out
+      summary["policies"][name] = entry
+      print(_line(name, entry), flush=True)
+  shipped = _ship(cfg, summary)
+  summary["shipped"] = shipped
+  os.makedirs(wd.run_dir(cfg, POLICIES_DIR), exist_ok=True)
+  with open(os.path.join(wd.run_dir(cfg, POLICIES_DIR), "summary.json"), "w",
+            encoding="utf-8") as f:
+    json.dump(summary, f, indent=2)
+  if shipped:
+    print(f"[policy] shipped {shipped[0]} to {shipped[1]}")
+
+
+def _layer_ids(cfg: Any) -> tuple[int, ...]:
+  from bp_jax.checkpoint_io import read_checkpoint_meta
+  config, _ = read_checkpoint_meta(wd.drafter_dir(cfg), expected_kind="dflash")
+  return tuple(int(i) for i in (config.get("dflash_config") or {}).get("target_layer_ids", ()))
+
+
+def _provenance(cfg: Any, records: Sequence[Mapping[str, Any]]) -> dict:
+  """What the checkpoint records about its labels (their settings and prompt keys)."""
+  from bp_jax.train.regenerate import read_stamp
+  stamp = read_stamp(os.path.join(wd.data_dir(cfg), lab.STAMP_DIR)) or {}
+  return {"labelled_prompt_keys": [r["key"] for r in records][:2000],
+          "labels": {k: stamp.get(k) for k in ("sizes", "max_new_tokens", "temperature",
+                                               "target_fingerprint", "label_seeds", "chat")},
+          "labelled_prompts": len(records)}
+
+
+def _line(name: str, e: dict) -> str:
+  s = (f"[policy] {name}: {e['num_params']:,} params, stopped at {e['steps_run']} (best "
+       f"{e['best_step']}); train acc {e['train_accuracy']:.3f}")
+  if "val_accuracy" in e:
+    s += (f", val acc {e['val_accuracy']:.3f} (majority {e['val_majority_accuracy']:.3f}); "
+          f"val tau {e['val_policy']['tau']:.3f} vs static b={e['static_size']} "
+          f"{e['val_static']['tau']:.3f} (oracle {e['val_oracle']['tau']:.3f}); est tok/s "
+          f"{e['val_policy']['est_tokens_per_s']:.1f} vs "
+          f"{e['val_static']['est_tokens_per_s']:.1f}")
+  return s
+
+
+def _ship(cfg: Any, summary: dict) -> tuple[str, str] | None:
+  """Copies the chosen policy to `<export_dir>/policy`; returns (name, destination) or None."""
+  choice = str(cfg.blockpilot.get("ship", "auto") or "")
+  pols = summary["policies"]
+  if not choice or not cfg.get("export_dir"):
+    return None
+  if choice == "auto":
+    scored = [(e.get("val_policy", {}).get("est_tokens_per_s", 0.0), n) for n, e in pols.items()]
+    choice = max(scored)[1]
+  if choice not in pols:
+    raise BadInputError(f"--config.blockpilot.ship={choice!r} is not a trained policy; trained: "
+                        f"{sorted(pols)} (or 'auto', or '' for none)")
+  dst = wd.ship_checkpoint(cfg, pols[choice]["checkpoint"], "policy")
+  return (choice, dst) if dst else None

@@ -1,0 +1,336 @@
+"""The `report` stage: BlockPilot against every fixed block size on the held-out prompts.
+
+Inputs: the target and drafter of the workdir, `policy_labels` / `policy_eval_labels` (stage
+labels) and the policies of `<workdir>/policies` (stage policy). Evaluation prompts are the
+evaluation part of `cfg.blockpilot`'s split; the stage refuses to run when a policy was labelled
+on one of them, or when the labels were made for another split.
+
+Runs (prompt after prompt, the methods of a prompt in a shuffled order, so that slow phases of
+the machine and warm caches favour no method; seed of prompt i = cfg.seed + i): AR (block size
+1), every candidate size, and every trained policy (`block_size=LEARNED`: the policy runs inside
+the prefill jit). With `report_repeats` R > 1 every run is repeated R times (same seed, same
+tokens) and the fastest prefill and loop times are kept. Rows assembled from those runs
+without decoding again (at a fixed size they are the same computation, same seed):
+  best static (rule)  the size best on the labelling set under the rule (`policy_stage.best_static`)
+  random              uniform over the candidates (`policy.random_block_size`,
+                      seed blockpilot.random_seed)
+  oracle (rule)       each prompt's best size in `policy_eval_labels` (as decode.py's
+                      block_policy=oracle)
+
+Outputs in `cfg.blockpilot.report_dir` (default `<workdir>/report`): report.md and report.json
+(the table, the policy overhead, the intra-request analysis), runs.jsonl (every run), and PNGs:
+tau_by_size.png, chosen_sizes.png, acceptance_hist.png.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from bp_jax import report as rep
+from bp_jax.engine import LEARNED
+from bp_jax.errors import BadInputError
+from bp_jax.policy import load_policy, random_block_size
+from bp_jax.policy_features import FEATURE_TYPES, feature_dims, parse_feature_types, policy_costs
+from bp_jax.train import intra_request as intra
+from bp_jax.train import labels as lab
+from bp_jax.train import workdir as wd
+from bp_jax.train.policy_stage import best_static, parse_rules, policy_dir
+
+# Qwen3-4B with a b16 DFlash drafter (DESIGN §2): vocabulary, hidden size, chosen layers.
+QWEN3_4B = {"vocab_size": 151936, "hidden_size": 2560, "num_layers": 5, "params": 4.02e9}
+
+
+def _run_record(method: str, key: str, g: Any) -> dict:
+  return {"method": method, "prompt": key, "block_size": int(g.block_size),
+          "new_tokens": g.new_tokens, "prefill_s": g.prefill_s, "decode_s": g.decode_s,
+          "acceptance_lengths": list(g.acceptance_lengths), "policy_probs": g.policy_probs,
+          "output_ids": list(g.output_ids)}
+
+
+def load_policies(cfg: Any, eval_texts: Sequence[str], fingerprint: str,
+                  sizes: Sequence[int]) -> dict[str, tuple[Any, Any]]:
+  """{"feature:rule": (policy, info)} for every configured policy, each checked: trained on
+  these labels' sizes and target, and never labelled on an evaluation prompt."""
+  bp = cfg.blockpilot
+  out = {}
+  for rule in parse_rules(bp.rules):
+    for feature in parse_feature_types(bp.features):
+      path = policy_dir(cfg, feature, rule)
+      wd.require_checkpoint(path, "policy", "report", "policy")
+      policy, info = load_policy(path)
+      seen = info.overlap(eval_texts)
+      if seen:
+        raise BadInputError(f"policy {path} was labelled on {len(seen)} evaluation prompt(s): "
+                            "refusing to evaluate it on them; retrain it (stage policy)")
+      if tuple(info.block_sizes) != tuple(sizes):
+        raise BadInputError(f"policy {path} chooses among sizes {list(info.block_sizes)} but "
+                            f"the labels have {list(sizes)}: rerun the policy stage")
+      made_for = (info.meta.get("labels") or {}).get("target_fingerprint")
+      if made_for not in (None, fingerprint):
+        raise BadInputError(f"policy {path} was trained on labels of another target "
+                            f"({made_for}, not {fingerprint}): rerun the labels and policy "
+                            "stages")
+      out[f"{feature}:{rule}"] = (policy, info)
+  return out
+
+
+def policy_overhead(engine: Any, policies: Mapping[str, tuple[Any, Any]],
+                    plain_prefill_s: Sequence[float], learned_prefill_s: Mapping[str, list],
+                    hidden_dim: int, depth: int, num_classes: int, repeats: int = 50) -> dict:
+  """Parameters of each feature type's policy (ours and at Qwen3-4B) and the time of one
+  policy forward, alone (jitted, median of `repeats`) and as the prefill's increase."""
+  cfg = engine.cfg
+  n_layers = len(engine.drafter.cfg.target_layer_ids)
+  out = {"prefill_median_ms": 1e3 * float(np.median(plain_prefill_s)), "policies": {},
+         "params_ours": policy_costs(cfg.vocab_size, cfg.hidden_size, n_layers, hidden_dim,
+                                     depth, num_classes),
+         "params_qwen3_4b": policy_costs(QWEN3_4B["vocab_size"], QWEN3_4B["hidden_size"],
+                                         QWEN3_4B["num_layers"], hidden_dim, depth, num_classes),
+         "params_qwen3_4b_published_mlp": policy_costs(
+             QWEN3_4B["vocab_size"], QWEN3_4B["hidden_size"], QWEN3_4B["num_layers"], 2048, 2,
+             num_classes),
+         "feature_dims_ours": feature_dims(cfg.vocab_size, cfg.hidden_size, n_layers),
+         "feature_dims_qwen3_4b": feature_dims(QWEN3_4B["vocab_size"], QWEN3_4B["hidden_size"],
+                                               QWEN3_4B["num_layers"])}
+  for name, (policy, _) in policies.items():
+    graph, state = nnx.split(policy)
+    fn = jax.jit(lambda s, x: jnp.argmax(nnx.merge(graph, s)(x), -1))
+    x = jnp.zeros((1, policy.arch.input_dim), jnp.float32)
+    fn(state, x).block_until_ready()
+    times = []
+    for _ in range(repeats):
+      t0 = time.perf_counter()
+      fn(state, x).block_until_ready()
+      times.append(time.perf_counter() - t0)
+    alone = float(np.median(times))
+    with_policy = float(np.median(learned_prefill_s[name]))
+    out["policies"][name] = {
+        "params": policy.arch.num_params(), "forward_alone_ms": 1e3 * alone,
+        "forward_alone_vs_prefill": alone / max(out["prefill_median_ms"] / 1e3, 1e-12),
+        "prefill_with_policy_median_ms": 1e3 * with_policy,
+        "prefill_increase": with_policy / max(out["prefill_median_ms"] / 1e3, 1e-12) - 1.0}
+  return out
+
+
+def report_stage(cfg: Any) -> None:
+  """Decodes the evaluation prompts with every method and writes the report (module docstring)."""
+  from tqdm import tqdm
+
+  bp = cfg.blockpilot
+  target, drafter, tok, fingerprint = lab.load_models(cfg, "report")
+  label_records = lab.read_label_set(cfg, lab.LABELS, "report")
+  eval_records = lab.read_label_set(cfg, lab.EVAL_LABELS, "report")
+  sizes = tuple(int(b) for b in label_records[0]["block_sizes"])
+  label_prompts, evals = lab.prompt_sets(cfg, tok)
+  if {p.hash for p in evals} != {r["text_hash"] for r in eval_records}:
+    raise BadInputError(f"dataset {lab.EVAL_LABELS!r} holds other prompts than the evaluation "
+                        "split of --config.blockpilot: rerun the labels stage")
+  lab.check_no_overlap(label_prompts, evals)
+  max_new, temperature = int(bp.max_new_tokens), float(bp.temperature)
+  policies = load_policies(cfg, [p.text for p in evals], fingerprint, sizes)
+  encoded = [lab.encode(p, tok, bool(cfg.get("chat", False))) for p in evals]
+  engine = lab.build_engine(cfg, target, drafter, tok, sizes, [len(e) for e in encoded], max_new)
+  used = sorted({engine.encode_padded(ids)[1] for ids in encoded})
+  t0 = time.perf_counter()
+  engine.precompile((1,) + sizes, used)
+  for policy, info in policies.values():
+    engine.set_policy(policy, info.block_sizes)
+    engine.precompile((), used, policy=True, plain_prefill=False)
+  compiled = engine.compiled.summary()
+  print(f"[report] {len(evals)} evaluation prompts; {len(policies)} policies; compiled "
+        f"{compiled['compilations']} functions in {time.perf_counter() - t0:.1f} s", flush=True)
+
+  repeats = int(bp.get("report_repeats", 1))
+  if repeats < 1:
+    raise BadInputError(f"--config.blockpilot.report_repeats={repeats} must be >= 1")
+  methods = ["AR"] + [f"b={b}" for b in sizes] + [f"learned {n}" for n in policies]
+  runs: dict[str, list[dict]] = {m: [] for m in methods}
+  for i, (p, ids) in enumerate(tqdm(list(zip(evals, encoded)), desc="report", unit="prompt",
+                                    dynamic_ncols=True)):
+    kw = dict(max_new_tokens=max_new, temperature=temperature, seed=int(cfg.seed) + i)
+    done: dict[str, dict] = {}
+    for r in range(repeats):
+      for k in np.random.default_rng([i, r, 99]).permutation(len(methods)):
+        m = methods[k]
+        if m.startswith("learned "):
+          policy, info = policies[m[len("learned "):]]
+          engine.set_policy(policy, info.block_sizes)
+          rec = _run_record(m, p.key, engine.generate(ids, block_size=LEARNED, **kw))
+        else:
+          b = 1 if m == "AR" else int(m[2:])
+          rec = _run_record(m, p.key, engine.generate(ids, block_size=b, **kw))
+        if m in done:  # same seed, same tokens: keep the fastest timings
+          if rec["output_ids"] != done[m]["output_ids"]:
+            raise AssertionError(f"{m}: a repeat decoded other tokens for {p.key}")
+          for t in ("prefill_s", "decode_s"):
+            done[m][t] = min(done[m][t], rec[t])
+        else:
+          done[m] = rec
+    for m in methods:
+      runs[m].append(done[m])
+  if engine.compiled.summary()["compilations"] != compiled["compilations"]:
+    raise AssertionError("decoding compiled new functions after precompile")
+  # A learned run is the fixed run of its size plus the policy (same seed): same cycles.
+  mismatches = sum(
+      r["acceptance_lengths"] != runs[f"b={r['block_size']}"][i]["acceptance_lengths"]
+      for n in policies for i, r in enumerate(runs[f"learned {n}"]))
+
+  label_costs = lab.cycle_costs(label_records)
+  ar_tps = rep.method_row("AR", runs["AR"])["tokens_per_s"]
+  rows = [rep.method_row("AR (b=1)", runs["AR"], ar_tps)]
+  rows += [rep.method_row(f"fixed b={b}", runs[f"b={b}"], ar_tps) for b in sizes]
+  derived: dict[str, list[dict]] = {}
+  for rule in parse_rules(bp.rules):
+    ok = lab.usable(label_records)
+    static = sizes[best_static([r for r, u in zip(label_records, ok) if u], rule, label_costs)]
+    derived[f"best static ({rule}, labelling set) b={static}"] = runs[f"b={static}"]
+  for name in policies:
+    derived[f"learned {name}"] = runs[f"learned {name}"]
+  derived["random"] = [runs[f"b={random_block_size(sizes, int(bp.random_seed), i)}"][i]
+                       for i in range(len(evals))]
+  for rule in parse_rules(bp.rules):
+    best = lab.labels_of(lab.label_values(eval_records, rule))
+    cls = {r["text_hash"]: int(c) for r, c in zip(eval_records, best)}
+    derived[f"oracle ({rule})"] = [runs[f"b={sizes[cls[p.hash]]}"][i]
+                                   for i, p in enumerate(evals)]
+  notes = {"random": f"uniform over {list(sizes)}, seed {int(bp.random_seed)}"}
+  rows += [rep.method_row(n, r, ar_tps, notes.get(n, "")) for n, r in derived.items()]
+
+  out_dir = str(bp.get("report_dir", "") or wd.run_dir(cfg, "report"))
+  os.makedirs(out_dir, exist_ok=True)
+  tau_NK = np.asarray([[float(np.mean(runs[f"b={b}"][i]["acceptance_lengths"] or [0]))
+                        for b in sizes] for i in range(len(evals))])
+  rep.tau_by_size_plot(tau_NK, sizes, os.path.join(out_dir, "tau_by_size.png"),
+                       f"τ by block size, {len(evals)} held-out prompts")
+  chosen = {n: [r["block_size"] for r in rs] for n, rs in derived.items()
+            if n.startswith(("learned", "oracle", "random"))}
+  rep.size_distribution_plot(chosen, sizes, os.path.join(out_dir, "chosen_sizes.png"))
+  best_learned = max((rw for rw in rows if rw["method"].startswith("learned")),
+                     key=lambda rw: rw["tokens_per_s"], default=None)
+  shown = [n for n in derived if n.startswith("best static")][:1]
+  shown += [best_learned["method"]] if best_learned else []
+  shown += [n for n in derived if n.startswith("oracle")][:1]
+  hist = {n: [a for r in derived[n] for a in r["acceptance_lengths"]] for n in shown}
+  rep.acceptance_histograms(hist, os.path.join(out_dir, "acceptance_hist.png"))
+
+  plain = [r["prefill_s"] for b in sizes for r in runs[f"b={b}"]]
+  learned_pre = {n: [r["prefill_s"] for r in runs[f"learned {n}"]] for n in policies}
+  overhead = policy_overhead(engine, policies, plain, learned_pre, int(bp.hidden_dim),
+                             int(bp.depth), len(sizes))
+  analysis = None
+  if bool(bp.get("replay", True)):
+    analysis = intra_request_analysis(engine, target, drafter, evals, encoded, runs, sizes,
+                                      max_new, temperature)
+  report = {"prompts": len(evals), "eval_source": str(bp.eval_source), "sizes": list(sizes),
+            "temperature": temperature, "max_new_tokens": max_new, "rows": rows,
+            "learned_vs_fixed_cycle_mismatches": mismatches,
+            "compilations": compiled, "policy_overhead": overhead, "intra_request": analysis,
+            "labelling_prompts": len(label_records),
+            "label_cycle_cost_ms": [round(1e3 * c, 4) for c in label_costs]}
+  with open(os.path.join(out_dir, "report.json"), "w", encoding="utf-8") as f:
+    json.dump(report, f, indent=2, default=float)
+  with open(os.path.join(out_dir, "runs.jsonl"), "w", encoding="utf-8") as f:
+    for rs in runs.values():
+      for r in rs:
+        f.write(json.dumps(r) + "\n")
+  md = render_markdown(report)
+  with open(os.path.join(out_dir, "report.md"), "w", encoding="utf-8") as f:
+    f.write(md)
+  print(md)
+  print(f"[report] wrote {out_dir}/report.md, report.json, runs.jsonl and PNGs")
+
+
+def intra_request_analysis(engine: Any, target: Any, drafter: Any, prompts: Sequence[Any],
+                           encoded: Sequence[Sequence[int]], runs: Mapping[str, list],
+                           sizes: Sequence[int], max_new: int, temperature: float) -> dict:
+  """`intra_request` over the evaluation prompts (greedy outputs; at T > 0 an extra greedy AR
+  decode per prompt gives them), with seconds per cycle measured by this report's fixed runs."""
+  spc = {}
+  for b in sizes:
+    rs = [r for r in runs[f"b={b}"] if r["acceptance_lengths"]]
+    spc[b] = float(np.median([r["decode_s"] / len(r["acceptance_lengths"]) for r in rs])) \
+        if rs else 1.0
+  analyses, agree, total = [], 0, 0
+  for i, ids in enumerate(encoded):
+    if temperature == 0:
+      out = runs["AR"][i]["output_ids"]
+    else:
+      out = engine.generate(ids, max_new_tokens=max_new, temperature=0.0, block_size=1).output_ids
+    acc = intra.replay_acceptance(target, drafter, ids, out, sizes, max_new,
+                                  engine.length_buckets)
+    a = intra.analyse_request(acc, spc)
+    analyses.append(a)
+    if temperature == 0:
+      for b in sizes:
+        total += 1
+        agree += a["fixed_cycles"][str(b)] == len(runs[f"b={b}"][i]["acceptance_lengths"])
+  out = intra.summarize(analyses, spc)
+  out["seconds_per_cycle_ms"] = {str(b): 1e3 * s for b, s in spc.items()}
+  out["replay_agrees_with_decode"] = (agree / total) if total else None
+  out["per_request"] = [{"prompt": p.key, **a} for p, a in zip(prompts, analyses)]
+  return out
+
+
+def render_markdown(report: Mapping[str, Any]) -> str:
+  """report.md: the table, then the overhead and the intra-request analysis in words."""
+  lines = [f"# BlockPilot on {report['prompts']} held-out prompts ({report['eval_source']})", "",
+           f"Candidate sizes {report['sizes']}; T={report['temperature']}; "
+           f"{report['max_new_tokens']} new tokens; policies trained on "
+           f"{report['labelling_prompts']} labelling prompts (disjoint from these).", "",
+           rep.markdown_table(report["rows"]), ""]
+  mm = report.get("learned_vs_fixed_cycle_mismatches")
+  if mm is not None:
+    lines += [f"Learned runs whose cycles differ from the fixed run at the chosen size: {mm} "
+              "(expected 0: the same computation with the same seed).", ""]
+  o = report["policy_overhead"]
+  lines += ["## Policy overhead", "",
+            f"Median prefill (no policy): {o['prefill_median_ms']:.2f} ms.", "",
+            "| policy | params | forward alone (ms) | alone / prefill | prefill with policy "
+            "(ms) | prefill increase |", "|---|---:|---:|---:|---:|---:|"]
+  for name, p in o["policies"].items():
+    lines.append(f"| {name} | {p['params']:,} | {p['forward_alone_ms']:.3f} | "
+                 f"{100 * p['forward_alone_vs_prefill']:.2f}% | "
+                 f"{p['prefill_with_policy_median_ms']:.2f} | {100 * p['prefill_increase']:.1f}% |")
+  lines += ["", "Parameters per feature type (this MLP's width/depth; and the published 2x2048 "
+            "MLP) on Qwen3-4B (V=151,936, D=2,560, 5 drafter layers), and as a share of "
+            "Qwen3-4B's ~4.0B parameters (a single-request prefill is memory-bound and reads "
+            "each weight once, so this share estimates the policy's relative cost there):", ""]
+  for f in FEATURE_TYPES:
+    if f in o["params_qwen3_4b"]:
+      q, pub = o["params_qwen3_4b"][f], o["params_qwen3_4b_published_mlp"][f]
+      lines.append(f"- {f}: ours {o['params_ours'].get(f, 0):,}; Qwen3-4B {q:,} "
+                   f"({100 * q / QWEN3_4B['params']:.3f}%; published MLP {pub:,}, "
+                   f"{100 * pub / QWEN3_4B['params']:.2f}%)")
+  a = report.get("intra_request")
+  if a:
+    c, s = a["cycles"], a["seconds"]
+    lines += ["", "## Intra-request variation (teacher-forced replay, greedy outputs)", "",
+              "For every position where a cycle could start and every candidate size, the "
+              "drafter's acceptance there is replayed; a dynamic program then finds the best "
+              "per-cycle schedule (it knows the future: an upper bound for any per-cycle "
+              "controller), compared with the best fixed size per request (the per-request "
+              "oracle BlockPilot approximates) and with the best single size for all requests.",
+              "",
+              f"- Replay reproduces the real decode's cycle counts for "
+              f"{100 * (a['replay_agrees_with_decode'] or 0):.1f}% of (prompt, size) pairs.",
+              f"- Target forwards: best single size b={c['global_static_size']}: "
+              f"{c['global_static']:.0f}; per-request oracle {c['per_request_oracle']:.0f} "
+              f"({100 * c['gain_per_request_over_static']:.1f}% higher τ); per-cycle oracle "
+              f"{c['per_cycle_oracle']:.0f} ({100 * c['gain_per_cycle_over_per_request']:.1f}% "
+              f"higher τ than per-request).",
+              f"- {100 * c['switched_cycle_fraction']:.1f}% of the per-cycle oracle's cycles "
+              f"need another size than the request's best ({c['requests_switching']} of "
+              f"{a['requests']} requests switch at least once).",
+              f"- Estimated time (measured seconds per cycle): per-request oracle "
+              f"{100 * s['gain_per_request_over_static']:.1f}% faster than the best single size "
+              f"b={s['global_static_size']}; per-cycle oracle a further "
+              f"{100 * s['gain_per_cycle_over_per_request']:.1f}%."]
+  return "\n".join(lines) + "\n"

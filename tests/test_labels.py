@@ -1,0 +1,331 @@
+"""BlockPilot's stages on a tiny random target and drafter: labels (oracle measurements +
+features in TFDS), policy (one per feature type and rule, shipped), report (table, overhead,
+intra-request analysis, plots), decode.py's learned / oracle / random block policies, and the
+refusals: labelling and evaluation prompts never overlap."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import ml_collections
+import numpy as np
+import pytest
+from flax import nnx
+
+from bp_jax.bpe import MASK_ID, train_bpe
+from bp_jax.checkpoint_io import save_checkpoint
+from bp_jax.config import Qwen3Config
+from bp_jax.data import open_dataset
+from bp_jax.dflash import DFlashDrafter
+from bp_jax.errors import BadInputError
+from bp_jax.nnx_utils import module_params
+from bp_jax.policy import load_policy, prompt_hash
+from bp_jax.qwen3 import Qwen3
+from bp_jax.train import labels as lab
+from bp_jax.train import policy_stage as ps
+from bp_jax.train.draft import drafter_config, export_drafter
+from configs import qwen3 as qwen3_config
+
+SIZES = (2, 3, 4)
+MAX_NEW = 10
+
+
+def _snippet(i: int) -> str:
+  return (f"def task_{i}(values):\n    \"\"\"Return the total of item {i}.\"\"\"\n"
+          f"    total = 0\n    for v in values:\n        total += v * {i}\n")
+
+
+def _jsonl(path, prompts) -> str:
+  with open(path, "w", encoding="utf-8") as f:
+    for pid, text in prompts:
+      f.write(json.dumps({"id": pid, "prompt": text}) + "\n")
+  return str(path)
+
+
+def _config(root, workdir: str) -> ml_collections.ConfigDict:
+  cfg = qwen3_config.get_config()
+  cfg.workdir, cfg.seed, cfg.dtype, cfg.export_dir = workdir, 0, "float32", str(root / "ship")
+  cfg.max_len, cfg.corpus = 128, str(root / "corpus")
+  cfg.lm_data = ml_collections.ConfigDict({"val_frac": 0.2})
+  cfg.regenerate = ml_collections.ConfigDict({"source": ""})
+  cfg.blockpilot = qwen3_config.blockpilot_config(
+      radius=1, eval_source=str(root / "eval.jsonl"), eval_frac=0.5,
+      label_sources=str(root / "extra.jsonl"), corpus_prompts=3, corpus_prompt_tokens=24,
+      max_new_tokens=MAX_NEW, hidden_dim=16, steps=20, batch=4, eval_every=5, patience=3,
+      val_frac=0.25)
+  return cfg
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+  """A workdir with a tokenizer, a random target and a drafter trained against it (export only),
+  a JSONL 'evaluation source' of 8 prompts, 6 extra labelling prompts and a small corpus."""
+  root = tmp_path_factory.mktemp("blockpilot")
+  corpus = root / "corpus"
+  corpus.mkdir()
+  for i in range(6):
+    (corpus / f"mod_{i}.py").write_text("".join(_snippet(100 * i + j) for j in range(6)))
+  texts = [_snippet(i) for i in range(40)]
+  tok_dir = str(root / "tok")
+  tok = train_bpe(texts, 300, tok_dir)
+  workdir = str(root / "work")
+  tcfg = Qwen3Config(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                     rope_theta=10000.0, tie_word_embeddings=True, max_position_embeddings=256)
+  target = Qwen3(tcfg, rngs=nnx.Rngs(0))
+  target.embed[...] = jax.random.normal(jax.random.key(1), target.embed.shape)
+  extra = {n: os.path.join(tok_dir, n) for n in os.listdir(tok_dir)}
+  save_checkpoint(os.path.join(workdir, "target"), module_params(target), tcfg.to_hf_dict(),
+                  {"kind": "qwen3"}, extra_files=extra)
+  dcfg = drafter_config(tcfg, ml_collections.ConfigDict(
+      {"num_layers": 1, "block_size": 3, "target_layer_ids": (1, 2)}), MASK_ID)
+  export_drafter(DFlashDrafter(dcfg, rngs=nnx.Rngs(3)), os.path.join(workdir, "drafter"), target)
+  _jsonl(root / "eval.jsonl", [(f"e{i}", _snippet(1000 + i)) for i in range(8)])
+  _jsonl(root / "extra.jsonl", [(f"x{i}", _snippet(2000 + i)) for i in range(6)])
+  return {"root": root, "cfg": _config(root, workdir), "tok": tok, "target": target}
+
+
+# ---- pure pieces -----------------------------------------------------------------------------
+
+
+def _rec(tau, cycles, new, secs):
+  return {"tau": np.asarray(tau, np.float32), "cycles": np.asarray(cycles, np.int32),
+          "new_tokens": np.asarray(new, np.int32), "decode_s": np.asarray(secs, np.float32),
+          "committed": np.rint(np.asarray(tau) * np.asarray(cycles)).astype(np.int32),
+          "block_sizes": np.asarray(SIZES, np.int32)}
+
+
+def test_label_rules():
+  # Per-cycle cost of sizes 2/3/4: 1, 2, 4 ms (medians over the three prompts).
+  recs = [_rec([2.0, 2.5, 2.5], [10, 8, 8], [20, 20, 20], [0.010, 0.016, 0.032]),
+          _rec([1.5, 2.0, 3.8], [12, 10, 5], [18, 20, 19], [0.012, 0.020, 0.020]),
+          _rec([1.0, 1.0, 1.0], [9, 9, 9], [9, 9, 9], [0.0095, 0.0170, 0.0400])]
+  np.testing.assert_allclose(lab.cycle_costs(recs), [0.001, 0.002, 0.004], rtol=1e-5)
+  # max_tau: ties go to the smaller size (prompt 0: 3 over 4; prompt 2: 2).
+  assert lab.labels_of(lab.label_values(recs, "max_tau")).tolist() == [1, 2, 0]
+  # max_throughput: tokens / (cycles * cost): prompt 0: 20/10, 20/16, 20/32 ms -> size 2;
+  # prompt 1: 18/12, 20/20, 19/20 -> size 2 (1.5 > 1.0 > 0.95).
+  thr = lab.label_values(recs, "max_throughput")
+  np.testing.assert_allclose(thr[0], [2000.0, 1250.0, 625.0], rtol=1e-4)
+  assert lab.labels_of(thr).tolist() == [0, 0, 0]
+  # A prompt with no cycle (its first token was a stop token) cannot be labelled.
+  assert lab.usable(recs + [_rec([0, 0, 0], [0, 0, 0], [1, 1, 1], [0, 0, 0])]).tolist() == [
+      True, True, True, False]
+  with pytest.raises(BadInputError, match="unknown label rule"):
+    lab.label_values(recs, "max_speed")
+  # Choice metrics: aggregate tau = committed / cycles over the chosen sizes.
+  m = ps.choice_metrics(recs[:2], np.array([2, 2]), lab.cycle_costs(recs))
+  assert m["tau"] == pytest.approx((20 + 19) / 13)
+  assert ps.best_static(recs[:2], "max_tau", lab.cycle_costs(recs)) == 2
+  assert ps.best_static(recs[:2], "max_throughput", lab.cycle_costs(recs)) == 0
+
+
+def test_prompt_split_is_deterministic_disjoint_and_overlap_is_refused(setup, tmp_path):
+  cfg = setup["cfg"]
+  label, evals = lab.prompt_sets(cfg, setup["tok"])
+  label2, evals2 = lab.prompt_sets(cfg, setup["tok"])
+  assert [p.key for p in label] == [p.key for p in label2]
+  assert [p.key for p in evals] == [p.key for p in evals2]
+  assert len(evals) == 4 and len(label) == 4 + 6 + 3
+  assert not {p.hash for p in label} & {p.hash for p in evals}
+  assert sum(p.key.startswith("corpus:") for p in label) == 3
+  # An extra labelling source holding an evaluation prompt's text (under another id) is refused.
+  leak = _jsonl(tmp_path / "leak.jsonl", [("fresh", _snippet(5000)), ("copy", evals[1].text)])
+  bad = ml_collections.ConfigDict(cfg.to_dict())
+  bad.blockpilot.label_sources = leak
+  with pytest.raises(BadInputError, match="must never overlap"):
+    lab.prompt_sets(bad, setup["tok"])
+  with pytest.raises(BadInputError, match="overlap"):
+    lab.check_no_overlap(label, evals + [label[0]])
+
+
+# ---- the stages ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def stages_done(setup):
+  cfg = setup["cfg"]
+  lab.labels_stage(cfg)
+  ps.policy_stage(cfg)
+  from bp_jax.train.report_stage import report_stage
+  report_stage(cfg)
+  return cfg
+
+
+def test_labels_datasets(setup, stages_done, capsys):
+  cfg = stages_done
+  data = os.path.join(cfg.workdir, "data")
+  label, evals = open_dataset(data, lab.LABELS), open_dataset(data, lab.EVAL_LABELS)
+  assert len(label) == 13 and len(evals) == 4
+  assert not {r["text_hash"] for r in label} & {r["text_hash"] for r in evals}
+  want_keys = [p.key for p in lab.prompt_sets(cfg, setup["tok"])[0]]
+  assert [r["key"] for r in label] == want_keys
+  dims = {"last_logits": 300, "last_hidden": 32, "pooled_layers": 2 * 2 * 32}
+  for r in list(label) + list(evals):
+    assert r["block_sizes"].tolist() == list(SIZES)
+    for f, d in dims.items():
+      assert r[f"feat_{f}"].shape == (d,)
+    assert r["accept_lens"].size == r["cycles"].sum()
+    cyc = r["cycles"]
+    np.testing.assert_allclose(r["tau"], r["committed"] / np.maximum(cyc, 1), rtol=1e-6)
+    assert (r["accept_lens"] >= 1).all()
+    parts = np.split(r["accept_lens"], np.cumsum(cyc)[:-1])
+    assert [int(p.max(initial=1)) <= b for p, b in zip(parts, SIZES)] == [True] * 3
+  # The stored measurements and features are the engine's (one prompt re-decoded here).
+  from bp_jax.engine import Engine
+  from bp_jax.loading import load_drafter, load_target
+  target = load_target(os.path.join(cfg.workdir, "target"))
+  drafter = load_drafter(os.path.join(cfg.workdir, "drafter"), target.cfg)
+  prompt = lab.prompt_sets(cfg, setup["tok"])[1][0]
+  ids = lab.encode(prompt, setup["tok"], False)
+  engine = Engine(target, max_len=128, stop_ids=[0], drafter=drafter, block_sizes=SIZES)
+  rec = next(r for r in evals if r["key"] == prompt.key)
+  for k, b in enumerate(SIZES):
+    g = engine.generate(ids, max_new_tokens=MAX_NEW, seed=0, block_size=b, return_features=True)
+    assert g.target_forwards == rec["cycles"][k] and g.new_tokens == rec["new_tokens"][k]
+  np.testing.assert_allclose(g.features["last_logits"], rec["feat_last_logits"], rtol=1e-5)
+  # Rerunning with the same settings does nothing.
+  capsys.readouterr()
+  lab.labels_stage(cfg)
+  assert "[labels] up to date" in capsys.readouterr().out
+
+
+def test_policies_trained_saved_and_shipped(stages_done):
+  cfg = stages_done
+  summary = json.load(open(os.path.join(cfg.workdir, "policies", "summary.json")))
+  names = {f"{f}:{r}" for f in ("last_logits", "last_hidden", "pooled_layers")
+           for r in ("max_tau", "max_throughput")}
+  assert set(summary["policies"]) == names
+  assert summary["train_prompts"] + summary["val_prompts"] == 13 and summary["val_prompts"] >= 2
+  records = lab.read_label_set(cfg, lab.LABELS, "test")
+  evals = lab.read_label_set(cfg, lab.EVAL_LABELS, "test")
+  for name, entry in summary["policies"].items():
+    policy, info = load_policy(entry["checkpoint"])
+    assert info.block_sizes == SIZES and info.label_rule == name.split(":")[1]
+    assert policy.arch.feature_type == name.split(":")[0]
+    assert info.target_layer_ids == (1, 2)
+    assert info.labelled_hashes == {r["text_hash"] for r in records}
+    assert not info.labelled_hashes & {r["text_hash"] for r in evals}
+    assert 0.0 <= entry["val_accuracy"] <= 1.0 and entry["steps_run"] <= 20
+  shipped = os.path.join(cfg.export_dir, "policy")
+  assert summary["shipped"][1] == os.path.abspath(shipped)
+  _, info = load_policy(shipped)
+  assert info.block_sizes == SIZES
+
+
+def test_report(stages_done):
+  cfg = stages_done
+  out = os.path.join(cfg.workdir, "report")
+  for name in ("report.md", "report.json", "runs.jsonl", "tau_by_size.png", "chosen_sizes.png",
+               "acceptance_hist.png"):
+    assert os.path.getsize(os.path.join(out, name)) > 0, name
+  rep = json.load(open(os.path.join(out, "report.json")))
+  methods = [r["method"] for r in rep["rows"]]
+  assert methods[0] == "AR (b=1)" and [f"fixed b={b}" for b in SIZES] == methods[1:4]
+  assert sum(m.startswith("best static") for m in methods) == 2
+  assert sum(m.startswith("learned ") for m in methods) == 6
+  assert "random" in methods and sum(m.startswith("oracle") for m in methods) == 2
+  for r in rep["rows"]:
+    assert r["prompts"] == 4 and r["tokens_per_s"] > 0
+    assert 1.0 <= r["tau"] <= max(SIZES) + 1e-6 or r["tau"] == 0.0
+  ar = rep["rows"][0]
+  assert ar["tau"] == 1.0 and ar["speedup"] == 1.0
+  # At T=0 every method decodes the same tokens; learned runs equal the fixed run of their size.
+  runs = [json.loads(l) for l in open(os.path.join(out, "runs.jsonl"))]
+  by_prompt = {}
+  for r in runs:
+    by_prompt.setdefault(r["prompt"], set()).add(tuple(r["output_ids"]))
+  assert len(by_prompt) == 4 and all(len(v) == 1 for v in by_prompt.values())
+  assert rep["learned_vs_fixed_cycle_mismatches"] == 0
+  # Compilations: per length bucket a plain prefill and one per policy architecture (3 feature
+  # types), one AR loop and one loop per size; nothing compiled while decoding.
+  comp = rep["compilations"]["by_function"]
+  assert comp["spec_loop"] == len(SIZES) and comp["ar_loop"] == 1
+  assert comp["prefill"] % 4 == 0
+  over = rep["policy_overhead"]
+  assert set(over["policies"]) == {m[len("learned "):] for m in methods if m.startswith("learned")}
+  assert over["params_qwen3_4b"]["last_logits"] > 10 * over["params_qwen3_4b"]["last_hidden"]
+  intra = rep["intra_request"]
+  assert intra["requests"] == 4 and intra["replay_agrees_with_decode"] == 1.0
+  assert intra["cycles"]["per_cycle_oracle"] <= intra["cycles"]["per_request_oracle"]
+  md = open(os.path.join(out, "report.md")).read()
+  assert "| fixed b=3 |" in md and "Intra-request" in md and "Policy overhead" in md
+
+
+def _decode_cfg(setup, prompts: str, **kw) -> ml_collections.ConfigDict:
+  cfg = qwen3_config.get_config()
+  work = setup["cfg"].workdir
+  cfg.update(target=os.path.join(work, "target"), drafter=os.path.join(work, "drafter"),
+             prompts=prompts, mode="spec", max_new_tokens=MAX_NEW, max_len=128,
+             block_sizes="2,3,4", block_size=3, dtype="float32", show=0,
+             output=str(setup["root"] / "dec" / "out.jsonl"))
+  cfg.update(kw)
+  return cfg
+
+
+def test_decode_block_policies(setup, stages_done):
+  from bp_jax import run_decode
+  cfg = stages_done
+  _, evals = lab.prompt_sets(cfg, setup["tok"])
+  eval_only = _jsonl(setup["root"] / "eval_only.jsonl", [(p.key, p.text) for p in evals])
+  fixed, _ = run_decode.run(_decode_cfg(setup, eval_only))
+  outputs = [r["output_ids"] for r in fixed]
+  policy = os.path.join(cfg.workdir, "policies", "pooled_layers-max_tau")
+  learned, summary = run_decode.run(_decode_cfg(setup, eval_only, block_policy="learned",
+                                                policy=policy))
+  assert [r["output_ids"] for r in learned] == outputs  # lossless at T=0
+  assert all(r["block_size"] in SIZES and len(r["policy_probs"]) == 3 for r in learned)
+  assert summary["block_policy"] == "learned" and summary["policy"]["feature_type"] == \
+      "pooled_layers"
+  # One plain-or-policy prefill per length bucket, one loop per size used: no per-request code.
+  used = {r["block_size"] for r in learned}
+  assert summary["compilations_by_function"]["spec_loop"] == len(used)
+  assert summary["compilations_by_function"]["prefill"] <= 3
+  oracle, _ = run_decode.run(_decode_cfg(
+      setup, eval_only, block_policy="oracle", label_rule="max_tau",
+      oracle_labels=os.path.join(cfg.workdir, "data", lab.EVAL_LABELS)))
+  table, _ = lab.oracle_table(os.path.join(cfg.workdir, "data", lab.EVAL_LABELS), "max_tau")
+  assert [r["block_size"] for r in oracle] == [table[prompt_hash(p.text)] for p in evals]
+  assert [r["output_ids"] for r in oracle] == outputs
+  rand, _ = run_decode.run(_decode_cfg(setup, eval_only, block_policy="random", seed=5))
+  from bp_jax.policy import random_block_size
+  assert [r["block_size"] for r in rand] == [random_block_size(SIZES, 5, i) for i in range(4)]
+  assert [r["output_ids"] for r in rand][:1] == outputs[:1]  # seed 5 vs 0: same greedy tokens
+
+
+def test_decode_refuses_the_policys_labelling_prompts(setup, stages_done):
+  from bp_jax import run_decode
+  cfg = stages_done
+  policy = os.path.join(cfg.workdir, "policies", "last_hidden-max_tau")
+  source = str(setup["root"] / "eval.jsonl")  # both halves: labelling and evaluation prompts
+  with pytest.raises(BadInputError, match="never evaluate a policy on its labelling prompts"):
+    run_decode.run(_decode_cfg(setup, source, block_policy="learned", policy=policy))
+  records, _ = run_decode.run(_decode_cfg(setup, source, block_policy="learned", policy=policy,
+                                          labelled_prompts="skip"))
+  _, evals = lab.prompt_sets(cfg, setup["tok"])
+  assert sorted(r["prompt"] for r in records) == sorted(p.text for p in evals)
+  # The report stage refuses a policy labelled on an evaluation prompt.
+  from bp_jax.train.report_stage import load_policies
+  with pytest.raises(BadInputError, match="labelled on 1 evaluation prompt"):
+    load_policies(cfg, [p.text for p in evals[:1]] + [
+        lab.prompt_sets(cfg, setup["tok"])[0][0].text], "x", SIZES)
+
+
+def test_missing_policy_falls_back_or_fails(setup, stages_done, capsys):
+  from bp_jax import run_decode
+  cfg = stages_done
+  _, evals = lab.prompt_sets(cfg, setup["tok"])
+  eval_only = _jsonl(setup["root"] / "eval_only2.jsonl", [(p.key, p.text) for p in evals[:1]])
+  missing = str(setup["root"] / "no_policy")
+  records, summary = run_decode.run(_decode_cfg(setup, eval_only, block_policy="learned",
+                                                policy=missing, policy_fallback=True))
+  assert "no trained block-size policy" in capsys.readouterr().out
+  assert summary["block_policy"] == "fixed" and records[0]["block_size"] == 3
+  with pytest.raises(BadInputError, match="does not exist"):
+    run_decode.run(_decode_cfg(setup, eval_only, block_policy="learned", policy=missing))
+  with pytest.raises(BadInputError, match="needs --config.mode=spec"):
+    run_decode.run(_decode_cfg(setup, eval_only, block_policy="random", mode="ar"))
+  with pytest.raises(BadInputError, match="oracle_labels"):
+    run_decode.run(_decode_cfg(setup, eval_only, block_policy="oracle"))

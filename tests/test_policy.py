@@ -1,0 +1,347 @@
+"""BlockPilot's policy (bp_jax/policy.py, policy_features.py) and its place in decoding: features
+equal a recomputation from the target's outputs, the policy adds no target pass to the prefill,
+learned decoding is lossless and compiles nothing per request, a policy learns a known labelling
+rule, and checkpoints round-trip."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import jax.monitoring
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from bp_jax import decode_loops
+from bp_jax.config import DFlashConfig, Qwen3Config
+from bp_jax.dflash import DFlashDrafter
+from bp_jax.engine import LEARNED, Engine
+from bp_jax.errors import BadInputError
+from bp_jax.policy import (BlockPolicy, PolicyArch, load_policy, prompt_hash, random_block_size,
+                           save_policy)
+from bp_jax.policy_features import (FEATURE_TYPES, feature_dims, mlp_param_count, policy_costs,
+                                    pooled_layers)
+from bp_jax.qwen3 import Qwen3
+from bp_jax.train.optim import opt_config
+from bp_jax.train.policy_stage import fit_policy, predict
+
+V, D, LAYERS = 64, 32, 3
+LAYER_IDS = (0, 2)
+SIZES = (2, 3, 5)
+MAX_LEN = 96
+BUCKETS = (16, 32)
+
+
+def _target(seed: int = 0) -> Qwen3:
+  cfg = Qwen3Config(vocab_size=V, hidden_size=D, intermediate_size=48, num_hidden_layers=LAYERS,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=8, rope_theta=1e4,
+                    tie_word_embeddings=True, max_position_embeddings=256)
+  target = Qwen3(cfg, rngs=nnx.Rngs(seed))
+  # Larger embeddings than the default init, so that greedy outputs are not constant.
+  target.embed[...] = jax.random.normal(jax.random.key(seed + 1), target.embed.shape)
+  return target
+
+
+def _drafter(target: Qwen3, seed: int = 2) -> DFlashDrafter:
+  t = target.cfg
+  layers = Qwen3Config(**{**t.__dict__, "num_hidden_layers": 1, "tie_word_embeddings": False})
+  cfg = DFlashConfig(layers=layers, block_size=3, num_target_layers=LAYERS, mask_token_id=V - 1,
+                     target_layer_ids=LAYER_IDS)
+  return DFlashDrafter(cfg, rngs=nnx.Rngs(seed))
+
+
+def _policy(feature: str = "last_hidden", seed: int = 3, hidden: int = 16) -> BlockPolicy:
+  dims = feature_dims(V, D, len(LAYER_IDS))
+  return BlockPolicy(PolicyArch(feature, dims[feature], hidden, 2, len(SIZES)),
+                     rngs=nnx.Rngs(seed))
+
+
+def _prompts(num: int, seed: int = 0) -> list[list[int]]:
+  rng = np.random.default_rng(seed)
+  return [rng.integers(0, V - 1, int(rng.integers(2, 30))).tolist() for _ in range(num)]
+
+
+@pytest.fixture(scope="module")
+def models():
+  target = _target()
+  return target, _drafter(target)
+
+
+@pytest.fixture(scope="module")
+def engine(models):
+  target, drafter = models
+  return Engine(target, max_len=MAX_LEN, length_buckets=BUCKETS, drafter=drafter,
+                block_sizes=(2, 3, 4, 5), policy=_policy(), policy_sizes=SIZES)
+
+
+# ---- features ------------------------------------------------------------------------------
+
+
+def test_prefill_features_equal_a_recomputation_from_the_targets_outputs(models, engine):
+  """The features returned by the padded prefill equal the same quantities recomputed from an
+  unpadded causal forward of the target (numpy means over the true prompt positions)."""
+  target, _ = models
+  padded = 0
+  for ids in _prompts(4, seed=7):
+    n = len(ids)
+    g = engine.generate(ids, max_new_tokens=3, return_features=True)
+    out = target(jnp.asarray([ids]), target.init_cache(1, n), LAYER_IDS)
+    logits = np.asarray(out.logits[0, n - 1])
+    hidden = np.asarray(out.final_hidden[0, n - 1])
+    layers = np.asarray(out.layer_hiddens[:, 0])  # [2, n, D]
+    pooled = np.concatenate([np.concatenate([layers[j].mean(axis=0), layers[j][n - 1]])
+                             for j in range(len(LAYER_IDS))])
+    f = g.features
+    assert set(f) == set(FEATURE_TYPES)
+    np.testing.assert_allclose(f["last_logits"], logits, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(f["last_hidden"], hidden, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(f["pooled_layers"], pooled, rtol=1e-4, atol=1e-4)
+    padded += engine.encode_padded(ids)[1] > n
+  assert padded >= 3  # prompts padded to a bucket: padding really was excluded from the mean
+
+
+def test_pooled_layers_ignores_padding_values():
+  h = np.random.default_rng(0).normal(size=(2, 1, 8, 4)).astype(np.float32)
+  h2 = h.copy()
+  h2[:, :, 5:] = 1e6  # garbage in the padding
+  a = np.asarray(pooled_layers(jnp.asarray(h), jnp.int32(5)))
+  b = np.asarray(pooled_layers(jnp.asarray(h2), jnp.int32(5)))
+  np.testing.assert_allclose(a, b)
+  want = np.concatenate([h[0, 0, :5].mean(0), h[0, 0, 4], h[1, 0, :5].mean(0), h[1, 0, 4]])
+  np.testing.assert_allclose(a[0], want, rtol=1e-5, atol=1e-6)
+
+
+# ---- one target pass -----------------------------------------------------------------------
+
+
+def _count_scans(jaxpr) -> int:
+  """Scan equations in a jaxpr, including those nested in sub-jaxprs (jit, scan, cond)."""
+  n = 0
+  for eqn in jaxpr.eqns:
+    n += eqn.primitive.name == "scan"
+    for v in eqn.params.values():
+      for item in (v if isinstance(v, (tuple, list)) else (v,)):
+        inner = getattr(item, "jaxpr", item)
+        if hasattr(inner, "eqns"):
+          n += _count_scans(inner)
+  return n
+
+
+def test_policy_in_prefill_adds_no_target_pass(models, monkeypatch):
+  """Tracing the prefill with the policy calls the target once, like the prefill without it,
+  and the traced programs hold the same number of layer scans (the policy has none)."""
+  target, drafter = models
+  policy = _policy("pooled_layers")
+  t_graph, t_state = nnx.split(target)
+  d_graph, d_state = nnx.split(drafter)
+  p_graph, p_state = nnx.split(policy)
+  calls = []
+  original = Qwen3.__call__
+
+  def counting(self, *args, **kwargs):
+    calls.append(1)
+    return original(self, *args, **kwargs)
+
+  monkeypatch.setattr(Qwen3, "__call__", counting)
+  args = (t_state, d_state, jnp.zeros((1, 16), jnp.int32), jnp.int32(5),
+          target.init_cache(1, MAX_LEN), drafter.init_cache(1, MAX_LEN), jax.random.key(0),
+          jnp.float32(0))
+  scans = {}
+  for name, fn, extra in (("plain", decode_loops.make_prefill(t_graph, d_graph), ()),
+                          ("policy", decode_loops.make_prefill(t_graph, d_graph, p_graph),
+                           (p_state,))):
+    calls.clear()
+    jaxpr = jax.make_jaxpr(fn)(*args, *extra)
+    assert len(calls) == 1, (name, len(calls))
+    scans[name] = _count_scans(jaxpr.jaxpr)
+  assert scans["plain"] == scans["policy"] >= 1, scans
+  # And the policy's output is the policy applied to the prefill's own feature.
+  monkeypatch.setattr(Qwen3, "__call__", original)
+  out = jax.jit(decode_loops.make_prefill(t_graph, d_graph, p_graph))(*args, p_state)
+  want = jax.nn.softmax(policy(out.features["pooled_layers"])[0])
+  np.testing.assert_allclose(np.asarray(out.policy_probs), np.asarray(want), rtol=1e-5)
+  assert int(out.policy_class) == int(np.argmax(np.asarray(want)))
+
+
+# ---- decoding --------------------------------------------------------------------------------
+
+
+class _BackendCompiles:
+  def __init__(self):
+    self.n = 0
+
+  def _listener(self, event, duration, **kw):
+    if event == "/jax/core/compile/backend_compile_duration":
+      self.n += 1
+
+  def __enter__(self):
+    jax.monitoring.register_event_duration_secs_listener(self._listener)
+    return self
+
+  def __exit__(self, *exc):
+    jax.monitoring.unregister_event_duration_listener(self._listener)
+
+
+def test_learned_decoding_is_lossless_and_compiles_once_per_bucket(engine):
+  prompts = _prompts(12, seed=1)
+  before = dict(engine.compiled.counts)
+  outs, chosen = [], []
+  for p in prompts:
+    ar = engine.generate(p, max_new_tokens=17, block_size=1)
+    g = engine.generate(p, max_new_tokens=17, block_size=LEARNED)
+    assert g.output_ids == ar.output_ids  # token-identical to AR at T=0
+    assert g.block_size in SIZES and len(g.policy_probs) == len(SIZES)
+    assert abs(sum(g.policy_probs) - 1.0) < 1e-4
+    assert g.block_size == SIZES[int(np.argmax(g.policy_probs))]
+    outs.append(g.output_ids)
+    chosen.append(g.block_size)
+  assert len(set(chosen)) >= 2, chosen  # the policy really picks different buckets
+  used = {engine.encode_padded(p)[1] for p in prompts}
+  assert used == set(BUCKETS)
+  keys = set(engine.compiled.seconds)
+  assert {("prefill", P, engine.policy_key) for P in BUCKETS} <= keys
+  assert {("spec_loop", b) for b in set(chosen)} <= keys
+  # One compilation per key: per length bucket and block size, never per request.
+  for name in ("prefill", "spec_loop", "ar_loop"):
+    assert engine.compiled.counts[name] == sum(k[0] == name for k in keys)
+  assert engine.compiled.counts["prefill"] - before.get("prefill", 0) <= 2 * len(BUCKETS)
+  counts = dict(engine.compiled.counts)
+  with _BackendCompiles() as compiles:
+    again = [engine.generate(p, max_new_tokens=17, block_size=LEARNED).output_ids
+             for p in prompts]
+  assert again == outs
+  assert dict(engine.compiled.counts) == counts and compiles.n == 0
+
+
+def test_same_architecture_policies_share_the_compiled_prefill(engine):
+  p = _prompts(1, seed=4)[0]
+  engine.generate(p, max_new_tokens=4, block_size=LEARNED)
+  n = engine.compiled.counts["prefill"]
+  other = _policy(seed=11)  # same architecture, other weights
+  engine.set_policy(other, SIZES)
+  try:
+    g = engine.generate(p, max_new_tokens=4, block_size=LEARNED)
+    assert engine.compiled.counts["prefill"] == n  # (a new block size may compile its loop)
+    feats = engine.generate(p, max_new_tokens=4, return_features=True).features
+    want = jax.nn.softmax(other(jnp.asarray(feats["last_hidden"])[None])[0])
+    np.testing.assert_allclose(g.policy_probs, np.asarray(want), atol=1e-5)
+  finally:
+    engine.set_policy(_policy(), SIZES)
+
+
+def test_policy_misuse_is_refused(models, engine):
+  target, drafter = models
+  plain = Engine(target, max_len=MAX_LEN, length_buckets=BUCKETS, drafter=drafter,
+                 block_sizes=SIZES)
+  with pytest.raises(BadInputError, match="needs a block-size policy"):
+    plain.generate([1, 2, 3], max_new_tokens=3, block_size=LEARNED)
+  with pytest.raises(BadInputError, match="not one of the configured buckets"):
+    plain.set_policy(_policy(), (2, 3, 7))
+  with pytest.raises(BadInputError, match="3 classes but 2 block sizes"):
+    plain.set_policy(_policy(), (2, 3))
+  wrong = BlockPolicy(PolicyArch("last_hidden", D + 1, 8, 1, 3), rngs=nnx.Rngs(0))
+  with pytest.raises(BadInputError, match="trained for another model"):
+    plain.set_policy(wrong, SIZES)
+  no_drafter = Engine(target, max_len=MAX_LEN, length_buckets=BUCKETS)
+  with pytest.raises(BadInputError, match="needs the drafter"):
+    no_drafter.set_policy(_policy("pooled_layers"), (1, 1, 1))
+  with pytest.raises(BadInputError, match="integer bucket or 'learned'"):
+    engine.generate([1, 2], max_new_tokens=2, block_size="smart")
+  # The largest candidate decides whether a learned request fits the cache.
+  with pytest.raises(BadInputError, match="max_len"):
+    engine.generate(list(range(1, 30)), max_new_tokens=MAX_LEN - 29 - 3, block_size=LEARNED)
+
+
+# ---- training and checkpoints ----------------------------------------------------------------
+
+
+def test_policy_learns_a_known_labelling_rule():
+  """Labels are a known function of the features (argmax of a fixed linear map of 8 of 32 badly
+  scaled, offset inputs; the other 24 are noise): held-out accuracy must exceed 90%, far above
+  the majority class."""
+  rng = np.random.default_rng(0)
+  F, C = 32, 5
+  scales = np.exp(rng.normal(0, 2, F)).astype(np.float32)  # normalisation must handle this
+  w = np.zeros((F, C), np.float32)
+  w[:8] = rng.normal(size=(8, C))
+
+  def data(n):
+    x = rng.normal(size=(n, F)).astype(np.float32)
+    return x * scales + 3.0, np.argmax(x @ w, axis=1)
+
+  (xt, yt), (xv, yv), (xe, ye) = data(6000), data(500), data(1000)
+  arch = PolicyArch("last_hidden", F, 64, 2, C, residual=True, dropout=0.2)
+  fit = fit_policy(xt, yt, xv, yv, arch, opt_cfg=opt_config(lr=3e-3, weight_decay=0.05),
+                   steps=1500, batch=128, label_smoothing=0.05, eval_every=50, patience=6,
+                   seed=0)
+  acc = float((predict(fit.policy, xe) == ye).mean())
+  majority = float((ye == np.bincount(yt).argmax()).mean())
+  assert acc > 0.9, (acc, fit.best_step, fit.steps_run)
+  assert majority < 0.3
+  assert fit.history and fit.best_step <= fit.steps_run
+
+
+def test_early_stopping_keeps_the_best_validation_parameters():
+  """Random labels: the validation loss only gets worse after a while; the returned policy is
+  the one of the best validation step, and training stops early."""
+  rng = np.random.default_rng(1)
+  x, y = rng.normal(size=(64, 8)).astype(np.float32), rng.integers(0, 3, 64)
+  xv, yv = rng.normal(size=(32, 8)).astype(np.float32), rng.integers(0, 3, 32)
+  arch = PolicyArch("last_hidden", 8, 64, 2, 3, dropout=0.0)
+  fit = fit_policy(x, y, xv, yv, arch, opt_cfg=opt_config(lr=1e-2, weight_decay=0.0),
+                   steps=3000, batch=64, label_smoothing=0.0, eval_every=5, patience=5, seed=0)
+  assert fit.steps_run < 3000
+  best = min(h["val_loss"] for h in fit.history)
+  assert best == pytest.approx(fit.val_loss)
+  logits = fit.policy(jnp.asarray(xv))
+  import optax
+  ce = float(optax.softmax_cross_entropy_with_integer_labels(logits, jnp.asarray(yv)).mean())
+  assert ce == pytest.approx(best, rel=1e-5)
+
+
+def test_policy_checkpoint_round_trip(tmp_path):
+  policy = _policy("pooled_layers")
+  rng = np.random.default_rng(0)
+  policy.set_feature_stats(rng.normal(size=policy.arch.input_dim),
+                           rng.uniform(0.5, 2, policy.arch.input_dim))
+  texts = ["def f():\n", "print(1)\n"]
+  path = save_policy(str(tmp_path / "pol"), policy, block_sizes=SIZES, label_rule="max_tau",
+                     target_layer_ids=LAYER_IDS, labelled_hashes=[prompt_hash(t) for t in texts],
+                     meta={"note": "test"})
+  loaded, info = load_policy(path)
+  x = jnp.asarray(rng.normal(size=(3, policy.arch.input_dim)), jnp.float32)
+  np.testing.assert_allclose(np.asarray(loaded(x)), np.asarray(policy(x)), rtol=1e-6)
+  assert loaded.arch == policy.arch
+  assert info.block_sizes == SIZES and info.label_rule == "max_tau"
+  assert info.target_layer_ids == LAYER_IDS
+  assert info.overlap(["x = 1\n", "print(1)\n"]) == [1]
+  meta = json.load(open(os.path.join(path, "bp_jax.json")))
+  config = json.load(open(os.path.join(path, "config.json")))
+  assert meta["kind"] == "policy" and meta["note"] == "test"
+  assert meta["num_trainable_params"] == policy.arch.num_params()
+  assert config["feature_type"] == "pooled_layers" and config["block_sizes"] == list(SIZES)
+  n_params = sum(x.size for x in jax.tree.leaves(nnx.state(policy, nnx.Param)))
+  assert n_params == policy.arch.num_params()
+  with pytest.raises(BadInputError, match="'dflash' checkpoint is expected|is a 'policy'"):
+    from bp_jax.loading import load_drafter
+    load_drafter(path)
+
+
+def test_parameter_counts_match_the_published_policy_scale():
+  # The published last_logits MLP (2 x 2048, 5 classes) on Qwen3's 151,936-token vocabulary.
+  n = mlp_param_count(151936, 2048, 2, 5)
+  assert 311e6 < n < 316e6
+  costs = policy_costs(151936, 2560, 5, 2048, 2, 5)
+  assert costs["last_logits"] == n
+  assert costs["last_hidden"] < costs["pooled_layers"] < costs["last_logits"] / 4
+
+
+def test_random_control_is_seeded_and_uniform():
+  draws = [random_block_size(SIZES, 0, i) for i in range(3000)]
+  assert draws == [random_block_size(SIZES, 0, i) for i in range(3000)]
+  assert draws != [random_block_size(SIZES, 1, i) for i in range(3000)]
+  counts = np.bincount([SIZES.index(d) for d in draws])
+  assert counts.min() > 900, counts
