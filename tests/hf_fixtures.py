@@ -86,3 +86,14 @@ def dict_getters(sd: dict):
   np_sd = {k: (v.detach().float().numpy() if isinstance(v, torch.Tensor) else v)
            for k, v in sd.items()}
   return np_sd.__getitem__, (lambda k: np_sd[k].shape), set(np_sd)
+
+
+def jax_drafter_from_state_dict(cfg, sd: dict):
+  """Our NNX DFlash drafter holding the weights of a z-lab-named state dict."""
+  from flax import nnx
+  from bp_jax.dflash import DFlashDrafter
+  from bp_jax.hf_mapping import drafter_params_from_hf
+  from bp_jax.nnx_utils import module_from_params
+  get, shape_of, keys = dict_getters(sd)
+  params = drafter_params_from_hf(get, shape_of, keys, cfg, "tiny-dflash")
+  return module_from_params(lambda: DFlashDrafter(cfg, rngs=nnx.Rngs(0)), params)

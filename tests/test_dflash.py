@@ -12,11 +12,11 @@ import torch
 from flax import nnx
 
 from bp_jax.config import DFlashConfig, Qwen3Config, default_target_layer_ids
-from bp_jax.dflash import DFlashDrafter, validate_drafter_for_target
+from bp_jax.dflash import validate_drafter_for_target
 from bp_jax.errors import BadInputError
-from bp_jax.hf_mapping import drafter_params_from_hf, drafter_params_to_hf
-from bp_jax.nnx_utils import module_from_params, module_params
-from hf_fixtures import dict_getters, make_dflash_state_dict
+from bp_jax.hf_mapping import drafter_params_to_hf
+from bp_jax.nnx_utils import module_params
+from hf_fixtures import jax_drafter_from_state_dict, make_dflash_state_dict
 
 V, D, BLOCK, MASK = 128, 64, 8, 127
 TARGET_LAYERS = 6
@@ -86,9 +86,7 @@ def setup():
   g = torch.Generator().manual_seed(1)
   embed = 0.5 * torch.randn(V, D, generator=g)
   lm_head = 0.3 * torch.randn(V, D, generator=g)
-  get, shape_of, keys = dict_getters(sd)
-  params = drafter_params_from_hf(get, shape_of, keys, CFG, "tiny-dflash")
-  drafter = module_from_params(lambda: DFlashDrafter(CFG, rngs=nnx.Rngs(0)), params)
+  drafter = jax_drafter_from_state_dict(CFG, sd)
   return sd, embed, lm_head, drafter
 
 

@@ -9,7 +9,6 @@ import json
 import os
 
 import jax
-import jax.monitoring
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -27,6 +26,7 @@ from bp_jax.policy_features import (FEATURE_TYPES, feature_dims, mlp_param_count
 from bp_jax.qwen3 import Qwen3
 from bp_jax.train.optim import opt_config
 from bp_jax.train.policy_stage import fit_policy, predict
+from compile_counting import BackendCompiles
 
 V, D, LAYERS = 64, 32, 3
 LAYER_IDS = (0, 2)
@@ -169,20 +169,6 @@ def test_policy_in_prefill_adds_no_target_pass(models, monkeypatch):
 # ---- decoding --------------------------------------------------------------------------------
 
 
-class _BackendCompiles:
-  def __init__(self):
-    self.n = 0
-
-  def _listener(self, event, duration, **kw):
-    if event == "/jax/core/compile/backend_compile_duration":
-      self.n += 1
-
-  def __enter__(self):
-    jax.monitoring.register_event_duration_secs_listener(self._listener)
-    return self
-
-  def __exit__(self, *exc):
-    jax.monitoring.unregister_event_duration_listener(self._listener)
 
 
 def test_learned_decoding_is_lossless_and_compiles_once_per_bucket(engine):
@@ -209,7 +195,7 @@ def test_learned_decoding_is_lossless_and_compiles_once_per_bucket(engine):
     assert engine.compiled.counts[name] == sum(k[0] == name for k in keys)
   assert engine.compiled.counts["prefill"] - before.get("prefill", 0) <= 2 * len(BUCKETS)
   counts = dict(engine.compiled.counts)
-  with _BackendCompiles() as compiles:
+  with BackendCompiles() as compiles:
     again = [engine.generate(p, max_new_tokens=17, block_size=LEARNED).output_ids
              for p in prompts]
   assert again == outs

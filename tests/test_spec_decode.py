@@ -16,20 +16,17 @@ from __future__ import annotations
 
 import math
 
-import jax
-import jax.monitoring
+
 import numpy as np
 import pytest
 import torch
-from flax import nnx
 
 from bp_jax.config import DFlashConfig
-from bp_jax.dflash import DFlashDrafter
 from bp_jax.engine import Engine
 from bp_jax.errors import BadInputError
-from bp_jax.hf_mapping import drafter_params_from_hf
-from bp_jax.nnx_utils import module_from_params
-from hf_fixtures import dict_getters, jax_qwen3_from_torch, make_dflash_state_dict, make_hf_qwen3
+from compile_counting import BackendCompiles
+from hf_fixtures import (jax_drafter_from_state_dict, jax_qwen3_from_torch, make_dflash_state_dict,
+                         make_hf_qwen3)
 
 V = 128
 MASK = V - 1
@@ -91,9 +88,7 @@ def models():
   hf = make_hf_qwen3(seed=11, **TARGET_KW)
   target = jax_qwen3_from_torch(hf)
   cfg = DFlashConfig.from_hf_dict(DRAFTER_HF, "tiny-dflash/config.json")
-  get, shape_of, keys = dict_getters(make_dflash_state_dict(cfg, seed=5))
-  params = drafter_params_from_hf(get, shape_of, keys, cfg, "tiny-dflash")
-  drafter = module_from_params(lambda: DFlashDrafter(cfg, rngs=nnx.Rngs(0)), params)
+  drafter = jax_drafter_from_state_dict(cfg, make_dflash_state_dict(cfg, seed=5))
   return hf, target, drafter
 
 
@@ -261,22 +256,6 @@ def test_max_new_tokens_not_a_multiple_of_block_size(engine, reference, b):
 
 # ---- compile once -------------------------------------------------------------------------------
 
-class _BackendCompiles:
-  """Counts XLA backend compilations (any jit, not only the engine's) while active."""
-
-  def __init__(self):
-    self.n = 0
-
-  def _listener(self, event, duration, **kw):
-    if event == "/jax/core/compile/backend_compile_duration":
-      self.n += 1
-
-  def __enter__(self):
-    jax.monitoring.register_event_duration_secs_listener(self._listener)
-    return self
-
-  def __exit__(self, *exc):
-    jax.monitoring.unregister_event_duration_listener(self._listener)
 
 
 def test_each_bucket_compiles_once(engine, reference):
@@ -299,7 +278,7 @@ def test_each_bucket_compiles_once(engine, reference):
     assert engine.compiled.counts[name] == sum(k[0] == name for k in keys), (
         name, engine.compiled.counts, sorted(keys))
   counts = dict(engine.compiled.counts)
-  with _BackendCompiles() as compiles:
+  with BackendCompiles() as compiles:
     again = [engine.generate(p, max_new_tokens=m, block_size=b).output_ids for p, m, b in jobs]
   assert again == outputs
   assert dict(engine.compiled.counts) == counts

@@ -31,11 +31,9 @@ from flax import nnx
 
 from bp_jax import decode_loops
 from bp_jax.config import DFlashConfig
-from bp_jax.dflash import DFlashDrafter
 from bp_jax.engine import Engine
-from bp_jax.hf_mapping import drafter_params_from_hf
-from bp_jax.nnx_utils import module_from_params
-from hf_fixtures import dict_getters, jax_qwen3_from_torch, make_dflash_state_dict, make_hf_qwen3
+from hf_fixtures import (jax_drafter_from_state_dict, jax_qwen3_from_torch, make_dflash_state_dict,
+                         make_hf_qwen3)
 
 V = 16
 MASK = V - 1
@@ -87,9 +85,7 @@ def models():
     hf.lm_head.weight.mul_(4.0)
   target = jax_qwen3_from_torch(hf)
   cfg = DFlashConfig.from_hf_dict(DRAFTER_HF, "tiny-dflash/config.json")
-  get, shape_of, keys = dict_getters(make_dflash_state_dict(cfg, seed=2))
-  params = drafter_params_from_hf(get, shape_of, keys, cfg, "tiny-dflash")
-  drafter = module_from_params(lambda: DFlashDrafter(cfg, rngs=nnx.Rngs(0)), params)
+  drafter = jax_drafter_from_state_dict(cfg, make_dflash_state_dict(cfg, seed=2))
   return hf, target, drafter
 
 

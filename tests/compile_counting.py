@@ -1,0 +1,21 @@
+"""Counting XLA backend compilations in tests (any jit, not only the engine's)."""
+
+import jax
+
+
+class BackendCompiles:
+  """Context manager: `n` is the number of XLA backend compilations while it was active."""
+
+  def __init__(self):
+    self.n = 0
+
+  def _listener(self, event, duration, **kw):
+    if event == "/jax/core/compile/backend_compile_duration":
+      self.n += 1
+
+  def __enter__(self):
+    jax.monitoring.register_event_duration_secs_listener(self._listener)
+    return self
+
+  def __exit__(self, *exc):
+    jax.monitoring.unregister_event_duration_listener(self._listener)
