@@ -89,11 +89,21 @@ def make_prefill(graphdef, draft_graphdef=None, policy_graphdef=None) -> Callabl
   return prefill
 
 
-def make_ar_loop(graphdef) -> Callable:
-  """ar_loop(state, seq, cache, first_tok, n, max_new, temperature, seed_key, stop_ids) -> LoopOut."""
+def _layers_of(module, scan_layers: bool):
+  """The `layers=` argument of a forward inside a decode loop: None runs `lax.scan` over the
+  stacked weights; otherwise per-layer weights, sliced once here, outside the `while_loop`."""
+  return None if scan_layers else module.layers.per_layer()
+
+
+def make_ar_loop(graphdef, scan_layers: bool = False) -> Callable:
+  """ar_loop(state, seq, cache, first_tok, n, max_new, temperature, seed_key, stop_ids) -> LoopOut.
+
+  `scan_layers`: run the target's layers with `lax.scan` (faster to compile for deep models)
+  instead of unrolled with per-layer weights (faster per step; the default)."""
 
   def ar_loop(state, seq_1S, cache, first_tok, n, max_new, temperature, seed_key, stop_ids):
     model = nnx.merge(graphdef, state)
+    layers = _layers_of(model, scan_layers)
     S = seq_1S.shape[1]
     seq_1S = seq_1S.at[0, n].set(first_tok, mode="drop")
     accept0 = jnp.zeros((S,), jnp.int32)
@@ -104,7 +114,7 @@ def make_ar_loop(graphdef) -> Callable:
 
     def body(c):
       seq, cache, pos, n_gen, done, tok, cycles = c
-      out = model(tok[None, None], cache.with_lengths(pos[None]))
+      out = model(tok[None, None], cache.with_lengths(pos[None]), layers=layers)
       nxt = sample(out.logits[:, 0], temperature, position_keys(seed_key, (pos + 1)[None]))[0]
       seq = seq.at[0, pos + 1].set(nxt, mode="drop")
       return (seq, out.cache, pos + 1, n_gen + 1, _is_stop(nxt, stop_ids), nxt, cycles + 1)
@@ -117,7 +127,8 @@ def make_ar_loop(graphdef) -> Callable:
   return ar_loop
 
 
-def make_spec_loop(graphdef, draft_graphdef, block_size: int) -> Callable:
+def make_spec_loop(graphdef, draft_graphdef, block_size: int,
+                   scan_layers: bool = False) -> Callable:
   """spec_loop(state, draft_state, seq, cache, draft_cache, first_tok, n, max_new, temperature,
   seed_key, stop_ids, forced_seq, use_forced) -> LoopOut.
 
@@ -129,6 +140,7 @@ def make_spec_loop(graphdef, draft_graphdef, block_size: int) -> Callable:
   `forced_seq`/`use_forced` (runtime values): when `use_forced`, draft tokens are read from
   `forced_seq` at their positions instead of the drafter's argmax — a perfect drafter for tests
   and for measuring the engine's ceiling, which still pays the drafter's full compute.
+  `scan_layers`: as in `make_ar_loop`, for the target and the drafter.
   """
   b = block_size
 
@@ -136,6 +148,7 @@ def make_spec_loop(graphdef, draft_graphdef, block_size: int) -> Callable:
                 temperature, seed_key, stop_ids, forced_seq_1S, use_forced):
     model = nnx.merge(graphdef, state)
     drafter = nnx.merge(draft_graphdef, draft_state)
+    layers, draft_layers = _layers_of(model, scan_layers), _layers_of(drafter, scan_layers)
     mask_id = drafter.cfg.mask_token_id
     layer_ids = drafter.cfg.target_layer_ids
     S = seq_1S.shape[1]
@@ -149,13 +162,13 @@ def make_spec_loop(graphdef, draft_graphdef, block_size: int) -> Callable:
       pos, tok = c["pos"], c["tok"]
       # Draft b-1 tokens with one drafter pass over [tok, MASK, ..., MASK].
       block_1b = jnp.full((1, b), mask_id, jnp.int32).at[0, 0].set(tok)
-      h_1bD = drafter.draft(model.embed_tokens(block_1b), c["draft_cache"])
+      h_1bD = drafter.draft(model.embed_tokens(block_1b), c["draft_cache"], draft_layers)
       drafted = jnp.argmax(model.project_to_vocab(h_1bD[:, 1:])[0], axis=-1)
       forced = jax.lax.dynamic_slice_in_dim(forced_seq_1S[0], pos + 1, b - 1)
       draft = jnp.where(use_forced, forced, drafted).astype(jnp.int32)
       # Verify the whole block in one target forward.
       verify_1b = jnp.concatenate([tok[None], draft])[None]
-      out = model(verify_1b, c["cache"].with_lengths(pos[None]), layer_ids)
+      out = model(verify_1b, c["cache"].with_lengths(pos[None]), layer_ids, layers=layers)
       y = sample(out.logits[0], temperature, position_keys(seed_key, pos + 1 + offs_b))
       a = accept_length(draft, y)
       new_pos = pos + a + 1

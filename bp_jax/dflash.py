@@ -121,12 +121,14 @@ class DFlashDrafter(nnx.Module):
 
   # ---- drafting ------------------------------------------------------------------------------
 
-  def draft(self, block_emb_BbD: jax.Array, cache: KVCache) -> jax.Array:
+  def draft(self, block_emb_BbD: jax.Array, cache: KVCache,
+            layers: list[dict[str, jax.Array]] | None = None) -> jax.Array:
     """Final-normed hidden states [B, b, D] of a block at positions `cache.lengths + arange(b)`.
 
     `block_emb_BbD` is the target's embedding of `[t, MASK, ..., MASK]`. Each block position sees
     the valid context (slots `j < cache.lengths`) and the whole block. The cache is only read.
     Multiply by the target's head weight for logits; positions 1..b-1 give the draft tokens.
+    `layers`: as for `Qwen3.__call__` (None = `lax.scan`; `self.layers.per_layer()` = unrolled).
     """
     c = self.cfg.layers
     eps, K, H = c.rms_norm_eps, c.num_key_value_heads, c.head_dim
@@ -146,8 +148,12 @@ class DFlashDrafter(nnx.Module):
       x_BbD = h_BbD + L.swiglu_mlp(L.rms_norm(h_BbD, p["post_norm"], eps), p)
       return x_BbD, None
 
-    x_BbD, _ = jax.lax.scan(body, block_emb_BbD.astype(self.dtype),
-                            (self.layers.as_dict(), cache.k, cache.v))
+    x_BbD = block_emb_BbD.astype(self.dtype)
+    if layers is None:
+      x_BbD, _ = jax.lax.scan(body, x_BbD, (self.layers.as_dict(), cache.k, cache.v))
+    else:
+      for i, p in enumerate(layers):
+        x_BbD, _ = body(x_BbD, (p, cache.k[i], cache.v[i]))
     return L.rms_norm(x_BbD, self.norm[...], eps)
 
   # ---- compatibility -------------------------------------------------------------------------

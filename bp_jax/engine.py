@@ -77,12 +77,13 @@ class Engine:
   def __init__(self, target: Qwen3, *, max_len: int, stop_ids: Sequence[int] = (),
                length_buckets: Sequence[int] | None = None, drafter=None,
                block_sizes: Sequence[int] = DEFAULT_BLOCK_SIZES, policy=None,
-               policy_sizes: Sequence[int] = ()):
+               policy_sizes: Sequence[int] = (), scan_layers: bool = False):
     if max_len > target.cfg.max_position_embeddings:
       raise BadInputError(f"--config.max_len={max_len} exceeds the model's "
                           f"max_position_embeddings={target.cfg.max_position_embeddings}")
     self.cfg = target.cfg
     self.max_len = max_len
+    self.scan_layers = bool(scan_layers)  # decode loops: lax.scan over layers, or unrolled
     self.length_buckets = tuple(sorted(length_buckets or default_length_buckets(max_len)))
     if self.length_buckets[-1] > max_len:
       raise BadInputError(f"length bucket {self.length_buckets[-1]} exceeds "
@@ -180,14 +181,15 @@ class Engine:
     if block_size == 1:
       args = (self.t_state, self.seq, self.cache, pre.first_tok, n, max_new, temperature,
               seed_key, self._stop_arr)
-      fn = self.compiled.get(("ar_loop", 1), lambda: decode_loops.make_ar_loop(self.t_graph),
+      fn = self.compiled.get(("ar_loop", 1), lambda: decode_loops.make_ar_loop(self.t_graph, self.scan_layers),
                              args, donate_argnums=(1, 2))
       return fn, args
     args = (self.t_state, self.d_state, self.seq, self.cache, self.draft_cache, pre.first_tok, n,
             max_new, temperature, seed_key, self._stop_arr, self.forced_seq, use_forced)
     fn = self.compiled.get(
         ("spec_loop", block_size),
-        lambda: decode_loops.make_spec_loop(self.t_graph, self.d_graph, block_size), args,
+        lambda: decode_loops.make_spec_loop(self.t_graph, self.d_graph, block_size,
+                                            self.scan_layers), args,
         donate_argnums=(2, 3, 4))
     return fn, args
 

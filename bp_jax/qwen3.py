@@ -41,6 +41,17 @@ class LayerStack(nnx.Module):
   def as_dict(self) -> dict[str, jax.Array]:
     return {name: getattr(self, name)[...] for name in L.LAYER_PARAM_NAMES}
 
+  def per_layer(self) -> list[dict[str, jax.Array]]:
+    """One parameter dict per layer (static slices of the stacks), for the unrolled forward.
+
+    Inside a decode loop, take these once before the `while_loop`: the slices are then loop
+    invariants, whereas `lax.scan` over the stacks slices (copies) every layer's weights at
+    every step, which on CPU costs as much as the layer's matmuls at decode batch sizes.
+    """
+    stacked = self.as_dict()
+    n = stacked["input_norm"].shape[0]
+    return [{name: w[i] for name, w in stacked.items()} for i in range(n)]
+
 
 class ForwardOutput(NamedTuple):
   logits: jax.Array          # [B, T', V] float32 (T' = T, or 1 when `logits_at` is given)
@@ -83,12 +94,15 @@ class Qwen3(nnx.Module):
                       preferred_element_type=jnp.float32)
 
   def __call__(self, tokens_BT: jax.Array, cache: KVCache,
-               hidden_layers: Sequence[int] = (), logits_at: jax.Array | None = None
-               ) -> ForwardOutput:
+               hidden_layers: Sequence[int] = (), logits_at: jax.Array | None = None,
+               layers: Sequence[dict[str, jax.Array]] | None = None) -> ForwardOutput:
     """Runs T tokens through the model on top of `cache`.
 
     `hidden_layers`: indices of decoder layers whose outputs are returned (same pass).
     `logits_at`: optional [B] index into T; logits are then computed only there ([B, 1, V]).
+    `layers`: None runs the layers with `lax.scan` over the stacked parameters (one traced
+    layer: fast to compile); `self.layers.per_layer()` (taken once, outside a decode loop) runs
+    them unrolled with static per-layer weights (fast to run; see `LayerStack.per_layer`).
     """
     c = self.cfg
     B, T = tokens_BT.shape
@@ -106,7 +120,7 @@ class Qwen3(nnx.Module):
 
     def body(carry, xs):
       x, k_all, v_all, hid = carry
-      p, layer, slot = xs
+      p, layer, slot = xs  # layer / slot: traced under scan, Python ints when unrolled
       xn = L.rms_norm(x, p["input_norm"], c.rms_norm_eps)
       q = L.project_q(xn, p, cos, sin, c.num_attention_heads, c.head_dim, c.rms_norm_eps)
       k_new, v_new = L.project_kv(xn, p, cos, sin, c.num_key_value_heads, c.head_dim,
@@ -119,8 +133,17 @@ class Qwen3(nnx.Module):
       hid = jax.lax.dynamic_update_index_in_dim(hid, x, slot, axis=0)
       return (x, k_all, v_all, hid), None
 
-    xs = (self.layers.as_dict(), jnp.arange(c.num_hidden_layers), jnp.asarray(keep_slot))
-    (x_BTD, k_all, v_all, hid), _ = jax.lax.scan(body, (x_BTD, cache.k, cache.v, hid), xs)
+    carry = (x_BTD, cache.k, cache.v, hid)
+    if layers is None:
+      xs = (self.layers.as_dict(), jnp.arange(c.num_hidden_layers), jnp.asarray(keep_slot))
+      carry, _ = jax.lax.scan(body, carry, xs)
+    else:
+      if len(layers) != c.num_hidden_layers:
+        raise ValueError(f"got parameters of {len(layers)} layers for a model with "
+                         f"{c.num_hidden_layers}")
+      for i, p in enumerate(layers):
+        carry, _ = body(carry, (p, i, keep_slot[i]))
+    x_BTD, k_all, v_all, hid = carry
     if logits_at is not None:
       x_BTD = jnp.take_along_axis(x_BTD, logits_at[:, None, None].astype(jnp.int32), axis=1)
     normed = L.rms_norm(x_BTD, self.final_norm[...], c.rms_norm_eps)

@@ -148,7 +148,8 @@ def build_engine(cfg, extra_sizes: Sequence[int] = ()) -> tuple[Engine, Any]:
   sizes = tuple(sorted(set(block_sizes or (cfg.block_size,)) | {b for b in extra_sizes if b > 1}))
   engine = Engine(target, max_len=cfg.max_len, stop_ids=stop_token_ids(tok),
                   length_buckets=parse_int_list(cfg.length_buckets, "--config.length_buckets")
-                  or None, drafter=drafter, block_sizes=sizes)
+                  or None, drafter=drafter, block_sizes=sizes,
+                  scan_layers=bool(cfg.get("scan_layers", False)))
   return engine, tok
 
 

@@ -87,6 +87,10 @@ def get_config() -> ml_collections.ConfigDict:
   c.oracle_labels = ""       # oracle: labels dataset '<data dir>/<name>' (train.py stage labels)
   c.label_rule = "max_tau"   # oracle: max_tau | max_throughput
   c.precompile = False       # compile every bucket up front and report each compile time
+  # Decode loops run the layers unrolled with per-layer weights taken once per request (fast
+  # steps); True runs them with lax.scan over the stacked weights (much faster to compile for
+  # deep models, slower per step: scan slices every layer's weights at every step).
+  c.scan_layers = False
   c.report = ""              # folder for PNG plots (acceptance-length histogram)
   c.blockpilot = blockpilot_config()
   return c

@@ -199,6 +199,17 @@ def test_draft_leaves_cache_unchanged(setup):
     np.testing.assert_array_equal(a, np.asarray(b))
 
 
+def test_unrolled_draft_equals_scanned_draft(setup):
+  _, embed, _, drafter = setup
+  rng = np.random.default_rng(4)
+  cache = drafter.init_cache(2, 16)
+  cache = drafter.add_context(jnp.asarray(_feats(rng, 2, 6)), cache).with_lengths(np.array([6, 4]))
+  emb = jnp.take(jnp.asarray(embed.numpy()), jnp.asarray(_block(np.array([3, 9]))), axis=0)
+  np.testing.assert_allclose(np.asarray(drafter.draft(emb, cache)),
+                             np.asarray(drafter.draft(emb, cache, drafter.layers.per_layer())),
+                             atol=1e-5, rtol=0)
+
+
 def test_default_target_layer_ids():
   assert default_target_layer_ids(36, 5) == (1, 9, 17, 25, 33)
   assert default_target_layer_ids(36, 1) == (18,)

@@ -193,3 +193,28 @@ def test_target_layer_ids_choice():
     draft_stage_mod.choose_target_layer_ids(4, 2, (1, 1))
   with pytest.raises(BadInputError, match="out of range"):
     draft_stage_mod.choose_target_layer_ids(4, 2, (1, 4))
+
+
+def test_docstring_prompts_end_at_a_docstring(setup):
+  """`prompt_style="docstring"`: each prompt is a file's text up to the end of a function's
+  docstring (HumanEval's shape), left-truncated to prompt_tokens; one per file before seconds."""
+  tok = setup["tok"]
+  docs = load_prompts(f"pysrc:{setup['cfg'].corpus}")
+  prompts = regen.cut_docstring_prompts(docs, tok, 10_000, 5, seed=0)
+  assert len(prompts) == 5 and len({pid.rsplit(":", 1)[0] for pid, _ in prompts}) == 5
+  for pid, ids in prompts:
+    name, line = pid.rsplit(":", 1)
+    assert line == "2"  # `def function_i(value):` then its one-line docstring
+    text = tok.decode(ids)
+    assert text.rstrip().endswith('"""Docstring number ' + name[4:-3] + '."""')
+    assert text.endswith("\n") and text.startswith("def function_")
+  short = regen.cut_docstring_prompts(docs, tok, 6, 3, seed=0)
+  assert [len(ids) for _, ids in short] == [6, 6, 6]
+  full = dict(prompts)
+  assert all(ids == full[pid][-6:] for pid, ids in short)
+  # Files without a documented function give nothing; a file that does not parse is skipped.
+  bad = [regen.Prompt("broken.py", "def f(:\n  '''x'''\n  pass\n"),
+         regen.Prompt("plain.py", "x = 1\n")]
+  assert regen.cut_docstring_prompts(bad, tok, 64, 4) == []
+  with pytest.raises(BadInputError, match="prompt_style"):
+    regen.cut_style_prompts("lines", docs, tok, 8, 8, 2, 0)

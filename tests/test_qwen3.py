@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -83,6 +84,20 @@ def test_logits_and_hidden_states_match_transformers_float32(variant):
   for j in range(n):
     np.testing.assert_allclose(np.asarray(out.layer_hiddens[j]), ref_layers[j], atol=F32_TOL,
                                rtol=0, err_msg=f"decoder layer {j}")
+
+
+def test_unrolled_layers_equal_the_scanned_forward(tiny_pair):
+  """`layers=per_layer()` (decode loops) computes what `lax.scan` over the stacks computes:
+  logits, requested hidden states and the cache, on top of a partly filled cache."""
+  _, ours = tiny_pair
+  first, more = _tokens(2, 7, 128, seed=5), _tokens(2, 4, 128, seed=6)
+  cache = ours(jnp.asarray(first), ours.init_cache(2, 16)).cache.with_lengths(np.array([7, 7]))
+  scanned = ours(jnp.asarray(more), cache, (2, 0))
+  unrolled = ours(jnp.asarray(more), cache, (2, 0), layers=ours.layers.per_layer())
+  for a, b in zip(jax.tree.leaves(scanned), jax.tree.leaves(unrolled)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0)
+  with pytest.raises(ValueError, match="parameters of 2 layers for a model with 3"):
+    ours(jnp.asarray(more), cache, layers=ours.layers.per_layer()[:2])
 
 
 def test_requested_hidden_layers_come_back_in_requested_order(tiny_pair):

@@ -257,6 +257,19 @@ def test_max_new_tokens_not_a_multiple_of_block_size(engine, reference, b):
 
 
 
+def test_scanned_layers_decode_the_same_tokens(models, reference, ar_outputs):
+  """Engine(scan_layers=True) (lax.scan over layers in the loops) gives the outputs of the
+  default unrolled loops, for AR and spec."""
+  _, target, drafter = models
+  prompts, _, stop = reference
+  scanned = Engine(target, max_len=MAX_LEN, stop_ids=[stop], length_buckets=LENGTH_BUCKETS,
+                   drafter=drafter, block_sizes=(4,), scan_layers=True)
+  for i in range(4):
+    for b in (1, 4):
+      out = scanned.generate(prompts[i], max_new_tokens=MAX_NEWS[i], block_size=b).output_ids
+      assert out == ar_outputs[i], (i, b)
+
+
 def test_each_bucket_compiles_once(engine, reference):
   """Decoding prompts of all length buckets with several block sizes compiles one prefill per
   bucket and one loop per block size; a second pass compiles nothing at all."""

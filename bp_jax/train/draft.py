@@ -388,7 +388,7 @@ def draft_stage(cfg: Any) -> None:
              "train_loss": result.last_metrics.get("loss"),
              "train_acceptance_length": result.last_metrics.get("acceptance_length"),
              **result.eval_metrics,
-             "response_tokens_per_s": tokens_per_s,
+             "response_tokens_per_s": tokens_per_s, "peak_rss_mb": wd.peak_rss_mb(),
              "num_params": int(sum(x.size for x in jax.tree.leaves(nnx.state(result.model)))),
              "checkpoint": out, "shipped": shipped}
   with open(summary_path, "w", encoding="utf-8") as f:

@@ -211,7 +211,7 @@ def lm_stage(cfg: Any) -> None:
   summary = {"steps": result.step, "resumed_from": result.start_step,
              "train_loss": result.last_metrics.get("loss"),
              **{k: v for k, v in result.eval_metrics.items()},
-             "tokens_per_s": round(result.tokens_per_s, 1),
+             "tokens_per_s": round(result.tokens_per_s, 1), "peak_rss_mb": wd.peak_rss_mb(),
              "num_params": sum(x.size for x in jax.tree.leaves(nnx.state(result.model))),
              "checkpoint": out, "checkpoint_mb": round(wd.folder_nbytes(out) / 2**20, 2),
              "shipped": shipped}

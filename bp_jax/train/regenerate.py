@@ -7,9 +7,12 @@ stored as a token sequence (`prompt_len` = the prompt's length) in two TFDS data
 
 Prompts: the LM's training files of the corpus (`cfg.corpus`, default: the standard library;
 files held out by the `lm_data` split are not used), or any `bp_jax.prompts` source given as
-`cfg.regenerate.source` (a JSONL file or "pysrc:<dir>"). Each file is tokenized and cut into
-windows of `prompt_tokens` tokens (starting every `prompt_tokens + max_new_tokens` tokens); each
-file gives one window (chosen at random, seeded) before any file gives a second one. HumanEval is
+`cfg.regenerate.source` (a JSONL file or "pysrc:<dir>"). With `prompt_style="window"` each file is
+tokenized and cut into windows of `prompt_tokens` tokens (starting every
+`prompt_tokens + max_new_tokens` tokens); with `prompt_style="docstring"` a prompt is a file's
+text up to the end of one function's docstring (its last `prompt_tokens` tokens), so the target
+writes a function body as it does for a HumanEval problem. Either way each file gives one prompt
+(chosen at random, seeded) before any file gives a second one. HumanEval is
 an evaluation set: it is refused as a source, and so is any document containing a HumanEval
 function signature.
 """
@@ -173,6 +176,83 @@ def cut_prompts(docs: Sequence[Prompt], tok: Any, prompt_tokens: int, stride: in
   return out
 
 
+def _docstring_ends(text: str) -> list[int]:
+  """Line numbers (1-based) where the docstring of a function or method ends, in file order.
+
+  A file that does not parse (e.g. written for another Python version) gives none.
+  """
+  import ast
+  import warnings
+
+  try:
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore")
+      tree = ast.parse(text)
+  except (SyntaxError, ValueError, RecursionError):
+    return []
+  ends = []
+  for node in ast.walk(tree):
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+      first = node.body[0]
+      if (isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
+          and isinstance(first.value.value, str) and len(node.body) > 1):
+        ends.append(first.end_lineno)
+  return sorted(set(ends))
+
+
+def cut_docstring_prompts(docs: Sequence[Prompt], tok: Any, prompt_tokens: int, num: int,
+                          seed: int = 0) -> list[tuple[str, list[int]]]:
+  """Up to `num` HumanEval-shaped prompts (id, token ids): a document's text up to the end of one
+  function's docstring (a newline included), keeping its last `prompt_tokens` tokens.
+
+  The model then writes the function body, as it does for a HumanEval problem. Every document
+  contributes one prompt (a docstring chosen at random, seeded by `seed` and its id) before any
+  document contributes a second, in the given document order. Ids are
+  `<document id>:<docstring end line>`.
+  """
+  orders: dict[int, list[int]] = {}
+
+  def ends_of(i: int) -> list[int]:
+    if i not in orders:
+      ends = _docstring_ends(docs[i].text)
+      digest = hashlib.sha256(f"{seed}\x00{docs[i].id}".encode()).digest()
+      rng = np.random.default_rng(int.from_bytes(digest[:8], "big"))
+      orders[i] = [ends[j] for j in rng.permutation(len(ends))]
+    return orders[i]
+
+  out: list[tuple[str, list[int]]] = []
+  r = 0
+  while len(out) < num:
+    added = False
+    for i, doc in enumerate(docs):
+      if len(out) >= num:
+        break
+      ends = ends_of(i)
+      if r < len(ends):
+        text = "".join(doc.text.splitlines(keepends=True)[:ends[r]])
+        ids = list(tok.encode(text.rstrip("\n") + "\n", add_special_tokens=False))
+        out.append((f"{doc.id}:{ends[r]}", ids[-prompt_tokens:]))
+        added = True
+    if not added:
+      break
+    r += 1
+  return out
+
+
+PROMPT_STYLES = ("window", "docstring")
+
+
+def cut_style_prompts(style: str, docs: Sequence[Prompt], tok: Any, prompt_tokens: int,
+                      stride: int, num: int, seed: int) -> list[tuple[str, list[int]]]:
+  """`window`: `cut_prompts`; `docstring`: `cut_docstring_prompts`."""
+  if style == "window":
+    return cut_prompts(docs, tok, prompt_tokens, stride, num, seed)
+  if style == "docstring":
+    return cut_docstring_prompts(docs, tok, prompt_tokens, num, seed)
+  raise BadInputError(f"--config.regenerate.prompt_style={style!r}: choose one of "
+                      f"{', '.join(PROMPT_STYLES)}")
+
+
 def split_prompts(source: str, docs: Sequence[Prompt], val_frac: float,
                   seed: int) -> tuple[list[Prompt], list[Prompt]]:
   """Documents for (train, val), split by id (disjoint), each in a seeded hashed order."""
@@ -215,7 +295,7 @@ def regenerate_stage(cfg: Any) -> None:
   """Writes `regen_train` / `regen_val` to `<workdir>/data` (see the module docstring).
 
   Fields of `cfg.regenerate`: num_prompts, prompt_tokens, max_new_tokens, temperature, and
-  optionally source (default: the corpus), num_val_prompts (default max(8, num_prompts // 16)),
+  optionally prompt_style (`window`, the default, or `docstring`), source (default: the corpus), num_val_prompts (default max(8, num_prompts // 16)),
   val_frac (fraction of documents held out for validation prompts, default 0.1).
   Skipped when both datasets exist and were made with the same settings and target.
   """
@@ -229,6 +309,10 @@ def regenerate_stage(cfg: Any) -> None:
   max_new, temperature = int(r.max_new_tokens), float(r.temperature)
   num_val = int(r.get("num_val_prompts", 0) or max(8, num_prompts // 16))
   val_frac = float(r.get("val_frac", 0.1))
+  style = str(r.get("prompt_style", "window") or "window")
+  if style not in PROMPT_STYLES:
+    raise BadInputError(f"--config.regenerate.prompt_style={style!r}: choose one of "
+                        f"{', '.join(PROMPT_STYLES)}")
   for name, value, lo in (("num_prompts", num_prompts, 1), ("prompt_tokens", prompt_tokens, 1),
                           ("max_new_tokens", max_new, 1)):
     if value < lo:
@@ -246,6 +330,7 @@ def regenerate_stage(cfg: Any) -> None:
   want = {"stage": "regenerate", "source": source, "num_prompts": num_prompts,
           "num_val_prompts": num_val, "prompt_tokens": prompt_tokens, "max_new_tokens": max_new,
           "temperature": temperature, "val_frac": val_frac, "seed": int(cfg.seed),
+          "prompt_style": style,
           "target_fingerprint": model_fingerprint(target), "dtype": np.dtype(target.dtype).name}
   stamp = read_stamp(stamp_dir)
   if (stamp is not None and all(stamp.get(k) == v for k, v in want.items())
@@ -255,9 +340,10 @@ def regenerate_stage(cfg: Any) -> None:
 
   train_docs, val_docs = split_prompts(source, docs, val_frac, int(cfg.seed))
   stride = prompt_tokens + max_new
-  splits = {"train": cut_prompts(train_docs, tok, prompt_tokens, stride, num_prompts,
-                                 int(cfg.seed)),
-            "val": cut_prompts(val_docs, tok, prompt_tokens, stride, num_val, int(cfg.seed))}
+  splits = {"train": cut_style_prompts(style, train_docs, tok, prompt_tokens, stride,
+                                       num_prompts, int(cfg.seed)),
+            "val": cut_style_prompts(style, val_docs, tok, prompt_tokens, stride, num_val,
+                                     int(cfg.seed))}
   for split, prompts in splits.items():
     if not prompts:
       raise BadInputError(f"[regenerate] source {source!r}: no {split} document holds "

@@ -1,0 +1,117 @@
+"""Drafter quality of a target + DFlash drafter on a prompt set (the demo's quality bar, issue 4).
+
+  python benchmarks/drafter_quality.py                       # the shipped demo on HumanEval
+  python benchmarks/drafter_quality.py --num_prompts 40 --out out/drafter_quality
+
+In one process, on the same prompts and weights (128 new tokens each by default):
+  * our AR decode at T=0 (the baseline of every speedup);
+  * speculative decoding at the drafter's training block size b at T=0: tau, tokens/s, speedup
+    over AR, and a check that every output is token-identical to AR;
+  * tau per block size b-4 .. b+4 at T=0 and at T=1 (same seeds per prompt);
+  * PNGs: the acceptance-length histogram at b (T=0) and tau by block size (T=0 and T=1).
+AR and spec at b run alternately prompt by prompt, twice each, keeping the faster of the two,
+so that a load change on the machine hits both alike. Writes `<out>/drafter_quality.json`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import numpy as np  # noqa: E402
+from absl import app, flags  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from bp_jax.engine import Engine  # noqa: E402
+from bp_jax.loading import load_drafter, load_target  # noqa: E402
+from bp_jax.plots import acceptance_histogram, line_plot  # noqa: E402
+from bp_jax.prompts import load_prompts  # noqa: E402
+from bp_jax.run_decode import default_block_sizes  # noqa: E402
+from bp_jax.tokenizer import encode_prompt, load_tokenizer, stop_token_ids  # noqa: E402
+
+flags.DEFINE_string("target", "demo/target", "Target checkpoint folder.")
+flags.DEFINE_string("drafter", "demo/drafter", "DFlash drafter checkpoint folder.")
+flags.DEFINE_string("prompts", "humaneval", "Prompt source (JSONL path, humaneval, pysrc:<dir>).")
+flags.DEFINE_integer("num_prompts", 0, "Prompts for the main comparison (0 = all).")
+flags.DEFINE_integer("sweep_prompts", 40, "Prompts for the per-block-size sweeps (0 = all).")
+flags.DEFINE_integer("max_new_tokens", 128, "New tokens per prompt.")
+flags.DEFINE_integer("max_len", 1024, "KV cache slots.")
+flags.DEFINE_integer("seed", 0, "Sampling seed of prompt i is seed + i (T=1 sweep).")
+flags.DEFINE_string("out", "out/drafter_quality", "Output folder (JSON and PNGs).")
+FLAGS = flags.FLAGS
+
+
+def _decode(engine, ids, block_size, temperature=0.0, seed=0):
+  return engine.generate(ids, max_new_tokens=FLAGS.max_new_tokens, block_size=block_size,
+                         temperature=temperature, seed=seed)
+
+
+def main(argv):
+  del argv
+  os.makedirs(FLAGS.out, exist_ok=True)
+  target = load_target(FLAGS.target, "float32")
+  drafter = load_drafter(FLAGS.drafter, target.cfg, "float32")
+  tok = load_tokenizer(FLAGS.target)
+  b = drafter.cfg.block_size
+  sweep = default_block_sizes(b)
+  engine = Engine(target, max_len=FLAGS.max_len, stop_ids=stop_token_ids(tok), drafter=drafter,
+                  block_sizes=(1,) + sweep)
+  prompts = load_prompts(FLAGS.prompts, FLAGS.num_prompts or None)
+  encoded = [encode_prompt(tok, p.text, False) for p in prompts]
+  t0 = time.perf_counter()
+  comp = engine.precompile((1,) + sweep)
+  compile_s = time.perf_counter() - t0
+
+  # Main comparison: AR vs spec at b, T=0, alternating per prompt, best of two runs each.
+  ar_s = spec_s = 0.0
+  new_tokens, accepts, mismatches = 0, [], []
+  for p, ids in tqdm(list(zip(prompts, encoded)), desc=f"AR vs spec b={b}", unit="prompt"):
+    ar = [_decode(engine, ids, 1) for _ in range(2)]
+    sp = [_decode(engine, ids, b) for _ in range(2)]
+    if sp[0].output_ids != ar[0].output_ids:
+      mismatches.append(p.id)
+    ar_s += min(g.decode_s for g in ar)
+    spec_s += min(g.decode_s for g in sp)
+    new_tokens += ar[0].new_tokens
+    accepts += sp[0].acceptance_lengths
+  main = {"prompts": len(prompts), "new_tokens": new_tokens,
+          "ar_tokens_per_s": round(new_tokens / ar_s, 1),
+          "spec_tokens_per_s": round(new_tokens / spec_s, 1),
+          "speedup": round(ar_s / spec_s, 3), "tau": round(float(np.mean(accepts)), 3),
+          "cycles": len(accepts), "identical_to_ar": not mismatches,
+          "mismatched_prompts": mismatches}
+
+  # Sweeps: tau per block size at T=0 and T=1.
+  n_sweep = FLAGS.sweep_prompts or len(encoded)
+  taus: dict[str, dict[int, float]] = {}
+  for temperature in (0.0, 1.0):
+    row = {}
+    for size in tqdm(sweep, desc=f"tau by block size, T={temperature:g}", unit="size"):
+      acc = []
+      for i, ids in enumerate(encoded[:n_sweep]):
+        acc += _decode(engine, ids, size, temperature, FLAGS.seed + i).acceptance_lengths
+      row[size] = round(float(np.mean(acc)), 3)
+    taus[f"T={temperature:g}"] = row
+
+  hist = acceptance_histogram(accepts, os.path.join(FLAGS.out, "acceptance_hist.png"),
+                              title=f"{FLAGS.prompts}, b={b}, T=0")
+  plot = line_plot({name: (list(row), list(row.values())) for name, row in taus.items()},
+                   os.path.join(FLAGS.out, "tau_by_block_size.png"), "block size",
+                   "τ (committed tokens per target forward)",
+                   f"τ by block size ({n_sweep} prompts of {FLAGS.prompts})")
+  result = {"target": FLAGS.target, "drafter": FLAGS.drafter, "block_size": b,
+            "max_new_tokens": FLAGS.max_new_tokens, "max_len": FLAGS.max_len,
+            "main_T0": main, "sweep_prompts": n_sweep, "tau_by_block_size": taus,
+            "compile_s": round(compile_s, 2), "compilations": comp["compilations"],
+            "plots": [hist, plot]}
+  with open(os.path.join(FLAGS.out, "drafter_quality.json"), "w") as f:
+    json.dump(result, f, indent=2)
+  print(json.dumps({k: v for k, v in result.items() if k != "plots"}, indent=2))
+
+
+if __name__ == "__main__":
+  app.run(main)
