@@ -153,22 +153,35 @@ def cut_prompts(docs: Sequence[Prompt], tok: Any, prompt_tokens: int, stride: in
     if i not in windows:
       encoded[i] = list(tok.encode(docs[i].text, add_special_tokens=False))
       n = max(0, (len(encoded[i]) - prompt_tokens) // stride + 1)
-      digest = hashlib.sha256(f"{seed}\x00{docs[i].id}".encode()).digest()
-      key = int.from_bytes(digest[:8], "big")
-      windows[i] = [int(r) * stride for r in np.random.default_rng(key).permutation(n)]
+      windows[i] = _seeded_order([k * stride for k in range(n)], seed, docs[i].id)
     return windows[i]
 
-  out: list[tuple[str, list[int]]] = []
+  def take(i: int, start: int) -> tuple[str, list[int]]:
+    return f"{docs[i].id}@{start}", encoded[i][start:start + prompt_tokens]
+
+  return _round_robin(len(docs), num, starts_of, take)
+
+
+def _seeded_order(items: Sequence[int], seed: int, doc_id: str) -> list[int]:
+  """`items` in a random order fixed by (seed, document id)."""
+  digest = hashlib.sha256(f"{seed}\x00{doc_id}".encode()).digest()
+  rng = np.random.default_rng(int.from_bytes(digest[:8], "big"))
+  return [items[j] for j in rng.permutation(len(items))]
+
+
+def _round_robin(num_docs: int, num: int, items_of, take) -> list:
+  """Up to `num` results of `take(doc index, item)`: every document's first item (in document
+  order), then every document's second one, and so on, until `num` or no item is left."""
+  out: list = []
   r = 0
   while len(out) < num:
     added = False
-    for i, doc in enumerate(docs):
+    for i in range(num_docs):
       if len(out) >= num:
         break
-      starts = starts_of(i)
-      if r < len(starts):
-        start = starts[r]
-        out.append((f"{doc.id}@{start}", encoded[i][start:start + prompt_tokens]))
+      items = items_of(i)
+      if r < len(items):
+        out.append(take(i, items[r]))
         added = True
     if not added:
       break
@@ -214,29 +227,15 @@ def cut_docstring_prompts(docs: Sequence[Prompt], tok: Any, prompt_tokens: int, 
 
   def ends_of(i: int) -> list[int]:
     if i not in orders:
-      ends = _docstring_ends(docs[i].text)
-      digest = hashlib.sha256(f"{seed}\x00{docs[i].id}".encode()).digest()
-      rng = np.random.default_rng(int.from_bytes(digest[:8], "big"))
-      orders[i] = [ends[j] for j in rng.permutation(len(ends))]
+      orders[i] = _seeded_order(_docstring_ends(docs[i].text), seed, docs[i].id)
     return orders[i]
 
-  out: list[tuple[str, list[int]]] = []
-  r = 0
-  while len(out) < num:
-    added = False
-    for i, doc in enumerate(docs):
-      if len(out) >= num:
-        break
-      ends = ends_of(i)
-      if r < len(ends):
-        text = "".join(doc.text.splitlines(keepends=True)[:ends[r]])
-        ids = list(tok.encode(text.rstrip("\n") + "\n", add_special_tokens=False))
-        out.append((f"{doc.id}:{ends[r]}", ids[-prompt_tokens:]))
-        added = True
-    if not added:
-      break
-    r += 1
-  return out
+  def take(i: int, end: int) -> tuple[str, list[int]]:
+    text = "".join(docs[i].text.splitlines(keepends=True)[:end])
+    ids = list(tok.encode(text.rstrip("\n") + "\n", add_special_tokens=False))
+    return f"{docs[i].id}:{end}", ids[-prompt_tokens:]
+
+  return _round_robin(len(docs), num, ends_of, take)
 
 
 PROMPT_STYLES = ("window", "docstring")
