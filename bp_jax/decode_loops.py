@@ -18,7 +18,7 @@ from flax import nnx
 
 from bp_jax.kv_cache import KVCache
 from bp_jax.policy_features import prefill_features
-from bp_jax.sampling import position_keys, sample
+from bp_jax.sampling import first_argmax, position_keys, sample
 
 
 class PrefillOut(NamedTuple):
@@ -95,6 +95,12 @@ def _layers_of(module, scan_layers: bool):
   return None if scan_layers else module.layers.per_layer()
 
 
+def _loop_cache(cache: KVCache | None, scan_layers: bool) -> KVCache | None:
+  """The cache form a loop carries: per-layer buffers when layers run unrolled (split once per
+  request here; `KVCache.stacked` joins them again after the loop)."""
+  return cache if cache is None or scan_layers else cache.per_layer()
+
+
 def make_ar_loop(graphdef, scan_layers: bool = False) -> Callable:
   """ar_loop(state, seq, cache, first_tok, n, max_new, temperature, seed_key, stop_ids) -> LoopOut.
 
@@ -119,10 +125,11 @@ def make_ar_loop(graphdef, scan_layers: bool = False) -> Callable:
       seq = seq.at[0, pos + 1].set(nxt, mode="drop")
       return (seq, out.cache, pos + 1, n_gen + 1, _is_stop(nxt, stop_ids), nxt, cycles + 1)
 
-    init = (seq_1S, cache, n, jnp.int32(1), _is_stop(first_tok, stop_ids), first_tok, jnp.int32(0))
+    init = (seq_1S, _loop_cache(cache, scan_layers), n, jnp.int32(1),
+            _is_stop(first_tok, stop_ids), first_tok, jnp.int32(0))
     seq, cache, pos, n_gen, _, _, cycles = jax.lax.while_loop(cond, body, init)
     accept = jnp.where(jnp.arange(S) < cycles, 1, accept0)
-    return LoopOut(seq, n_gen, accept, cycles, cache.with_lengths(pos[None]), None)
+    return LoopOut(seq, n_gen, accept, cycles, cache.stacked().with_lengths(pos[None]), None)
 
   return ar_loop
 
@@ -163,7 +170,7 @@ def make_spec_loop(graphdef, draft_graphdef, block_size: int,
       # Draft b-1 tokens with one drafter pass over [tok, MASK, ..., MASK].
       block_1b = jnp.full((1, b), mask_id, jnp.int32).at[0, 0].set(tok)
       h_1bD = drafter.draft(model.embed_tokens(block_1b), c["draft_cache"], draft_layers)
-      drafted = jnp.argmax(model.project_to_vocab(h_1bD[:, 1:])[0], axis=-1)
+      drafted = first_argmax(model.project_to_vocab(h_1bD[:, 1:])[0])
       forced = jax.lax.dynamic_slice_in_dim(forced_seq_1S[0], pos + 1, b - 1)
       draft = jnp.where(use_forced, forced, drafted).astype(jnp.int32)
       # Verify the whole block in one target forward.
@@ -181,10 +188,12 @@ def make_spec_loop(graphdef, draft_graphdef, block_size: int,
                   accept=c["accept"].at[c["cycles"]].set(a + 1, mode="drop"),
                   cycles=c["cycles"] + 1)
 
-    init = dict(seq=seq_1S, cache=cache, draft_cache=draft_cache, pos=n, tok=first_tok,
+    init = dict(seq=seq_1S, cache=_loop_cache(cache, scan_layers),
+                draft_cache=_loop_cache(draft_cache, scan_layers), pos=n, tok=first_tok,
                 n_gen=jnp.int32(1), done=_is_stop(first_tok, stop_ids),
                 accept=jnp.zeros((S,), jnp.int32), cycles=jnp.int32(0))
     c = jax.lax.while_loop(cond, body, init)
-    return LoopOut(c["seq"], c["n_gen"], c["accept"], c["cycles"], c["cache"], c["draft_cache"])
+    return LoopOut(c["seq"], c["n_gen"], c["accept"], c["cycles"], c["cache"].stacked(),
+                   c["draft_cache"].stacked())
 
   return spec_loop

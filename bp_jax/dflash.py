@@ -26,7 +26,7 @@ from flax import nnx
 from bp_jax import layers as L
 from bp_jax.config import DFlashConfig, Qwen3Config
 from bp_jax.errors import BadInputError
-from bp_jax.kv_cache import KVCache
+from bp_jax.kv_cache import KVCache, write_slots
 from bp_jax.qwen3 import LayerStack
 
 
@@ -114,6 +114,10 @@ class DFlashDrafter(nnx.Module):
         -1, B, C, c.num_key_value_heads, c.head_dim)
     k_LBCKH = jax.vmap(lambda k, w: L.rms_norm(k, w, c.rms_norm_eps))(k_LBCKH, p["k_norm"])
     k_LBCKH = jax.vmap(lambda k: L.apply_rope(k, cos_BCH, sin_BCH))(k_LBCKH)
+    if cache.is_per_layer:
+      return cache.replace(
+          k=tuple(write_slots(k, k_LBCKH[i], pos_BC) for i, k in enumerate(cache.k)),
+          v=tuple(write_slots(v, v_LBCKH[i], pos_BC) for i, v in enumerate(cache.v)))
     b_idx = jnp.arange(B)[:, None]
     new_k = cache.k.at[:, b_idx, pos_BC].set(k_LBCKH.astype(cache.k.dtype), mode="drop")
     new_v = cache.v.at[:, b_idx, pos_BC].set(v_LBCKH.astype(cache.v.dtype), mode="drop")
@@ -150,6 +154,8 @@ class DFlashDrafter(nnx.Module):
 
     x_BbD = block_emb_BbD.astype(self.dtype)
     if layers is None:
+      if cache.is_per_layer:
+        raise ValueError("a per-layer context cache needs the unrolled draft (pass `layers`)")
       x_BbD, _ = jax.lax.scan(body, x_BbD, (self.layers.as_dict(), cache.k, cache.v))
     else:
       for i, p in enumerate(layers):

@@ -15,8 +15,10 @@ import jax.numpy as jnp
 
 @flax.struct.dataclass
 class KVCache:
-  k: jax.Array        # [L, B, S, K, H]
-  v: jax.Array        # [L, B, S, K, H]
+  """k/v are stacked `[L, B, S, K, H]` arrays, or (inside decode loops that run layers
+  unrolled, see `per_layer`) tuples of L per-layer `[B, S, K, H]` arrays."""
+  k: jax.Array | tuple[jax.Array, ...]
+  v: jax.Array | tuple[jax.Array, ...]
   lengths: jax.Array  # [B] int32: committed tokens per sequence
 
   @classmethod
@@ -28,7 +30,25 @@ class KVCache:
 
   @property
   def max_len(self) -> int:
-    return self.k.shape[2]
+    return self.k[0].shape[1]  # layer 0's [B, S, K, H], in either layout
+
+  @property
+  def is_per_layer(self) -> bool:
+    return isinstance(self.k, tuple)
+
+  def per_layer(self) -> "KVCache":
+    """The same cache as one array per layer. A decode loop that runs layers unrolled carries
+    this form: each layer then reads and writes its own buffer in place, where slicing a layer
+    out of the stack copies it at every step."""
+    if self.is_per_layer:
+      return self
+    return self.replace(k=tuple(self.k), v=tuple(self.v))
+
+  def stacked(self) -> "KVCache":
+    """The stacked `[L, B, S, K, H]` form (what callers outside the decode loops see)."""
+    if not self.is_per_layer:
+      return self
+    return self.replace(k=jnp.stack(self.k), v=jnp.stack(self.v))
 
   def with_lengths(self, lengths: jax.Array) -> "KVCache":
     return self.replace(lengths=jnp.asarray(lengths, jnp.int32))
@@ -40,6 +60,12 @@ def write_layer(buf_LBSKH: jax.Array, layer: jax.Array, new_BTKH: jax.Array,
   B = new_BTKH.shape[0]
   b_idx = jnp.arange(B)[:, None]
   return buf_LBSKH.at[layer, b_idx, slots_BT].set(new_BTKH.astype(buf_LBSKH.dtype), mode="drop")
+
+
+def write_slots(buf_BSKH: jax.Array, new_BTKH: jax.Array, slots_BT: jax.Array) -> jax.Array:
+  """`write_layer` for one layer's own buffer (the per-layer cache form)."""
+  b_idx = jnp.arange(new_BTKH.shape[0])[:, None]
+  return buf_BSKH.at[b_idx, slots_BT].set(new_BTKH.astype(buf_BSKH.dtype), mode="drop")
 
 
 def causal_mask(q_pos_BT: jax.Array, num_slots: int) -> jax.Array:

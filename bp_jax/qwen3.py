@@ -15,7 +15,7 @@ from flax import nnx
 
 from bp_jax import layers as L
 from bp_jax.config import Qwen3Config
-from bp_jax.kv_cache import KVCache, causal_mask, write_layer
+from bp_jax.kv_cache import KVCache, causal_mask, write_layer, write_slots
 
 
 def layer_param_shapes(cfg: Qwen3Config) -> dict[str, tuple[int, ...]]:
@@ -102,7 +102,8 @@ class Qwen3(nnx.Module):
     `logits_at`: optional [B] index into T; logits are then computed only there ([B, 1, V]).
     `layers`: None runs the layers with `lax.scan` over the stacked parameters (one traced
     layer: fast to compile); `self.layers.per_layer()` (taken once, outside a decode loop) runs
-    them unrolled with static per-layer weights (fast to run; see `LayerStack.per_layer`).
+    them unrolled with static per-layer weights (fast to run; see `LayerStack.per_layer`), on a
+    stacked cache or, best, on `cache.per_layer()`.
     """
     c = self.cfg
     B, T = tokens_BT.shape
@@ -125,9 +126,16 @@ class Qwen3(nnx.Module):
       q = L.project_q(xn, p, cos, sin, c.num_attention_heads, c.head_dim, c.rms_norm_eps)
       k_new, v_new = L.project_kv(xn, p, cos, sin, c.num_key_value_heads, c.head_dim,
                                   c.rms_norm_eps)
-      k_all = write_layer(k_all, layer, k_new, pos_BT)
-      v_all = write_layer(v_all, layer, v_new, pos_BT)
-      attn = L.attend(q, k_all[layer], v_all[layer], mask_BTS)
+      if isinstance(k_all, tuple):  # per-layer cache (unrolled): layer is a Python int
+        k_l = write_slots(k_all[layer], k_new, pos_BT)
+        v_l = write_slots(v_all[layer], v_new, pos_BT)
+        k_all = k_all[:layer] + (k_l,) + k_all[layer + 1:]
+        v_all = v_all[:layer] + (v_l,) + v_all[layer + 1:]
+      else:
+        k_all = write_layer(k_all, layer, k_new, pos_BT)
+        v_all = write_layer(v_all, layer, v_new, pos_BT)
+        k_l, v_l = k_all[layer], v_all[layer]
+      attn = L.attend(q, k_l, v_l, mask_BTS)
       h = x + attn @ p["o_proj"]
       x = h + L.swiglu_mlp(L.rms_norm(h, p["post_norm"], c.rms_norm_eps), p)
       hid = jax.lax.dynamic_update_index_in_dim(hid, x, slot, axis=0)
@@ -135,6 +143,8 @@ class Qwen3(nnx.Module):
 
     carry = (x_BTD, cache.k, cache.v, hid)
     if layers is None:
+      if cache.is_per_layer:
+        raise ValueError("a per-layer KV cache needs the unrolled forward (pass `layers`)")
       xs = (self.layers.as_dict(), jnp.arange(c.num_hidden_layers), jnp.asarray(keep_slot))
       carry, _ = jax.lax.scan(body, carry, xs)
     else:

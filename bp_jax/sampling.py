@@ -13,6 +13,18 @@ def position_keys(seed_key: jax.Array, pos: jax.Array) -> jax.Array:
   return flat.reshape(pos.shape)
 
 
+def first_argmax(x: jax.Array) -> jax.Array:
+  """int32 argmax over the last axis (the first index of the maximum, as `jnp.argmax`).
+
+  Computed as a max and then a min over the indices where the max is reached: two plain
+  reductions, which XLA:CPU vectorises, instead of the variadic (value, index) reduce of
+  `jnp.argmax` (~3x slower on [8, 4096] logits, twice per speculative cycle).
+  """
+  V = x.shape[-1]
+  at_max = x == jnp.max(x, axis=-1, keepdims=True)
+  return jnp.min(jnp.where(at_max, jnp.arange(V, dtype=jnp.int32), V), axis=-1)
+
+
 def sample(logits: jax.Array, temperature: jax.Array, keys: jax.Array) -> jax.Array:
   """Samples [...] tokens from logits [..., V] with typed keys [...].
 
@@ -20,7 +32,7 @@ def sample(logits: jax.Array, temperature: jax.Array, keys: jax.Array) -> jax.Ar
   """
   def greedy(logits, keys):
     del keys
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return first_argmax(logits)
 
   def drawn(logits, keys):
     scaled = logits.reshape(-1, logits.shape[-1]) / jnp.maximum(temperature, 1e-6)

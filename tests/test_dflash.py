@@ -205,9 +205,18 @@ def test_unrolled_draft_equals_scanned_draft(setup):
   cache = drafter.init_cache(2, 16)
   cache = drafter.add_context(jnp.asarray(_feats(rng, 2, 6)), cache).with_lengths(np.array([6, 4]))
   emb = jnp.take(jnp.asarray(embed.numpy()), jnp.asarray(_block(np.array([3, 9]))), axis=0)
-  np.testing.assert_allclose(np.asarray(drafter.draft(emb, cache)),
-                             np.asarray(drafter.draft(emb, cache, drafter.layers.per_layer())),
-                             atol=1e-5, rtol=0)
+  want = np.asarray(drafter.draft(emb, cache))
+  layers = drafter.layers.per_layer()
+  np.testing.assert_allclose(np.asarray(drafter.draft(emb, cache, layers)), want, atol=1e-5,
+                             rtol=0)
+  # The per-layer cache form: the same context written and read layer by layer.
+  split = drafter.init_cache(2, 16).per_layer()
+  split = drafter.add_context(jnp.asarray(_feats(np.random.default_rng(4), 2, 6)), split)
+  split = split.with_lengths(np.array([6, 4]))
+  for a, b in zip(jax.tree.leaves(split.stacked()), jax.tree.leaves(cache)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  np.testing.assert_allclose(np.asarray(drafter.draft(emb, split, layers)), want, atol=1e-5,
+                             rtol=0)
 
 
 def test_default_target_layer_ids():

@@ -94,8 +94,14 @@ def test_unrolled_layers_equal_the_scanned_forward(tiny_pair):
   cache = ours(jnp.asarray(first), ours.init_cache(2, 16)).cache.with_lengths(np.array([7, 7]))
   scanned = ours(jnp.asarray(more), cache, (2, 0))
   unrolled = ours(jnp.asarray(more), cache, (2, 0), layers=ours.layers.per_layer())
-  for a, b in zip(jax.tree.leaves(scanned), jax.tree.leaves(unrolled)):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0)
+  per_layer = ours(jnp.asarray(more), cache.per_layer(), (2, 0), layers=ours.layers.per_layer())
+  assert per_layer.cache.is_per_layer and len(per_layer.cache.k) == 3
+  per_layer = per_layer._replace(cache=per_layer.cache.stacked())
+  for other in (unrolled, per_layer):
+    for a, b in zip(jax.tree.leaves(scanned), jax.tree.leaves(other)):
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0)
+  with pytest.raises(ValueError, match="per-layer KV cache needs the unrolled forward"):
+    ours(jnp.asarray(more), cache.per_layer())
   with pytest.raises(ValueError, match="parameters of 2 layers for a model with 3"):
     ours(jnp.asarray(more), cache, layers=ours.layers.per_layer()[:2])
 
