@@ -148,12 +148,22 @@ def _check_extra_files(extra_files: Mapping[str, str]) -> None:
       raise BadInputError(f"extra file {src} (to be copied as {name!r}) does not exist")
 
 
-def _save_params(params_dir: str, host_params: dict[str, Any]) -> None:
-  """Writes the params pytree as an orbax checkpoint at `params_dir` (must not exist)."""
+def _save_params(params_dir: str, host_params: dict[str, Any], compress: bool = True) -> None:
+  """Writes the params pytree as an orbax checkpoint at `params_dir` (must not exist).
+
+  `compress=False` skips orbax's zstd stage: its buffers held about one more copy of the whole
+  tree during the save (measured: +0.93 GB vs +0.49 GB over a 0.48 GB tree); restoring reads
+  both forms.
+  """
   with _quiet_orbax():
-    ckptr = ocp.Checkpointer(ocp.StandardCheckpointHandler())
+    if compress:
+      ckptr = ocp.Checkpointer(ocp.StandardCheckpointHandler())
+      args = ocp.args.StandardSave(host_params)
+    else:
+      ckptr = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_compression=False))
+      args = ocp.args.PyTreeSave(host_params)
     try:
-      ckptr.save(params_dir, args=ocp.args.StandardSave(host_params))
+      ckptr.save(params_dir, args=args)
     finally:
       ckptr.close()
 
@@ -163,7 +173,7 @@ def _save_params(params_dir: str, host_params: dict[str, Any]) -> None:
 
 def save_checkpoint(out_dir: str, params: Mapping[str, Any], config: Mapping[str, Any],
                     meta: Mapping[str, Any], extra_files: Mapping[str, str] | None = None,
-                    overwrite: bool = False) -> str:
+                    overwrite: bool = False, compress: bool = True) -> str:
   """Saves a converted checkpoint folder atomically.
 
   Args:
@@ -224,7 +234,7 @@ def save_checkpoint(out_dir: str, params: Mapping[str, Any], config: Mapping[str
         shutil.copytree(src, dst)
       else:
         shutil.copy2(src, dst)
-    _save_params(os.path.join(tmp, PARAMS_DIR), _to_host(params))
+    _save_params(os.path.join(tmp, PARAMS_DIR), _to_host(params), compress)
     _write_text(os.path.join(tmp, COMPLETE_FILE), _json_text({"format": FORMAT}, "marker"))
     _move_into_place(tmp, out_abs, replace_existing, tag)
   except BaseException:

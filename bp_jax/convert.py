@@ -73,7 +73,7 @@ def convert_from_hf(hf_dir: str, out_dir: str, dtype: str | None = None, overwri
     kind = "dflash" if dflash else "qwen3"
     save_checkpoint(out_dir, params, cfg.to_hf_dict(),
                     {"kind": kind, "dtype": np_dtype.name, "source": os.path.abspath(hf_dir)},
-                    extra_files=extra, overwrite=overwrite)
+                    extra_files=extra, overwrite=overwrite, compress=False)
   finally:
     shutil.rmtree(scratch, ignore_errors=True)
   return kind

@@ -62,6 +62,15 @@ def test_round_trip(tmp_path):
   assert _leftovers(tmp_path) == []
 
 
+def test_uncompressed_save_loads_the_same(tmp_path):
+  """compress=False (what convert_weights.py writes, to hold fewer copies while saving)."""
+  out = tmp_path / "plain"
+  cio.save_checkpoint(str(out), _params(), CONFIG, {"kind": "qwen3"}, compress=False)
+  params, config, _ = cio.load_checkpoint(str(out), expected_kind="qwen3")
+  _assert_tree_equal(params, jax.tree.map(np.asarray, _params()))
+  assert config == CONFIG and _leftovers(tmp_path) == []
+
+
 def test_meta_dtype_single_and_explicit(tmp_path):
   p = {"a": np.ones((2, 2), ml_dtypes.bfloat16), "i": np.arange(2)}
   _save(tmp_path / "a", p)
@@ -132,7 +141,7 @@ def test_failure_in_orbax_save_keeps_old_checkpoint(tmp_path, monkeypatch):
   out = tmp_path / "ckpt"
   _save(out, meta={"version": 1})
 
-  def failing_save(params_dir, host_params):
+  def failing_save(params_dir, host_params, compress=True):
     os.makedirs(params_dir)  # Something was already written when it fails.
     raise KeyboardInterrupt()
 
