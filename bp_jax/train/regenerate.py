@@ -241,15 +241,19 @@ def cut_docstring_prompts(docs: Sequence[Prompt], tok: Any, prompt_tokens: int, 
 PROMPT_STYLES = ("window", "docstring")
 
 
+def check_prompt_style(style: str) -> None:
+  if style not in PROMPT_STYLES:
+    raise BadInputError(f"--config.regenerate.prompt_style={style!r}: choose one of "
+                        f"{', '.join(PROMPT_STYLES)}")
+
+
 def cut_style_prompts(style: str, docs: Sequence[Prompt], tok: Any, prompt_tokens: int,
                       stride: int, num: int, seed: int) -> list[tuple[str, list[int]]]:
   """`window`: `cut_prompts`; `docstring`: `cut_docstring_prompts`."""
+  check_prompt_style(style)
   if style == "window":
     return cut_prompts(docs, tok, prompt_tokens, stride, num, seed)
-  if style == "docstring":
-    return cut_docstring_prompts(docs, tok, prompt_tokens, num, seed)
-  raise BadInputError(f"--config.regenerate.prompt_style={style!r}: choose one of "
-                      f"{', '.join(PROMPT_STYLES)}")
+  return cut_docstring_prompts(docs, tok, prompt_tokens, num, seed)
 
 
 def split_prompts(source: str, docs: Sequence[Prompt], val_frac: float,
@@ -294,8 +298,9 @@ def regenerate_stage(cfg: Any) -> None:
   """Writes `regen_train` / `regen_val` to `<workdir>/data` (see the module docstring).
 
   Fields of `cfg.regenerate`: num_prompts, prompt_tokens, max_new_tokens, temperature, and
-  optionally prompt_style (`window`, the default, or `docstring`), source (default: the corpus), num_val_prompts (default max(8, num_prompts // 16)),
-  val_frac (fraction of documents held out for validation prompts, default 0.1).
+  optionally prompt_style (`window`, the default, or `docstring`), source (default: the
+  corpus), num_val_prompts (default max(8, num_prompts // 16)), val_frac (fraction of
+  documents held out for validation prompts, default 0.1).
   Skipped when both datasets exist and were made with the same settings and target.
   """
   from bp_jax.data import dataset_exists, write_sequences
@@ -309,9 +314,7 @@ def regenerate_stage(cfg: Any) -> None:
   num_val = int(r.get("num_val_prompts", 0) or max(8, num_prompts // 16))
   val_frac = float(r.get("val_frac", 0.1))
   style = str(r.get("prompt_style", "window") or "window")
-  if style not in PROMPT_STYLES:
-    raise BadInputError(f"--config.regenerate.prompt_style={style!r}: choose one of "
-                        f"{', '.join(PROMPT_STYLES)}")
+  check_prompt_style(style)
   for name, value, lo in (("num_prompts", num_prompts, 1), ("prompt_tokens", prompt_tokens, 1),
                           ("max_new_tokens", max_new, 1)):
     if value < lo:
@@ -344,6 +347,9 @@ def regenerate_stage(cfg: Any) -> None:
             "val": cut_style_prompts(style, val_docs, tok, prompt_tokens, stride, num_val,
                                      int(cfg.seed))}
   for split, prompts in splits.items():
+    if not prompts and style == "docstring":
+      raise BadInputError(f"[regenerate] source {source!r}: no {split} document has a function "
+                          "with a docstring; use --config.regenerate.prompt_style=window")
     if not prompts:
       raise BadInputError(f"[regenerate] source {source!r}: no {split} document holds "
                           f"{prompt_tokens} tokens; lower --config.regenerate.prompt_tokens")
