@@ -162,18 +162,12 @@ class Engine:
   # -- compiled pieces ----------------------------------------------------------------------
   # Each returns (compiled function, its arguments); compiling happens here, outside timings.
   def _prefill(self, tokens_1P, n, seed_key, temperature, with_policy: bool = False):
-    P = tokens_1P.shape[1]
+    key = ("prefill", tokens_1P.shape[1]) + ((self.policy_key,) if with_policy else ())
     args = (self.t_state, self.d_state, tokens_1P, n, self.cache, self.draft_cache, seed_key,
-            temperature)
-    if with_policy:
-      args = args + (self.p_state,)
-      fn = self.compiled.get(
-          ("prefill", P, self.policy_key),
-          lambda: decode_loops.make_prefill(self.t_graph, self.d_graph, self.p_graph), args,
-          donate_argnums=(4, 5))
-      return fn, args
+            temperature) + ((self.p_state,) if with_policy else ())
+    p_graph = self.p_graph if with_policy else None
     fn = self.compiled.get(
-        ("prefill", P), lambda: decode_loops.make_prefill(self.t_graph, self.d_graph), args,
+        key, lambda: decode_loops.make_prefill(self.t_graph, self.d_graph, p_graph), args,
         donate_argnums=(4, 5))
     return fn, args
 
@@ -181,8 +175,9 @@ class Engine:
     if block_size == 1:
       args = (self.t_state, self.seq, self.cache, pre.first_tok, n, max_new, temperature,
               seed_key, self._stop_arr)
-      fn = self.compiled.get(("ar_loop", 1), lambda: decode_loops.make_ar_loop(self.t_graph, self.scan_layers),
-                             args, donate_argnums=(1, 2))
+      fn = self.compiled.get(
+          ("ar_loop", 1), lambda: decode_loops.make_ar_loop(self.t_graph, self.scan_layers), args,
+          donate_argnums=(1, 2))
       return fn, args
     args = (self.t_state, self.d_state, self.seq, self.cache, self.draft_cache, pre.first_tok, n,
             max_new, temperature, seed_key, self._stop_arr, self.forced_seq, use_forced)
