@@ -11,20 +11,28 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
+ACCEPTANCE_LABEL = "acceptance length (tokens committed per target forward)"
+
+
+def save_figure(fig, path: str) -> str:
+  """Lays out, writes (PNG, 110 dpi) and closes `fig`; returns `path`."""
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return path
+
+
 def acceptance_histogram(lengths: Sequence[int], path: str, title: str = "") -> str:
   """Histogram of committed tokens per target forward."""
   counts = collections.Counter(int(a) for a in lengths)
   xs = list(range(1, max(counts, default=1) + 1))
   fig, ax = plt.subplots(figsize=(6, 3.5))
   ax.bar(xs, [counts.get(x, 0) for x in xs], color="#4c72b0")
-  ax.set_xlabel("acceptance length (tokens committed per target forward)")
+  ax.set_xlabel(ACCEPTANCE_LABEL)
   ax.set_ylabel("cycles")
   mean = sum(lengths) / max(len(lengths), 1)
   ax.set_title(f"{title}  (mean {mean:.2f}, {len(lengths)} cycles)".strip())
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
-  return path
+  return save_figure(fig, path)
 
 
 def line_plot(series: Mapping[str, tuple[Sequence[float], Sequence[float]]], path: str,
@@ -39,7 +47,4 @@ def line_plot(series: Mapping[str, tuple[Sequence[float], Sequence[float]]], pat
     ax.set_title(title)
   if len(series) > 1:
     ax.legend()
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
-  return path
+  return save_figure(fig, path)

@@ -14,11 +14,9 @@ from __future__ import annotations
 import collections
 from typing import Mapping, Sequence
 
-import matplotlib
+import numpy as np
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
+from bp_jax.plots import ACCEPTANCE_LABEL, plt, save_figure
 
 Run = Mapping  # {"new_tokens", "prefill_s", "decode_s", "acceptance_lengths", "block_size"}
 
@@ -72,10 +70,7 @@ def tau_by_size_plot(tau_NK: np.ndarray, sizes: Sequence[int], path: str,
   ax.set_ylabel("τ (committed tokens per target forward)")
   ax.set_title(title or f"τ by block size ({len(tau_NK)} prompts)")
   ax.legend(loc="upper left")
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
-  return path
+  return save_figure(fig, path)
 
 
 def size_distribution_plot(chosen: Mapping[str, Sequence[int]], sizes: Sequence[int],
@@ -94,10 +89,7 @@ def size_distribution_plot(chosen: Mapping[str, Sequence[int]], sizes: Sequence[
   ax.set_ylabel("requests")
   ax.set_title("chosen block sizes")
   ax.legend(fontsize=7, ncol=2)
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
-  return path
+  return save_figure(fig, path)
 
 
 def acceptance_histograms(accepts: Mapping[str, Sequence[int]], path: str) -> str:
@@ -109,10 +101,7 @@ def acceptance_histograms(accepts: Mapping[str, Sequence[int]], path: str) -> st
     if len(a):
       ax.hist(a, bins=bins, density=True, histtype="step", linewidth=1.6,
               label=f"{name} (mean {np.mean(a):.2f})")
-  ax.set_xlabel("acceptance length (tokens committed per target forward)")
+  ax.set_xlabel(ACCEPTANCE_LABEL)
   ax.set_ylabel("fraction of cycles")
   ax.legend(fontsize=7)
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
-  return path
+  return save_figure(fig, path)

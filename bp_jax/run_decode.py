@@ -16,7 +16,6 @@ import collections
 import dataclasses
 import json
 import os
-import resource
 import time
 from typing import Any, Sequence
 
@@ -27,6 +26,7 @@ from bp_jax.engine import LEARNED, Engine, Generation
 from bp_jax.errors import BadInputError
 from bp_jax.loading import load_drafter, load_target
 from bp_jax.prompts import Prompt, load_prompts
+from bp_jax.resources import peak_rss_mb
 from bp_jax.tokenizer import encode_prompt, load_tokenizer, stop_token_ids
 
 MODES = ("ar", "spec")
@@ -212,7 +212,7 @@ def summarize(records: list[dict], engine: Engine, cfg, wall_s: float) -> dict:
       "block_sizes_used": dict(collections.Counter(str(r["block_size"]) for r in records)),
       "compilations": comp["compilations"], "compilations_by_function": comp["by_function"],
       "compile_s": comp["compile_s"], "compile_s_per_bucket": comp["per_key_s"],
-      "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+      "peak_rss_mb": peak_rss_mb(),
   }
 
 

@@ -25,6 +25,7 @@ from flax import nnx
 from bp_jax.config import DFlashConfig, Qwen3Config, default_target_layer_ids
 from bp_jax.dflash import DFlashDrafter
 from bp_jax.errors import BadInputError
+from bp_jax.resources import peak_rss_mb
 from bp_jax.train import draft_objective as obj
 from bp_jax.train import workdir as wd
 from bp_jax.train.regenerate import (REGEN_TRAIN, REGEN_VAL, model_fingerprint, read_stamp,
@@ -388,7 +389,7 @@ def draft_stage(cfg: Any) -> None:
              "train_loss": result.last_metrics.get("loss"),
              "train_acceptance_length": result.last_metrics.get("acceptance_length"),
              **result.eval_metrics,
-             "response_tokens_per_s": tokens_per_s, "peak_rss_mb": wd.peak_rss_mb(),
+             "response_tokens_per_s": tokens_per_s, "peak_rss_mb": peak_rss_mb(),
              "num_params": int(sum(x.size for x in jax.tree.leaves(nnx.state(result.model)))),
              "checkpoint": out, "shipped": shipped}
   with open(summary_path, "w", encoding="utf-8") as f:

@@ -23,6 +23,7 @@ from flax import nnx
 from bp_jax.config import Qwen3Config
 from bp_jax.errors import BadInputError
 from bp_jax.qwen3 import Qwen3
+from bp_jax.resources import peak_rss_mb
 from bp_jax.train import workdir as wd
 
 EXPORT_DTYPES = ("float32", "bfloat16")
@@ -211,7 +212,7 @@ def lm_stage(cfg: Any) -> None:
   summary = {"steps": result.step, "resumed_from": result.start_step,
              "train_loss": result.last_metrics.get("loss"),
              **{k: v for k, v in result.eval_metrics.items()},
-             "tokens_per_s": round(result.tokens_per_s, 1), "peak_rss_mb": wd.peak_rss_mb(),
+             "tokens_per_s": round(result.tokens_per_s, 1), "peak_rss_mb": peak_rss_mb(),
              "num_params": sum(x.size for x in jax.tree.leaves(nnx.state(result.model))),
              "checkpoint": out, "checkpoint_mb": round(wd.folder_nbytes(out) / 2**20, 2),
              "shipped": shipped}

@@ -15,7 +15,6 @@ Final checkpoints are also copied to `<export_dir>/<name>` (the shipped demo) by
 from __future__ import annotations
 
 import os
-import resource
 import shutil
 import uuid
 from typing import Any
@@ -119,8 +118,3 @@ def ship_checkpoint(cfg: Any, ckpt_dir: str, name: str) -> str | None:
 def folder_nbytes(path: str) -> int:
   """Total size of the files under `path`."""
   return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
-
-
-def peak_rss_mb() -> float:
-  """This process's peak resident memory so far, in MiB (Linux ru_maxrss is in KiB)."""
-  return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
