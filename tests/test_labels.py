@@ -186,7 +186,12 @@ def test_labels_datasets(setup, stages_done, capsys):
     g = engine.generate(ids, max_new_tokens=MAX_NEW, seed=0, block_size=b, return_features=True)
     assert g.target_forwards == rec["cycles"][k] and g.new_tokens == rec["new_tokens"][k]
   np.testing.assert_allclose(g.features["last_logits"], rec["feat_last_logits"], rtol=1e-5)
-  # Rerunning with the same settings does nothing.
+  # Rerunning with the same settings does nothing; the stamp names the drafter's weights, so a
+  # retrained drafter of the same architecture is labelled again.
+  from bp_jax.train.regenerate import model_fingerprint, read_stamp
+  stamp = read_stamp(os.path.join(data, lab.STAMP_DIR))
+  assert stamp["drafter_fingerprint"] == model_fingerprint(drafter)
+  assert stamp["scan_layers"] is False
   capsys.readouterr()
   lab.labels_stage(cfg)
   assert "[labels] up to date" in capsys.readouterr().out

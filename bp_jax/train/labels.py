@@ -349,7 +349,8 @@ def load_models(cfg: Any, stage: str) -> tuple[Any, Any, Any, str]:
 
 def build_engine(cfg: Any, target: Any, drafter: Any, tok: Any, sizes: Sequence[int],
                  prompt_lens: Sequence[int], max_new: int):
-  """An engine with the candidate sizes; every request is checked before anything decodes."""
+  """An engine with the candidate sizes, its loops in decode.py's form (`--config.scan_layers`),
+  so measured cycle costs are the ones decode.py pays; every request is checked first."""
   from bp_jax.engine import Engine
   from bp_jax.run_decode import parse_int_list
   from bp_jax.tokenizer import stop_token_ids
@@ -357,7 +358,8 @@ def build_engine(cfg: Any, target: Any, drafter: Any, tok: Any, sizes: Sequence[
   engine = Engine(target, max_len=int(cfg.max_len), stop_ids=stop_token_ids(tok),
                   length_buckets=parse_int_list(cfg.get("length_buckets", ""),
                                                 "--config.length_buckets") or None,
-                  drafter=drafter, block_sizes=tuple(sizes))
+                  drafter=drafter, block_sizes=tuple(sizes),
+                  scan_layers=bool(cfg.get("scan_layers", False)))
   for n in prompt_lens:
     engine.check_request(n, max_new, max(sizes))
   return engine
@@ -370,7 +372,7 @@ def labels_stage(cfg: Any) -> None:
   """
   from tqdm import tqdm
 
-  from bp_jax.train.regenerate import read_stamp, write_stamp
+  from bp_jax.train.regenerate import model_fingerprint, read_stamp, write_stamp
 
   bp = cfg.blockpilot
   target, drafter, tok, fingerprint = load_models(cfg, "labels")
@@ -392,8 +394,10 @@ def labels_stage(cfg: Any) -> None:
   want = {"stage": "labels", "sizes": list(sizes), "max_new_tokens": max_new,
           "temperature": temperature, "label_seeds": seeds, "seed": int(cfg.seed),
           "target_fingerprint": fingerprint, "drafter": drafter.cfg.to_hf_dict(),
+          "drafter_fingerprint": model_fingerprint(drafter),  # a retrained drafter relabels
           "label_prompts": _stamp_of(label), "eval_prompts": _stamp_of(evals),
-          "chat": bool(cfg.get("chat", False)), "max_len": int(cfg.max_len)}
+          "chat": bool(cfg.get("chat", False)), "max_len": int(cfg.max_len),
+          "scan_layers": bool(cfg.get("scan_layers", False))}  # cycle costs depend on it
   stamp = read_stamp(stamp_dir)
   if (stamp is not None and all(stamp.get(k) == v for k, v in want.items())
       and tfds_io.dataset_exists(data, LABELS) and tfds_io.dataset_exists(data, EVAL_LABELS)):
