@@ -26,41 +26,41 @@ from flax import nnx
 from bp_jax import layers as L
 from bp_jax.config import DFlashConfig, Qwen3Config
 from bp_jax.errors import BadInputError
-from bp_jax.kv_cache import KVCache, write_slots
+from bp_jax.kv_cache import KVCache, write_all_layers
 from bp_jax.qwen3 import LayerStack
 
 
-def _two_part_attend(q_BTNH: jax.Array, k_ctx_BSKH: jax.Array, v_ctx_BSKH: jax.Array,
+def _two_part_attend(q_BTNH: jax.Array, k_ctx_ZSH: jax.Array, v_ctx_ZHS: jax.Array,
                      ctx_mask_BS: jax.Array, k_blk_BTKH: jax.Array,
                      v_blk_BTKH: jax.Array) -> jax.Array:
   """Non-causal GQA of block queries over (masked context slots) + (the whole block); [B, T, N*H].
 
-  One softmax over both parts, computed in float32 without concatenating the cache with the block:
-  shared row max, exponentials of each part, one normaliser. The block part is never empty, so every
-  row has at least one visible key.
+  The context is one `KVCache` layer (rows Z = B * K). One softmax over both parts, computed in
+  float32 without concatenating the cache with the block: shared row max, exponentials of each
+  part, one normaliser. The block part is never empty, so every row has at least one visible key.
   """
-  B, T, N, H = q_BTNH.shape
-  K = k_ctx_BSKH.shape[2]
+  B, T, _, H = q_BTNH.shape
+  K = k_blk_BTKH.shape[2]
   scale = H ** -0.5
-  q_BTKGH = q_BTNH.reshape(B, T, K, N // K, H)
-  s_ctx_BKGTS = jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, k_ctx_BSKH,
-                           preferred_element_type=jnp.float32) * scale
-  s_blk_BKGTU = jnp.einsum("btkgh,bukh->bkgtu", q_BTKGH, k_blk_BTKH,
-                           preferred_element_type=jnp.float32) * scale
-  mask_B111S = ctx_mask_BS[:, None, None, None, :]
-  s_ctx_BKGTS = jnp.where(mask_B111S, s_ctx_BKGTS, -jnp.inf)
-  m_BKGT1 = jnp.maximum(jnp.max(s_ctx_BKGTS, axis=-1, keepdims=True),
-                        jnp.max(s_blk_BKGTU, axis=-1, keepdims=True))
-  e_ctx_BKGTS = jnp.exp(s_ctx_BKGTS - m_BKGT1)  # masked slots: exp(-inf) = 0
-  e_blk_BKGTU = jnp.exp(s_blk_BKGTU - m_BKGT1)
-  denom_BKGT1 = (jnp.sum(e_ctx_BKGTS, axis=-1, keepdims=True)
-                 + jnp.sum(e_blk_BKGTU, axis=-1, keepdims=True))
-  o_BTKGH = (jnp.einsum("bkgts,bskh->btkgh", e_ctx_BKGTS.astype(v_ctx_BSKH.dtype), v_ctx_BSKH,
-                        preferred_element_type=jnp.float32)
-             + jnp.einsum("bkgtu,bukh->btkgh", e_blk_BKGTU.astype(v_blk_BTKH.dtype), v_blk_BTKH,
-                          preferred_element_type=jnp.float32))
-  o_BTKGH = o_BTKGH / jnp.moveaxis(denom_BKGT1, (1, 2, 3), (2, 3, 1))
-  return o_BTKGH.reshape(B, T, N * H).astype(q_BTNH.dtype)
+  q_ZGTH = L.heads_as_rows(q_BTNH, K)
+  k_blk_ZUH, v_blk_ZUH = L.heads_to_rows(k_blk_BTKH), L.heads_to_rows(v_blk_BTKH)
+  s_ctx_ZGTS = jnp.einsum("zgth,zsh->zgts", q_ZGTH, k_ctx_ZSH,
+                          preferred_element_type=jnp.float32) * scale
+  s_blk_ZGTU = jnp.einsum("zgth,zuh->zgtu", q_ZGTH, k_blk_ZUH,
+                          preferred_element_type=jnp.float32) * scale
+  mask_Z11S = jnp.repeat(ctx_mask_BS, K, axis=0)[:, None, None, :]
+  s_ctx_ZGTS = jnp.where(mask_Z11S, s_ctx_ZGTS, -jnp.inf)
+  m_ZGT1 = jnp.maximum(jnp.max(s_ctx_ZGTS, axis=-1, keepdims=True),
+                       jnp.max(s_blk_ZGTU, axis=-1, keepdims=True))
+  e_ctx_ZGTS = jnp.exp(s_ctx_ZGTS - m_ZGT1)  # masked slots: exp(-inf) = 0
+  e_blk_ZGTU = jnp.exp(s_blk_ZGTU - m_ZGT1)
+  denom_ZGT1 = (jnp.sum(e_ctx_ZGTS, axis=-1, keepdims=True)
+                + jnp.sum(e_blk_ZGTU, axis=-1, keepdims=True))
+  o_ZGTH = (jnp.einsum("zgts,zhs->zgth", e_ctx_ZGTS.astype(v_ctx_ZHS.dtype), v_ctx_ZHS,
+                       preferred_element_type=jnp.float32)
+            + jnp.einsum("zgtu,zuh->zgth", e_blk_ZGTU.astype(v_blk_ZUH.dtype), v_blk_ZUH,
+                         preferred_element_type=jnp.float32))
+  return L.rows_as_heads(o_ZGTH / denom_ZGT1, B).astype(q_BTNH.dtype)
 
 
 class DFlashDrafter(nnx.Module):
@@ -114,14 +114,7 @@ class DFlashDrafter(nnx.Module):
         -1, B, C, c.num_key_value_heads, c.head_dim)
     k_LBCKH = jax.vmap(lambda k, w: L.rms_norm(k, w, c.rms_norm_eps))(k_LBCKH, p["k_norm"])
     k_LBCKH = jax.vmap(lambda k: L.apply_rope(k, cos_BCH, sin_BCH))(k_LBCKH)
-    if cache.is_per_layer:
-      return cache.replace(
-          k=tuple(write_slots(k, k_LBCKH[i], pos_BC) for i, k in enumerate(cache.k)),
-          v=tuple(write_slots(v, v_LBCKH[i], pos_BC) for i, v in enumerate(cache.v)))
-    b_idx = jnp.arange(B)[:, None]
-    new_k = cache.k.at[:, b_idx, pos_BC].set(k_LBCKH.astype(cache.k.dtype), mode="drop")
-    new_v = cache.v.at[:, b_idx, pos_BC].set(v_LBCKH.astype(cache.v.dtype), mode="drop")
-    return cache.replace(k=new_k, v=new_v)
+    return write_all_layers(cache, k_LBCKH, v_LBCKH, pos_BC)
 
   # ---- drafting ------------------------------------------------------------------------------
 
@@ -142,11 +135,11 @@ class DFlashDrafter(nnx.Module):
     ctx_mask_BS = jnp.arange(cache.max_len)[None, :] < cache.lengths[:, None]
 
     def body(x_BbD, xs):
-      p, k_ctx_BSKH, v_ctx_BSKH = xs
+      p, k_ctx_ZSH, v_ctx_ZHS = xs
       xn_BbD = L.rms_norm(x_BbD, p["input_norm"], eps)
       q_BbNH = L.project_q(xn_BbD, p, cos_BbH, sin_BbH, c.num_attention_heads, H, eps)
       k_blk_BbKH, v_blk_BbKH = L.project_kv(xn_BbD, p, cos_BbH, sin_BbH, K, H, eps)
-      attn_BbX = _two_part_attend(q_BbNH, k_ctx_BSKH, v_ctx_BSKH, ctx_mask_BS, k_blk_BbKH,
+      attn_BbX = _two_part_attend(q_BbNH, k_ctx_ZSH, v_ctx_ZHS, ctx_mask_BS, k_blk_BbKH,
                                   v_blk_BbKH)
       h_BbD = x_BbD + attn_BbX @ p["o_proj"]
       x_BbD = h_BbD + L.swiglu_mlp(L.rms_norm(h_BbD, p["post_norm"], eps), p)

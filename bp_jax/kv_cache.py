@@ -12,11 +12,22 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from bp_jax.layers import heads_to_rows
+
 
 @flax.struct.dataclass
 class KVCache:
-  """k/v are stacked `[L, B, S, K, H]` arrays, or (inside decode loops that run layers
-  unrolled, see `per_layer`) tuples of L per-layer `[B, S, K, H]` arrays."""
+  """Keys `[L, Z, S, H]` and values `[L, Z, H, S]`, Z = B * K (row `b * K + k` holds kv head k
+  of sequence b); inside decode loops that run layers unrolled (see `per_layer`), tuples of L
+  per-layer `[Z, S, H]` / `[Z, H, S]` arrays.
+
+  These are the operands XLA:CPU's decode-time attention matmuls read in place, with one batch
+  dimension: scores_SR = k [S, H] @ q [H, R] and out_HR = v [H, S] @ w [S, R] (the cache is the
+  big operand, its contraction dim minor). The obvious `[B, S, K, H]` made XLA transpose every
+  layer's whole cache at every decode step, and `[B, K, ...]` made it copy each buffer three
+  times per step; this form halves a demo AR step's attention time (tests/test_spec_decode.py
+  checks the compiled decode loops hold no cache-sized copy).
+  """
   k: jax.Array | tuple[jax.Array, ...]
   v: jax.Array | tuple[jax.Array, ...]
   lengths: jax.Array  # [B] int32: committed tokens per sequence
@@ -24,13 +35,14 @@ class KVCache:
   @classmethod
   def create(cls, num_layers: int, batch: int, max_len: int, num_kv: int, head_dim: int,
              dtype) -> "KVCache":
-    shape = (num_layers, batch, max_len, num_kv, head_dim)
-    return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+    z = batch * num_kv
+    return cls(k=jnp.zeros((num_layers, z, max_len, head_dim), dtype),
+               v=jnp.zeros((num_layers, z, head_dim, max_len), dtype),
                lengths=jnp.zeros((batch,), jnp.int32))
 
   @property
   def max_len(self) -> int:
-    return self.k[0].shape[1]  # layer 0's [B, S, K, H], in either layout
+    return self.k[0].shape[1]  # layer 0's keys [Z, S, H], in either form
 
   @property
   def is_per_layer(self) -> bool:
@@ -45,27 +57,69 @@ class KVCache:
     return self.replace(k=tuple(self.k), v=tuple(self.v))
 
   def stacked(self) -> "KVCache":
-    """The stacked `[L, B, S, K, H]` form (what callers outside the decode loops see)."""
+    """The stacked form (what callers outside the decode loops see)."""
     if not self.is_per_layer:
       return self
     return self.replace(k=jnp.stack(self.k), v=jnp.stack(self.v))
+
+  def as_LBSKH(self) -> tuple[jax.Array, jax.Array]:
+    """Keys and values as `[L, B, S, K, H]` arrays (for inspection and tests; copies)."""
+    c = self.stacked()
+    L, Z, S, H = c.k.shape
+    B = self.lengths.shape[0]
+    k = c.k.reshape(L, B, Z // B, S, H).transpose(0, 1, 3, 2, 4)
+    v = c.v.reshape(L, B, Z // B, H, S).transpose(0, 1, 4, 2, 3)
+    return k, v
 
   def with_lengths(self, lengths: jax.Array) -> "KVCache":
     return self.replace(lengths=jnp.asarray(lengths, jnp.int32))
 
 
-def write_layer(buf_LBSKH: jax.Array, layer: jax.Array, new_BTKH: jax.Array,
-                slots_BT: jax.Array) -> jax.Array:
-  """Writes new entries of one layer at the given slots; slots beyond the cache are dropped."""
-  B = new_BTKH.shape[0]
-  b_idx = jnp.arange(B)[:, None]
-  return buf_LBSKH.at[layer, b_idx, slots_BT].set(new_BTKH.astype(buf_LBSKH.dtype), mode="drop")
+def _rows_and_slots(new_BTKH: jax.Array,
+                    slots_BT: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """New entries [Z, T, H], their slots [Z, T] and row indices [Z, 1]."""
+  new_ZTH = heads_to_rows(new_BTKH)
+  slots_ZT = jnp.repeat(slots_BT, new_BTKH.shape[2], axis=0)
+  return new_ZTH, slots_ZT, jnp.arange(new_ZTH.shape[0])[:, None]
 
 
-def write_slots(buf_BSKH: jax.Array, new_BTKH: jax.Array, slots_BT: jax.Array) -> jax.Array:
-  """`write_layer` for one layer's own buffer (the per-layer cache form)."""
-  b_idx = jnp.arange(new_BTKH.shape[0])[:, None]
-  return buf_BSKH.at[b_idx, slots_BT].set(new_BTKH.astype(buf_BSKH.dtype), mode="drop")
+# Writers of new entries [B, T, K, H] at the given slots [B, T]; slots beyond the cache are
+# dropped, never clamped. Row index and slot are the scatter's indexed dims.
+
+def write_keys(k_ZSH: jax.Array, new_BTKH: jax.Array, slots_BT: jax.Array) -> jax.Array:
+  """One layer's own key buffer (the per-layer cache form)."""
+  new_ZTH, slots_ZT, rows = _rows_and_slots(new_BTKH, slots_BT)
+  return k_ZSH.at[rows, slots_ZT].set(new_ZTH.astype(k_ZSH.dtype), mode="drop")
+
+
+def write_values(v_ZHS: jax.Array, new_BTKH: jax.Array, slots_BT: jax.Array) -> jax.Array:
+  """One layer's own value buffer (the per-layer cache form)."""
+  new_ZTH, slots_ZT, rows = _rows_and_slots(new_BTKH, slots_BT)
+  # Advanced indices split by a slice: the indexed dims [Z, T] lead, then H.
+  return v_ZHS.at[rows, :, slots_ZT].set(new_ZTH.astype(v_ZHS.dtype), mode="drop")
+
+
+def write_layer(cache: KVCache, layer: jax.Array, k_new_BTKH: jax.Array, v_new_BTKH: jax.Array,
+                slots_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """New stacked (k, v) with one layer's entries written; `layer` may be traced (under scan)."""
+  k_ZTH, slots_ZT, rows = _rows_and_slots(k_new_BTKH, slots_BT)
+  v_ZTH = heads_to_rows(v_new_BTKH)
+  k = cache.k.at[layer, rows, slots_ZT].set(k_ZTH.astype(cache.k.dtype), mode="drop")
+  v = cache.v.at[layer, rows, :, slots_ZT].set(v_ZTH.astype(cache.v.dtype), mode="drop")
+  return k, v
+
+
+def write_all_layers(cache: KVCache, k_new_LBTKH: jax.Array, v_new_LBTKH: jax.Array,
+                     slots_BT: jax.Array) -> KVCache:
+  """Writes every layer's entries at the same slots, in either cache form."""
+  if cache.is_per_layer:
+    return cache.replace(
+        k=tuple(write_keys(k, k_new_LBTKH[i], slots_BT) for i, k in enumerate(cache.k)),
+        v=tuple(write_values(v, v_new_LBTKH[i], slots_BT) for i, v in enumerate(cache.v)))
+  k, v = cache.k, cache.v
+  for i in range(k.shape[0]):
+    k, v = write_layer(cache.replace(k=k, v=v), i, k_new_LBTKH[i], v_new_LBTKH[i], slots_BT)
+  return cache.replace(k=k, v=v)
 
 
 def causal_mask(q_pos_BT: jax.Array, num_slots: int) -> jax.Array:

@@ -62,20 +62,48 @@ def project_q(x_BTD: jax.Array, p: dict, cos: jax.Array, sin: jax.Array, num_hea
   return apply_rope(rms_norm(q_BTNH, p["q_norm"], eps), cos, sin)
 
 
-def attend(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
+def heads_to_rows(x_BTKH: jax.Array) -> jax.Array:
+  """Keys or values [Z, T, H] in the `KVCache` row order (Z = B * K, row b * K + k)."""
+  B, T, K, H = x_BTKH.shape
+  return x_BTKH.transpose(0, 2, 1, 3).reshape(B * K, T, H)
+
+
+def heads_as_rows(q_BTNH: jax.Array, num_kv: int) -> jax.Array:
+  """Queries [Z, G, T, H] in the KV cache's row order (Z = B * K, G = N // K query heads per
+  kv head)."""
+  B, T, N, H = q_BTNH.shape
+  q_BTKGH = q_BTNH.reshape(B, T, num_kv, N // num_kv, H)
+  return q_BTKGH.transpose(0, 2, 3, 1, 4).reshape(B * num_kv, N // num_kv, T, H)
+
+
+def rows_as_heads(o_ZGTH: jax.Array, batch: int) -> jax.Array:
+  """Inverse of `heads_as_rows` for attention outputs, flattened to [B, T, N*H]."""
+  Z, G, T, H = o_ZGTH.shape
+  o_BKGTH = o_ZGTH.reshape(batch, Z // batch, G, T, H)
+  return o_BKGTH.transpose(0, 3, 1, 2, 4).reshape(batch, T, -1)
+
+
+def attend(q_BTNH: jax.Array, k_ZSH: jax.Array, v_ZHS: jax.Array,
            mask_BTS: jax.Array) -> jax.Array:
-  """Grouped-query attention with a boolean visibility mask; returns [B, T, N*H].
+  """Grouped-query attention over a `KVCache` layer with a boolean visibility mask; [B, T, N*H].
 
   Scores and softmax are in float32. A query row whose mask is all False returns zeros (only
   padding rows can be in that state; they are never read).
   """
-  B, T, N, H = q_BTNH.shape
-  K = k_BSKH.shape[2]
-  q_BTKGH = q_BTNH.reshape(B, T, K, N // K, H)
-  s_BKGTS = jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, k_BSKH,
-                       preferred_element_type=jnp.float32) * (H ** -0.5)
-  s_BKGTS = jnp.where(mask_BTS[:, None, None], s_BKGTS, -1e30)
-  w_BKGTS = jax.nn.softmax(s_BKGTS, axis=-1)
-  w_BKGTS = jnp.where(mask_BTS[:, None, None], w_BKGTS, 0.0).astype(v_BSKH.dtype)
-  o_BTKGH = jnp.einsum("bkgts,bskh->btkgh", w_BKGTS, v_BSKH)
-  return o_BTKGH.reshape(B, T, N * H)
+  B, T, _, H = q_BTNH.shape
+  Z, S, _ = k_ZSH.shape
+  q_ZGTH = heads_as_rows(q_BTNH, Z // B)
+  s_ZGTS = jnp.einsum("zgth,zsh->zgts", q_ZGTH, k_ZSH,
+                      preferred_element_type=jnp.float32) * (H ** -0.5)
+  mask_Z1TS = jnp.repeat(mask_BTS, Z // B, axis=0)[:, None]
+  s_ZGTS = jnp.where(mask_Z1TS, s_ZGTS, -1e30)
+  w_ZGTS = jax.nn.softmax(s_ZGTS, axis=-1)
+  w_ZGTS = jnp.where(mask_Z1TS, w_ZGTS, 0.0).astype(v_ZHS.dtype)
+  return rows_as_heads(jnp.einsum("zgts,zhs->zgth", w_ZGTS, v_ZHS), B)
+
+
+def attend_BSKH(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
+                mask_BTS: jax.Array) -> jax.Array:
+  """`attend` over keys and values given as plain [B, S, K, H] arrays (not a cache)."""
+  return attend(q_BTNH, heads_to_rows(k_BSKH), heads_to_rows(v_BSKH).transpose(0, 2, 1),
+                mask_BTS)

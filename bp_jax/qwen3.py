@@ -15,7 +15,7 @@ from flax import nnx
 
 from bp_jax import layers as L
 from bp_jax.config import Qwen3Config
-from bp_jax.kv_cache import KVCache, causal_mask, write_layer, write_slots
+from bp_jax.kv_cache import KVCache, causal_mask, write_keys, write_layer, write_values
 
 
 def layer_param_shapes(cfg: Qwen3Config) -> dict[str, tuple[int, ...]]:
@@ -127,13 +127,12 @@ class Qwen3(nnx.Module):
       k_new, v_new = L.project_kv(xn, p, cos, sin, c.num_key_value_heads, c.head_dim,
                                   c.rms_norm_eps)
       if isinstance(k_all, tuple):  # per-layer cache (unrolled): layer is a Python int
-        k_l = write_slots(k_all[layer], k_new, pos_BT)
-        v_l = write_slots(v_all[layer], v_new, pos_BT)
+        k_l = write_keys(k_all[layer], k_new, pos_BT)
+        v_l = write_values(v_all[layer], v_new, pos_BT)
         k_all = k_all[:layer] + (k_l,) + k_all[layer + 1:]
         v_all = v_all[:layer] + (v_l,) + v_all[layer + 1:]
       else:
-        k_all = write_layer(k_all, layer, k_new, pos_BT)
-        v_all = write_layer(v_all, layer, v_new, pos_BT)
+        k_all, v_all = write_layer(cache.replace(k=k_all, v=v_all), layer, k_new, v_new, pos_BT)
         k_l, v_l = k_all[layer], v_all[layer]
       attn = L.attend(q, k_l, v_l, mask_BTS)
       h = x + attn @ p["o_proj"]

@@ -181,9 +181,10 @@ def test_add_context_writes_only_its_slots_and_drops_past_end(setup):
   cache = drafter.init_cache(2, 8).with_lengths(np.array([2, 6]))
   new = drafter.add_context(jnp.asarray(_feats(rng, 2, 4)), cache)
   assert np.array_equal(np.asarray(new.lengths), [2, 6])
-  written = np.abs(np.asarray(new.k)).sum(axis=(0, 3, 4)) > 0  # [B, S]
-  assert written.tolist() == [[False, False, True, True, True, True, False, False],
-                              [False] * 6 + [True, True]]
+  for x_LBSKH in new.as_LBSKH():
+    written = np.abs(np.asarray(x_LBSKH)).sum(axis=(0, 3, 4)) > 0  # [B, S]
+    assert written.tolist() == [[False, False, True, True, True, True, False, False],
+                                [False] * 6 + [True, True]]
 
 
 def test_draft_leaves_cache_unchanged(setup):

@@ -113,8 +113,9 @@ def test_rollback_then_rewrite_matches_a_fresh_run_on_the_new_sequence(model):
 def test_stale_entries_past_the_pointer_do_not_change_the_logits(model):
   tokens = _seq(5, seed=30)
   clean = model.init_cache(1, S)
-  noise = jax.random.normal(jax.random.key(0), clean.k.shape) * 5
-  dirty = clean.replace(k=clean.k + noise, v=clean.v - noise)
+  k_noise = jax.random.normal(jax.random.key(0), clean.k.shape) * 5
+  v_noise = jax.random.normal(jax.random.key(1), clean.v.shape) * 5
+  dirty = clean.replace(k=clean.k + k_noise, v=clean.v - v_noise)
   a = model(tokens, clean).logits
   b = model(tokens, dirty).logits
   np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=TOL, rtol=0)
@@ -128,8 +129,8 @@ def test_writes_past_the_cache_end_are_dropped_not_clamped(model):
   # 5 tokens at positions 5..9 into an 8-slot cache: 8 and 9 have no slot.
   over = model(tokens[:, 5:10], cache)
   fits = model(tokens[:, 5:8], cache)
-  for name in ("k", "v"):
-    got, want, old = (np.asarray(getattr(c, name)) for c in (over.cache, fits.cache, before))
+  for got, want, old in zip(*(c.as_LBSKH() for c in (over.cache, fits.cache, before))):
+    got, want, old = np.asarray(got), np.asarray(want), np.asarray(old)
     assert got.shape[2] == slots
     np.testing.assert_array_equal(got[:, :, :5], old[:, :, :5])
     np.testing.assert_allclose(got[:, :, 5:8], want[:, :, 5:8], atol=TOL, rtol=0)
@@ -139,11 +140,21 @@ def test_writes_past_the_cache_end_are_dropped_not_clamped(model):
 
 
 def test_write_layer_drops_out_of_range_slots_and_touches_only_its_layer():
-  buf = jnp.zeros((2, 1, 4, 1, 2))
-  new = jnp.arange(1, 7, dtype=jnp.float32).reshape(1, 3, 1, 2)
-  out = np.asarray(write_layer(buf, jnp.int32(1), new, jnp.asarray([[2, 3, 4]])))
-  assert np.all(out[0] == 0)
-  np.testing.assert_array_equal(out[1, 0, :, 0], [[0, 0], [0, 0], [1, 2], [3, 4]])
+  # 2 layers, batch 2, 2 kv heads (Z = 4 rows), 4 slots, head_dim 2.
+  cache = KVCache.create(2, 2, 4, 2, 2, jnp.float32)
+  new = jnp.arange(1, 25, dtype=jnp.float32).reshape(2, 3, 2, 2)  # [B, T, K, H]
+  slots = jnp.asarray([[2, 3, 4], [0, 1, 2]])  # sequence 0's third entry has no slot
+  k, v = (np.asarray(x) for x in write_layer(cache, jnp.int32(1), new, -new, slots))
+  assert np.all(k[0] == 0) and np.all(v[0] == 0)
+  new = np.asarray(new)
+  for b in range(2):
+    for h in range(2):  # row b * K + h holds kv head h of sequence b
+      want = np.zeros((4, 2), np.float32)
+      for t, s in enumerate(np.asarray(slots)[b]):
+        if s < 4:
+          want[s] = new[b, t, h]
+      np.testing.assert_array_equal(k[1, 2 * b + h], want)
+      np.testing.assert_array_equal(v[1, 2 * b + h], -want.T)
 
 
 def test_causal_mask_is_by_absolute_position():

@@ -15,6 +15,7 @@ by `simulate_cycles`, a plain-Python statement of the exact-match rule.
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -342,3 +343,16 @@ def test_spec_without_drafter_is_refused(models):
   eng = Engine(target, max_len=32, length_buckets=(16,))
   with pytest.raises(BadInputError, match="needs a drafter"):
     eng.generate([1, 2], max_new_tokens=3, block_size=4)
+
+
+def test_decode_loops_update_the_caches_in_place(engine, reference):
+  """The compiled loops hold no copy of a cache-sized buffer: every step writes the caches in
+  place and attention reads them in their stored layout (a copy there costs a whole cache per
+  layer per step; bp_jax/kv_cache.py explains the layout that avoids it)."""
+  engine.generate(reference[0][0], max_new_tokens=8, block_size=1)
+  engine.generate(reference[0][0], max_new_tokens=8, block_size=4)
+  cache_shape = re.compile(rf"= f32\[[0-9,]*\b{MAX_LEN}\b[0-9,]*\]\{{[0-9,]*\}} copy\(")
+  for key in (("ar_loop", 1), ("spec_loop", 4)):
+    hlo = engine.compiled._fns[key].as_text()
+    copies = [line.strip()[:120] for line in hlo.splitlines() if cache_shape.search(line)]
+    assert not copies, (key, copies)

@@ -273,8 +273,8 @@ def drafter_train_forward(drafter: DFlashDrafter, target_hiddens_nBTD: jax.Array
     q_BQNH = L.project_q(xn_BQD, p, cos_BQH, sin_BQH, N, H, eps)
     k_blk_BQKH, v_blk_BQKH = L.project_kv(xn_BQD, p, cos_BQH, sin_BQH, K, H, eps)
     if dense_mask:
-      attn_BQX = L.attend(q_BQNH, jnp.concatenate([k_ctx_BTKH, k_blk_BQKH], axis=1),
-                          jnp.concatenate([v_ctx_BTKH, v_blk_BQKH], axis=1), dense_BQS)
+      attn_BQX = L.attend_BSKH(q_BQNH, jnp.concatenate([k_ctx_BTKH, k_blk_BQKH], axis=1),
+                               jnp.concatenate([v_ctx_BTKH, v_blk_BQKH], axis=1), dense_BQS)
     else:
       attn_BQX = _block_attend(q_BQNH.reshape(B, A, b, N, H), k_ctx_BTKH, v_ctx_BTKH,
                                ctx_mask_BAT, k_blk_BQKH.reshape(B, A, b, K, H),
