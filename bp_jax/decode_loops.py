@@ -181,7 +181,7 @@ def make_spec_loop(graphdef, draft_graphdef, block_size: int,
       new_pos = pos + a + 1
       seq = c["seq"].at[0, pos + 1 + offs_b].set(y, mode="drop")
       stop_hit = jnp.any(_is_stop(y, stop_ids) & (offs_b <= a))
-      draft_cache = drafter.add_context(out.layer_hiddens, c["draft_cache"])
+      draft_cache = drafter.add_context(out.layer_hiddens, c["draft_cache"], draft_layers)
       return dict(seq=seq, cache=out.cache.with_lengths(new_pos[None]),
                   draft_cache=draft_cache.with_lengths(new_pos[None]), pos=new_pos,
                   tok=y[a], n_gen=c["n_gen"] + a + 1, done=stop_hit,

@@ -90,31 +90,31 @@ class DFlashDrafter(nnx.Module):
     if n != len(self.cfg.target_layer_ids):
       raise ValueError(f"expected hidden states of {len(self.cfg.target_layer_ids)} target layers, "
                        f"got {n}")
-    fc_nDE = self.fc[...].reshape(n, D, -1)  # rows of fc are the concat's features, layer-major
-    h_BCE = jnp.einsum("nbcd,nde->bce", target_hiddens_nBCD.astype(self.dtype), fc_nDE)
-    return L.rms_norm(h_BCE, self.hidden_norm[...], self.cfg.layers.rms_norm_eps)
+    # Rows of fc are the concat's features, layer-major; fc is used as stored (no weight copy).
+    concat_BCX = jnp.concatenate(list(target_hiddens_nBCD.astype(self.dtype)), axis=-1)
+    return L.rms_norm(concat_BCX @ self.fc[...], self.hidden_norm[...],
+                      self.cfg.layers.rms_norm_eps)
 
-  def add_context(self, target_hiddens_nBCD: jax.Array, cache: KVCache) -> KVCache:
+  def add_context(self, target_hiddens_nBCD: jax.Array, cache: KVCache,
+                  layers: list[dict[str, jax.Array]] | None = None) -> KVCache:
     """Writes every draft layer's k/v of C new context entries at slots `cache.lengths + arange(C)`.
 
     RoPE uses those absolute positions. Slots past the cache end are dropped. `cache.lengths` is
     left unchanged: the caller then sets it to the number of valid context entries
     (`cache.with_lengths(...)`), so a fixed-size chunk may carry invalid tail entries.
+    `layers`: per-layer parameters (`self.layers.per_layer()`), taken once outside a decode
+    loop; None slices them here.
     """
     c = self.cfg.layers
     ctx_BCD = self.context_features(target_hiddens_nBCD)
-    B, C, _ = ctx_BCD.shape
+    C = ctx_BCD.shape[1]
     pos_BC = cache.lengths[:, None] + jnp.arange(C, dtype=jnp.int32)[None, :]
     cos_BCH, sin_BCH = L.rope_cos_sin(pos_BC, c.head_dim, c.rope_theta)
-    p = self.layers.as_dict()
-    # c is the same input for every layer: project all layers at once (no scan needed).
-    k_LBCKH = jnp.einsum("bcd,ldx->lbcx", ctx_BCD, p["k_proj"]).reshape(
-        -1, B, C, c.num_key_value_heads, c.head_dim)
-    v_LBCKH = jnp.einsum("bcd,ldx->lbcx", ctx_BCD, p["v_proj"]).reshape(
-        -1, B, C, c.num_key_value_heads, c.head_dim)
-    k_LBCKH = jax.vmap(lambda k, w: L.rms_norm(k, w, c.rms_norm_eps))(k_LBCKH, p["k_norm"])
-    k_LBCKH = jax.vmap(lambda k: L.apply_rope(k, cos_BCH, sin_BCH))(k_LBCKH)
-    return write_all_layers(cache, k_LBCKH, v_LBCKH, pos_BC)
+    # c is not passed through the layers' input_layernorm: every layer projects c itself.
+    kv = [L.project_kv(ctx_BCD, p, cos_BCH, sin_BCH, c.num_key_value_heads, c.head_dim,
+                       c.rms_norm_eps) for p in (layers or self.layers.per_layer())]
+    return write_all_layers(cache, jnp.stack([k for k, _ in kv]), jnp.stack([v for _, v in kv]),
+                            pos_BC)
 
   # ---- drafting ------------------------------------------------------------------------------
 
