@@ -19,6 +19,10 @@ def blockpilot_config(**overrides: Any) -> ml_collections.ConfigDict:
   # Candidate block sizes (the policy's classes).
   c.candidates = ""              # comma-separated sizes; "" = drafter's training size +- radius
   c.radius = 3
+  # Also offer block size 1: plain AR decoding, no drafter pass. Under `max_throughput` a prompt
+  # whose drafts rarely survive is then labelled AR, so a learned policy can skip speculation
+  # for it (it never wins under `max_tau`, where τ(1) = 1).
+  c.include_ar = True
   # Prompt sets: eval_source is split by id into labelling and evaluation prompts.
   c.eval_source = "humaneval"
   c.eval_frac = 0.5              # fraction of eval_source held out for evaluation

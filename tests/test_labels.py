@@ -28,7 +28,7 @@ from bp_jax.train import policy_stage as ps
 from bp_jax.train.draft import drafter_config, export_drafter
 from configs import qwen3 as qwen3_config
 
-SIZES = (2, 3, 4)
+SIZES = (1, 2, 3, 4)  # the drafter's size 3 +- 1, and 1 = plain AR (blockpilot.include_ar)
 MAX_NEW = 10
 
 
@@ -94,7 +94,7 @@ def _rec(tau, cycles, new, secs):
   return {"tau": np.asarray(tau, np.float32), "cycles": np.asarray(cycles, np.int32),
           "new_tokens": np.asarray(new, np.int32), "decode_s": np.asarray(secs, np.float32),
           "committed": np.rint(np.asarray(tau) * np.asarray(cycles)).astype(np.int32),
-          "block_sizes": np.asarray(SIZES, np.int32)}
+          "block_sizes": np.asarray((2, 3, 4), np.int32)}
 
 
 def test_label_rules():
@@ -172,7 +172,7 @@ def test_labels_datasets(setup, stages_done, capsys):
     np.testing.assert_allclose(r["tau"], r["committed"] / np.maximum(cyc, 1), rtol=1e-6)
     assert (r["accept_lens"] >= 1).all()
     parts = np.split(r["accept_lens"], np.cumsum(cyc)[:-1])
-    assert [int(p.max(initial=1)) <= b for p, b in zip(parts, SIZES)] == [True] * 3
+    assert [int(p.max(initial=1)) <= b for p, b in zip(parts, SIZES)] == [True] * len(SIZES)
   # The stored measurements and features are the engine's (one prompt re-decoded here).
   from bp_jax.engine import Engine
   from bp_jax.loading import load_drafter, load_target
@@ -228,7 +228,8 @@ def test_report(stages_done):
     assert os.path.getsize(os.path.join(out, name)) > 0, name
   rep = json.load(open(os.path.join(out, "report.json")))
   methods = [r["method"] for r in rep["rows"]]
-  assert methods[0] == "AR (b=1)" and [f"fixed b={b}" for b in SIZES] == methods[1:4]
+  # Size 1 is the AR row itself (no second AR run, no "fixed b=1" row).
+  assert methods[0] == "AR (b=1)" and [f"fixed b={b}" for b in SIZES[1:]] == methods[1:4]
   assert sum(m.startswith("best static") for m in methods) == 2
   assert sum(m.startswith("learned ") for m in methods) == 6
   assert "random" in methods and sum(m.startswith("oracle") for m in methods) == 2
@@ -247,7 +248,7 @@ def test_report(stages_done):
   # Compilations: per length bucket a plain prefill and one per policy architecture (3 feature
   # types), one AR loop and one loop per size; nothing compiled while decoding.
   comp = rep["compilations"]["by_function"]
-  assert comp["spec_loop"] == len(SIZES) and comp["ar_loop"] == 1
+  assert comp["spec_loop"] == len(SIZES) - 1 and comp["ar_loop"] == 1
   assert comp["prefill"] % 4 == 0
   over = rep["policy_overhead"]
   assert set(over["policies"]) == {m[len("learned "):] for m in methods if m.startswith("learned")}
@@ -281,12 +282,12 @@ def test_decode_block_policies(setup, stages_done):
   learned, summary = run_decode.run(_decode_cfg(setup, eval_only, block_policy="learned",
                                                 policy=policy))
   assert [r["output_ids"] for r in learned] == outputs  # lossless at T=0
-  assert all(r["block_size"] in SIZES and len(r["policy_probs"]) == 3 for r in learned)
+  assert all(r["block_size"] in SIZES and len(r["policy_probs"]) == 4 for r in learned)
   assert summary["block_policy"] == "learned" and summary["policy"]["feature_type"] == \
       "pooled_layers"
   # One plain-or-policy prefill per length bucket, one loop per size used: no per-request code.
-  used = {r["block_size"] for r in learned}
-  assert summary["compilations_by_function"]["spec_loop"] == len(used)
+  used = {r["block_size"] for r in learned} - {1}  # 1 runs the AR loop
+  assert summary["compilations_by_function"].get("spec_loop", 0) == len(used)
   assert summary["compilations_by_function"]["prefill"] <= 3
   oracle, _ = run_decode.run(_decode_cfg(
       setup, eval_only, block_policy="oracle", label_rule="max_tau",
@@ -296,7 +297,7 @@ def test_decode_block_policies(setup, stages_done):
   assert [r["output_ids"] for r in oracle] == outputs
   rand, _ = run_decode.run(_decode_cfg(setup, eval_only, block_policy="random", seed=5))
   from bp_jax.policy import random_block_size
-  assert [r["block_size"] for r in rand] == [random_block_size(SIZES, 5, i) for i in range(4)]
+  assert [r["block_size"] for r in rand] == [random_block_size((2, 3, 4), 5, i) for i in range(4)]
   assert [r["output_ids"] for r in rand][:1] == outputs[:1]  # seed 5 vs 0: same greedy tokens
 
 
@@ -334,3 +335,20 @@ def test_missing_policy_falls_back_or_fails(setup, stages_done, capsys):
     run_decode.run(_decode_cfg(setup, eval_only, block_policy="random", mode="ar"))
   with pytest.raises(BadInputError, match="oracle_labels"):
     run_decode.run(_decode_cfg(setup, eval_only, block_policy="oracle"))
+
+
+def test_candidate_sizes():
+  bp = qwen3_config.blockpilot_config(radius=2)
+  assert lab.candidate_sizes(bp, 3) == (1, 2, 3, 4, 5)  # 3 +- 2 (sizes >= 2), and AR
+  bp.include_ar = False
+  assert lab.candidate_sizes(bp, 8) == (6, 7, 8, 9, 10)
+  bp.candidates = "12,4"
+  assert lab.candidate_sizes(bp, 8) == (4, 12)
+  bp.include_ar = True
+  assert lab.candidate_sizes(bp, 8) == (1, 4, 12)
+  bp.candidates = "1,4"
+  assert lab.candidate_sizes(bp, 8) == (1, 4)
+  for bad in ("0,4", "4,4", "4"):
+    bp.candidates, bp.include_ar = bad, False
+    with pytest.raises(BadInputError, match="candidates"):
+      lab.candidate_sizes(bp, 8)

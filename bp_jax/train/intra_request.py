@@ -76,6 +76,9 @@ def replay_acceptance(target: Any, drafter: Any, prompt_ids: Sequence[int],
   A = max(1, max_new_tokens - 1)
   out = {}
   for b in sizes:
+    if int(b) == 1:  # plain AR decoding: no drafts, one token per target forward
+      out[1] = np.zeros(M, np.int64)
+      continue
     acc = np.asarray(_replay_jit(t_graph, d_graph, int(b), A, t_state, d_state,
                                  jnp.asarray(tokens), jnp.int32(n + M), jnp.int32(n)))
     full = np.zeros(M, np.int64)

@@ -135,15 +135,19 @@ def check_no_overlap(label: Sequence[LabelPrompt], evals: Sequence[LabelPrompt])
 
 
 def candidate_sizes(bp: Any, drafter_block_size: int) -> tuple[int, ...]:
-  """`bp.candidates`, or the drafter's training size +- `bp.radius` (sizes >= 2), ascending."""
+  """`bp.candidates`, or the drafter's training size +- `bp.radius` (sizes >= 2), plus 1 (plain
+  AR decoding) with `bp.include_ar`; ascending."""
   from bp_jax.run_decode import parse_int_list
 
   sizes = parse_int_list(bp.candidates, "--config.blockpilot.candidates")
   if not sizes:
     r = int(bp.radius)
     sizes = tuple(range(max(2, drafter_block_size - r), drafter_block_size + r + 1))
-  if len(set(sizes)) != len(sizes) or min(sizes) < 2:
-    raise BadInputError(f"--config.blockpilot.candidates={list(sizes)}: give distinct sizes >= 2")
+  if len(set(sizes)) != len(sizes) or min(sizes) < 1:
+    raise BadInputError(f"--config.blockpilot.candidates={list(sizes)}: give distinct sizes >= 1 "
+                        "(1 = plain AR decoding)")
+  if bool(bp.get("include_ar", False)) and 1 not in sizes:
+    sizes = (1,) + tuple(sizes)
   if len(sizes) < 2:
     raise BadInputError("--config.blockpilot.candidates: a policy needs at least 2 sizes")
   return tuple(sorted(sizes))

@@ -151,7 +151,8 @@ def report_stage(cfg: Any) -> None:
   repeats = int(bp.get("report_repeats", 1))
   if repeats < 1:
     raise BadInputError(f"--config.blockpilot.report_repeats={repeats} must be >= 1")
-  methods = ["AR"] + [f"b={b}" for b in sizes] + [f"learned {n}" for n in policies]
+  # Block size 1 (a candidate with blockpilot.include_ar) is the AR run itself.
+  methods = ["AR"] + [f"b={b}" for b in sizes if b != 1] + [f"learned {n}" for n in policies]
   runs: dict[str, list[dict]] = {m: [] for m in methods}
   for i, (p, ids) in enumerate(tqdm(list(zip(evals, encoded)), desc="report", unit="prompt",
                                     dynamic_ncols=True)):
@@ -176,6 +177,8 @@ def report_stage(cfg: Any) -> None:
           done[m] = rec
     for m in methods:
       runs[m].append(done[m])
+  if 1 in sizes:
+    runs["b=1"] = runs["AR"]
   if engine.compiled.summary()["compilations"] != compiled["compilations"]:
     raise AssertionError("decoding compiled new functions after precompile")
   # A learned run is the fixed run of its size plus the policy (same seed): same cycles.
@@ -186,7 +189,7 @@ def report_stage(cfg: Any) -> None:
   label_costs = lab.cycle_costs(label_records)
   ar_tps = rep.method_row("AR", runs["AR"])["tokens_per_s"]
   rows = [rep.method_row("AR (b=1)", runs["AR"], ar_tps)]
-  rows += [rep.method_row(f"fixed b={b}", runs[f"b={b}"], ar_tps) for b in sizes]
+  rows += [rep.method_row(f"fixed b={b}", runs[f"b={b}"], ar_tps) for b in sizes if b != 1]
   derived: dict[str, list[dict]] = {}
   for rule in parse_rules(bp.rules):
     ok = lab.usable(label_records)
