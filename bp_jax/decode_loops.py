@@ -28,7 +28,7 @@ class PrefillOut(NamedTuple):
   last_logits: jax.Array     # [1, V] logits at the last prompt position
   last_hidden: jax.Array     # [1, D] final hidden state (after the final norm) there
   # The block-size policy's inputs (`policy_features.prefill_features`): name -> [1, F] float32;
-  # `pooled_layers` only with a drafter.
+  # `pooled_layers` and `draft_confidence` only with a drafter.
   features: dict[str, jax.Array] | None = None
   policy_probs: jax.Array | None = None  # [C] float32 class probabilities (with a policy)
   policy_class: jax.Array | None = None  # [] int32 argmax class = index of the chosen bucket
@@ -73,11 +73,18 @@ def make_prefill(graphdef, draft_graphdef=None, policy_graphdef=None) -> Callabl
     out = model(tokens_1P, cache.with_lengths(zero), layer_ids, logits_at=(n - 1)[None])
     logits_1V = out.logits[:, 0]
     first = sample(logits_1V, temperature, position_keys(seed_key, n[None]))[0]
+    draft_logits = None
     if drafter is not None:
       draft_cache = drafter.add_context(out.layer_hiddens, draft_cache.with_lengths(zero))
       draft_cache = draft_cache.with_lengths(n[None])
+      # The drafter's first block from the prompt's context (the `draft_confidence` feature).
+      b0 = drafter.cfg.block_size
+      block_1b = jnp.full((1, b0), drafter.cfg.mask_token_id, jnp.int32).at[0, 0].set(first)
+      h_1bD = drafter.draft(model.embed_tokens(block_1b), draft_cache)
+      draft_logits = model.project_to_vocab(h_1bD[:, 1:])
     features = prefill_features(logits_1V, out.final_hidden[:, 0],
-                                out.layer_hiddens if drafter is not None else None, n)
+                                out.layer_hiddens if drafter is not None else None, n,
+                                draft_logits)
     probs = cls = None
     if policy_graphdef is not None:
       policy = nnx.merge(policy_graphdef, policy_state)

@@ -111,7 +111,7 @@ class Engine:
   def set_policy(self, policy, block_sizes: Sequence[int]) -> None:
     """Makes `policy` (a `bp_jax.policy.BlockPolicy`) choose the bucket of LEARNED requests;
     class i decodes with `block_sizes[i]`, which must all be buckets of this engine."""
-    from bp_jax.policy_features import POOLED_LAYERS
+    from bp_jax.policy_features import DRAFT_CONFIDENCE, POOLED_LAYERS
 
     sizes = tuple(int(b) for b in block_sizes)
     arch = policy.arch
@@ -120,8 +120,8 @@ class Engine:
                           f"sizes were given ({list(sizes)})")
     for b in sizes:
       self.check_block_size(b)
-    if arch.feature_type == POOLED_LAYERS and self.drafter is None:
-      raise BadInputError("a policy over 'pooled_layers' needs the drafter's chosen layers; "
+    if arch.feature_type in (POOLED_LAYERS, DRAFT_CONFIDENCE) and self.drafter is None:
+      raise BadInputError(f"a policy over '{arch.feature_type}' needs the drafter; "
                           "give a drafter (--config.drafter)")
     want = self._feature_dims().get(arch.feature_type)
     if want != arch.input_dim:
@@ -133,8 +133,10 @@ class Engine:
   def _feature_dims(self) -> dict[str, int]:
     from bp_jax.policy_features import feature_dims
 
-    n = 0 if self.drafter is None else len(self.drafter.cfg.target_layer_ids)
-    return feature_dims(self.cfg.vocab_size, self.cfg.hidden_size, n)
+    d = self.drafter
+    return feature_dims(self.cfg.vocab_size, self.cfg.hidden_size,
+                        0 if d is None else len(d.cfg.target_layer_ids),
+                        0 if d is None else d.cfg.block_size)
 
   # -- checks -------------------------------------------------------------------------------
   def check_block_size(self, block_size: int):

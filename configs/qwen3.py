@@ -36,7 +36,7 @@ def blockpilot_config(**overrides: Any) -> ml_collections.ConfigDict:
   c.temperature = 0.0
   c.label_seeds = 1              # decodes per (prompt, size), summed, for labels at T > 0
   # Policies (stage policy): one per feature type and label rule.
-  c.features = "last_logits,last_hidden,pooled_layers"
+  c.features = "last_logits,last_hidden,pooled_layers,draft_confidence"
   c.rules = "max_tau,max_throughput"
   c.hidden_dim = 256
   c.depth = 2                    # hidden layers; layers after the first are residual

@@ -162,7 +162,8 @@ def test_labels_datasets(setup, stages_done, capsys):
   assert not {r["text_hash"] for r in label} & {r["text_hash"] for r in evals}
   want_keys = [p.key for p in lab.prompt_sets(cfg, setup["tok"])[0]]
   assert [r["key"] for r in label] == want_keys
-  dims = {"last_logits": 300, "last_hidden": 32, "pooled_layers": 2 * 2 * 32}
+  dims = {"last_logits": 300, "last_hidden": 32, "pooled_layers": 2 * 2 * 32,
+          "draft_confidence": 2 * 3}
   for r in list(label) + list(evals):
     assert r["block_sizes"].tolist() == list(SIZES)
     for f, d in dims.items():
@@ -200,7 +201,7 @@ def test_labels_datasets(setup, stages_done, capsys):
 def test_policies_trained_saved_and_shipped(stages_done):
   cfg = stages_done
   summary = json.load(open(os.path.join(cfg.workdir, "policies", "summary.json")))
-  names = {f"{f}:{r}" for f in ("last_logits", "last_hidden", "pooled_layers")
+  names = {f"{f}:{r}" for f in ("last_logits", "last_hidden", "pooled_layers", "draft_confidence")
            for r in ("max_tau", "max_throughput")}
   assert set(summary["policies"]) == names
   assert summary["train_prompts"] + summary["val_prompts"] == 13 and summary["val_prompts"] >= 2
@@ -231,7 +232,7 @@ def test_report(stages_done):
   # Size 1 is the AR row itself (no second AR run, no "fixed b=1" row).
   assert methods[0] == "AR (b=1)" and [f"fixed b={b}" for b in SIZES[1:]] == methods[1:4]
   assert sum(m.startswith("best static") for m in methods) == 2
-  assert sum(m.startswith("learned ") for m in methods) == 6
+  assert sum(m.startswith("learned ") for m in methods) == 8
   assert "random" in methods and sum(m.startswith("oracle") for m in methods) == 2
   for r in rep["rows"]:
     assert r["prompts"] == 4 and r["tokens_per_s"] > 0
@@ -245,11 +246,11 @@ def test_report(stages_done):
     by_prompt.setdefault(r["prompt"], set()).add(tuple(r["output_ids"]))
   assert len(by_prompt) == 4 and all(len(v) == 1 for v in by_prompt.values())
   assert rep["learned_vs_fixed_cycle_mismatches"] == 0
-  # Compilations: per length bucket a plain prefill and one per policy architecture (3 feature
+  # Compilations: per length bucket a plain prefill and one per policy architecture (4 feature
   # types), one AR loop and one loop per size; nothing compiled while decoding.
   comp = rep["compilations"]["by_function"]
   assert comp["spec_loop"] == len(SIZES) - 1 and comp["ar_loop"] == 1
-  assert comp["prefill"] % 4 == 0
+  assert comp["prefill"] % 5 == 0
   over = rep["policy_overhead"]
   assert set(over["policies"]) == {m[len("learned "):] for m in methods if m.startswith("learned")}
   assert over["params_qwen3_4b"]["last_logits"] > 10 * over["params_qwen3_4b"]["last_hidden"]

@@ -54,7 +54,7 @@ def _drafter(target: Qwen3, seed: int = 2) -> DFlashDrafter:
 
 
 def _policy(feature: str = "last_hidden", seed: int = 3, hidden: int = 16) -> BlockPolicy:
-  dims = feature_dims(V, D, len(LAYER_IDS))
+  dims = feature_dims(V, D, len(LAYER_IDS), draft_block_size=3)
   return BlockPolicy(PolicyArch(feature, dims[feature], hidden, 2, len(SIZES)),
                      rngs=nnx.Rngs(seed))
 
@@ -94,11 +94,22 @@ def test_prefill_features_equal_a_recomputation_from_the_targets_outputs(models,
     layers = np.asarray(out.layer_hiddens[:, 0])  # [2, n, D]
     pooled = np.concatenate([np.concatenate([layers[j].mean(axis=0), layers[j][n - 1]])
                              for j in range(len(LAYER_IDS))])
+    # The drafter's first block [first token, MASK, ...] over the unpadded prompt's context.
+    drafter, b = engine.drafter, engine.drafter.cfg.block_size
+    ctx = drafter.add_context(out.layer_hiddens, drafter.init_cache(1, n + b))
+    block = jnp.asarray([[g.output_ids[0]] + [drafter.cfg.mask_token_id] * (b - 1)])
+    h = drafter.draft(target.embed_tokens(block), ctx.with_lengths(np.array([n])))
+    probs = [jax.nn.softmax(jnp.asarray(x, jnp.float32), axis=-1)
+             for x in (target.project_to_vocab(h[:, 1:])[0], logits[None])]
+    ent = [-np.sum(np.asarray(p) * np.log(np.asarray(p)), axis=-1) for p in probs]
+    confidence = np.concatenate([np.max(probs[0], -1), ent[0], np.max(probs[1], -1), ent[1]])
     f = g.features
     assert set(f) == set(FEATURE_TYPES)
     np.testing.assert_allclose(f["last_logits"], logits, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(f["last_hidden"], hidden, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(f["pooled_layers"], pooled, rtol=1e-4, atol=1e-4)
+    assert f["draft_confidence"].shape == (2 * b,)
+    np.testing.assert_allclose(f["draft_confidence"], confidence, rtol=1e-4, atol=1e-4)
     padded += engine.encode_padded(ids)[1] > n
   assert padded >= 3  # prompts padded to a bucket: padding really was excluded from the mean
 

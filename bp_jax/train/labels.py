@@ -40,7 +40,7 @@ import tensorflow_datasets as tfds
 from bp_jax.data import tfds_io
 from bp_jax.errors import BadInputError
 from bp_jax.policy import LABEL_RULES, check_label_rule, prompt_hash
-from bp_jax.policy_features import parse_feature_types
+from bp_jax.policy_features import FEATURE_TYPES, parse_feature_types
 from bp_jax.prompts import HUMANEVAL, check_disjoint, load_prompts, split_ids
 from bp_jax.train import workdir as wd
 
@@ -401,7 +401,8 @@ def labels_stage(cfg: Any) -> None:
           "drafter_fingerprint": model_fingerprint(drafter),  # a retrained drafter relabels
           "label_prompts": _stamp_of(label), "eval_prompts": _stamp_of(evals),
           "chat": bool(cfg.get("chat", False)), "max_len": int(cfg.max_len),
-          "scan_layers": bool(cfg.get("scan_layers", False))}  # cycle costs depend on it
+          "scan_layers": bool(cfg.get("scan_layers", False)),  # cycle costs depend on it
+          "feature_types": list(FEATURE_TYPES)}  # every available feature is stored
   stamp = read_stamp(stamp_dir)
   if (stamp is not None and all(stamp.get(k) == v for k, v in want.items())
       and tfds_io.dataset_exists(data, LABELS) and tfds_io.dataset_exists(data, EVAL_LABELS)):

@@ -44,8 +44,10 @@ from bp_jax.train import labels as lab
 from bp_jax.train import workdir as wd
 from bp_jax.train.policy_stage import best_static, parse_rules, policy_dir
 
-# Qwen3-4B with a b16 DFlash drafter (DESIGN §2): vocabulary, hidden size, chosen layers.
-QWEN3_4B = {"vocab_size": 151936, "hidden_size": 2560, "num_layers": 5, "params": 4.02e9}
+# Qwen3-4B with a b16 DFlash drafter (DESIGN §2): vocabulary, hidden size, chosen layers,
+# parameters and the drafter's block size.
+QWEN3_4B = {"vocab_size": 151936, "hidden_size": 2560, "num_layers": 5, "params": 4.02e9,
+            "block_size": 16}
 
 
 def _run_record(method: str, key: str, g: Any) -> dict:
@@ -88,18 +90,18 @@ def policy_overhead(engine: Any, policies: Mapping[str, tuple[Any, Any]],
   """Parameters of each feature type's policy (ours and at Qwen3-4B) and the time of one
   policy forward, alone (jitted, median of `repeats`) and as the prefill's increase."""
   cfg = engine.cfg
-  n_layers = len(engine.drafter.cfg.target_layer_ids)
+  n_layers, b = len(engine.drafter.cfg.target_layer_ids), engine.drafter.cfg.block_size
+  q = (QWEN3_4B["vocab_size"], QWEN3_4B["hidden_size"], QWEN3_4B["num_layers"])
+  qb = QWEN3_4B["block_size"]
   out = {"prefill_median_ms": 1e3 * float(np.median(plain_prefill_s)), "policies": {},
          "params_ours": policy_costs(cfg.vocab_size, cfg.hidden_size, n_layers, hidden_dim,
-                                     depth, num_classes),
-         "params_qwen3_4b": policy_costs(QWEN3_4B["vocab_size"], QWEN3_4B["hidden_size"],
-                                         QWEN3_4B["num_layers"], hidden_dim, depth, num_classes),
-         "params_qwen3_4b_published_mlp": policy_costs(
-             QWEN3_4B["vocab_size"], QWEN3_4B["hidden_size"], QWEN3_4B["num_layers"], 2048, 2,
-             num_classes),
-         "feature_dims_ours": feature_dims(cfg.vocab_size, cfg.hidden_size, n_layers),
-         "feature_dims_qwen3_4b": feature_dims(QWEN3_4B["vocab_size"], QWEN3_4B["hidden_size"],
-                                               QWEN3_4B["num_layers"])}
+                                     depth, num_classes, draft_block_size=b),
+         "params_qwen3_4b": policy_costs(*q, hidden_dim, depth, num_classes,
+                                         draft_block_size=qb),
+         "params_qwen3_4b_published_mlp": policy_costs(*q, 2048, 2, num_classes,
+                                                       draft_block_size=qb),
+         "feature_dims_ours": feature_dims(cfg.vocab_size, cfg.hidden_size, n_layers, b),
+         "feature_dims_qwen3_4b": feature_dims(*q, qb)}
   for name, (policy, _) in policies.items():
     graph, state = nnx.split(policy)
     fn = jax.jit(lambda s, x: jnp.argmax(nnx.merge(graph, s)(x), -1))
