@@ -141,8 +141,8 @@ def make_ar_loop(graphdef, scan_layers: bool = False) -> Callable:
   return ar_loop
 
 
-def make_spec_loop(graphdef, draft_graphdef, block_size: int,
-                   scan_layers: bool = False) -> Callable:
+def make_spec_loop(graphdef, draft_graphdef, block_size: int, scan_layers: bool = False,
+                   ar_fallback: int = 0, ar_fallback_accept: int = 1) -> Callable:
   """spec_loop(state, draft_state, seq, cache, draft_cache, first_tok, n, max_new, temperature,
   seed_key, stop_ids, forced_seq, use_forced) -> LoopOut.
 
@@ -151,12 +151,22 @@ def make_spec_loop(graphdef, draft_graphdef, block_size: int,
   longest prefix with d_i == y_{i-1} (length a), commits y_0..y_a, and both caches roll back by
   pointer to p + a + 1. The target features of block positions 0..a become drafter context.
 
+  `ar_fallback` > 0 (a static bucket parameter): after a cycle that accepts at most
+  `ar_fallback_accept` drafts, the loop runs plain AR steps instead of cycles, 2, 4, 8, ... in
+  a row for consecutive poor cycles (at most `ar_fallback`), then drafts again. An AR step is
+  one target forward over `tok` whose chosen-layer features still become drafter context, so
+  the next cycle drafts from the full context. Every token is still the target's own sample at
+  its position (same keys), so the output is unchanged; only the time differs: on hardware
+  where a cycle costs several AR steps, stretches the drafter cannot predict cost less.
+
   `forced_seq`/`use_forced` (runtime values): when `use_forced`, draft tokens are read from
   `forced_seq` at their positions instead of the drafter's argmax — a perfect drafter for tests
   and for measuring the engine's ceiling, which still pays the drafter's full compute.
   `scan_layers`: as in `make_ar_loop`, for the target and the drafter.
   """
   b = block_size
+  if ar_fallback < 0 or ar_fallback_accept < 0:
+    raise ValueError("ar_fallback and ar_fallback_accept must be >= 0")
 
   def spec_loop(state, draft_state, seq_1S, cache, draft_cache, first_tok, n, max_new,
                 temperature, seed_key, stop_ids, forced_seq_1S, use_forced):
@@ -172,7 +182,21 @@ def make_spec_loop(graphdef, draft_graphdef, block_size: int,
     def cond(c):
       return (~c["done"]) & (c["n_gen"] < max_new)
 
-    def body(c):
+    def commit(c, out, y, a, fallback):
+      """The carry after a target forward at `pos` that commits y[0..a] (a drafts accepted)."""
+      pos = c["pos"]
+      new_pos = pos + a + 1
+      offs = jnp.arange(y.shape[0], dtype=jnp.int32)
+      seq = c["seq"].at[0, pos + 1 + offs].set(y, mode="drop")
+      stop_hit = jnp.any(_is_stop(y, stop_ids) & (offs <= a))
+      draft_cache = drafter.add_context(out.layer_hiddens, c["draft_cache"], draft_layers)
+      return dict(seq=seq, cache=out.cache.with_lengths(new_pos[None]),
+                  draft_cache=draft_cache.with_lengths(new_pos[None]), pos=new_pos,
+                  tok=y[a], n_gen=c["n_gen"] + a + 1, done=stop_hit,
+                  accept=c["accept"].at[c["cycles"]].set(a + 1, mode="drop"),
+                  cycles=c["cycles"] + 1, **fallback)
+
+    def spec_cycle(c):
       pos, tok = c["pos"], c["tok"]
       # Draft b-1 tokens with one drafter pass over [tok, MASK, ..., MASK].
       block_1b = jnp.full((1, b), mask_id, jnp.int32).at[0, 0].set(tok)
@@ -185,20 +209,31 @@ def make_spec_loop(graphdef, draft_graphdef, block_size: int,
       out = model(verify_1b, c["cache"].with_lengths(pos[None]), layer_ids, layers=layers)
       y = sample(out.logits[0], temperature, position_keys(seed_key, pos + 1 + offs_b))
       a = accept_length(draft, y)
-      new_pos = pos + a + 1
-      seq = c["seq"].at[0, pos + 1 + offs_b].set(y, mode="drop")
-      stop_hit = jnp.any(_is_stop(y, stop_ids) & (offs_b <= a))
-      draft_cache = drafter.add_context(out.layer_hiddens, c["draft_cache"], draft_layers)
-      return dict(seq=seq, cache=out.cache.with_lengths(new_pos[None]),
-                  draft_cache=draft_cache.with_lengths(new_pos[None]), pos=new_pos,
-                  tok=y[a], n_gen=c["n_gen"] + a + 1, done=stop_hit,
-                  accept=c["accept"].at[c["cycles"]].set(a + 1, mode="drop"),
-                  cycles=c["cycles"] + 1)
+      poor = a <= ar_fallback_accept
+      misses = jnp.where(poor, c["misses"] + 1, 0)
+      wait = jnp.where(poor, jnp.minimum(2 ** jnp.minimum(misses, 30), ar_fallback), 0)
+      return commit(c, out, y, a, dict(misses=misses, wait=wait.astype(jnp.int32)))
+
+    def ar_step(c):
+      pos = c["pos"]
+      out = model(c["tok"][None, None], c["cache"].with_lengths(pos[None]), layer_ids,
+                  layers=layers)
+      y = sample(out.logits[0], temperature, position_keys(seed_key, (pos + 1)[None]))
+      return commit(c, out, y, jnp.int32(0), dict(misses=c["misses"], wait=c["wait"] - 1))
+
+    def body(c):
+      c = spec_cycle(c)
+      if ar_fallback == 0:
+        return c
+      # The AR steps a poor cycle asked for, as a nested loop (zero trips otherwise): a
+      # `lax.cond` between a cycle and a step would copy every cache buffer at every step.
+      return jax.lax.while_loop(lambda c: (c["wait"] > 0) & cond(c), ar_step, c)
 
     init = dict(seq=seq_1S, cache=_loop_cache(cache, scan_layers),
                 draft_cache=_loop_cache(draft_cache, scan_layers), pos=n, tok=first_tok,
                 n_gen=jnp.int32(1), done=_is_stop(first_tok, stop_ids),
-                accept=jnp.zeros((S,), jnp.int32), cycles=jnp.int32(0))
+                accept=jnp.zeros((S,), jnp.int32), cycles=jnp.int32(0),
+                misses=jnp.int32(0), wait=jnp.int32(0))
     c = jax.lax.while_loop(cond, body, init)
     return LoopOut(c["seq"], c["n_gen"], c["accept"], c["cycles"], c["cache"].stacked(),
                    c["draft_cache"].stacked())

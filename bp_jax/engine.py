@@ -77,13 +77,19 @@ class Engine:
   def __init__(self, target: Qwen3, *, max_len: int, stop_ids: Sequence[int] = (),
                length_buckets: Sequence[int] | None = None, drafter=None,
                block_sizes: Sequence[int] = DEFAULT_BLOCK_SIZES, policy=None,
-               policy_sizes: Sequence[int] = (), scan_layers: bool = False):
+               policy_sizes: Sequence[int] = (), scan_layers: bool = False,
+               ar_fallback: int = 0, ar_fallback_accept: int = 1):
     if max_len > target.cfg.max_position_embeddings:
       raise BadInputError(f"--config.max_len={max_len} exceeds the model's "
                           f"max_position_embeddings={target.cfg.max_position_embeddings}")
     self.cfg = target.cfg
     self.max_len = max_len
     self.scan_layers = bool(scan_layers)  # decode loops: lax.scan over layers, or unrolled
+    if ar_fallback < 0 or ar_fallback_accept < 0:
+      raise BadInputError(f"--config.ar_fallback={ar_fallback} and --config.ar_fallback_accept="
+                          f"{ar_fallback_accept} must be >= 0")
+    # Speculative loops: AR steps after poor cycles (`decode_loops.make_spec_loop`); 0 = off.
+    self.ar_fallback, self.ar_fallback_accept = int(ar_fallback), int(ar_fallback_accept)
     self.length_buckets = tuple(sorted(length_buckets or default_length_buckets(max_len)))
     if self.length_buckets[-1] > max_len:
       raise BadInputError(f"length bucket {self.length_buckets[-1]} exceeds "
@@ -186,7 +192,8 @@ class Engine:
     fn = self.compiled.get(
         ("spec_loop", block_size),
         lambda: decode_loops.make_spec_loop(self.t_graph, self.d_graph, block_size,
-                                            self.scan_layers), args,
+                                            self.scan_layers, self.ar_fallback,
+                                            self.ar_fallback_accept), args,
         donate_argnums=(2, 3, 4))
     return fn, args
 

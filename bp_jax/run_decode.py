@@ -149,7 +149,9 @@ def build_engine(cfg, extra_sizes: Sequence[int] = ()) -> tuple[Engine, Any]:
   engine = Engine(target, max_len=cfg.max_len, stop_ids=stop_token_ids(tok),
                   length_buckets=parse_int_list(cfg.length_buckets, "--config.length_buckets")
                   or None, drafter=drafter, block_sizes=sizes,
-                  scan_layers=bool(cfg.get("scan_layers", False)))
+                  scan_layers=bool(cfg.get("scan_layers", False)),
+                  ar_fallback=int(cfg.get("ar_fallback", 0)),
+                  ar_fallback_accept=int(cfg.get("ar_fallback_accept", 1)))
   return engine, tok
 
 

@@ -95,6 +95,11 @@ def get_config() -> ml_collections.ConfigDict:
   # steps); True runs them with lax.scan over the stacked weights (much faster to compile for
   # deep models, slower per step: scan slices every layer's weights at every step).
   c.scan_layers = False
+  # Speculative loops: after a cycle accepting <= ar_fallback_accept drafts, run plain AR steps
+  # (2, 4, ... for consecutive poor cycles, at most ar_fallback) before drafting again. Lossless;
+  # pays off where a cycle costs several AR steps (CPU). 0 = always draft (the paper's loop).
+  c.ar_fallback = 0
+  c.ar_fallback_accept = 1
   c.report = ""              # folder for PNG plots (acceptance-length histogram)
   c.blockpilot = blockpilot_config()
   return c

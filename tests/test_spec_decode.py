@@ -59,14 +59,17 @@ def trim(ids, stop: int, max_new: int) -> list[int]:
   return out
 
 
-def simulate_cycles(cont, forced, b: int, max_new: int, stop: int) -> list[int]:
+def simulate_cycles(cont, forced, b: int, max_new: int, stop: int, fallback: int = 0,
+                    fallback_accept: int = 1) -> list[int]:
   """Acceptance lengths (a + 1 per cycle) of greedy spec decoding when the target's greedy
   continuation is `cont` and the drafter proposes `forced[i]` for new-token index i (0 past the
   end of `forced`, as the engine pads). Index 0 comes from prefill; a cycle that starts with m
   committed tokens drafts forced[m .. m+b-2], the target's greedy tokens there are cont[m ..],
-  and the longest matching prefix a is accepted; cont[m .. m+a] are committed."""
+  and the longest matching prefix a is accepted; cont[m .. m+a] are committed. With `fallback`
+  (the engine's ar_fallback), a cycle accepting <= fallback_accept drafts is followed by
+  min(2^k, fallback) AR steps for the k-th poor cycle in a row."""
   f = lambda i: int(forced[i]) if i < len(forced) else 0
-  m, acc = 1, []
+  m, acc, misses = 1, [], 0
   if cont[0] == stop:
     return acc
   while m < max_new:
@@ -78,6 +81,17 @@ def simulate_cycles(cont, forced, b: int, max_new: int, stop: int) -> list[int]:
     m += a + 1
     if stop in committed:
       break
+    if fallback and a <= fallback_accept:  # AR steps: one committed token per target forward
+      misses += 1
+      for _ in range(min(2 ** misses, fallback)):
+        if m >= max_new or cont[m - 1] == stop:
+          break
+        acc.append(1)
+        m += 1
+      if cont[m - 1] == stop:
+        break
+    else:
+      misses = 0
   return acc
 
 
@@ -271,6 +285,55 @@ def test_scanned_layers_decode_the_same_tokens(models, reference, ar_outputs):
       assert out == ar_outputs[i], (i, b)
 
 
+@pytest.fixture(scope="module")
+def fallback_engine(models, reference):
+  _, target, drafter = models
+  return Engine(target, max_len=MAX_LEN, stop_ids=[reference[2]], length_buckets=LENGTH_BUCKETS,
+                drafter=drafter, block_sizes=(4, 8), ar_fallback=4, ar_fallback_accept=1)
+
+
+@pytest.mark.parametrize("b", (4, 8))
+def test_ar_fallback_is_lossless(fallback_engine, engine, reference, ar_outputs, b):
+  """With AR steps after poor cycles (the random drafter makes nearly every cycle poor), the
+  output is still the AR output, every target forward commits at least one token, and the
+  forwards are a mix: cycles of the fallback engine are more than the pure spec engine's
+  (AR steps commit one token each) but fewer than one per token. A perfect drafter never falls
+  back: its cycles are the pure spec loop's."""
+  stop, fell_back = reference[2], 0
+  for i, p, c, m in _cases(reference):
+    g = fallback_engine.generate(p, max_new_tokens=m, block_size=b)
+    assert g.output_ids == ar_outputs[i], f"prompt {i}"
+    # A drafter wrong on 2 tokens in every 5: long cycles, poor cycles and the AR steps after
+    # them, exactly as the schedule says.
+    forced = [(t + 1) % V if k % 5 < 2 else t for k, t in enumerate(c)]
+    g = fallback_engine.generate(p, max_new_tokens=m, block_size=b, forced_continuation=forced)
+    assert g.output_ids == ar_outputs[i], f"prompt {i}"
+    want = simulate_cycles(c, forced, b, m, stop, fallback=4, fallback_accept=1)
+    assert g.acceptance_lengths == want, f"prompt {i}"
+    fell_back += want != simulate_cycles(c, forced, b, m, stop)
+    perfect = fallback_engine.generate(p, max_new_tokens=m, block_size=b,
+                                       forced_continuation=ar_outputs[i])
+    assert perfect.output_ids == ar_outputs[i]
+    assert perfect.acceptance_lengths == simulate_cycles(c, ar_outputs[i], b, m, stop)
+  assert fell_back >= len(reference[0]) // 2, fell_back
+
+
+def test_ar_fallback_samples_like_ar(fallback_engine, engine, reference):
+  """At T=1 every token is the target's sample at its position (same keys) whether it comes
+  from a cycle or a fallback AR step: outputs equal plain AR sampling with the same seed."""
+  for i in range(6):
+    p, m = reference[0][i], MAX_NEWS[i]
+    want = engine.generate(p, max_new_tokens=m, block_size=1, temperature=1.0, seed=i)
+    got = fallback_engine.generate(p, max_new_tokens=m, block_size=4, temperature=1.0, seed=i)
+    assert got.output_ids == want.output_ids, i
+
+
+def test_ar_fallback_settings_are_checked(models):
+  _, target, drafter = models
+  with pytest.raises(BadInputError, match="ar_fallback"):
+    Engine(target, max_len=MAX_LEN, drafter=drafter, block_sizes=(4,), ar_fallback=-1)
+
+
 def test_each_bucket_compiles_once(engine, reference):
   """Decoding prompts of all length buckets with several block sizes compiles one prefill per
   bucket and one loop per block size; a second pass compiles nothing at all."""
@@ -345,14 +408,15 @@ def test_spec_without_drafter_is_refused(models):
     eng.generate([1, 2], max_new_tokens=3, block_size=4)
 
 
-def test_decode_loops_update_the_caches_in_place(engine, reference):
+def test_decode_loops_update_the_caches_in_place(engine, fallback_engine, reference):
   """The compiled loops hold no copy of a cache-sized buffer: every step writes the caches in
   place and attention reads them in their stored layout (a copy there costs a whole cache per
-  layer per step; bp_jax/kv_cache.py explains the layout that avoids it)."""
-  engine.generate(reference[0][0], max_new_tokens=8, block_size=1)
-  engine.generate(reference[0][0], max_new_tokens=8, block_size=4)
+  layer per step; bp_jax/kv_cache.py explains the layout that avoids it). The same holds for
+  the loop with AR fallback steps (a `lax.cond` there would copy every buffer)."""
   cache_shape = re.compile(rf"= f32\[[0-9,]*\b{MAX_LEN}\b[0-9,]*\]\{{[0-9,]*\}} copy\(")
-  for key in (("ar_loop", 1), ("spec_loop", 4)):
-    hlo = engine.compiled._fns[key].as_text()
+  for eng, key in ((engine, ("ar_loop", 1)), (engine, ("spec_loop", 4)),
+                   (fallback_engine, ("spec_loop", 4))):
+    eng.generate(reference[0][0], max_new_tokens=8, block_size=key[1])
+    hlo = eng.compiled._fns[key].as_text()
     copies = [line.strip()[:120] for line in hlo.splitlines() if cache_shape.search(line)]
     assert not copies, (key, copies)

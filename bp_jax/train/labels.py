@@ -363,7 +363,9 @@ def build_engine(cfg: Any, target: Any, drafter: Any, tok: Any, sizes: Sequence[
                   length_buckets=parse_int_list(cfg.get("length_buckets", ""),
                                                 "--config.length_buckets") or None,
                   drafter=drafter, block_sizes=tuple(sizes),
-                  scan_layers=bool(cfg.get("scan_layers", False)))
+                  scan_layers=bool(cfg.get("scan_layers", False)),
+                  ar_fallback=int(cfg.get("ar_fallback", 0)),
+                  ar_fallback_accept=int(cfg.get("ar_fallback_accept", 1)))
   for n in prompt_lens:
     engine.check_request(n, max_new, max(sizes))
   return engine
@@ -402,6 +404,7 @@ def labels_stage(cfg: Any) -> None:
           "label_prompts": _stamp_of(label), "eval_prompts": _stamp_of(evals),
           "chat": bool(cfg.get("chat", False)), "max_len": int(cfg.max_len),
           "scan_layers": bool(cfg.get("scan_layers", False)),  # cycle costs depend on it
+          "ar_fallback": [int(cfg.get("ar_fallback", 0)), int(cfg.get("ar_fallback_accept", 1))],
           "feature_types": list(FEATURE_TYPES)}  # every available feature is stored
   stamp = read_stamp(stamp_dir)
   if (stamp is not None and all(stamp.get(k) == v for k, v in want.items())
