@@ -6,7 +6,8 @@
 In one process, on the same prompts and weights (128 new tokens each by default):
   * our AR decode at T=0 (the baseline of every speedup);
   * speculative decoding at the drafter's training block size b at T=0: tau, tokens/s, speedup
-    over AR, and a check that every output is token-identical to AR;
+    over AR, and a check that every output is token-identical to AR; also with the demo's AR
+    fallback steps after poor cycles (--ar_fallback, as decode.py's --config.ar_fallback);
   * tau per block size b-4 .. b+4 at T=0 and at T=1 (same seeds per prompt);
   * PNGs: the acceptance-length histogram at b (T=0) and tau by block size (T=0 and T=1).
 AR and spec at b run alternately prompt by prompt, twice each, keeping the faster of the two,
@@ -42,6 +43,9 @@ flags.DEFINE_integer("max_new_tokens", 128, "New tokens per prompt.")
 flags.DEFINE_integer("max_len", 1024, "KV cache slots.")
 flags.DEFINE_integer("seed", 0, "Sampling seed of prompt i is seed + i (T=1 sweep).")
 flags.DEFINE_string("out", "out/drafter_quality", "Output folder (JSON and PNGs).")
+flags.DEFINE_integer("ar_fallback", 16, "AR steps after poor cycles, at most (the demo's "
+                     "--config.ar_fallback); 0 = off. With > 0 the main comparison also runs "
+                     "spec without it.")
 FLAGS = flags.FLAGS
 
 
@@ -58,32 +62,48 @@ def main(argv):
   tok = load_tokenizer(FLAGS.target)
   b = drafter.cfg.block_size
   sweep = default_block_sizes(b)
+  # The paper's loop (AR, every spec size, the sweeps) and, on the same weights, the demo's loop
+  # with AR fallback steps at b.
   engine = Engine(target, max_len=FLAGS.max_len, stop_ids=stop_token_ids(tok), drafter=drafter,
                   block_sizes=(1,) + sweep)
+  fallback = (Engine(target, max_len=FLAGS.max_len, stop_ids=stop_token_ids(tok),
+                     drafter=drafter, block_sizes=(b,), ar_fallback=FLAGS.ar_fallback)
+              if FLAGS.ar_fallback else None)
   prompts = load_prompts(FLAGS.prompts, FLAGS.num_prompts or None)
   encoded = [encode_prompt(tok, p.text, False) for p in prompts]
   t0 = time.perf_counter()
   comp = engine.precompile((1,) + sweep)
   compile_s = time.perf_counter() - t0
+  if fallback is not None:
+    fallback.precompile((b,))
 
   # Main comparison: AR vs spec at b, T=0, alternating per prompt, best of two runs each.
-  ar_s = spec_s = 0.0
-  new_tokens, accepts, mismatches = 0, [], []
+  ar_s = spec_s = fb_s = 0.0
+  new_tokens, accepts, fb_accepts, mismatches = 0, [], [], []
   for p, ids in tqdm(list(zip(prompts, encoded)), desc=f"AR vs spec b={b}", unit="prompt"):
     ar = [_decode(engine, ids, 1) for _ in range(2)]
     sp = [_decode(engine, ids, b) for _ in range(2)]
-    if sp[0].output_ids != ar[0].output_ids:
+    fb = [_decode(fallback, ids, b) for _ in range(2)] if fallback is not None else sp
+    if sp[0].output_ids != ar[0].output_ids or fb[0].output_ids != ar[0].output_ids:
       mismatches.append(p.id)
     ar_s += min(g.decode_s for g in ar)
     spec_s += min(g.decode_s for g in sp)
+    fb_s += min(g.decode_s for g in fb)
     new_tokens += ar[0].new_tokens
     accepts += sp[0].acceptance_lengths
+    fb_accepts += fb[0].acceptance_lengths
   main = {"prompts": len(prompts), "new_tokens": new_tokens,
           "ar_tokens_per_s": round(new_tokens / ar_s, 1),
           "spec_tokens_per_s": round(new_tokens / spec_s, 1),
           "speedup": round(ar_s / spec_s, 3), "tau": round(float(np.mean(accepts)), 3),
-          "cycles": len(accepts), "identical_to_ar": not mismatches,
-          "mismatched_prompts": mismatches}
+          "cycles": len(accepts),
+          "with_ar_fallback": {"ar_fallback": FLAGS.ar_fallback,
+                               "tokens_per_s": round(new_tokens / fb_s, 1),
+                               "speedup": round(ar_s / fb_s, 3),
+                               # per target forward, the fallback's AR steps included
+                               "tokens_per_forward": round(float(np.mean(fb_accepts)), 3),
+                               "target_forwards": len(fb_accepts)},
+          "identical_to_ar": not mismatches, "mismatched_prompts": mismatches}
 
   # Sweeps: tau per block size at T=0 and T=1.
   n_sweep = FLAGS.sweep_prompts or len(encoded)

@@ -110,6 +110,15 @@ def test_label_rules():
   thr = lab.label_values(recs, "max_throughput")
   np.testing.assert_allclose(thr[0], [2000.0, 1250.0, 625.0], rtol=1e-4)
   assert lab.labels_of(thr).tolist() == [0, 0, 0]
+  # Labels measured with AR fallback steps: each prompt's own loop time (prompt 1: 18/12,
+  # 20/20, 19/20 ms -> size 2; prompt 0: 20/10, 20/16, 20/32 -> size 2), not cycles * cost.
+  fb = [{**r, "ar_fallback": 16} for r in recs]
+  np.testing.assert_allclose(lab.decode_seconds(fb), lab.stack(recs, "decode_s"))
+  np.testing.assert_allclose(lab.label_values(fb, "max_throughput")[1], [1500, 1000, 950],
+                             rtol=1e-4)
+  assert lab.labels_of(lab.label_values(fb, "max_throughput")).tolist() == [0, 0, 0]
+  m = ps.choice_metrics(fb[:2], np.array([2, 0]), lab.cycle_costs(recs))
+  assert m["est_tokens_per_s"] == pytest.approx((20 + 18) / (0.032 + 0.012))
   # A prompt with no cycle (its first token was a stop token) cannot be labelled.
   assert lab.usable(recs + [_rec([0, 0, 0], [0, 0, 0], [1, 1, 1], [0, 0, 0])]).tolist() == [
       True, True, True, False]

@@ -22,7 +22,10 @@ Label rules, computed from the stored measurements when needed (`label_values`):
                   costs the median over prompts of (loop time / cycles) at size b
                   (`cycle_costs`): one robust cost per bucket instead of one noisy timing per
                   prompt (a cycle's cost barely depends on the position: attention runs over the
-                  whole static cache).
+                  whole static cache). Labels measured with AR fallback steps
+                  (`--config.ar_fallback`) mix cycles and AR steps in proportions that vary
+                  by prompt, so no per-forward cost applies: there each prompt's own measured
+                  loop time is used (`decode_seconds`).
 Ties go to the smaller size.
 """
 
@@ -222,6 +225,7 @@ class LabelSetBuilder(tfds_io.OrderedArrayRecordBuilder):
             "text_hash": tfds.features.Text(), "split": tfds.features.Text(),
             "prompt_len": tfds.features.Scalar(dtype=np.int32),
             "prefill_s": tfds.features.Scalar(dtype=np.float32),
+            "ar_fallback": tfds.features.Scalar(dtype=np.int32),
             "block_sizes": vec(np.int32), "tau": vec(np.float32), "committed": vec(np.int32),
             "new_tokens": vec(np.int32), "cycles": vec(np.int32), "decode_s": vec(np.float32),
             "accept_lens": tfds.features.Tensor(shape=(None,), dtype=np.int32)}
@@ -248,10 +252,11 @@ def write_label_set(data_dir: str, name: str, records: Sequence[Mapping[str, Any
 
 
 def label_record(prompt: LabelPrompt, split: str, prompt_len: int, sizes: Sequence[int],
-                 m: Mapping[str, Any]) -> dict[str, Any]:
-  """One dataset example from `measure_prompt`'s output."""
+                 m: Mapping[str, Any], ar_fallback: int = 0) -> dict[str, Any]:
+  """One dataset example from `measure_prompt`'s output (`ar_fallback`: the engine's)."""
   rec = {"key": prompt.key, "source": prompt.source, "text_hash": prompt.hash, "split": split,
          "prompt_len": int(prompt_len), "prefill_s": float(m["prefill_s"]),
+         "ar_fallback": int(ar_fallback),
          "block_sizes": np.asarray(sizes, np.int32),
          **{k: m[k] for k in ("tau", "committed", "new_tokens", "cycles", "decode_s",
                               "accept_lens")}}
@@ -289,17 +294,27 @@ def cycle_costs(records: Sequence[Mapping[str, Any]]) -> np.ndarray:
   return np.asarray(out)
 
 
+def decode_seconds(records: Sequence[Mapping[str, Any]],
+                   costs: np.ndarray | None = None) -> np.ndarray:
+  """[N, K] loop seconds per prompt and size for the throughput rule: cycles * the size's
+  cycle cost (`costs`, default `cycle_costs`), or, for labels measured with AR fallback steps,
+  the measured loop time itself (module docstring)."""
+  if any(int(r.get("ar_fallback", 0)) > 0 for r in records):
+    return stack(records, "decode_s").astype(np.float64)
+  costs = cycle_costs(records) if costs is None else np.asarray(costs)
+  return stack(records, "cycles").astype(np.float64) * costs[None, :]
+
+
 def label_values(records: Sequence[Mapping[str, Any]], rule: str,
                  costs: np.ndarray | None = None) -> np.ndarray:
   """[N, K] what each rule maximises: τ (max_tau) or estimated committed tokens per second
-  (max_throughput: new tokens / (cycles * cost of a cycle of that size))."""
+  (max_throughput: new tokens / `decode_seconds`)."""
   check_label_rule(rule)
   if rule == "max_tau":
     return stack(records, "tau").astype(np.float64)
-  costs = cycle_costs(records) if costs is None else np.asarray(costs)
   cyc = stack(records, "cycles").astype(np.float64)
   new = stack(records, "new_tokens").astype(np.float64)
-  return np.where(cyc > 0, new / np.maximum(cyc * costs[None, :], 1e-12), 0.0)
+  return np.where(cyc > 0, new / np.maximum(decode_seconds(records, costs), 1e-12), 0.0)
 
 
 def usable(records: Sequence[Mapping[str, Any]]) -> np.ndarray:
@@ -405,7 +420,8 @@ def labels_stage(cfg: Any) -> None:
           "chat": bool(cfg.get("chat", False)), "max_len": int(cfg.max_len),
           "scan_layers": bool(cfg.get("scan_layers", False)),  # cycle costs depend on it
           "ar_fallback": [int(cfg.get("ar_fallback", 0)), int(cfg.get("ar_fallback_accept", 1))],
-          "feature_types": list(FEATURE_TYPES)}  # every available feature is stored
+          "feature_types": list(FEATURE_TYPES),  # every available feature is stored
+          "record_format": 2}  # 2: records carry ar_fallback
   stamp = read_stamp(stamp_dir)
   if (stamp is not None and all(stamp.get(k) == v for k, v in want.items())
       and tfds_io.dataset_exists(data, LABELS) and tfds_io.dataset_exists(data, EVAL_LABELS)):
@@ -427,7 +443,7 @@ def labels_stage(cfg: Any) -> None:
       ids = encoded[p.key]
       m = measure_prompt(engine, ids, sizes, max_new_tokens=max_new, temperature=temperature,
                          seed=int(cfg.seed) + i, num_seeds=seeds, order_seed=i)
-      records.append(label_record(p, split, len(ids), sizes, m))
+      records.append(label_record(p, split, len(ids), sizes, m, int(cfg.get("ar_fallback", 0))))
     write_label_set(data, name, records, f"{len(records)} {split} prompts decoded at sizes "
                     f"{list(sizes)} (T={temperature}, {max_new} new tokens)")
     counts[split] = summarize_labels(records, sizes)

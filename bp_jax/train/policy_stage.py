@@ -138,12 +138,12 @@ def fit_policy(x_train: np.ndarray, y_train: np.ndarray, x_val: np.ndarray | Non
 def choice_metrics(records: Sequence[Mapping[str, Any]], choice_N: np.ndarray,
                    costs_K: np.ndarray) -> dict[str, float]:
   """Aggregate τ (committed tokens / cycles) and estimated tokens per second (new tokens /
-  (cycles * cost per cycle)) when prompt i decodes with class `choice_N[i]`."""
+  `labels.decode_seconds`) when prompt i decodes with class `choice_N[i]`."""
   rows = np.arange(len(records))
   committed = lab.stack(records, "committed")[rows, choice_N].sum()
   cycles = lab.stack(records, "cycles")[rows, choice_N]
   new = lab.stack(records, "new_tokens")[rows, choice_N].sum()
-  seconds = (cycles * np.asarray(costs_K)[choice_N]).sum()
+  seconds = lab.decode_seconds(records, costs_K)[rows, choice_N].sum()
   return {"tau": float(committed / max(cycles.sum(), 1)),
           "est_tokens_per_s": float(new / max(seconds, 1e-12))}
 
