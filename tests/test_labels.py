@@ -48,6 +48,7 @@ def _config(root, workdir: str) -> ml_collections.ConfigDict:
   cfg = qwen3_config.get_config()
   cfg.workdir, cfg.seed, cfg.dtype, cfg.export_dir = workdir, 0, "float32", str(root / "ship")
   cfg.max_len, cfg.corpus = 128, str(root / "corpus")
+  cfg.ar_fallback = 2  # the loops with AR fallback steps (labels use measured loop times)
   cfg.lm_data = ml_collections.ConfigDict({"val_frac": 0.2})
   cfg.regenerate = ml_collections.ConfigDict({"source": ""})
   cfg.blockpilot = qwen3_config.blockpilot_config(

@@ -89,11 +89,28 @@ def replay_acceptance(target: Any, drafter: Any, prompt_ids: Sequence[int],
 
 def fixed_cycles(acc_M: np.ndarray) -> int:
   """Cycles a fixed size needs to commit M tokens, from its replayed acceptances."""
-  M, m, cycles = len(acc_M), 1, 0
+  return fallback_schedule(acc_M)[0]
+
+
+def fallback_schedule(acc_M: np.ndarray, ar_fallback: int = 0,
+                      ar_fallback_accept: int = 1) -> tuple[int, int]:
+  """(cycles, AR steps) the speculative loop runs to commit M tokens at a fixed size, with the
+  engine's AR fallback (`decode_loops.make_spec_loop`: after a cycle accepting at most
+  `ar_fallback_accept` drafts, min(2^k, ar_fallback) AR steps for the k-th poor cycle in a
+  row; 0 = none)."""
+  M, m, cycles, steps, misses = len(acc_M), 1, 0, 0, 0
   while m < M:
-    m += int(acc_M[m]) + 1
+    a = int(acc_M[m])
+    m += a + 1
     cycles += 1
-  return cycles
+    if ar_fallback and a <= ar_fallback_accept:
+      misses += 1
+      run = min(min(2 ** misses, ar_fallback), max(M - m, 0))
+      m += run
+      steps += run
+    else:
+      misses = 0
+  return cycles, steps
 
 
 def per_cycle_oracle(acc: dict[int, np.ndarray], costs: dict[int, float], prefer: int

@@ -258,25 +258,36 @@ def intra_request_analysis(engine: Any, target: Any, drafter: Any, prompts: Sequ
                            sizes: Sequence[int], max_new: int, temperature: float) -> dict:
   """`intra_request` over the evaluation prompts (greedy outputs; at T > 0 an extra greedy AR
   decode per prompt gives them), with seconds per cycle measured by this report's fixed runs."""
-  spc = {}
-  for b in sizes:
-    rs = [r for r in runs[f"b={b}"] if r["acceptance_lengths"]]
-    spc[b] = float(np.median([r["decode_s"] / len(r["acceptance_lengths"]) for r in rs])) \
-        if rs else 1.0
-  analyses, agree, total = [], 0, 0
+  accs = []
   for i, ids in enumerate(encoded):
     if temperature == 0:
       out = runs["AR"][i]["output_ids"]
     else:
       out = engine.generate(ids, max_new_tokens=max_new, temperature=0.0, block_size=1).output_ids
-    acc = intra.replay_acceptance(target, drafter, ids, out, sizes, max_new,
-                                  engine.length_buckets)
-    a = intra.analyse_request(acc, spc)
-    analyses.append(a)
-    if temperature == 0:
-      for b in sizes:
+    accs.append(intra.replay_acceptance(target, drafter, ids, out, sizes, max_new,
+                                        engine.length_buckets))
+  # Seconds per cycle of each size from this report's fixed runs. With AR fallback steps a run
+  # mixes cycles and AR steps: the replayed schedule says how many of each (at T=0), and the AR
+  # steps are charged at the AR run's seconds per step.
+  fb, fb_accept = engine.ar_fallback, engine.ar_fallback_accept
+  ar_step = float(np.median([r["decode_s"] / len(r["acceptance_lengths"])
+                             for r in runs["AR"] if r["acceptance_lengths"]]))
+  spc, agree, total = {}, 0, 0
+  for b in sizes:
+    per_run = []
+    for i, r in enumerate(runs[f"b={b}"]):
+      forwards = len(r["acceptance_lengths"])
+      if not forwards:
+        continue
+      cycles, steps = (intra.fallback_schedule(accs[i][b], fb if b > 1 else 0, fb_accept)
+                       if temperature == 0 else (forwards, 0))
+      if temperature == 0:
         total += 1
-        agree += a["fixed_cycles"][str(b)] == len(runs[f"b={b}"][i]["acceptance_lengths"])
+        agree += cycles + steps == forwards
+      if cycles and cycles + steps == forwards:
+        per_run.append((r["decode_s"] - steps * ar_step) / cycles)
+    spc[b] = float(np.median(per_run)) if per_run else 1.0
+  analyses = [intra.analyse_request(acc, spc) for acc in accs]
   out = intra.summarize(analyses, spc)
   out["seconds_per_cycle_ms"] = {str(b): 1e3 * s for b, s in spc.items()}
   out["replay_agrees_with_decode"] = (agree / total) if total else None
