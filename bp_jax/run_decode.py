@@ -214,6 +214,7 @@ def summarize(records: list[dict], engine: Engine, cfg, wall_s: float) -> dict:
       "block_sizes_used": dict(collections.Counter(str(r["block_size"]) for r in records)),
       "compilations": comp["compilations"], "compilations_by_function": comp["by_function"],
       "compile_s": comp["compile_s"], "compile_s_per_bucket": comp["per_key_s"],
+      "loop_warmup_s": round(sum(engine.warmup_seconds.values()), 3),
       "peak_rss_mb": peak_rss_mb(),
   }
 
@@ -225,7 +226,8 @@ def print_summary(s: dict) -> None:
           ("tokens/s (prefill+decode)", s["tokens_per_s"]),
           ("decode tokens/s", s["decode_tokens_per_s"]), ("tau", s["tau"]),
           ("compilations", f"{s['compilations']} {s['compilations_by_function']}"),
-          ("compile time (s)", s["compile_s"]), ("peak RSS (MB)", s["peak_rss_mb"])]
+          ("compile time (s)", s["compile_s"]), ("loops' first runs (s)", s["loop_warmup_s"]),
+          ("peak RSS (MB)", s["peak_rss_mb"])]
   width = max(len(k) for k, _ in rows)
   print("\n".join(f"  {k:<{width}}  {v}" for k, v in rows))
 

@@ -420,3 +420,18 @@ def test_decode_loops_update_the_caches_in_place(engine, fallback_engine, refere
     hlo = eng.compiled._fns[key].as_text()
     copies = [line.strip()[:120] for line in hlo.splitlines() if cache_shape.search(line)]
     assert not copies, (key, copies)
+
+
+def test_first_use_of_a_loop_is_warmed_untimed_and_leaves_the_request_intact(models, reference,
+                                                                             ar_outputs):
+  """A block size's loop runs once on copies of the request's buffers before its first timed
+  run (`Engine._warm_loop`); the request still decodes the AR output, and only once per size."""
+  _, target, drafter = models
+  prompts, _, stop = reference
+  fresh = Engine(target, max_len=MAX_LEN, stop_ids=[stop], length_buckets=LENGTH_BUCKETS,
+                 drafter=drafter, block_sizes=(4,))
+  for i in range(3):
+    for b in (1, 4):
+      assert fresh.generate(prompts[i], max_new_tokens=MAX_NEWS[i],
+                            block_size=b).output_ids == ar_outputs[i]
+  assert set(fresh.warmup_seconds) == {1, 4} and min(fresh.warmup_seconds.values()) > 0
