@@ -198,19 +198,18 @@ class Engine:
         donate_argnums=(2, 3, 4))
     return fn, args
 
-  def _warm_loop(self, block_size: int, fn, args) -> None:
+  def _warm_loop(self, pre, n, max_new, temperature, seed_key, block_size, use_forced) -> None:
     """Runs a block size's compiled loop once, untimed, on copies of this request's buffers and
-    at most 16 new tokens, the first time the size is used. An XLA:CPU executable's first run
-    costs ~75 ms more than later ones (measured on the demo); that belongs with compile time
-    (`warmup_seconds`), not in a request's decode time."""
+    at most 16 new tokens, the first time the size is used (arguments as `_loop`'s). An
+    XLA:CPU executable's first run costs ~75 ms more than later ones (measured on the demo);
+    that belongs with compile time (`warmup_seconds`), not in a request's decode time."""
     if block_size in self.warmup_seconds:
       return
     t0 = time.perf_counter()
-    max_new_at = 5 if block_size == 1 else 7  # position of max_new in `_loop`'s arguments
-    warm = [jax.tree.map(lambda x: jnp.copy(x) if isinstance(x, jax.Array) else x, a)
-            for a in args]  # the loop donates its buffers: the request's own must survive
-    warm[max_new_at] = jnp.minimum(args[max_new_at], 16)
-    jax.block_until_ready(fn(*warm))
+    fn, args = self._loop(pre, n, jnp.minimum(max_new, 16), temperature, seed_key, block_size,
+                          use_forced)
+    # The loop donates its buffers: run it on copies so that the request's own survive.
+    jax.block_until_ready(fn(*jax.tree.map(jnp.copy, args)))
     self.warmup_seconds[block_size] = time.perf_counter() - t0
 
   def precompile(self, block_sizes: Sequence[int], length_buckets: Sequence[int] | None = None,
@@ -286,9 +285,10 @@ class Engine:
       cont = list(forced_continuation)[:self.max_len - n]
       forced[0, n:n + len(cont)] = cont
       self.forced_seq = jnp.asarray(forced)
-    fn, args = self._loop(pre, n_arr, jnp.int32(max_new_tokens), temp, seed_key, block_size,
-                          jnp.bool_(use_forced))
-    self._warm_loop(block_size, fn, args)
+    loop_args = (pre, n_arr, jnp.int32(max_new_tokens), temp, seed_key, block_size,
+                 jnp.bool_(use_forced))
+    self._warm_loop(*loop_args)
+    fn, args = self._loop(*loop_args)
     t2 = time.perf_counter()
     out = fn(*args)
     n_gen = int(out.n_gen)
