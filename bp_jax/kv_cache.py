@@ -99,13 +99,13 @@ def write_values(v_ZHS: jax.Array, new_BTKH: jax.Array, slots_BT: jax.Array) -> 
   return v_ZHS.at[rows, :, slots_ZT].set(new_ZTH.astype(v_ZHS.dtype), mode="drop")
 
 
-def write_layer(cache: KVCache, layer: jax.Array, k_new_BTKH: jax.Array, v_new_BTKH: jax.Array,
-                slots_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
+def write_layer(k_LZSH: jax.Array, v_LZHS: jax.Array, layer: jax.Array, k_new_BTKH: jax.Array,
+                v_new_BTKH: jax.Array, slots_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
   """New stacked (k, v) with one layer's entries written; `layer` may be traced (under scan)."""
   k_ZTH, slots_ZT, rows = _rows_and_slots(k_new_BTKH, slots_BT)
   v_ZTH = heads_to_rows(v_new_BTKH)
-  k = cache.k.at[layer, rows, slots_ZT].set(k_ZTH.astype(cache.k.dtype), mode="drop")
-  v = cache.v.at[layer, rows, :, slots_ZT].set(v_ZTH.astype(cache.v.dtype), mode="drop")
+  k = k_LZSH.at[layer, rows, slots_ZT].set(k_ZTH.astype(k_LZSH.dtype), mode="drop")
+  v = v_LZHS.at[layer, rows, :, slots_ZT].set(v_ZTH.astype(v_LZHS.dtype), mode="drop")
   return k, v
 
 
@@ -118,7 +118,7 @@ def write_all_layers(cache: KVCache, k_new_LBTKH: jax.Array, v_new_LBTKH: jax.Ar
         v=tuple(write_values(v, v_new_LBTKH[i], slots_BT) for i, v in enumerate(cache.v)))
   k, v = cache.k, cache.v
   for i in range(k.shape[0]):
-    k, v = write_layer(cache.replace(k=k, v=v), i, k_new_LBTKH[i], v_new_LBTKH[i], slots_BT)
+    k, v = write_layer(k, v, i, k_new_LBTKH[i], v_new_LBTKH[i], slots_BT)
   return cache.replace(k=k, v=v)
 
 

@@ -132,7 +132,7 @@ class Qwen3(nnx.Module):
         k_all = k_all[:layer] + (k_l,) + k_all[layer + 1:]
         v_all = v_all[:layer] + (v_l,) + v_all[layer + 1:]
       else:
-        k_all, v_all = write_layer(cache.replace(k=k_all, v=v_all), layer, k_new, v_new, pos_BT)
+        k_all, v_all = write_layer(k_all, v_all, layer, k_new, v_new, pos_BT)
         k_l, v_l = k_all[layer], v_all[layer]
       attn = L.attend(q, k_l, v_l, mask_BTS)
       h = x + attn @ p["o_proj"]

@@ -144,7 +144,7 @@ def test_write_layer_drops_out_of_range_slots_and_touches_only_its_layer():
   cache = KVCache.create(2, 2, 4, 2, 2, jnp.float32)
   new = jnp.arange(1, 25, dtype=jnp.float32).reshape(2, 3, 2, 2)  # [B, T, K, H]
   slots = jnp.asarray([[2, 3, 4], [0, 1, 2]])  # sequence 0's third entry has no slot
-  k, v = (np.asarray(x) for x in write_layer(cache, jnp.int32(1), new, -new, slots))
+  k, v = (np.asarray(x) for x in write_layer(cache.k, cache.v, jnp.int32(1), new, -new, slots))
   assert np.all(k[0] == 0) and np.all(v[0] == 0)
   new = np.asarray(new)
   for b in range(2):
