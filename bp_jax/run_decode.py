@@ -135,6 +135,14 @@ def resolve_block_choice(cfg, drafter_block_size: int | None) -> BlockChoice:
   return BlockChoice("fixed", fixed)
 
 
+def loop_options(cfg) -> dict[str, Any]:
+  """The decode loops' form set by a config, as `Engine` keyword arguments: `scan_layers`,
+  `ar_fallback`, `ar_fallback_accept` (configs/qwen3.py)."""
+  return {"scan_layers": bool(cfg.get("scan_layers", False)),
+          "ar_fallback": int(cfg.get("ar_fallback", 0)),
+          "ar_fallback_accept": int(cfg.get("ar_fallback_accept", 1))}
+
+
 def build_engine(cfg, extra_sizes: Sequence[int] = ()) -> tuple[Engine, Any]:
   """Loads target, drafter and tokenizer and builds the engine described by `cfg`; the buckets
   are `--config.block_sizes` (or the drafter's size +- 4) plus `extra_sizes`."""
@@ -148,10 +156,7 @@ def build_engine(cfg, extra_sizes: Sequence[int] = ()) -> tuple[Engine, Any]:
   sizes = tuple(sorted(set(block_sizes or (cfg.block_size,)) | {b for b in extra_sizes if b > 1}))
   engine = Engine(target, max_len=cfg.max_len, stop_ids=stop_token_ids(tok),
                   length_buckets=parse_int_list(cfg.length_buckets, "--config.length_buckets")
-                  or None, drafter=drafter, block_sizes=sizes,
-                  scan_layers=bool(cfg.get("scan_layers", False)),
-                  ar_fallback=int(cfg.get("ar_fallback", 0)),
-                  ar_fallback_accept=int(cfg.get("ar_fallback_accept", 1)))
+                  or None, drafter=drafter, block_sizes=sizes, **loop_options(cfg))
   return engine, tok
 
 

@@ -371,16 +371,13 @@ def build_engine(cfg: Any, target: Any, drafter: Any, tok: Any, sizes: Sequence[
   """An engine with the candidate sizes, its loops in decode.py's form (`--config.scan_layers`),
   so measured cycle costs are the ones decode.py pays; every request is checked first."""
   from bp_jax.engine import Engine
-  from bp_jax.run_decode import parse_int_list
+  from bp_jax.run_decode import loop_options, parse_int_list
   from bp_jax.tokenizer import stop_token_ids
 
   engine = Engine(target, max_len=int(cfg.max_len), stop_ids=stop_token_ids(tok),
                   length_buckets=parse_int_list(cfg.get("length_buckets", ""),
                                                 "--config.length_buckets") or None,
-                  drafter=drafter, block_sizes=tuple(sizes),
-                  scan_layers=bool(cfg.get("scan_layers", False)),
-                  ar_fallback=int(cfg.get("ar_fallback", 0)),
-                  ar_fallback_accept=int(cfg.get("ar_fallback_accept", 1)))
+                  drafter=drafter, block_sizes=tuple(sizes), **loop_options(cfg))
   for n in prompt_lens:
     engine.check_request(n, max_new, max(sizes))
   return engine
@@ -393,9 +390,11 @@ def labels_stage(cfg: Any) -> None:
   """
   from tqdm import tqdm
 
+  from bp_jax.run_decode import loop_options
   from bp_jax.train.regenerate import model_fingerprint, read_stamp, write_stamp
 
   bp = cfg.blockpilot
+  loop = loop_options(cfg)  # the measured loops' form: cycle costs and labels depend on it
   target, drafter, tok, fingerprint = load_models(cfg, "labels")
   sizes = candidate_sizes(bp, drafter.cfg.block_size)
   parse_feature_types(bp.features)
@@ -418,8 +417,8 @@ def labels_stage(cfg: Any) -> None:
           "drafter_fingerprint": model_fingerprint(drafter),  # a retrained drafter relabels
           "label_prompts": _stamp_of(label), "eval_prompts": _stamp_of(evals),
           "chat": bool(cfg.get("chat", False)), "max_len": int(cfg.max_len),
-          "scan_layers": bool(cfg.get("scan_layers", False)),  # cycle costs depend on it
-          "ar_fallback": [int(cfg.get("ar_fallback", 0)), int(cfg.get("ar_fallback_accept", 1))],
+          "scan_layers": loop["scan_layers"],
+          "ar_fallback": [loop["ar_fallback"], loop["ar_fallback_accept"]],
           "feature_types": list(FEATURE_TYPES),  # every available feature is stored
           "record_format": 2}  # 2: records carry ar_fallback
   stamp = read_stamp(stamp_dir)
@@ -443,7 +442,7 @@ def labels_stage(cfg: Any) -> None:
       ids = encoded[p.key]
       m = measure_prompt(engine, ids, sizes, max_new_tokens=max_new, temperature=temperature,
                          seed=int(cfg.seed) + i, num_seeds=seeds, order_seed=i)
-      records.append(label_record(p, split, len(ids), sizes, m, int(cfg.get("ar_fallback", 0))))
+      records.append(label_record(p, split, len(ids), sizes, m, loop["ar_fallback"]))
     write_label_set(data, name, records, f"{len(records)} {split} prompts decoded at sizes "
                     f"{list(sizes)} (T={temperature}, {max_new} new tokens)")
     counts[split] = summarize_labels(records, sizes)
