@@ -42,7 +42,7 @@ def _two_part_attend(q_BTNH: jax.Array, k_ctx_ZSH: jax.Array, v_ctx_ZHS: jax.Arr
   B, T, _, H = q_BTNH.shape
   K = k_blk_BTKH.shape[2]
   scale = H ** -0.5
-  q_ZGTH = L.heads_as_rows(q_BTNH, K)
+  q_ZGTH = L.queries_to_rows(q_BTNH, K)
   k_blk_ZUH, v_blk_ZUH = L.heads_to_rows(k_blk_BTKH), L.heads_to_rows(v_blk_BTKH)
   s_ctx_ZGTS = jnp.einsum("zgth,zsh->zgts", q_ZGTH, k_ctx_ZSH,
                           preferred_element_type=jnp.float32) * scale
@@ -60,7 +60,7 @@ def _two_part_attend(q_BTNH: jax.Array, k_ctx_ZSH: jax.Array, v_ctx_ZHS: jax.Arr
                        preferred_element_type=jnp.float32)
             + jnp.einsum("zgtu,zuh->zgth", e_blk_ZGTU.astype(v_blk_ZUH.dtype), v_blk_ZUH,
                          preferred_element_type=jnp.float32))
-  return L.rows_as_heads(o_ZGTH / denom_ZGT1, B).astype(q_BTNH.dtype)
+  return L.rows_to_outputs(o_ZGTH / denom_ZGT1, B).astype(q_BTNH.dtype)
 
 
 class DFlashDrafter(nnx.Module):

@@ -68,7 +68,7 @@ def heads_to_rows(x_BTKH: jax.Array) -> jax.Array:
   return x_BTKH.transpose(0, 2, 1, 3).reshape(B * K, T, H)
 
 
-def heads_as_rows(q_BTNH: jax.Array, num_kv: int) -> jax.Array:
+def queries_to_rows(q_BTNH: jax.Array, num_kv: int) -> jax.Array:
   """Queries [Z, G, T, H] in the KV cache's row order (Z = B * K, G = N // K query heads per
   kv head)."""
   B, T, N, H = q_BTNH.shape
@@ -76,8 +76,8 @@ def heads_as_rows(q_BTNH: jax.Array, num_kv: int) -> jax.Array:
   return q_BTKGH.transpose(0, 2, 3, 1, 4).reshape(B * num_kv, N // num_kv, T, H)
 
 
-def rows_as_heads(o_ZGTH: jax.Array, batch: int) -> jax.Array:
-  """Inverse of `heads_as_rows` for attention outputs, flattened to [B, T, N*H]."""
+def rows_to_outputs(o_ZGTH: jax.Array, batch: int) -> jax.Array:
+  """Inverse of `queries_to_rows` for attention outputs, flattened to [B, T, N*H]."""
   Z, G, T, H = o_ZGTH.shape
   o_BKGTH = o_ZGTH.reshape(batch, Z // batch, G, T, H)
   return o_BKGTH.transpose(0, 3, 1, 2, 4).reshape(batch, T, -1)
@@ -92,14 +92,14 @@ def attend(q_BTNH: jax.Array, k_ZSH: jax.Array, v_ZHS: jax.Array,
   """
   B, T, _, H = q_BTNH.shape
   Z, S, _ = k_ZSH.shape
-  q_ZGTH = heads_as_rows(q_BTNH, Z // B)
+  q_ZGTH = queries_to_rows(q_BTNH, Z // B)
   s_ZGTS = jnp.einsum("zgth,zsh->zgts", q_ZGTH, k_ZSH,
                       preferred_element_type=jnp.float32) * (H ** -0.5)
   mask_Z1TS = jnp.repeat(mask_BTS, Z // B, axis=0)[:, None]
   s_ZGTS = jnp.where(mask_Z1TS, s_ZGTS, -1e30)
   w_ZGTS = jax.nn.softmax(s_ZGTS, axis=-1)
   w_ZGTS = jnp.where(mask_Z1TS, w_ZGTS, 0.0).astype(v_ZHS.dtype)
-  return rows_as_heads(jnp.einsum("zgts,zhs->zgth", w_ZGTS, v_ZHS), B)
+  return rows_to_outputs(jnp.einsum("zgts,zhs->zgth", w_ZGTS, v_ZHS), B)
 
 
 def attend_BSKH(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
