@@ -1,0 +1,1 @@
+"""Decoding: sampling, the jitted loops, buckets, compiled programs, the engine."""

@@ -1,0 +1,1 @@
+"""Evaluation output: reports, plots, resource figures."""

@@ -1,0 +1,1 @@
+"""BlockPilot: the block-size MLP, its prefill features, and label sets."""

@@ -1,0 +1,1 @@
+"""Text: tokenizers (offline Qwen3, byte-level BPE) and prompt sources."""

@@ -1,0 +1,1 @@
+"""Checkpoints on disk: safetensors, Hugging Face name mapping, conversion, loading."""
