@@ -33,7 +33,7 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   F = flags.FLAGS
-  from bp_jax import convert
+  from bp_jax.weights import convert
   try:
     if not F.out_dir:
       raise BadInputError("--out_dir is required")

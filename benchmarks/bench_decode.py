@@ -30,10 +30,10 @@ import transformers  # noqa: E402
 from absl import app, flags  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from bp_jax.config import DFlashConfig, Qwen3Config  # noqa: E402
-from bp_jax.dflash import DFlashDrafter  # noqa: E402
-from bp_jax.engine import Engine  # noqa: E402
-from bp_jax.loading import load_target  # noqa: E402
+from bp_jax.models.config import DFlashConfig, Qwen3Config  # noqa: E402
+from bp_jax.models.dflash import DFlashDrafter  # noqa: E402
+from bp_jax.decoding.engine import Engine  # noqa: E402
+from bp_jax.weights.loading import load_target  # noqa: E402
 
 flags.DEFINE_list("sizes", ["tiny", "100m"], "Model sizes to run (tiny, 100m).")
 flags.DEFINE_list("block_sizes", ["2", "4", "8", "16"], "Speculative block sizes to measure.")

@@ -27,12 +27,12 @@ import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from bp_jax.engine import Engine  # noqa: E402
-from bp_jax.loading import load_drafter, load_target  # noqa: E402
-from bp_jax.plots import acceptance_histogram, line_plot  # noqa: E402
-from bp_jax.prompts import load_prompts  # noqa: E402
-from bp_jax.run_decode import default_block_sizes  # noqa: E402
-from bp_jax.tokenizer import encode_prompt, load_tokenizer, stop_token_ids  # noqa: E402
+from bp_jax.decoding.engine import Engine  # noqa: E402
+from bp_jax.weights.loading import load_drafter, load_target  # noqa: E402
+from bp_jax.eval.plots import acceptance_histogram, line_plot  # noqa: E402
+from bp_jax.text.prompts import load_prompts  # noqa: E402
+from bp_jax.decoding.run_decode import default_block_sizes  # noqa: E402
+from bp_jax.text.tokenizer import encode_prompt, load_tokenizer, stop_token_ids  # noqa: E402
 
 flags.DEFINE_string("target", "demo/target", "Target checkpoint folder.")
 flags.DEFINE_string("drafter", "demo/drafter", "DFlash drafter checkpoint folder.")

@@ -10,7 +10,7 @@ relative paths (workdir, export_dir, target, drafter) are relative to the curren
 
 import ml_collections
 
-from bp_jax.train.optim import opt_config
+from bp_jax.optim_config import opt_config
 from configs import qwen3
 
 DRAFT_BLOCK_SIZE = 8

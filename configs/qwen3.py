@@ -10,7 +10,7 @@ from typing import Any
 
 import ml_collections
 
-from bp_jax.train.optim import opt_config
+from bp_jax.optim_config import opt_config
 
 
 def blockpilot_config(**overrides: Any) -> ml_collections.ConfigDict:

@@ -44,10 +44,10 @@ def jax_qwen3_from_torch(model: transformers.Qwen3ForCausalLM, dtype=None):
   """Our NNX Qwen3 holding the same weights as a transformers model."""
   import jax.numpy as jnp
   from flax import nnx
-  from bp_jax.config import Qwen3Config
-  from bp_jax.hf_mapping import target_params_from_hf
-  from bp_jax.nnx_utils import module_from_params
-  from bp_jax.qwen3 import Qwen3
+  from bp_jax.models.config import Qwen3Config
+  from bp_jax.weights.hf_mapping import target_params_from_hf
+  from bp_jax.models.nnx_utils import module_from_params
+  from bp_jax.models.qwen3 import Qwen3
   cfg = Qwen3Config.from_hf_dict(model.config.to_dict())
   get, shape_of, keys = state_dict_getters(model)
   params = target_params_from_hf(get, shape_of, keys, cfg, "torch")
@@ -91,9 +91,9 @@ def dict_getters(sd: dict):
 def jax_drafter_from_state_dict(cfg, sd: dict):
   """Our NNX DFlash drafter holding the weights of a z-lab-named state dict."""
   from flax import nnx
-  from bp_jax.dflash import DFlashDrafter
-  from bp_jax.hf_mapping import drafter_params_from_hf
-  from bp_jax.nnx_utils import module_from_params
+  from bp_jax.models.dflash import DFlashDrafter
+  from bp_jax.weights.hf_mapping import drafter_params_from_hf
+  from bp_jax.models.nnx_utils import module_from_params
   get, shape_of, keys = dict_getters(sd)
   params = drafter_params_from_hf(get, shape_of, keys, cfg, "tiny-dflash")
   return module_from_params(lambda: DFlashDrafter(cfg, rngs=nnx.Rngs(0)), params)

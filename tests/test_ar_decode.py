@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from bp_jax.engine import Engine
+from bp_jax.decoding.engine import Engine
 from bp_jax.errors import BadInputError
 from hf_fixtures import jax_qwen3_from_torch, make_hf_qwen3
 

@@ -1,4 +1,4 @@
-"""Tests for bp_jax.bpe: a small byte-level BPE tokenizer trained on Python source."""
+"""Tests for bp_jax.text.bpe: a small byte-level BPE tokenizer trained on Python source."""
 
 import glob
 import os
@@ -6,7 +6,7 @@ import os
 import pytest
 import transformers
 
-from bp_jax import bpe
+from bp_jax.text import bpe
 from bp_jax.errors import BadInputError
 
 _STDLIB = os.path.dirname(os.__file__)

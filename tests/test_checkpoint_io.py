@@ -1,4 +1,4 @@
-"""Tests for bp_jax.checkpoint_io: atomic save, overwrite rules, load checks and dtype casting."""
+"""Tests for bp_jax.weights.checkpoint_io: atomic save, overwrite rules, load checks and dtype casting."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from bp_jax import checkpoint_io as cio
+from bp_jax.weights import checkpoint_io as cio
 from bp_jax.errors import BadInputError
 
 CONFIG = {"hidden_size": 4, "num_hidden_layers": 1, "vocab_size": 8}

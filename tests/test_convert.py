@@ -1,4 +1,4 @@
-"""Weight conversion (bp_jax/convert.py, convert_weights.py): sharded Hugging Face checkpoints
+"""Weight conversion (bp_jax/weights/convert.py, convert_weights.py): sharded Hugging Face checkpoints
 in, bp_jax checkpoints out and back, and clean one-line failures on bad input."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import safetensors.numpy
 import torch
 import transformers
 
-from bp_jax.convert import convert_from_hf, export_to_hf
-from bp_jax.loading import load_target
+from bp_jax.weights.convert import convert_from_hf, export_to_hf
+from bp_jax.weights.loading import load_target
 from hf_fixtures import make_hf_qwen3, save_hf_qwen3
 
 SHARD = "100KB"  # the tiny model (~0.3 MB in float32) is written as several shards

@@ -11,7 +11,7 @@ import tensorflow_datasets as tfds
 
 from bp_jax import data
 from bp_jax.errors import BadInputError
-from bp_jax.prompts import Prompt, split_ids
+from bp_jax.text.prompts import Prompt, split_ids
 
 
 def _jsonl(tmp_path, texts):

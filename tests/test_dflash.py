@@ -1,4 +1,4 @@
-"""DFlash drafter (bp_jax/dflash.py) against a plain-PyTorch statement of DESIGN §2."""
+"""DFlash drafter (bp_jax/models/dflash.py) against a plain-PyTorch statement of DESIGN §2."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ import pytest
 import torch
 from flax import nnx
 
-from bp_jax.config import DFlashConfig, Qwen3Config, default_target_layer_ids
-from bp_jax.dflash import validate_drafter_for_target
+from bp_jax.models.config import DFlashConfig, Qwen3Config, default_target_layer_ids
+from bp_jax.models.dflash import validate_drafter_for_target
 from bp_jax.errors import BadInputError
-from bp_jax.hf_mapping import drafter_params_to_hf
-from bp_jax.nnx_utils import module_params
+from bp_jax.weights.hf_mapping import drafter_params_to_hf
+from bp_jax.models.nnx_utils import module_params
 from hf_fixtures import jax_drafter_from_state_dict, make_dflash_state_dict
 
 V, D, BLOCK, MASK = 128, 64, 8, 127

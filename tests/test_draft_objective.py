@@ -12,9 +12,9 @@ import optax
 import pytest
 from flax import nnx
 
-from bp_jax.config import DFlashConfig, Qwen3Config
-from bp_jax.dflash import DFlashDrafter
-from bp_jax.qwen3 import Qwen3
+from bp_jax.models.config import DFlashConfig, Qwen3Config
+from bp_jax.models.dflash import DFlashDrafter
+from bp_jax.models.qwen3 import Qwen3
 from bp_jax.train import draft_objective as obj
 
 V, D, MASK = 64, 32, 1

@@ -14,17 +14,17 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from bp_jax.bpe import MASK_ID, train_bpe
-from bp_jax.checkpoint_io import save_checkpoint
-from bp_jax.config import Qwen3Config
+from bp_jax.text.bpe import MASK_ID, train_bpe
+from bp_jax.weights.checkpoint_io import save_checkpoint
+from bp_jax.models.config import Qwen3Config
 from bp_jax.data import open_dataset
 from bp_jax.errors import BadInputError
-from bp_jax.nnx_utils import module_params
-from bp_jax.prompts import load_prompts
-from bp_jax.qwen3 import Qwen3
+from bp_jax.models.nnx_utils import module_params
+from bp_jax.text.prompts import load_prompts
+from bp_jax.models.qwen3 import Qwen3
 from bp_jax.train import draft as draft_stage_mod
 from bp_jax.train import regenerate as regen
-from bp_jax.train.optim import opt_config
+from bp_jax.optim_config import opt_config
 
 PROMPT_TOKENS, MAX_NEW, BLOCK = 12, 20, 4
 
@@ -120,7 +120,7 @@ def test_regenerate_round_trip_and_draft_stage(setup, capsys):
 
   draft_stage_mod.draft_stage(cfg)
   out = os.path.join(cfg.workdir, "drafter")
-  from bp_jax.loading import load_drafter, load_target
+  from bp_jax.weights.loading import load_drafter, load_target
   loaded_target = load_target(os.path.join(cfg.workdir, "target"))
   drafter = load_drafter(out, loaded_target.cfg)
   assert drafter.cfg.block_size == BLOCK and drafter.cfg.mask_token_id == MASK_ID == 1
@@ -132,7 +132,7 @@ def test_regenerate_round_trip_and_draft_stage(setup, capsys):
   assert all(np.isfinite(r["loss"]) for r in records if "loss" in r)
 
   # The exported drafter decodes losslessly with the engine (spec output == AR output).
-  from bp_jax.engine import Engine
+  from bp_jax.decoding.engine import Engine
   engine = Engine(loaded_target, max_len=64, drafter=drafter, block_sizes=(BLOCK,),
                   length_buckets=(16,))
   prompt = train[0]["tokens"][:PROMPT_TOKENS].tolist()

@@ -25,12 +25,12 @@ import safetensors.numpy
 import safetensors.torch
 import transformers
 
-from bp_jax.checkpoint_io import load_checkpoint
-from bp_jax.config import DFlashConfig
-from bp_jax.convert import convert_from_hf, export_to_hf
-from bp_jax.engine import Engine
+from bp_jax.weights.checkpoint_io import load_checkpoint
+from bp_jax.models.config import DFlashConfig
+from bp_jax.weights.convert import convert_from_hf, export_to_hf
+from bp_jax.decoding.engine import Engine
 from bp_jax.errors import BadInputError
-from bp_jax.loading import load_drafter, load_target
+from bp_jax.weights.loading import load_drafter, load_target
 from hf_fixtures import make_dflash_state_dict, make_hf_qwen3, save_hf_qwen3
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -115,7 +115,7 @@ def ckpts(tmp_path_factory):
   the target exported back to the Hugging Face layout with --to_hf."""
   root = str(tmp_path_factory.mktemp("drafter_convert"))
   p = lambda *names: os.path.join(root, *names)
-  from bp_jax import bpe
+  from bp_jax.text import bpe
   stdlib = os.path.dirname(os.__file__)
   texts = [pathlib.Path(stdlib, n).read_text(encoding="utf-8")
            for n in ("bisect.py", "colorsys.py")]
@@ -378,7 +378,7 @@ def _decode_config(ckpts, **fields):
 
 
 def test_decode_block_size_not_in_buckets(ckpts):
-  from bp_jax import run_decode
+  from bp_jax.decoding import run_decode
   with pytest.raises(BadInputError) as err:
     run_decode.run(_decode_config(ckpts, block_size=12, block_sizes="2,4,6"))
   msg = str(err.value)
@@ -387,7 +387,7 @@ def test_decode_block_size_not_in_buckets(ckpts):
 
 def test_decode_request_over_the_cache(ckpts):
   """Every prompt is checked before decoding starts; the message names the prompt and flag."""
-  from bp_jax import run_decode
+  from bp_jax.decoding import run_decode
   with pytest.raises(BadInputError) as err:
     run_decode.run(_decode_config(ckpts, max_len=64))
   msg = str(err.value)

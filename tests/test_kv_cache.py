@@ -1,4 +1,4 @@
-"""The static KV cache (bp_jax/kv_cache.py) driven through Qwen3.__call__: incremental extends,
+"""The static KV cache (bp_jax/models/kv_cache.py) driven through Qwen3.__call__: incremental extends,
 padding to a length bucket, rollback by pointer, and writes past the end of the cache."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from bp_jax.kv_cache import KVCache, causal_mask, write_layer
+from bp_jax.models.kv_cache import KVCache, causal_mask, write_layer
 
 TOL = 1e-5
 V = 128

@@ -14,15 +14,16 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from bp_jax.bpe import MASK_ID, train_bpe
-from bp_jax.checkpoint_io import save_checkpoint
-from bp_jax.config import Qwen3Config
+from bp_jax.text.bpe import MASK_ID, train_bpe
+from bp_jax.weights.checkpoint_io import save_checkpoint
+from bp_jax.models.config import Qwen3Config
 from bp_jax.data import open_dataset
-from bp_jax.dflash import DFlashDrafter
+from bp_jax.models.dflash import DFlashDrafter
 from bp_jax.errors import BadInputError
-from bp_jax.nnx_utils import module_params
-from bp_jax.policy import load_policy, prompt_hash
-from bp_jax.qwen3 import Qwen3
+from bp_jax.models.nnx_utils import module_params
+from bp_jax.policy.mlp import load_policy, prompt_hash
+from bp_jax.models.qwen3 import Qwen3
+from bp_jax.policy import label_sets
 from bp_jax.train import labels as lab
 from bp_jax.train import policy_stage as ps
 from bp_jax.train.draft import drafter_config, export_drafter
@@ -103,33 +104,33 @@ def test_label_rules():
   recs = [_rec([2.0, 2.5, 2.5], [10, 8, 8], [20, 20, 20], [0.010, 0.016, 0.032]),
           _rec([1.5, 2.0, 3.8], [12, 10, 5], [18, 20, 19], [0.012, 0.020, 0.020]),
           _rec([1.0, 1.0, 1.0], [9, 9, 9], [9, 9, 9], [0.0095, 0.0170, 0.0400])]
-  np.testing.assert_allclose(lab.cycle_costs(recs), [0.001, 0.002, 0.004], rtol=1e-5)
+  np.testing.assert_allclose(label_sets.cycle_costs(recs), [0.001, 0.002, 0.004], rtol=1e-5)
   # max_tau: ties go to the smaller size (prompt 0: 3 over 4; prompt 2: 2).
-  assert lab.labels_of(lab.label_values(recs, "max_tau")).tolist() == [1, 2, 0]
+  assert label_sets.labels_of(label_sets.label_values(recs, "max_tau")).tolist() == [1, 2, 0]
   # max_throughput: tokens / (cycles * cost): prompt 0: 20/10, 20/16, 20/32 ms -> size 2;
   # prompt 1: 18/12, 20/20, 19/20 -> size 2 (1.5 > 1.0 > 0.95).
-  thr = lab.label_values(recs, "max_throughput")
+  thr = label_sets.label_values(recs, "max_throughput")
   np.testing.assert_allclose(thr[0], [2000.0, 1250.0, 625.0], rtol=1e-4)
-  assert lab.labels_of(thr).tolist() == [0, 0, 0]
+  assert label_sets.labels_of(thr).tolist() == [0, 0, 0]
   # Labels measured with AR fallback steps: each prompt's own loop time (prompt 1: 18/12,
   # 20/20, 19/20 ms -> size 2; prompt 0: 20/10, 20/16, 20/32 -> size 2), not cycles * cost.
   fb = [{**r, "ar_fallback": 16} for r in recs]
-  np.testing.assert_allclose(lab.decode_seconds(fb), lab.stack(recs, "decode_s"))
-  np.testing.assert_allclose(lab.label_values(fb, "max_throughput")[1], [1500, 1000, 950],
+  np.testing.assert_allclose(label_sets.decode_seconds(fb), label_sets.stack(recs, "decode_s"))
+  np.testing.assert_allclose(label_sets.label_values(fb, "max_throughput")[1], [1500, 1000, 950],
                              rtol=1e-4)
-  assert lab.labels_of(lab.label_values(fb, "max_throughput")).tolist() == [0, 0, 0]
-  m = ps.choice_metrics(fb[:2], np.array([2, 0]), lab.cycle_costs(recs))
+  assert label_sets.labels_of(label_sets.label_values(fb, "max_throughput")).tolist() == [0, 0, 0]
+  m = ps.choice_metrics(fb[:2], np.array([2, 0]), label_sets.cycle_costs(recs))
   assert m["est_tokens_per_s"] == pytest.approx((20 + 18) / (0.032 + 0.012))
   # A prompt with no cycle (its first token was a stop token) cannot be labelled.
-  assert lab.usable(recs + [_rec([0, 0, 0], [0, 0, 0], [1, 1, 1], [0, 0, 0])]).tolist() == [
+  assert label_sets.usable(recs + [_rec([0, 0, 0], [0, 0, 0], [1, 1, 1], [0, 0, 0])]).tolist() == [
       True, True, True, False]
   with pytest.raises(BadInputError, match="unknown label rule"):
-    lab.label_values(recs, "max_speed")
+    label_sets.label_values(recs, "max_speed")
   # Choice metrics: aggregate tau = committed / cycles over the chosen sizes.
-  m = ps.choice_metrics(recs[:2], np.array([2, 2]), lab.cycle_costs(recs))
+  m = ps.choice_metrics(recs[:2], np.array([2, 2]), label_sets.cycle_costs(recs))
   assert m["tau"] == pytest.approx((20 + 19) / 13)
-  assert ps.best_static(recs[:2], "max_tau", lab.cycle_costs(recs)) == 2
-  assert ps.best_static(recs[:2], "max_throughput", lab.cycle_costs(recs)) == 0
+  assert ps.best_static(recs[:2], "max_tau", label_sets.cycle_costs(recs)) == 2
+  assert ps.best_static(recs[:2], "max_throughput", label_sets.cycle_costs(recs)) == 0
 
 
 def test_prompt_split_is_deterministic_disjoint_and_overlap_is_refused(setup, tmp_path):
@@ -167,7 +168,7 @@ def stages_done(setup):
 def test_labels_datasets(setup, stages_done, capsys):
   cfg = stages_done
   data = os.path.join(cfg.workdir, "data")
-  label, evals = open_dataset(data, lab.LABELS), open_dataset(data, lab.EVAL_LABELS)
+  label, evals = open_dataset(data, label_sets.LABELS), open_dataset(data, label_sets.EVAL_LABELS)
   assert len(label) == 13 and len(evals) == 4
   assert not {r["text_hash"] for r in label} & {r["text_hash"] for r in evals}
   want_keys = [p.key for p in lab.prompt_sets(cfg, setup["tok"])[0]]
@@ -185,8 +186,8 @@ def test_labels_datasets(setup, stages_done, capsys):
     parts = np.split(r["accept_lens"], np.cumsum(cyc)[:-1])
     assert [int(p.max(initial=1)) <= b for p, b in zip(parts, SIZES)] == [True] * len(SIZES)
   # The stored measurements and features are the engine's (one prompt re-decoded here).
-  from bp_jax.engine import Engine
-  from bp_jax.loading import load_drafter, load_target
+  from bp_jax.decoding.engine import Engine
+  from bp_jax.weights.loading import load_drafter, load_target
   target = load_target(os.path.join(cfg.workdir, "target"))
   drafter = load_drafter(os.path.join(cfg.workdir, "drafter"), target.cfg)
   prompt = lab.prompt_sets(cfg, setup["tok"])[1][0]
@@ -215,8 +216,8 @@ def test_policies_trained_saved_and_shipped(stages_done):
            for r in ("max_tau", "max_throughput")}
   assert set(summary["policies"]) == names
   assert summary["train_prompts"] + summary["val_prompts"] == 13 and summary["val_prompts"] >= 2
-  records = lab.read_label_set(cfg, lab.LABELS, "test")
-  evals = lab.read_label_set(cfg, lab.EVAL_LABELS, "test")
+  records = lab.read_label_set(cfg, label_sets.LABELS, "test")
+  evals = lab.read_label_set(cfg, label_sets.EVAL_LABELS, "test")
   for name, entry in summary["policies"].items():
     policy, info = load_policy(entry["checkpoint"])
     assert info.block_sizes == SIZES and info.label_rule == name.split(":")[1]
@@ -283,7 +284,7 @@ def _decode_cfg(setup, prompts: str, **kw) -> ml_collections.ConfigDict:
 
 
 def test_decode_block_policies(setup, stages_done):
-  from bp_jax import run_decode
+  from bp_jax.decoding import run_decode
   cfg = stages_done
   _, evals = lab.prompt_sets(cfg, setup["tok"])
   eval_only = _jsonl(setup["root"] / "eval_only.jsonl", [(p.key, p.text) for p in evals])
@@ -302,18 +303,18 @@ def test_decode_block_policies(setup, stages_done):
   assert summary["compilations_by_function"]["prefill"] <= 3
   oracle, _ = run_decode.run(_decode_cfg(
       setup, eval_only, block_policy="oracle", label_rule="max_tau",
-      oracle_labels=os.path.join(cfg.workdir, "data", lab.EVAL_LABELS)))
-  table, _ = lab.oracle_table(os.path.join(cfg.workdir, "data", lab.EVAL_LABELS), "max_tau")
+      oracle_labels=os.path.join(cfg.workdir, "data", label_sets.EVAL_LABELS)))
+  table, _ = label_sets.oracle_table(os.path.join(cfg.workdir, "data", label_sets.EVAL_LABELS), "max_tau")
   assert [r["block_size"] for r in oracle] == [table[prompt_hash(p.text)] for p in evals]
   assert [r["output_ids"] for r in oracle] == outputs
   rand, _ = run_decode.run(_decode_cfg(setup, eval_only, block_policy="random", seed=5))
-  from bp_jax.policy import random_block_size
+  from bp_jax.policy.mlp import random_block_size
   assert [r["block_size"] for r in rand] == [random_block_size((2, 3, 4), 5, i) for i in range(4)]
   assert [r["output_ids"] for r in rand][:1] == outputs[:1]  # seed 5 vs 0: same greedy tokens
 
 
 def test_decode_refuses_the_policys_labelling_prompts(setup, stages_done):
-  from bp_jax import run_decode
+  from bp_jax.decoding import run_decode
   cfg = stages_done
   policy = os.path.join(cfg.workdir, "policies", "last_hidden-max_tau")
   source = str(setup["root"] / "eval.jsonl")  # both halves: labelling and evaluation prompts
@@ -331,7 +332,7 @@ def test_decode_refuses_the_policys_labelling_prompts(setup, stages_done):
 
 
 def test_missing_policy_falls_back_or_fails(setup, stages_done, capsys):
-  from bp_jax import run_decode
+  from bp_jax.decoding import run_decode
   cfg = stages_done
   _, evals = lab.prompt_sets(cfg, setup["tok"])
   eval_only = _jsonl(setup["root"] / "eval_only2.jsonl", [(p.key, p.text) for p in evals[:1]])

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from bp_jax.config import DFlashConfig, Qwen3Config
-from bp_jax.dflash import DFlashDrafter
-from bp_jax.engine import Engine
-from bp_jax.qwen3 import Qwen3
+from bp_jax.models.config import DFlashConfig, Qwen3Config
+from bp_jax.models.dflash import DFlashDrafter
+from bp_jax.decoding.engine import Engine
+from bp_jax.models.qwen3 import Qwen3
 from bp_jax.train import intra_request as intra
 
 V = 64

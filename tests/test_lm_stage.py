@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from bp_jax.checkpoint_io import load_checkpoint
-from bp_jax.engine import Engine
+from bp_jax.weights.checkpoint_io import load_checkpoint
+from bp_jax.decoding.engine import Engine
 from bp_jax.errors import BadInputError
-from bp_jax.loading import load_target
-from bp_jax.nnx_utils import module_params
+from bp_jax.weights.loading import load_target
+from bp_jax.models.nnx_utils import module_params
 from bp_jax.train import corpus, stages
 from bp_jax.train import workdir as wd
 from bp_jax.train.checkpointing import TrainCheckpointer

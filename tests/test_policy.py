@@ -1,4 +1,4 @@
-"""BlockPilot's policy (bp_jax/policy.py, policy_features.py) and its place in decoding: features
+"""BlockPilot's policy (bp_jax/policy/mlp.py, policy_features.py) and its place in decoding: features
 equal a recomputation from the target's outputs, the policy adds no target pass to the prefill,
 learned decoding is lossless and compiles nothing per request, a policy learns a known labelling
 rule, and checkpoints round-trip."""
@@ -14,17 +14,17 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from bp_jax import decode_loops
-from bp_jax.config import DFlashConfig, Qwen3Config
-from bp_jax.dflash import DFlashDrafter
-from bp_jax.engine import LEARNED, Engine
+from bp_jax.decoding import loops as decode_loops
+from bp_jax.models.config import DFlashConfig, Qwen3Config
+from bp_jax.models.dflash import DFlashDrafter
+from bp_jax.decoding.engine import LEARNED, Engine
 from bp_jax.errors import BadInputError
-from bp_jax.policy import (BlockPolicy, PolicyArch, load_policy, prompt_hash, random_block_size,
+from bp_jax.policy.mlp import (BlockPolicy, PolicyArch, load_policy, prompt_hash, random_block_size,
                            save_policy)
-from bp_jax.policy_features import (FEATURE_TYPES, feature_dims, mlp_param_count, policy_costs,
+from bp_jax.policy.features import (FEATURE_TYPES, feature_dims, mlp_param_count, policy_costs,
                                     pooled_layers)
-from bp_jax.qwen3 import Qwen3
-from bp_jax.train.optim import opt_config
+from bp_jax.models.qwen3 import Qwen3
+from bp_jax.optim_config import opt_config
 from bp_jax.train.policy_stage import fit_policy, predict
 from compile_counting import BackendCompiles
 
@@ -323,7 +323,7 @@ def test_policy_checkpoint_round_trip(tmp_path):
   n_params = sum(x.size for x in jax.tree.leaves(nnx.state(policy, nnx.Param)))
   assert n_params == policy.arch.num_params()
   with pytest.raises(BadInputError, match="'dflash' checkpoint is expected|is a 'policy'"):
-    from bp_jax.loading import load_drafter
+    from bp_jax.weights.loading import load_drafter
     load_drafter(path)
 
 

@@ -1,10 +1,10 @@
-"""Tests for bp_jax.prompts: prompt sources and deterministic splits."""
+"""Tests for bp_jax.text.prompts: prompt sources and deterministic splits."""
 
 import json
 
 import pytest
 
-from bp_jax import prompts
+from bp_jax.text import prompts
 from bp_jax.errors import BadInputError
 
 

@@ -1,4 +1,4 @@
-"""Our Qwen3 target (bp_jax/qwen3.py) against transformers' Qwen3ForCausalLM on tiny random
+"""Our Qwen3 target (bp_jax/models/qwen3.py) against transformers' Qwen3ForCausalLM on tiny random
 checkpoints: logits, per-layer hidden states, both RoPE config forms, bfloat16."""
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ import torch
 import transformers
 from flax import nnx
 
-from bp_jax.config import Qwen3Config
-from bp_jax.convert import convert_from_hf
-from bp_jax.hf_mapping import target_params_from_hf
-from bp_jax.loading import load_target
-from bp_jax.nnx_utils import module_from_params
-from bp_jax.qwen3 import Qwen3
+from bp_jax.models.config import Qwen3Config
+from bp_jax.weights.convert import convert_from_hf
+from bp_jax.weights.hf_mapping import target_params_from_hf
+from bp_jax.weights.loading import load_target
+from bp_jax.models.nnx_utils import module_from_params
+from bp_jax.models.qwen3 import Qwen3
 from hf_fixtures import jax_qwen3_from_torch, make_hf_qwen3, save_hf_qwen3, state_dict_getters
 
 F32_TOL = 1e-4

@@ -1,4 +1,4 @@
-"""Tests for bp_jax.safetensors_io: round trips, compatibility, sharding and error messages."""
+"""Tests for bp_jax.weights.safetensors_io: round trips, compatibility, sharding and error messages."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import safetensors
 import safetensors.numpy
 
-from bp_jax import safetensors_io as stio
+from bp_jax.weights import safetensors_io as stio
 from bp_jax.errors import BadInputError
 
 

@@ -1,4 +1,4 @@
-"""bp_jax/sampling.py: the vectorised argmax and greedy sampling."""
+"""bp_jax/decoding/sampling.py: the vectorised argmax and greedy sampling."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bp_jax.sampling import first_argmax, position_keys, sample
+from bp_jax.decoding.sampling import first_argmax, position_keys, sample
 
 
 def test_first_argmax_equals_jnp_argmax_including_ties():

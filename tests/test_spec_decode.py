@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 import torch
 
-from bp_jax.config import DFlashConfig
-from bp_jax.engine import Engine
+from bp_jax.models.config import DFlashConfig
+from bp_jax.decoding.engine import Engine
 from bp_jax.errors import BadInputError
 from compile_counting import BackendCompiles
 from hf_fixtures import (jax_drafter_from_state_dict, jax_qwen3_from_torch, make_dflash_state_dict,
@@ -411,7 +411,7 @@ def test_spec_without_drafter_is_refused(models):
 def test_decode_loops_update_the_caches_in_place(engine, fallback_engine, reference):
   """The compiled loops hold no copy of a cache-sized buffer: every step writes the caches in
   place and attention reads them in their stored layout (a copy there costs a whole cache per
-  layer per step; bp_jax/kv_cache.py explains the layout that avoids it). The same holds for
+  layer per step; bp_jax/models/kv_cache.py explains the layout that avoids it). The same holds for
   the loop with AR fallback steps (a `lax.cond` there would copy every buffer)."""
   cache_shape = re.compile(rf"= f32\[[0-9,]*\b{MAX_LEN}\b[0-9,]*\]\{{[0-9,]*\}} copy\(")
   for eng, key in ((engine, ("ar_loop", 1)), (engine, ("spec_loop", 4)),

@@ -29,9 +29,9 @@ import scipy.stats
 import torch
 from flax import nnx
 
-from bp_jax import decode_loops
-from bp_jax.config import DFlashConfig
-from bp_jax.engine import Engine
+from bp_jax.decoding import loops as decode_loops
+from bp_jax.models.config import DFlashConfig
+from bp_jax.decoding.engine import Engine
 from hf_fixtures import (jax_drafter_from_state_dict, jax_qwen3_from_torch, make_dflash_state_dict,
                          make_hf_qwen3)
 

@@ -1,8 +1,8 @@
-"""Tests for bp_jax.tokenizer: the offline Qwen3 tokenizer, loading, stop ids, prompt encoding."""
+"""Tests for bp_jax.text.tokenizer: the offline Qwen3 tokenizer, loading, stop ids, prompt encoding."""
 
 import pytest
 
-from bp_jax import tokenizer as tok_lib
+from bp_jax.text import tokenizer as tok_lib
 from bp_jax.errors import BadInputError
 
 _EXPECTED_SPECIALS = {

@@ -13,12 +13,13 @@ import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 
-from bp_jax.config import Qwen3Config
+from bp_jax.models.config import Qwen3Config
 from bp_jax.errors import BadInputError
-from bp_jax.qwen3 import Qwen3
+from bp_jax.models.qwen3 import Qwen3
 from bp_jax.train import checkpointing, loop
 from bp_jax.train.lm import lm_loss_fn
-from bp_jax.train.optim import lr_schedule, opt_config
+from bp_jax.optim_config import opt_config
+from bp_jax.train.optim import lr_schedule
 
 TINY = Qwen3Config(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                    num_attention_heads=2, num_key_value_heads=1, head_dim=16,

@@ -1,4 +1,4 @@
-"""Prompt-set datasets: (id, text) examples from a `bp_jax.prompts` source, optionally one split."""
+"""Prompt-set datasets: (id, text) examples from a `bp_jax.text.prompts` source, optionally one split."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import tensorflow_datasets as tfds
 
 from bp_jax.data import tfds_io
 from bp_jax.errors import BadInputError
-from bp_jax.prompts import Prompt, load_prompts
+from bp_jax.text.prompts import Prompt, load_prompts
 
 
 def select_prompts(source: str, ids: Sequence[str] | None = None,
@@ -17,7 +17,7 @@ def select_prompts(source: str, ids: Sequence[str] | None = None,
   """Loads the prompts of `source`, keeping those in `ids` (in source order) when given.
 
   Args:
-    source: a `bp_jax.prompts.load_prompts` source (JSONL path, "humaneval", "pysrc:<dir>").
+    source: a `bp_jax.text.prompts.load_prompts` source (JSONL path, "humaneval", "pysrc:<dir>").
     ids: the ids to keep (e.g. one part of `split_ids`); None keeps every prompt.
     num_prompts: then keep only the first N; None, 0 or negative keeps all.
 

@@ -22,11 +22,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from bp_jax import decode_loops
-from bp_jax.buckets import default_length_buckets, pick_bucket
-from bp_jax.compiled import CompiledCache
+from bp_jax.decoding import loops as decode_loops
+from bp_jax.decoding.buckets import default_length_buckets, pick_bucket
+from bp_jax.decoding.compiled import CompiledCache
 from bp_jax.errors import BadInputError
-from bp_jax.qwen3 import Qwen3
+from bp_jax.models.qwen3 import Qwen3
 
 LEARNED = "learned"  # `generate(block_size=LEARNED)`: the policy chooses the bucket
 
@@ -116,9 +116,9 @@ class Engine:
       self.set_policy(policy, policy_sizes)
 
   def set_policy(self, policy, block_sizes: Sequence[int]) -> None:
-    """Makes `policy` (a `bp_jax.policy.BlockPolicy`) choose the bucket of LEARNED requests;
+    """Makes `policy` (a `bp_jax.policy.mlp.BlockPolicy`) choose the bucket of LEARNED requests;
     class i decodes with `block_sizes[i]`, which must all be buckets of this engine."""
-    from bp_jax.policy_features import DRAFT_CONFIDENCE, POOLED_LAYERS
+    from bp_jax.policy.features import DRAFT_CONFIDENCE, POOLED_LAYERS
 
     sizes = tuple(int(b) for b in block_sizes)
     arch = policy.arch
@@ -138,7 +138,7 @@ class Engine:
     self.policy_key, self.policy_sizes = arch.signature, sizes
 
   def _feature_dims(self) -> dict[str, int]:
-    from bp_jax.policy_features import feature_dims
+    from bp_jax.policy.features import feature_dims
 
     d = self.drafter
     return feature_dims(self.cfg.vocab_size, self.cfg.hidden_size,

@@ -16,9 +16,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from bp_jax.kv_cache import KVCache
-from bp_jax.policy_features import prefill_features
-from bp_jax.sampling import first_argmax, position_keys, sample
+from bp_jax.models.kv_cache import KVCache
+from bp_jax.policy.features import prefill_features
+from bp_jax.decoding.sampling import first_argmax, position_keys, sample
 
 
 class PrefillOut(NamedTuple):
@@ -59,7 +59,7 @@ def make_prefill(graphdef, draft_graphdef=None, policy_graphdef=None) -> Callabl
   Runs the target over the padded prompt, samples the first token, and (with a drafter) writes
   the prompt's chosen-layer features into the drafter's context cache, all in one jit. The
   policy features come from that same forward. With `policy_graphdef` (a
-  `bp_jax.policy.BlockPolicy`; its parameters arrive as `policy_state`, an argument, so one
+  `bp_jax.policy.mlp.BlockPolicy`; its parameters arrive as `policy_state`, an argument, so one
   compilation serves every policy of the same architecture), the policy runs once on its feature
   and the argmax class is returned: the host then runs that bucket's compiled loop.
   """

@@ -22,12 +22,12 @@ from typing import Any, Sequence
 import numpy as np
 from tqdm import tqdm
 
-from bp_jax.engine import LEARNED, Engine, Generation
+from bp_jax.decoding.engine import LEARNED, Engine, Generation
 from bp_jax.errors import BadInputError
-from bp_jax.loading import load_drafter, load_target
-from bp_jax.prompts import Prompt, load_prompts
-from bp_jax.resources import peak_rss_mb
-from bp_jax.tokenizer import encode_prompt, load_tokenizer, stop_token_ids
+from bp_jax.weights.loading import load_drafter, load_target
+from bp_jax.text.prompts import Prompt, load_prompts
+from bp_jax.eval.resources import peak_rss_mb
+from bp_jax.text.tokenizer import encode_prompt, load_tokenizer, stop_token_ids
 
 MODES = ("ar", "spec")
 BLOCK_POLICIES = ("fixed", "learned", "oracle", "random")
@@ -90,7 +90,7 @@ class BlockChoice:
 
   def block_size(self, index: int, prompt: Prompt) -> int | str:
     """The engine's `block_size` argument for request `index`."""
-    from bp_jax.policy import prompt_hash, random_block_size
+    from bp_jax.policy.mlp import prompt_hash, random_block_size
 
     if self.name == "learned":
       return LEARNED
@@ -119,11 +119,11 @@ def resolve_block_choice(cfg, drafter_block_size: int | None) -> BlockChoice:
           f"{cfg.block_size} instead")
     name = "fixed"
   if name == "learned":
-    from bp_jax.policy import load_policy
+    from bp_jax.policy.mlp import load_policy
     policy, info = load_policy(cfg.policy)
     return BlockChoice(name, fixed, info.block_sizes, cfg.seed, policy=policy, info=info)
   if name == "oracle":
-    from bp_jax.train.labels import oracle_table
+    from bp_jax.policy.label_sets import oracle_table
     table, sizes = oracle_table(cfg.oracle_labels, cfg.get("label_rule", "max_tau"))
     return BlockChoice(name, fixed, sizes, cfg.seed, oracle=table)
   if name == "random":
@@ -163,7 +163,7 @@ def build_engine(cfg, extra_sizes: Sequence[int] = ()) -> tuple[Engine, Any]:
 def _drafter_block_size(cfg) -> int | None:
   if cfg.mode != "spec" or not cfg.drafter:
     return None
-  from bp_jax.config import DFlashConfig, read_config_json
+  from bp_jax.models.config import DFlashConfig, read_config_json
   return DFlashConfig.from_hf_dict(read_config_json(cfg.drafter),
                                    f"{cfg.drafter}/config.json").block_size
 
@@ -295,14 +295,14 @@ def run(cfg) -> tuple[list[dict], dict]:
   with open(cfg.output + ".summary.json", "w") as f:
     json.dump(summary, f, indent=2)
   if cfg.report:
-    from bp_jax.plots import acceptance_histogram
+    from bp_jax.eval.plots import acceptance_histogram
     os.makedirs(cfg.report, exist_ok=True)
     what = f"b={choice.fixed}" if choice.name == "fixed" else f"block_policy={choice.name}"
     acceptance_histogram([a for r in records for a in r["acceptance_lengths"]],
                          os.path.join(cfg.report, "acceptance_hist.png"),
                          title=f"acceptance lengths ({cfg.mode}, {what})")
     if choice.name != "fixed":
-      from bp_jax.report import size_distribution_plot
+      from bp_jax.eval.report import size_distribution_plot
       size_distribution_plot({choice.name: [r["block_size"] for r in records]}, choice.sizes,
                              os.path.join(cfg.report, "chosen_sizes.png"))
   for r in records[:cfg.show]:

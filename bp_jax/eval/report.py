@@ -16,7 +16,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from bp_jax.plots import ACCEPTANCE_LABEL, plt, save_figure
+from bp_jax.eval.plots import ACCEPTANCE_LABEL, plt, save_figure
 
 Run = Mapping  # {"new_tokens", "prefill_s", "decode_s", "acceptance_lengths", "block_size"}
 

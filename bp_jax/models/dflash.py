@@ -23,11 +23,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from bp_jax import layers as L
-from bp_jax.config import DFlashConfig, Qwen3Config
+from bp_jax.models import layers as L
+from bp_jax.models.config import DFlashConfig, Qwen3Config
 from bp_jax.errors import BadInputError
-from bp_jax.kv_cache import KVCache, write_all_layers
-from bp_jax.qwen3 import LayerStack
+from bp_jax.models.kv_cache import KVCache, write_all_layers
+from bp_jax.models.qwen3 import LayerStack
 
 
 def _two_part_attend(q_BTNH: jax.Array, k_ctx_ZSH: jax.Array, v_ctx_ZHS: jax.Array,

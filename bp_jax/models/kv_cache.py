@@ -12,7 +12,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from bp_jax.layers import heads_to_rows
+from bp_jax.models.layers import heads_to_rows
 
 
 @flax.struct.dataclass

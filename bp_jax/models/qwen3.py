@@ -13,9 +13,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from bp_jax import layers as L
-from bp_jax.config import Qwen3Config
-from bp_jax.kv_cache import KVCache, causal_mask, write_keys, write_layer, write_values
+from bp_jax.models import layers as L
+from bp_jax.models.config import Qwen3Config
+from bp_jax.models.kv_cache import KVCache, causal_mask, write_keys, write_layer, write_values
 
 
 def layer_param_shapes(cfg: Qwen3Config) -> dict[str, tuple[int, ...]]:

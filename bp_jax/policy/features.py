@@ -112,7 +112,7 @@ def prefill_features(logits_BV: jax.Array, final_hidden_BD: jax.Array,
 
 
 def mlp_param_count(input_dim: int, hidden_dim: int, depth: int, num_classes: int) -> int:
-  """Trainable parameters of the policy MLP (`bp_jax.policy.BlockPolicy`) of these sizes."""
+  """Trainable parameters of the policy MLP (`bp_jax.policy.mlp.BlockPolicy`) of these sizes."""
   return (input_dim * hidden_dim + hidden_dim + (depth - 1) * (hidden_dim * hidden_dim + hidden_dim)
           + hidden_dim * num_classes + num_classes)
 

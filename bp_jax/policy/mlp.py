@@ -27,7 +27,7 @@ import numpy as np
 from flax import nnx
 
 from bp_jax.errors import BadInputError
-from bp_jax.policy_features import check_feature_type, mlp_param_count
+from bp_jax.policy.features import check_feature_type, mlp_param_count
 
 POLICY_KIND = "policy"
 LABEL_RULES = ("max_tau", "max_throughput")
@@ -162,7 +162,7 @@ def save_policy(out_dir: str, policy: BlockPolicy, *, block_sizes: Sequence[int]
 
   `labelled_hashes`: `prompt_hash` of every prompt used to label (train or validate) it.
   """
-  from bp_jax.checkpoint_io import save_checkpoint
+  from bp_jax.weights.checkpoint_io import save_checkpoint
 
   if len(block_sizes) != policy.arch.num_classes:
     raise BadInputError(f"{len(block_sizes)} block sizes for a policy with "
@@ -179,8 +179,8 @@ def save_policy(out_dir: str, policy: BlockPolicy, *, block_sizes: Sequence[int]
 
 def load_policy(ckpt_dir: str) -> tuple[BlockPolicy, PolicyInfo]:
   """Loads a "policy" checkpoint written by `save_policy`."""
-  from bp_jax.checkpoint_io import load_checkpoint
-  from bp_jax.nnx_utils import module_from_params
+  from bp_jax.weights.checkpoint_io import load_checkpoint
+  from bp_jax.models.nnx_utils import module_from_params
 
   params, config, meta = load_checkpoint(ckpt_dir, expected_kind=POLICY_KIND)
   where = f"{ckpt_dir}/config.json"

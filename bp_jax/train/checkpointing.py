@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from bp_jax.checkpoint_io import _quiet_orbax
+from bp_jax.weights.checkpoint_io import _quiet_orbax
 from bp_jax.errors import BadInputError
 
 MAX_TO_KEEP = 2

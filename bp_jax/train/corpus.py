@@ -2,7 +2,7 @@
 
 The corpus is every non-empty `*.py` file under a folder (by default this interpreter's standard
 library), minus test folders and installed packages, in sorted order of relative path.
-Files are split into train/val by id (`bp_jax.prompts.split_ids`), so no file is in both.
+Files are split into train/val by id (`bp_jax.text.prompts.split_ids`), so no file is in both.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from bp_jax.errors import BadInputError
-from bp_jax.prompts import Prompt, _read_python_source, split_ids
+from bp_jax.text.prompts import Prompt, _read_python_source, split_ids
 from bp_jax.train import workdir as wd
 
 # Folder names skipped anywhere under the corpus root.
@@ -81,7 +81,7 @@ def tokenizer_stage(cfg: Any) -> None:
 
   Skipped when a tokenizer trained with the same settings is already there.
   """
-  from bp_jax.bpe import train_bpe
+  from bp_jax.text.bpe import train_bpe
 
   root = corpus_root(cfg)
   out = wd.tokenizer_dir(cfg)
@@ -124,7 +124,7 @@ def lm_data_stage(cfg: Any) -> None:
   Skipped when both exist and were made with the same settings and tokenizer.
   """
   from bp_jax.data import chunk_records, dataset_exists, packed_lm_chunks, write_sequences
-  from bp_jax.tokenizer import load_tokenizer
+  from bp_jax.text.tokenizer import load_tokenizer
 
   tok_dir = wd.require_tokenizer(cfg, "lm_data")
   root = corpus_root(cfg)

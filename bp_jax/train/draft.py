@@ -22,10 +22,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from bp_jax.config import DFlashConfig, Qwen3Config, default_target_layer_ids
-from bp_jax.dflash import DFlashDrafter
+from bp_jax.models.config import DFlashConfig, Qwen3Config, default_target_layer_ids
+from bp_jax.models.dflash import DFlashDrafter
 from bp_jax.errors import BadInputError
-from bp_jax.resources import peak_rss_mb
+from bp_jax.eval.resources import peak_rss_mb
 from bp_jax.train import draft_objective as obj
 from bp_jax.train import workdir as wd
 from bp_jax.train.regenerate import (REGEN_TRAIN, REGEN_VAL, model_fingerprint, read_stamp,
@@ -244,8 +244,8 @@ def export_drafter(drafter: DFlashDrafter, out_dir: str, target: Any, dtype: str
 
   The metadata records the target it was trained against (`target_fingerprint`, `target_config`).
   """
-  from bp_jax.checkpoint_io import save_checkpoint
-  from bp_jax.nnx_utils import module_params
+  from bp_jax.weights.checkpoint_io import save_checkpoint
+  from bp_jax.models.nnx_utils import module_params
 
   if dtype not in EXPORT_DTYPES:
     raise BadInputError(f"--config.draft.export_dtype={dtype!r} is not one of "
@@ -264,8 +264,8 @@ def check_drafter_target(drafter_dir: str, target: Any, target_source: str = "th
   Checks the sizes (`dflash.validate_drafter_for_target`), and, when the drafter's metadata
   records one (drafters written by this stage), the target's parameter fingerprint.
   """
-  from bp_jax.checkpoint_io import read_checkpoint_meta
-  from bp_jax.dflash import validate_drafter_for_target
+  from bp_jax.weights.checkpoint_io import read_checkpoint_meta
+  from bp_jax.models.dflash import validate_drafter_for_target
 
   config, meta = read_checkpoint_meta(drafter_dir, expected_kind="dflash")
   validate_drafter_for_target(DFlashConfig.from_hf_dict(config, f"{drafter_dir}/config.json"),
@@ -317,8 +317,8 @@ def draft_stage(cfg: Any) -> None:
   eval_batches (0 = all of regen_val), checkpoint_every (default 100), log_every (default 10),
   drop_short (False), mask_token_id (-1 = the tokenizer's), intermediate_size (0 = target's).
   """
-  from bp_jax.loading import load_drafter, load_target
-  from bp_jax.tokenizer import load_tokenizer
+  from bp_jax.weights.loading import load_drafter, load_target
+  from bp_jax.text.tokenizer import load_tokenizer
   from bp_jax.train.loop import train
 
   d = cfg.draft

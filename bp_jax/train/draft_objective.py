@@ -29,8 +29,8 @@ import numpy as np
 import optax
 from flax import nnx
 
-from bp_jax import layers as L
-from bp_jax.dflash import DFlashDrafter
+from bp_jax.models import layers as L
+from bp_jax.models.dflash import DFlashDrafter
 
 # Published decay constants: gamma 7 for b = 16, 5 for b = 10, 4 for b = 8 (DESIGN §6).
 _GAMMA_POINTS = ((8, 4.0), (10, 5.0), (16, 7.0))

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from bp_jax.buckets import pick_bucket
+from bp_jax.decoding.buckets import pick_bucket
 from bp_jax.train import draft_objective as obj
 
 

@@ -20,10 +20,10 @@ import numpy as np
 import optax
 from flax import nnx
 
-from bp_jax.config import Qwen3Config
+from bp_jax.models.config import Qwen3Config
 from bp_jax.errors import BadInputError
-from bp_jax.qwen3 import Qwen3
-from bp_jax.resources import peak_rss_mb
+from bp_jax.models.qwen3 import Qwen3
+from bp_jax.eval.resources import peak_rss_mb
 from bp_jax.train import workdir as wd
 
 EXPORT_DTYPES = ("float32", "bfloat16")
@@ -123,8 +123,8 @@ def export_target(model: Qwen3, out_dir: str, tokenizer_dir: str | None,
 
   `dtype` ("float32" or "bfloat16") is the stored dtype of floating params.
   """
-  from bp_jax.checkpoint_io import save_checkpoint
-  from bp_jax.nnx_utils import module_params
+  from bp_jax.weights.checkpoint_io import save_checkpoint
+  from bp_jax.models.nnx_utils import module_params
 
   if dtype not in EXPORT_DTYPES:
     raise BadInputError(f"export dtype {dtype!r} is not one of {list(EXPORT_DTYPES)}")
@@ -175,7 +175,7 @@ def check_run_settings(run_dir: str, want: dict[str, Any]) -> None:
 def lm_stage(cfg: Any) -> None:
   """Trains the target (`cfg.model`, `cfg.lm`) on lm_train, evaluates on lm_val, and exports it
   to `<workdir>/target` (and `<export_dir>/target`)."""
-  from bp_jax.tokenizer import load_tokenizer
+  from bp_jax.text.tokenizer import load_tokenizer
   from bp_jax.train.corpus import LM_TRAIN, LM_VAL
   from bp_jax.train.loop import train
 

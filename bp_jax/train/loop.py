@@ -174,7 +174,7 @@ def _write_history(path: str, records: list[dict]) -> None:
 
 def plot_history(records: list[dict], path: str, title: str = "") -> None:
   """PNG of training loss (and eval loss when logged) against step."""
-  from bp_jax.plots import line_plot  # matplotlib is only needed here
+  from bp_jax.eval.plots import line_plot  # matplotlib is only needed here
 
   series = {}
   for name, key in (("train", "loss"), ("eval", "eval_loss")):

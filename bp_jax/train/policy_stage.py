@@ -1,7 +1,7 @@
 """The `policy` stage: train BlockPilot block-size policies on the labels (DESIGN §5).
 
 For every feature type in `cfg.blockpilot.features` and label rule in `cfg.blockpilot.rules`,
-an MLP (`bp_jax.policy.BlockPolicy`) maps the prompt's prefill feature to the class of its label
+an MLP (`bp_jax.policy.mlp.BlockPolicy`) maps the prompt's prefill feature to the class of its label
 (class i = candidate size i). Training data are `policy_labels` only (made by the labels stage);
 its prompts are split by key into train and validation parts (`val_frac`). Training: AdamW
 (`train.optim`, weight decay), label-smoothed cross-entropy, dropout, mini-batches reshuffled
@@ -32,9 +32,10 @@ from flax import nnx
 
 from bp_jax.data import epoch_order
 from bp_jax.errors import BadInputError
-from bp_jax.policy import BlockPolicy, PolicyArch, check_label_rule, save_policy
-from bp_jax.policy_features import parse_feature_types
-from bp_jax.prompts import check_disjoint, split_ids
+from bp_jax.policy.mlp import BlockPolicy, PolicyArch, check_label_rule, save_policy
+from bp_jax.policy.features import parse_feature_types
+from bp_jax.text.prompts import check_disjoint, split_ids
+from bp_jax.policy import label_sets
 from bp_jax.train import labels as lab
 from bp_jax.train import workdir as wd
 
@@ -140,10 +141,10 @@ def choice_metrics(records: Sequence[Mapping[str, Any]], choice_N: np.ndarray,
   """Aggregate τ (committed tokens / cycles) and estimated tokens per second (new tokens /
   `labels.decode_seconds`) when prompt i decodes with class `choice_N[i]`."""
   rows = np.arange(len(records))
-  committed = lab.stack(records, "committed")[rows, choice_N].sum()
-  cycles = lab.stack(records, "cycles")[rows, choice_N]
-  new = lab.stack(records, "new_tokens")[rows, choice_N].sum()
-  seconds = lab.decode_seconds(records, costs_K)[rows, choice_N].sum()
+  committed = label_sets.stack(records, "committed")[rows, choice_N].sum()
+  cycles = label_sets.stack(records, "cycles")[rows, choice_N]
+  new = label_sets.stack(records, "new_tokens")[rows, choice_N].sum()
+  seconds = label_sets.decode_seconds(records, costs_K)[rows, choice_N].sum()
   return {"tau": float(committed / max(cycles.sum(), 1)),
           "est_tokens_per_s": float(new / max(seconds, 1e-12))}
 
@@ -189,40 +190,40 @@ def policy_stage(cfg: Any) -> None:
   """Trains one policy per feature type and label rule (module docstring)."""
   bp = cfg.blockpilot
   features, rules = parse_feature_types(bp.features), parse_rules(bp.rules)
-  records = lab.read_label_set(cfg, lab.LABELS, "policy")
+  records = lab.read_label_set(cfg, label_sets.LABELS, "policy")
   from bp_jax.data import dataset_exists
-  if dataset_exists(wd.data_dir(cfg), lab.EVAL_LABELS):
-    evals = lab.read_label_set(cfg, lab.EVAL_LABELS, "policy")
+  if dataset_exists(wd.data_dir(cfg), label_sets.EVAL_LABELS):
+    evals = lab.read_label_set(cfg, label_sets.EVAL_LABELS, "policy")
     check_disjoint({"labelling": [r["text_hash"] for r in records],
                     "evaluation": [r["text_hash"] for r in evals]})
-  ok = lab.usable(records)
+  ok = label_sets.usable(records)
   if not ok.all():
     print(f"[policy] {int((~ok).sum())} labelling prompt(s) without a decode cycle at some "
           "size are left out")
   records = [r for r, u in zip(records, ok) if u]
   sizes = tuple(int(b) for b in records[0]["block_sizes"])
-  costs = lab.cycle_costs(records)
+  costs = label_sets.cycle_costs(records)
   tr, va = split_train_val(records, float(bp.val_frac), int(cfg.seed))
   if len(tr) < 2:
     raise BadInputError(f"only {len(tr)} labelling prompts for training; label more prompts "
                         "(--config.blockpilot.label_sources / corpus_prompts)")
   layer_ids = _layer_ids(cfg)
-  labelled = {r["text_hash"] for r in lab.read_label_set(cfg, lab.LABELS, "policy")}
+  labelled = {r["text_hash"] for r in lab.read_label_set(cfg, label_sets.LABELS, "policy")}
   provenance = _provenance(cfg, records)
   rec_tr, rec_va = [records[i] for i in tr], [records[i] for i in va]
   summary = {"sizes": list(sizes), "train_prompts": len(tr), "val_prompts": len(va),
              "cycle_cost_ms": [round(1e3 * c, 4) for c in costs], "policies": {}}
   for rule in rules:
-    y = lab.labels_of(lab.label_values(records, rule, costs))
+    y = label_sets.labels_of(label_sets.label_values(records, rule, costs))
     static = best_static(rec_tr, rule, costs)
     majority = int(np.bincount(y[tr], minlength=len(sizes)).argmax())
     for feature in features:
       name = f"{feature}:{rule}"
       field = f"feat_{feature}"
       if field not in records[0]:
-        raise BadInputError(f"dataset {lab.LABELS!r} holds no {feature!r} features; rerun the "
+        raise BadInputError(f"dataset {label_sets.LABELS!r} holds no {feature!r} features; rerun the "
                             "labels stage with a drafter")
-      x = lab.stack(records, field).astype(np.float32)
+      x = label_sets.stack(records, field).astype(np.float32)
       arch = PolicyArch(feature, x.shape[1], int(bp.hidden_dim), int(bp.depth), len(sizes),
                         bool(bp.residual), float(bp.dropout))
       fit = fit_policy(x[tr], y[tr], x[va] if len(va) else None, y[va] if len(va) else None,
@@ -263,7 +264,7 @@ def policy_stage(cfg: Any) -> None:
 
 
 def _layer_ids(cfg: Any) -> tuple[int, ...]:
-  from bp_jax.checkpoint_io import read_checkpoint_meta
+  from bp_jax.weights.checkpoint_io import read_checkpoint_meta
   config, _ = read_checkpoint_meta(wd.drafter_dir(cfg), expected_kind="dflash")
   return tuple(int(i) for i in (config.get("dflash_config") or {}).get("target_layer_ids", ()))
 

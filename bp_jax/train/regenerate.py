@@ -1,12 +1,12 @@
 """The `regenerate` stage: self-distillation data for the drafter (DESIGN §6).
 
 The trained target (`<workdir>/target`) decodes every training prompt with our own engine
-(`bp_jax.engine.Engine`, plain AR, greedy or at `temperature`), and each prompt + response is
+(`bp_jax.decoding.engine.Engine`, plain AR, greedy or at `temperature`), and each prompt + response is
 stored as a token sequence (`prompt_len` = the prompt's length) in two TFDS datasets of
 `<workdir>/data`: `regen_train` and `regen_val` (prompts from disjoint files / prompt ids).
 
 Prompts: the LM's training files of the corpus (`cfg.corpus`, default: the standard library;
-files held out by the `lm_data` split are not used), or any `bp_jax.prompts` source given as
+files held out by the `lm_data` split are not used), or any `bp_jax.text.prompts` source given as
 `cfg.regenerate.source` (a JSONL file or "pysrc:<dir>"). With `prompt_style="window"` each file is
 tokenized and cut into windows of `prompt_tokens` tokens (starting every
 `prompt_tokens + max_new_tokens` tokens); with `prompt_style="docstring"` a prompt is a file's
@@ -28,7 +28,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from bp_jax.errors import BadInputError
-from bp_jax.prompts import HUMANEVAL, Prompt, load_prompts, split_ids
+from bp_jax.text.prompts import HUMANEVAL, Prompt, load_prompts, split_ids
 from bp_jax.train import workdir as wd
 
 REGEN_TRAIN, REGEN_VAL = "regen_train", "regen_val"
@@ -304,9 +304,9 @@ def regenerate_stage(cfg: Any) -> None:
   Skipped when both datasets exist and were made with the same settings and target.
   """
   from bp_jax.data import dataset_exists, write_sequences
-  from bp_jax.engine import Engine
-  from bp_jax.loading import load_target
-  from bp_jax.tokenizer import load_tokenizer, stop_token_ids
+  from bp_jax.decoding.engine import Engine
+  from bp_jax.weights.loading import load_target
+  from bp_jax.text.tokenizer import load_tokenizer, stop_token_ids
 
   r = cfg.regenerate
   num_prompts, prompt_tokens = int(r.num_prompts), int(r.prompt_tokens)

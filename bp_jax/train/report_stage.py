@@ -34,12 +34,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from bp_jax import report as rep
-from bp_jax.engine import LEARNED
+from bp_jax.eval import report as rep
+from bp_jax.decoding.engine import LEARNED
 from bp_jax.errors import BadInputError
-from bp_jax.policy import load_policy, random_block_size
-from bp_jax.policy_features import FEATURE_TYPES, feature_dims, parse_feature_types, policy_costs
+from bp_jax.policy.mlp import load_policy, random_block_size
+from bp_jax.policy.features import FEATURE_TYPES, feature_dims, parse_feature_types, policy_costs
 from bp_jax.train import intra_request as intra
+from bp_jax.policy import label_sets
 from bp_jax.train import labels as lab
 from bp_jax.train import workdir as wd
 from bp_jax.train.policy_stage import best_static, parse_rules, policy_dir
@@ -128,12 +129,12 @@ def report_stage(cfg: Any) -> None:
 
   bp = cfg.blockpilot
   target, drafter, tok, fingerprint = lab.load_models(cfg, "report")
-  label_records = lab.read_label_set(cfg, lab.LABELS, "report")
-  eval_records = lab.read_label_set(cfg, lab.EVAL_LABELS, "report")
+  label_records = lab.read_label_set(cfg, label_sets.LABELS, "report")
+  eval_records = lab.read_label_set(cfg, label_sets.EVAL_LABELS, "report")
   sizes = tuple(int(b) for b in label_records[0]["block_sizes"])
   label_prompts, evals = lab.prompt_sets(cfg, tok)
   if {p.hash for p in evals} != {r["text_hash"] for r in eval_records}:
-    raise BadInputError(f"dataset {lab.EVAL_LABELS!r} holds other prompts than the evaluation "
+    raise BadInputError(f"dataset {label_sets.EVAL_LABELS!r} holds other prompts than the evaluation "
                         "split of --config.blockpilot: rerun the labels stage")
   lab.check_no_overlap(label_prompts, evals)
   max_new, temperature = int(bp.max_new_tokens), float(bp.temperature)
@@ -188,13 +189,13 @@ def report_stage(cfg: Any) -> None:
       r["acceptance_lengths"] != runs[f"b={r['block_size']}"][i]["acceptance_lengths"]
       for n in policies for i, r in enumerate(runs[f"learned {n}"]))
 
-  label_costs = lab.cycle_costs(label_records)
+  label_costs = label_sets.cycle_costs(label_records)
   ar_tps = rep.method_row("AR", runs["AR"])["tokens_per_s"]
   rows = [rep.method_row("AR (b=1)", runs["AR"], ar_tps)]
   rows += [rep.method_row(f"fixed b={b}", runs[f"b={b}"], ar_tps) for b in sizes if b != 1]
   derived: dict[str, list[dict]] = {}
   for rule in parse_rules(bp.rules):
-    ok = lab.usable(label_records)
+    ok = label_sets.usable(label_records)
     static = sizes[best_static([r for r, u in zip(label_records, ok) if u], rule, label_costs)]
     derived[f"best static ({rule}, labelling set) b={static}"] = runs[f"b={static}"]
   for name in policies:
@@ -202,7 +203,7 @@ def report_stage(cfg: Any) -> None:
   derived["random"] = [runs[f"b={random_block_size(sizes, int(bp.random_seed), i)}"][i]
                        for i in range(len(evals))]
   for rule in parse_rules(bp.rules):
-    best = lab.labels_of(lab.label_values(eval_records, rule))
+    best = label_sets.labels_of(label_sets.label_values(eval_records, rule))
     cls = {r["text_hash"]: int(c) for r, c in zip(eval_records, best)}
     derived[f"oracle ({rule})"] = [runs[f"b={sizes[cls[p.hash]]}"][i]
                                    for i, p in enumerate(evals)]

@@ -73,7 +73,7 @@ def require_dataset(cfg: Any, name: str, stage: str, made_by: str):
 
 def require_checkpoint(path: str, kind: str, stage: str, made_by: str) -> str:
   """Checks that a complete converted checkpoint of `kind` is at `path`."""
-  from bp_jax.checkpoint_io import COMPLETE_FILE, read_checkpoint_meta
+  from bp_jax.weights.checkpoint_io import COMPLETE_FILE, read_checkpoint_meta
 
   if not os.path.isfile(os.path.join(path, COMPLETE_FILE)):
     raise BadInputError(f"stage {stage!r} needs the {kind} checkpoint {path}, which does not "

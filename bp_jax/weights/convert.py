@@ -10,13 +10,13 @@ import uuid
 import numpy as np
 from tqdm import tqdm
 
-from bp_jax import hf_mapping
-from bp_jax.checkpoint_io import load_checkpoint, read_checkpoint_meta, save_checkpoint
-from bp_jax.config import DFlashConfig, Qwen3Config, is_dflash_dict, read_config_json
-from bp_jax.dflash import validate_drafter_for_target
+from bp_jax.weights import hf_mapping
+from bp_jax.weights.checkpoint_io import load_checkpoint, read_checkpoint_meta, save_checkpoint
+from bp_jax.models.config import DFlashConfig, Qwen3Config, is_dflash_dict, read_config_json
+from bp_jax.models.dflash import validate_drafter_for_target
 from bp_jax.errors import BadInputError
-from bp_jax.loading import parse_dtype
-from bp_jax.safetensors_io import open_hf_checkpoint, write_hf_checkpoint
+from bp_jax.weights.loading import parse_dtype
+from bp_jax.weights.safetensors_io import open_hf_checkpoint, write_hf_checkpoint
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
                    "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
@@ -33,7 +33,7 @@ def _prepare_tokenizer(tokenizer: str, hf_dir: str, scratch: str) -> dict[str, s
   if not tokenizer:
     return _tokenizer_files(hf_dir)
   if tokenizer == "qwen3-offline":
-    from bp_jax.tokenizer import build_offline_qwen3_tokenizer
+    from bp_jax.text.tokenizer import build_offline_qwen3_tokenizer
     build_offline_qwen3_tokenizer().save_pretrained(scratch)
     return _tokenizer_files(scratch)
   files = _tokenizer_files(tokenizer)

@@ -10,9 +10,9 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from bp_jax.config import DFlashConfig, Qwen3Config
+from bp_jax.models.config import DFlashConfig, Qwen3Config
 from bp_jax.errors import BadInputError
-from bp_jax.qwen3 import layer_param_shapes
+from bp_jax.models.qwen3 import layer_param_shapes
 
 # our per-layer name -> (HF key suffix inside a layer, transposed?)
 LAYER_KEYS = {

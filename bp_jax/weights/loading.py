@@ -5,12 +5,12 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
-from bp_jax.checkpoint_io import load_checkpoint
-from bp_jax.config import DFlashConfig, Qwen3Config
-from bp_jax.dflash import DFlashDrafter
+from bp_jax.weights.checkpoint_io import load_checkpoint
+from bp_jax.models.config import DFlashConfig, Qwen3Config
+from bp_jax.models.dflash import DFlashDrafter
 from bp_jax.errors import BadInputError
-from bp_jax.nnx_utils import module_from_params
-from bp_jax.qwen3 import Qwen3
+from bp_jax.models.nnx_utils import module_from_params
+from bp_jax.models.qwen3 import Qwen3
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
