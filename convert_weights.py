@@ -6,7 +6,7 @@
   python convert_weights.py --to_hf --ckpt_dir ckpt/dflash-4b --out_dir hf/dflash-4b
 """
 
-from absl import app, flags
+from absl import app, flags, logging
 
 from bp_jax.errors import BadInputError
 
@@ -28,10 +28,10 @@ flags.DEFINE_bool("to_hf", False, "Export --ckpt_dir (bp_jax) to the Hugging Fac
 flags.DEFINE_string("ckpt_dir", None, "bp_jax checkpoint to export (with --to_hf).")
 
 
-
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  logging.set_verbosity(logging.WARNING)  # no absl INFO lines (backend probing, orbax)
   F = flags.FLAGS
   from bp_jax.weights import convert
   try:

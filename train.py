@@ -5,7 +5,9 @@
   python train.py --config configs/demo.py --config.lm.steps=20 --config.workdir=/tmp/smoke
 
 Stages (in the order `all` runs them): tokenizer, lm_data, lm, regenerate, draft. Each reads its
-inputs from --config.workdir; training stages resume from their latest checkpoint there.
+inputs from --config.workdir; training stages resume from their latest checkpoint there. A run
+locks its workdir (<workdir>/.lock): a second run on the same workdir stops at once, naming the
+first. Compiled programs are cached on disk (--config.compile_cache, default ~/.cache/bp_jax/jax).
 """
 
 import sys
@@ -25,9 +27,12 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   logging.set_verbosity(logging.WARNING)
+  from bp_jax import compile_cache
   from bp_jax.train import stages
+  cfg = _CONFIG.value
   try:
-    stages.run_stages(_CONFIG.value)
+    compile_cache.enable(cfg.get("compile_cache", compile_cache.DEFAULT))
+    stages.run_stages(cfg, " ".join(sys.argv))
   except BadInputError as e:
     sys.exit(f"train.py: error: {e}")
 

@@ -6,7 +6,8 @@ in one run on the same random weights and prompts (CPU).
 For each model size it reports tokens/s of transformers `generate` (greedy, torch CPU), of our
 AR loop, and per block size b: spec decoding with a random drafter (tau ~ 1: the cost of
 rejection), spec decoding with a perfect drafter (every draft accepted: the engine's ceiling),
-the cost of one cycle split into draft and verify relative to one AR step, and compile times.
+the cost of one cycle split into draft and verify relative to one AR step, and compile times
+(tau: the mean over prompts of committed tokens per speculative cycle, as decode.py reports it).
 Also the peak RSS of converting the checkpoint (convert_weights.py) relative to its size.
 """
 
@@ -103,9 +104,10 @@ def run_engine(engine: Engine, prompts, max_new: int, block_size: int, forced=No
     gens.append(engine.generate(p, **kw))
   new = sum(g.new_tokens for g in gens)
   dec = sum(g.decode_s for g in gens)
-  cycles = sum(g.target_forwards for g in gens)
-  return {"tokens_per_s": new / dec, "tau": float(np.mean([a for g in gens
-                                                            for a in g.acceptance_lengths])),
+  cycles = sum(g.cycles for g in gens)  # no AR fallback here: every target forward is a cycle
+  taus = [g.tau for g in gens if g.tau is not None]
+  # tau: decode.py's figure, the mean over prompts of committed tokens per speculative cycle
+  return {"tokens_per_s": new / dec, "tau": float(np.mean(taus)) if taus else 0.0,
           "s_per_cycle": dec / max(cycles, 1), "outputs": [g.output_ids for g in gens]}
 
 
@@ -187,8 +189,8 @@ def print_table(results: list[dict]) -> None:
           f"{r.get('hf_generate_tok_s', '-')} tok/s | our AR {r['ar_tok_s']} tok/s "
           f"(step {r['ar_step_ms']} ms) | convert peak RSS {r['convert_peak_rss_mb']} MB = "
           f"{r['rss_over_checkpoint']}x checkpoint")
-    print("| b | random tok/s | tau | x AR | perfect tok/s | tau | x AR | cycle/AR step | "
-          "draft ms | verify ms | compile s |")
+    print("| b | random tok/s | τ per cycle | x AR | perfect tok/s | τ per cycle | x AR | "
+          "cycle/AR step | draft ms | verify ms | compile s |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for b, row in r["per_block"].items():
       print(f"| {b} | {row['random_tok_s']} | {row['random_tau']} | {row['random_speedup']} | "

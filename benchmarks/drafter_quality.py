@@ -10,6 +10,10 @@ In one process, on the same prompts and weights (128 new tokens each by default)
     fallback steps after poor cycles (--ar_fallback, as decode.py's --config.ar_fallback);
   * tau per block size b-4 .. b+4 at T=0 and at T=1 (same seeds per prompt);
   * PNGs: the acceptance-length histogram at b (T=0) and tau by block size (T=0 and T=1).
+Figures have decode.py's names and meanings (`bp_jax.eval.report.acceptance_figures`): `tau` is
+the mean over prompts of each request's committed tokens per speculative cycle (draft + verify),
+`tau_pooled_over_cycles` the same over all cycles, `tokens_per_forward` the mean over prompts of
+committed tokens per target forward (with the fallback its AR steps count there, not in tau).
 AR and spec at b run alternately prompt by prompt, twice each, keeping the faster of the two,
 so that a load change on the machine hits both alike. Writes `<out>/drafter_quality.json`.
 """
@@ -23,13 +27,13 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from bp_jax.decoding.engine import Engine  # noqa: E402
 from bp_jax.weights.loading import load_drafter, load_target  # noqa: E402
 from bp_jax.eval.plots import acceptance_histogram, line_plot  # noqa: E402
+from bp_jax.eval.report import acceptance_figures  # noqa: E402
 from bp_jax.text.prompts import load_prompts  # noqa: E402
 from bp_jax.decoding.run_decode import default_block_sizes  # noqa: E402
 from bp_jax.text.tokenizer import encode_prompt, load_tokenizer, stop_token_ids  # noqa: E402
@@ -52,6 +56,14 @@ FLAGS = flags.FLAGS
 def _decode(engine, ids, block_size, temperature=0.0, seed=0):
   return engine.generate(ids, max_new_tokens=FLAGS.max_new_tokens, block_size=block_size,
                          temperature=temperature, seed=seed)
+
+
+def _figures(gens) -> dict:
+  """τ (per speculative cycle) and tokens per target forward of `gens`, rounded."""
+  runs = [{"acceptance_lengths": g.acceptance_lengths, "forward_lengths": g.forward_lengths}
+          for g in gens]
+  return {k: round(v, 3) if isinstance(v, float) else v
+          for k, v in acceptance_figures(runs).items()}
 
 
 def main(argv):
@@ -79,7 +91,7 @@ def main(argv):
 
   # Main comparison: AR vs spec at b, T=0, alternating per prompt, best of two runs each.
   ar_s = spec_s = fb_s = 0.0
-  new_tokens, accepts, fb_accepts, mismatches = 0, [], [], []
+  new_tokens, spec_runs, fb_runs, mismatches = 0, [], [], []
   for p, ids in tqdm(list(zip(prompts, encoded)), desc=f"AR vs spec b={b}", unit="prompt"):
     ar = [_decode(engine, ids, 1) for _ in range(2)]
     sp = [_decode(engine, ids, b) for _ in range(2)]
@@ -90,42 +102,42 @@ def main(argv):
     spec_s += min(g.decode_s for g in sp)
     fb_s += min(g.decode_s for g in fb)
     new_tokens += ar[0].new_tokens
-    accepts += sp[0].acceptance_lengths
-    fb_accepts += fb[0].acceptance_lengths
+    spec_runs.append(sp[0])
+    fb_runs.append(fb[0])
+  accepts = [a for g in spec_runs for a in g.acceptance_lengths]
   main = {"prompts": len(prompts), "new_tokens": new_tokens,
           "ar_tokens_per_s": round(new_tokens / ar_s, 1),
           "spec_tokens_per_s": round(new_tokens / spec_s, 1),
-          "speedup": round(ar_s / spec_s, 3), "tau": round(float(np.mean(accepts)), 3),
-          "cycles": len(accepts),
+          "speedup": round(ar_s / spec_s, 3), **_figures(spec_runs),
           "with_ar_fallback": {"ar_fallback": FLAGS.ar_fallback,
                                "tokens_per_s": round(new_tokens / fb_s, 1),
-                               "speedup": round(ar_s / fb_s, 3),
-                               # per target forward, the fallback's AR steps included
-                               "tokens_per_forward": round(float(np.mean(fb_accepts)), 3),
-                               "target_forwards": len(fb_accepts)},
+                               "speedup": round(ar_s / fb_s, 3), **_figures(fb_runs),
+                               "target_forwards": sum(g.target_forwards for g in fb_runs)},
           "identical_to_ar": not mismatches, "mismatched_prompts": mismatches}
 
-  # Sweeps: tau per block size at T=0 and T=1.
+  # Sweeps: tau per block size at T=0 and T=1 (the paper's loop: every forward is a cycle).
   n_sweep = FLAGS.sweep_prompts or len(encoded)
   taus: dict[str, dict[int, float]] = {}
+  pooled: dict[str, dict[int, float]] = {}
   for temperature in (0.0, 1.0):
-    row = {}
+    row, row_pooled = {}, {}
     for size in tqdm(sweep, desc=f"tau by block size, T={temperature:g}", unit="size"):
-      acc = []
-      for i, ids in enumerate(encoded[:n_sweep]):
-        acc += _decode(engine, ids, size, temperature, FLAGS.seed + i).acceptance_lengths
-      row[size] = round(float(np.mean(acc)), 3)
-    taus[f"T={temperature:g}"] = row
+      gens = [_decode(engine, ids, size, temperature, FLAGS.seed + i)
+              for i, ids in enumerate(encoded[:n_sweep])]
+      figures = _figures(gens)
+      row[size], row_pooled[size] = figures["tau"], figures["tau_pooled_over_cycles"]
+    taus[f"T={temperature:g}"], pooled[f"T={temperature:g}"] = row, row_pooled
 
   hist = acceptance_histogram(accepts, os.path.join(FLAGS.out, "acceptance_hist.png"),
                               title=f"{FLAGS.prompts}, b={b}, T=0")
   plot = line_plot({name: (list(row), list(row.values())) for name, row in taus.items()},
                    os.path.join(FLAGS.out, "tau_by_block_size.png"), "block size",
-                   "τ (committed tokens per target forward)",
+                   "τ (committed tokens per speculative cycle)",
                    f"τ by block size ({n_sweep} prompts of {FLAGS.prompts})")
   result = {"target": FLAGS.target, "drafter": FLAGS.drafter, "block_size": b,
             "max_new_tokens": FLAGS.max_new_tokens, "max_len": FLAGS.max_len,
             "main_T0": main, "sweep_prompts": n_sweep, "tau_by_block_size": taus,
+            "tau_pooled_over_cycles_by_block_size": pooled,
             "compile_s": round(compile_s, 2), "compilations": comp["compilations"],
             "plots": [hist, plot]}
   with open(os.path.join(FLAGS.out, "drafter_quality.json"), "w") as f:

@@ -38,6 +38,14 @@ def get_config() -> ml_collections.ConfigDict:
   c.block_policy = "learned"
   c.policy_fallback = True
   c.labelled_prompts = "skip"
+  # Show what a newcomer looks for: plain AR decoding of the same prompts in the same run,
+  # interleaved per request, outputs compared token for token, tokens/s and speedup.
+  c.compare = "ar"
+  c.repeats = 1
+  c.about = ("demo: a 4.2M-parameter Qwen3-architecture target trained from scratch on this "
+             "Python's standard library (~30 min on 2 CPU cores) with a 1.7M-parameter DFlash "
+             "drafter; its code is not good, that is not the point: speculative output is "
+             "token-identical to the target's own, only faster.")
 
   # ---- train.py ------------------------------------------------------------------------------
   c.workdir = "runs/demo"        # datasets, training runs and checkpoints of every stage
@@ -98,9 +106,11 @@ def get_config() -> ml_collections.ConfigDict:
   c.draft.steps = 1500              # ~6 epochs of the regenerated responses
   c.draft.opt = opt_config(lr=6e-4, warmup_frac=0.04, min_lr_frac=0.0, weight_decay=0.0,
                            clip=1.0)
-  # Target layers whose hidden states feed the drafter: a shallow one and the last one (DFlash
-  # spreads them from shallow to deep; its formula repeats layer 1 on a 4-layer target).
-  c.draft.target_layer_ids = (1, 3)
+  # Target layers whose hidden states feed the drafter: a shallow one and the deepest allowed.
+  # Never the last layer (3): transformers' `hidden_states` hands drafters that layer after the
+  # final norm, bp_jax before it, so an exported drafter would see other features elsewhere
+  # (DESIGN §1); DFlash's own formula, layers 1..L-3, repeats layer 1 on a 4-layer target.
+  c.draft.target_layer_ids = (1, 2)
   c.draft.export_dtype = "bfloat16"
 
   # BlockPilot stages (labels, policy, report): HumanEval split in halves by id (labelling /

@@ -101,5 +101,16 @@ def get_config() -> ml_collections.ConfigDict:
   c.ar_fallback = 0
   c.ar_fallback_accept = 1
   c.report = ""              # folder for PNG plots (acceptance-length histogram)
+  # Comparisons in one run: every prompt is also decoded by each method listed (ar, b<k> for a
+  # fixed block size k, learned, random), all interleaved per request in a shuffled order,
+  # `repeats` times each, fastest time kept; the summary and the printed table compare them.
+  c.compare = ""
+  c.repeats = 1
+  # JAX's persistent compilation cache: "default" = ~/.cache/bp_jax/jax, "" = off, or a folder.
+  c.compile_cache = "default"
+  # Decode with a drafter (or policy) whose recorded target fingerprint differs from the target
+  # given (it was trained for other weights: τ ≈ 1), with a loud warning instead of an error.
+  c.allow_foreign_drafter = False
+  c.about = ""               # a line printed before decoding (the demo says what its model is)
   c.blockpilot = blockpilot_config()
   return c

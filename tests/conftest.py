@@ -42,11 +42,13 @@ class CliResult:
 
 
 @pytest.fixture(scope="session")
-def run_cli():
-  """run_cli("decode.py", *flags) -> CliResult; runs a top-level script of the repository."""
+def run_cli(tmp_path_factory):
+  """run_cli("decode.py", *flags) -> CliResult; runs a top-level script of the repository. The
+  scripts' default compile cache is a folder of this test session (`env` overrides)."""
+  cache_home = str(tmp_path_factory.mktemp("xdg_cache"))
 
-  def run(script: str, *args: str, timeout: float = 300) -> CliResult:
-    env = dict(os.environ)
+  def run(script: str, *args: str, timeout: float = 300, env: dict | None = None) -> CliResult:
+    env = {**os.environ, "XDG_CACHE_HOME": cache_home, **(env or {})}
     env.setdefault("JAX_PLATFORMS", "cpu")
     env["PYTHONPATH"] = os.pathsep.join([REPO, env.get("PYTHONPATH", "")])
     proc = subprocess.run([sys.executable, os.path.join(REPO, script), *map(str, args)],

@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import signal
+import subprocess
+import sys
 
 import jax.numpy as jnp
 import numpy as np
@@ -14,6 +18,7 @@ import safetensors.numpy
 import torch
 import transformers
 
+from bp_jax.weights.checkpoint_io import PARTIAL_MARKER
 from bp_jax.weights.convert import convert_from_hf, export_to_hf
 from bp_jax.weights.loading import load_target
 from hf_fixtures import make_hf_qwen3, save_hf_qwen3
@@ -80,6 +85,81 @@ def test_export_back_to_hugging_face_reproduces_the_original_weights(hf_model, s
   assert sorted(got) == sorted(want)
   for k in want:
     torch.testing.assert_close(got[k], want[k], rtol=0, atol=0, msg=k)
+
+
+# -- leftovers of interrupted runs -----------------------------------------------------------------
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Converts argv[1] -> argv[2] in-process and is killed (SIGKILL: no cleanup runs) at the moment
+# the parameters would be written: what an out-of-memory kill or a power cut leaves behind.
+_KILLED_CONVERSION = """
+import os, signal, sys
+from bp_jax.weights import checkpoint_io, convert
+checkpoint_io._save_params = lambda *args: os.kill(os.getpid(), signal.SIGKILL)
+convert.convert_from_hf(sys.argv[1], sys.argv[2], show_progress=False)
+"""
+
+
+def _dead_pid() -> int:
+  proc = subprocess.Popen([sys.executable, "-c", "pass"])
+  proc.wait()
+  return proc.pid
+
+
+def _fake_leftover(path, marked: bool = True) -> None:
+  os.makedirs(path)
+  (path / "weights.bin").write_bytes(b"\0" * 64)
+  if marked:
+    (path / PARTIAL_MARKER).write_text("{}")
+
+
+def test_rerun_removes_leftovers_of_an_interrupted_conversion(hf_model, single_hf_dir, tmp_path):
+  out = tmp_path / "ckpt"
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
+  killed = subprocess.run([sys.executable, "-c", _KILLED_CONVERSION, single_hf_dir, str(out)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+  assert killed.returncode == -signal.SIGKILL, killed.stderr
+  leftovers = sorted(os.listdir(tmp_path))
+  assert [n.split("-")[0] for n in leftovers] == ["ckpt.tmp", "ckpt.tok"], leftovers
+  assert os.path.isfile(tmp_path / leftovers[0] / "config.json")  # a half-written checkpoint
+  # Not removed: a folder without the marker, one whose process runs (this one), another
+  # output's leftover.
+  dead = _dead_pid()
+  keep = [f"ckpt.tmp-{dead}-0123abcd", f"ckpt.tmp-{os.getpid()}-0123abcd",
+          f"other.tmp-{dead}-0123abcd"]
+  _fake_leftover(tmp_path / keep[0], marked=False)
+  _fake_leftover(tmp_path / keep[1])
+  _fake_leftover(tmp_path / keep[2])
+
+  # JAX_PLATFORMS unset, as a user runs it: no absl log lines (backend probing, orbax).
+  env.pop("JAX_PLATFORMS")
+  res = subprocess.run([sys.executable, "convert_weights.py", "--hf_dir", single_hf_dir,
+                        "--out_dir", str(out)], cwd=REPO, env=env, capture_output=True,
+                       text=True, timeout=300)
+  assert res.returncode == 0, res.stderr
+  assert not re.findall(r"^[IWE]\d{4} ", res.stderr, re.M), res.stderr
+  lines = [l for l in res.stdout.splitlines() if l.startswith("removed ")]
+  assert len(lines) == 1 and all(n in lines[0] for n in leftovers), res.stdout
+  assert "removed 2 leftover folder(s)" in lines[0], lines[0]
+  assert sorted(os.listdir(tmp_path)) == sorted(["ckpt"] + keep)
+  assert PARTIAL_MARKER not in os.listdir(out)
+  tokens = np.random.default_rng(2).integers(0, 128, (1, 8)).astype(np.int32)
+  np.testing.assert_allclose(_logits_ours(load_target(str(out)), tokens),
+                             _logits_hf(hf_model, tokens), atol=1e-4, rtol=0)
+
+
+def test_export_removes_leftovers_and_replaces_its_output(single_hf_dir, tmp_path, capsys):
+  convert_from_hf(single_hf_dir, str(tmp_path / "ckpt"), show_progress=False)
+  leftover = f"hf.tmp-{_dead_pid()}-0123abcd"
+  _fake_leftover(tmp_path / leftover)
+  capsys.readouterr()
+  export_to_hf(str(tmp_path / "ckpt"), str(tmp_path / "hf"))
+  assert f"removed 1 leftover folder(s) of interrupted earlier runs beside {tmp_path / 'hf'}: " \
+         f"{leftover}" in capsys.readouterr().out
+  export_to_hf(str(tmp_path / "ckpt"), str(tmp_path / "hf"), overwrite=True)  # replaces it
+  assert sorted(os.listdir(tmp_path)) == ["ckpt", "hf"]
+  assert PARTIAL_MARKER not in os.listdir(tmp_path / "hf")
+  assert "model.safetensors" in os.listdir(tmp_path / "hf")
 
 
 # -- bad input through the command line ---------------------------------------------------------

@@ -186,13 +186,28 @@ def test_short_sequences_are_refused_with_a_clear_error():
 
 
 def test_target_layer_ids_choice():
-  assert draft_stage_mod.choose_target_layer_ids(36, 5, ()) == (1, 9, 17, 25, 33)
-  assert draft_stage_mod.choose_target_layer_ids(4, 2, None) == (1, 2)
-  assert draft_stage_mod.choose_target_layer_ids(4, 2, (0, 3)) == (0, 3)
+  choose = draft_stage_mod.choose_target_layer_ids
+  assert choose(36, 5, ()) == (1, 9, 17, 25, 33)
+  assert choose(4, 2, None) == (1, 2)
+  assert choose(4, 2, (0, 2)) == (0, 2)
   with pytest.raises(BadInputError, match="repeats"):
-    draft_stage_mod.choose_target_layer_ids(4, 2, (1, 1))
+    choose(4, 2, (1, 1))
   with pytest.raises(BadInputError, match="out of range"):
-    draft_stage_mod.choose_target_layer_ids(4, 2, (1, 4))
+    choose(4, 2, (1, 4))
+  # Defaults never take the last layer: DFlash's formula gives [1] for L=2, n=1 (L // 2).
+  assert choose(2, 1, None) == (0,)
+  with pytest.raises(BadInputError, match="2 distinct target layers below the last"):
+    choose(2, 2, None)
+
+
+def test_target_layer_ids_refuse_the_last_layer():
+  """The last layer's feature differs between bp_jax and transformers-based DFlash code
+  (tests/test_qwen3.py pins it), so a drafter is never trained on it."""
+  with pytest.raises(BadInputError) as err:
+    draft_stage_mod.choose_target_layer_ids(4, 2, (0, 3))
+  msg = str(err.value)
+  assert "--config.draft.target_layer_ids=[0, 3]" in msg and "last layer 3" in msg, msg
+  assert "final-normed" in msg and "1..L-3" in msg, msg
 
 
 def test_docstring_prompts_end_at_a_docstring(setup):

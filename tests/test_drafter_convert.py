@@ -25,7 +25,7 @@ import safetensors.numpy
 import safetensors.torch
 import transformers
 
-from bp_jax.weights.checkpoint_io import load_checkpoint
+from bp_jax.weights.checkpoint_io import load_checkpoint, save_checkpoint
 from bp_jax.models.config import DFlashConfig
 from bp_jax.weights.convert import convert_from_hf, export_to_hf
 from bp_jax.decoding.engine import Engine
@@ -43,13 +43,15 @@ DRAFTER_HF = dict(architectures=["DFlashDraftModel"], model_type="qwen3", vocab_
                   num_attention_heads=4, num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-6,
                   rope_theta=10000.0, max_position_embeddings=512, tie_word_embeddings=False,
                   block_size=4, num_target_layers=3,
-                  dflash_config={"mask_token_id": 1, "target_layer_ids": [0, 2]})
+                  dflash_config={"mask_token_id": 1, "target_layer_ids": [0, 1]})
 # Drafters that cannot serve the target, each with its own reason.
 BAD_DRAFTERS = {
     "wide": dict(hidden_size=48),
     "deep": dict(num_target_layers=5),
-    "mask": dict(dflash_config={"mask_token_id": V, "target_layer_ids": [0, 2]}),
+    "mask": dict(dflash_config={"mask_token_id": V, "target_layer_ids": [0, 1]}),
     "layers": dict(dflash_config={"mask_token_id": 1, "target_layer_ids": [0, 3]}),
+    # Reads the target's last layer, whose feature differs in transformers (test_qwen3.py).
+    "last": dict(dflash_config={"mask_token_id": 1, "target_layer_ids": [0, 2]}),
 }
 PROMPTS = [  # three prompts in two length buckets (32, 64) with the vocab-260 BPE tokenizer
     {"id": "short", "prompt": "x = 1"},
@@ -138,6 +140,8 @@ def ckpts(tmp_path_factory):
                          p("ck_wide_checked"), "--target_dir", p("ck_target")),
       "target_to_hf": ("convert_weights.py", "--to_hf", "--ckpt_dir", p("ck_target"),
                        "--out_dir", p("hf_target_export")),
+      "last_layer": ("convert_weights.py", "--hf_dir", p("hf_drafter_last"), "--out_dir",
+                     p("ck_last")),
   })
   cli["drafter"].ok()
   return dict(root=root, p=p, hf=hf, sd=sd, cli=cli)
@@ -270,6 +274,7 @@ def test_convert_with_target_dir_rejects_a_wider_drafter(ckpts):
     ("mask", ("mask_token_id=260", "vocab_size=260")),
     ("layers", ("target_layer_ids [3]", "3 layers")),
     ("wide", ("hidden_size=48", "hidden_size=32")),
+    ("last", ("target_layer_ids [0, 2]", "last layer 2", "final-normed")),
 ])
 def test_convert_with_target_dir_rejects_mismatched_drafters(ckpts, tmp_path, name, words):
   p = ckpts["p"]
@@ -303,12 +308,31 @@ def test_loading_a_mismatched_drafter_for_decoding_fails(ckpts, tmp_path, name, 
   assert all(w in str(err.value) for w in words), str(err.value)
 
 
+def test_drafter_reading_the_last_target_layer_is_refused_both_ways(ckpts, tmp_path):
+  """Without --target_dir the drafter's own num_target_layers tells which layer is the last:
+  converting is refused on the command line, and a bp_jax drafter checkpoint that reads the
+  last layer (one trained before the rule) is refused by --to_hf."""
+  p = ckpts["p"]
+  line = ckpts["cli"]["last_layer"].error("convert_weights.py")
+  assert p("hf_drafter_last") in line and "last layer 2" in line, line
+  assert "transformers" in line and "1..L-3" in line, line
+  assert not os.path.exists(p("ck_last"))
+  params, config, meta = load_checkpoint(p("ck_drafter"), expected_kind="dflash")
+  config["dflash_config"] = dict(config["dflash_config"], target_layer_ids=[0, 2])
+  old = str(tmp_path / "ck_old")
+  save_checkpoint(old, params, config, meta)
+  with pytest.raises(BadInputError) as err:
+    export_to_hf(old, str(tmp_path / "hf_out"))
+  assert old in str(err.value) and "last layer 2" in str(err.value), str(err.value)
+  assert sorted(os.listdir(tmp_path)) == ["ck_old"]  # no output, no temporary folder
+
+
 def test_drafter_config_without_dflash_fields_is_refused(tmp_path):
   for missing in ("block_size", "num_target_layers"):
     d = {k: v for k, v in DRAFTER_HF.items() if k != missing}
     with pytest.raises(BadInputError, match=missing):
       DFlashConfig.from_hf_dict(d, "x/config.json")
-  d = dict(DRAFTER_HF, dflash_config={"target_layer_ids": [0, 2]})
+  d = dict(DRAFTER_HF, dflash_config={"target_layer_ids": [0, 1]})
   with pytest.raises(BadInputError, match="mask_token_id"):
     DFlashConfig.from_hf_dict(d, "x/config.json")
 
@@ -377,12 +401,21 @@ def _decode_config(ckpts, **fields):
   return cfg
 
 
-def test_decode_block_size_not_in_buckets(ckpts):
+def test_decode_block_size_outside_the_bucket_list_becomes_a_bucket(ckpts):
+  """--config.block_size need not be among --config.block_sizes: it is added as a bucket (and
+  compiled once); it stays lossless. It fails only where it cannot work: past max_len."""
   from bp_jax.decoding import run_decode
+  p = ckpts["p"]
+  records, summary = run_decode.run(_decode_config(
+      ckpts, block_size=12, block_sizes="2,4,6", compare="ar", output=p("out", "b12.jsonl")))
+  assert summary["block_sizes_used"] == {"12": len(records)}
+  assert summary["compare"]["ar"]["identical_to_ar"] == len(records)
+  assert summary["main"]["identical_to_ar"] == len(records)
+  assert summary["compilations_by_function"]["spec_loop"] == 1
   with pytest.raises(BadInputError) as err:
-    run_decode.run(_decode_config(ckpts, block_size=12, block_sizes="2,4,6"))
-  msg = str(err.value)
-  assert "block_size=12" in msg and "[2, 4, 6]" in msg, msg
+    run_decode.run(_decode_config(ckpts, block_size=120))
+  assert "block_size-1=119" in str(err.value) and "--config.max_len=128" in str(err.value)
+  assert not os.path.exists(p("out", "never.jsonl"))
 
 
 def test_decode_request_over_the_cache(ckpts):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import jax
 import ml_collections
@@ -93,7 +94,10 @@ def setup(tmp_path_factory):
 
 
 def _rec(tau, cycles, new, secs):
+  """Labels of the paper's loop: every target forward is a cycle."""
   return {"tau": np.asarray(tau, np.float32), "cycles": np.asarray(cycles, np.int32),
+          "forwards": np.asarray(cycles, np.int32),
+          "tokens_per_forward": np.asarray(tau, np.float32),
           "new_tokens": np.asarray(new, np.int32), "decode_s": np.asarray(secs, np.float32),
           "committed": np.rint(np.asarray(tau) * np.asarray(cycles)).astype(np.int32),
           "block_sizes": np.asarray((2, 3, 4), np.int32)}
@@ -126,9 +130,11 @@ def test_label_rules():
       True, True, True, False]
   with pytest.raises(BadInputError, match="unknown label rule"):
     label_sets.label_values(recs, "max_speed")
-  # Choice metrics: aggregate tau = committed / cycles over the chosen sizes.
+  # Choice metrics: tau = mean over prompts of each prompt's tau (decode.py's figure); pooled
+  # over cycles = committed / cycles over the chosen sizes.
   m = ps.choice_metrics(recs[:2], np.array([2, 2]), label_sets.cycle_costs(recs))
-  assert m["tau"] == pytest.approx((20 + 19) / 13)
+  assert m["tau"] == pytest.approx((2.5 + 3.8) / 2)
+  assert m["tau_pooled_over_cycles"] == pytest.approx((20 + 19) / 13)
   assert ps.best_static(recs[:2], "max_tau", label_sets.cycle_costs(recs)) == 2
   assert ps.best_static(recs[:2], "max_throughput", label_sets.cycle_costs(recs)) == 0
 
@@ -179,24 +185,44 @@ def test_labels_datasets(setup, stages_done, capsys):
     assert r["block_sizes"].tolist() == list(SIZES)
     for f, d in dims.items():
       assert r[f"feat_{f}"].shape == (d,)
-    assert r["accept_lens"].size == r["cycles"].sum()
-    cyc = r["cycles"]
-    np.testing.assert_allclose(r["tau"], r["committed"] / np.maximum(cyc, 1), rtol=1e-6)
-    assert (r["accept_lens"] >= 1).all()
-    parts = np.split(r["accept_lens"], np.cumsum(cyc)[:-1])
+    # accept_lens / forward_is_cycle: every target forward, size after size; tau counts the
+    # speculative cycles only, tokens_per_forward every forward (AR fallback steps too).
+    fwd = r["forwards"]
+    assert r["accept_lens"].size == r["forward_is_cycle"].size == fwd.sum()
+    assert (r["accept_lens"] >= 1).all() and (r["committed"] == r["new_tokens"] - 1).all()
+    parts = np.split(r["accept_lens"], np.cumsum(fwd)[:-1])
+    flags = np.split(r["forward_is_cycle"], np.cumsum(fwd)[:-1])
     assert [int(p.max(initial=1)) <= b for p, b in zip(parts, SIZES)] == [True] * len(SIZES)
-  # The stored measurements and features are the engine's (one prompt re-decoded here).
+    assert [int(f.sum()) for f in flags] == r["cycles"].tolist()
+    np.testing.assert_allclose(r["tau"], [p[f].mean() for p, f in zip(parts, flags)], rtol=1e-6)
+    np.testing.assert_allclose(r["tokens_per_forward"], r["committed"] / fwd, rtol=1e-6)
+  # Each label set records the settings it was measured with: the loops' form with AR fallback.
+  from bp_jax.decoding.run_decode import loop_options
+  made = label_sets.label_set_settings(evals)
+  assert made == label_sets.label_set_settings(label)
+  assert made == label_sets.decode_settings(MAX_NEW, 0.0, False, loop_options(cfg))
+  assert made["ar_fallback"] == 2 and made["scan_layers"] is False
+  # The stored measurements and features are the engine's: one prompt re-decoded here in the
+  # loop form and with the settings the label set records.
   from bp_jax.decoding.engine import Engine
   from bp_jax.weights.loading import load_drafter, load_target
   target = load_target(os.path.join(cfg.workdir, "target"))
   drafter = load_drafter(os.path.join(cfg.workdir, "drafter"), target.cfg)
   prompt = lab.prompt_sets(cfg, setup["tok"])[1][0]
-  ids = lab.encode(prompt, setup["tok"], False)
-  engine = Engine(target, max_len=128, stop_ids=[0], drafter=drafter, block_sizes=SIZES)
+  ids = lab.encode(prompt, setup["tok"], made["chat"])
+  engine = Engine(target, max_len=128, stop_ids=[0], drafter=drafter, block_sizes=SIZES,
+                  **{k: made[k] for k in ("scan_layers", "ar_fallback", "ar_fallback_accept")})
   rec = next(r for r in evals if r["key"] == prompt.key)
+  accepts = np.split(rec["accept_lens"], np.cumsum(rec["forwards"])[:-1])
+  flags = np.split(rec["forward_is_cycle"], np.cumsum(rec["forwards"])[:-1])
   for k, b in enumerate(SIZES):
-    g = engine.generate(ids, max_new_tokens=MAX_NEW, seed=0, block_size=b, return_features=True)
-    assert g.target_forwards == rec["cycles"][k] and g.new_tokens == rec["new_tokens"][k]
+    g = engine.generate(ids, max_new_tokens=made["max_new_tokens"],
+                        temperature=made["temperature"], seed=0, block_size=b,
+                        return_features=True)
+    assert g.target_forwards == rec["forwards"][k] and g.cycles == rec["cycles"][k]
+    assert g.new_tokens == rec["new_tokens"][k]
+    assert g.forward_lengths == accepts[k].tolist()
+    assert g.forward_is_cycle == flags[k].tolist()
   np.testing.assert_allclose(g.features["last_logits"], rec["feat_last_logits"], rtol=1e-5)
   # Rerunning with the same settings does nothing; the stamp names the drafter's weights, so a
   # retrained drafter of the same architecture is labelled again.
@@ -248,6 +274,8 @@ def test_report(stages_done):
   for r in rep["rows"]:
     assert r["prompts"] == 4 and r["tokens_per_s"] > 0
     assert 1.0 <= r["tau"] <= max(SIZES) + 1e-6 or r["tau"] == 0.0
+    # AR fallback steps commit one token each: per request, tokens per forward <= τ.
+    assert r["tokens_per_forward"] <= r["tau"] + 1e-9
   ar = rep["rows"][0]
   assert ar["tau"] == 1.0 and ar["speedup"] == 1.0
   # At T=0 every method decodes the same tokens; learned runs equal the fixed run of their size.
@@ -256,7 +284,7 @@ def test_report(stages_done):
   for r in runs:
     by_prompt.setdefault(r["prompt"], set()).add(tuple(r["output_ids"]))
   assert len(by_prompt) == 4 and all(len(v) == 1 for v in by_prompt.values())
-  assert rep["learned_vs_fixed_cycle_mismatches"] == 0
+  assert rep["learned_vs_fixed_forward_mismatches"] == 0
   # Compilations: per length bucket a plain prefill and one per policy architecture (4 feature
   # types), one AR loop and one loop per size; nothing compiled while decoding.
   comp = rep["compilations"]["by_function"]
@@ -267,9 +295,15 @@ def test_report(stages_done):
   assert over["params_qwen3_4b"]["last_logits"] > 10 * over["params_qwen3_4b"]["last_hidden"]
   intra = rep["intra_request"]
   assert intra["requests"] == 4 and intra["replay_agrees_with_decode"] == 1.0
-  assert intra["cycles"]["per_cycle_oracle"] <= intra["cycles"]["per_request_oracle"]
+  assert intra["forwards"]["per_cycle_oracle"] <= intra["forwards"]["per_request_oracle"]
+  assert intra["ar_fallback"] == [2, 1]  # the replay modelled the loop that ran
   md = open(os.path.join(out, "report.md")).read()
   assert "| fixed b=3 |" in md and "Intra-request" in md and "Policy overhead" in md
+  assert "τ per spec. cycle" in md and "tokens per target forward" in md
+  for r in runs:  # every target forward of the loop, the last one clipped at the output's end
+    assert sum(r["forward_lengths"]) == r["new_tokens"] - 1
+    assert r["acceptance_lengths"] == [a for a, c in zip(r["forward_lengths"],
+                                                         r["forward_is_cycle"]) if c]
 
 
 def _decode_cfg(setup, prompts: str, **kw) -> ml_collections.ConfigDict:
@@ -302,15 +336,61 @@ def test_decode_block_policies(setup, stages_done):
   assert summary["compilations_by_function"].get("spec_loop", 0) == len(used)
   assert summary["compilations_by_function"]["prefill"] <= 3
   oracle, _ = run_decode.run(_decode_cfg(
-      setup, eval_only, block_policy="oracle", label_rule="max_tau",
+      setup, eval_only, block_policy="oracle", label_rule="max_tau", ar_fallback=2,
       oracle_labels=os.path.join(cfg.workdir, "data", label_sets.EVAL_LABELS)))
-  table, _ = label_sets.oracle_table(os.path.join(cfg.workdir, "data", label_sets.EVAL_LABELS), "max_tau")
+  table, _ = label_sets.oracle_table(
+      os.path.join(cfg.workdir, "data", label_sets.EVAL_LABELS), "max_tau",
+      label_sets.decode_settings(MAX_NEW, 0.0, False, run_decode.loop_options(cfg)))
   assert [r["block_size"] for r in oracle] == [table[prompt_hash(p.text)] for p in evals]
   assert [r["output_ids"] for r in oracle] == outputs
   rand, _ = run_decode.run(_decode_cfg(setup, eval_only, block_policy="random", seed=5))
   from bp_jax.policy.mlp import random_block_size
   assert [r["block_size"] for r in rand] == [random_block_size((2, 3, 4), 5, i) for i in range(4)]
   assert [r["output_ids"] for r in rand][:1] == outputs[:1]  # seed 5 vs 0: same greedy tokens
+
+
+def test_oracle_refuses_labels_made_with_other_settings(setup, stages_done, tmp_path):
+  from bp_jax.decoding import run_decode
+  cfg = stages_done
+  labels = os.path.join(cfg.workdir, "data", label_sets.EVAL_LABELS)
+  same = _decode_cfg(setup, "", block_policy="oracle", oracle_labels=labels, ar_fallback=2)
+  choice = run_decode.resolve_block_choice(same, 3)
+  assert choice.sizes == SIZES and len(choice.oracle) == 4
+  with pytest.raises(BadInputError, match=r"ar_fallback_accept=1 but this decode uses "
+                     r"ar_fallback_accept=3: decode with --config.ar_fallback_accept=1"):
+    run_decode.resolve_block_choice(_decode_cfg(setup, "", block_policy="oracle",
+                                                oracle_labels=labels, ar_fallback=2,
+                                                ar_fallback_accept=3), 3)
+  # Another loop form (the paper's loop: no AR fallback), length and temperature.
+  other = _decode_cfg(setup, "", block_policy="oracle", oracle_labels=labels,
+                      max_new_tokens=MAX_NEW + 6, temperature=1.0)
+  with pytest.raises(BadInputError) as e:
+    run_decode.resolve_block_choice(other, 3)
+  msg = str(e.value)
+  assert (f"was made with max_new_tokens={MAX_NEW}, temperature=0.0, ar_fallback=2 but this "
+          f"decode uses max_new_tokens={MAX_NEW + 6}, temperature=1.0, ar_fallback=0") in msg
+  assert (f"decode with --config.max_new_tokens={MAX_NEW} --config.temperature=0.0 "
+          "--config.ar_fallback=2") in msg
+  assert "--config.blockpilot.max_new_tokens" in msg and "--config.stage=labels" in msg
+  with pytest.raises(BadInputError, match=r"made with scan_layers=False"):
+    run_decode.resolve_block_choice(_decode_cfg(setup, "", block_policy="oracle",
+                                                oracle_labels=labels, ar_fallback=2,
+                                                scan_layers=True), 3)
+  # A label set made before the settings were recorded (no metadata.json) is refused, and the
+  # labels stage does not count it as up to date.
+  ds = label_sets.open_label_set(labels)
+  old_data = tmp_path / "old"
+  copy = old_data / os.path.relpath(ds.path, os.path.dirname(labels))
+  shutil.copytree(ds.path, copy)
+  os.remove(copy / "metadata.json")
+  old = str(old_data / label_sets.EVAL_LABELS)
+  with pytest.raises(BadInputError, match="does not record the decode settings it was made "
+                     "with .* relabel it with train.py --config.stage=labels"):
+    run_decode.resolve_block_choice(_decode_cfg(setup, "", block_policy="oracle",
+                                                oracle_labels=old, ar_fallback=2), 3)
+  settings = label_sets.label_set_settings(ds)
+  assert lab._holds_settings(os.path.dirname(labels), label_sets.EVAL_LABELS, settings)
+  assert not lab._holds_settings(str(old_data), label_sets.EVAL_LABELS, settings)
 
 
 def test_decode_refuses_the_policys_labelling_prompts(setup, stages_done):
@@ -343,8 +423,10 @@ def test_missing_policy_falls_back_or_fails(setup, stages_done, capsys):
   assert summary["block_policy"] == "fixed" and records[0]["block_size"] == 3
   with pytest.raises(BadInputError, match="does not exist"):
     run_decode.run(_decode_cfg(setup, eval_only, block_policy="learned", policy=missing))
-  with pytest.raises(BadInputError, match="needs --config.mode=spec"):
-    run_decode.run(_decode_cfg(setup, eval_only, block_policy="random", mode="ar"))
+  # mode=ar decodes plainly whatever the block policy says (the policy is not used).
+  records, summary = run_decode.run(_decode_cfg(setup, eval_only, block_policy="random",
+                                                mode="ar"))
+  assert summary["block_sizes_used"] == {"1": 1} and "is not used" in capsys.readouterr().out
   with pytest.raises(BadInputError, match="oracle_labels"):
     run_decode.run(_decode_cfg(setup, eval_only, block_policy="oracle"))
 

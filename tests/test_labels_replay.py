@@ -1,6 +1,7 @@
 """The intra-request analysis (bp_jax/train/intra_request.py): the teacher-forced replay predicts
-every real decode cycle's acceptance, and the per-cycle dynamic program is right on small cases
-worked out by hand."""
+every real decode cycle's acceptance and every target forward of the loop that ran (with and
+without the AR fallback), and the per-cycle dynamic program is right on small cases worked out
+by hand."""
 
 from __future__ import annotations
 
@@ -58,13 +59,73 @@ def test_replay_predicts_every_real_cycle(models):
       g = engine.generate(prompt, max_new_tokens=MAX_NEW, block_size=b)
       assert g.output_ids == out
       m = 1
-      for a in g.acceptance_lengths:  # cycle starting with m committed tokens accepted a - 1
-        want = min(a - 1, len(out) - m)  # the replay cannot see past the output's end
-        assert acc[b][m] == want, (b, m, a, acc[b][:m + 3])
+      for a in g.acceptance_lengths:  # a cycle starting with m committed tokens kept a tokens
+        # The replay cannot see past the output's end; the engine keeps no token past it.
+        assert min(int(acc[b][m]) + 1, len(out) - m) == a, (b, m, a, acc[b][:m + 3])
         partial += 0 < a - 1 < b - 1
         m += a
-      assert intra.fixed_cycles(acc[b]) == len(g.acceptance_lengths)
+      assert m == len(out)
+      assert intra.fixed_cycles(acc[b]) == len(g.acceptance_lengths) == g.target_forwards
+      assert intra.forward_schedule(acc[b]) == list(zip(g.forward_lengths, g.forward_is_cycle))
   assert partial >= 3  # intermediate acceptance lengths were checked, not only 0 and b-1
+
+
+def test_replay_reproduces_the_fallback_loop(models):
+  """With the engine's AR fallback, the replayed schedule is the loop that ran: every target
+  forward, cycle or AR step, and its committed tokens."""
+  target, drafter = models
+  engine = Engine(target, max_len=96, length_buckets=(32, 64, 96), drafter=drafter,
+                  block_sizes=SIZES, ar_fallback=4, ar_fallback_accept=1)
+  rng = np.random.default_rng(1)
+  steps = 0
+  for _ in range(6):
+    prompt = rng.integers(1, V - 1, int(rng.integers(3, 30))).tolist()
+    out = engine.generate(prompt, max_new_tokens=MAX_NEW).output_ids
+    acc = intra.replay_acceptance(target, drafter, prompt, out, SIZES, MAX_NEW,
+                                  engine.length_buckets)
+    for b in SIZES:
+      g = engine.generate(prompt, max_new_tokens=MAX_NEW, block_size=b)
+      assert g.output_ids == out
+      assert intra.forward_schedule(acc[b], 4, 1) == list(zip(g.forward_lengths,
+                                                               g.forward_is_cycle)), b
+      assert intra.fallback_schedule(acc[b], 4, 1) == (g.cycles, g.ar_steps)
+      steps += g.ar_steps
+  assert steps > 0  # the fallback ran
+
+
+def test_forward_schedule_by_hand():
+  # M = 8; size 3 accepts 0 at m=1 (a poor cycle: 2 AR steps follow), then 2 (a full block).
+  acc = np.array([0, 0, 2, 2, 2, 2, 2, 2])
+  want = [(1, True), (1, False), (1, False), (3, True), (1, True)]  # the last keeps 1 of 3
+  assert intra.forward_schedule(acc, ar_fallback=4, ar_fallback_accept=0) == want
+  assert intra.fallback_schedule(acc, 4, 0) == (3, 2)
+  assert sum(n for n, _ in want) == len(acc) - 1  # as Generation.forward_lengths: new tokens - 1
+  # Without the fallback: cycles only (m: 1 -> 2 -> 5 -> 8).
+  assert intra.forward_schedule(acc) == [(1, True), (3, True), (3, True)]
+  # The k-th poor cycle in a row is followed by min(2^k, ar_fallback) steps, capped at the end.
+  poor = np.zeros(12, np.int64)
+  assert [c for _, c in intra.forward_schedule(poor, 3, 1)] == (
+      [True, False, False, True, False, False, False, True, False, False, False])
+
+
+def test_analysis_models_the_fallback_loop():
+  acc = {3: np.array([0, 0, 2, 2, 2, 2, 2, 2])}
+  a = intra.analyse_request(acc, {3: 1.0}, ar_step_s=0.5, ar_fallback=4, ar_fallback_accept=0)
+  assert a["fixed_cycles"] == {"3": 3} and a["fixed_ar_steps"] == {"3": 2}
+  # Target forwards: the fixed loop takes 5 (3 cycles, 2 AR steps); the per-cycle oracle 3.
+  f = a["forwards"]
+  assert f["best_fixed"] == 5 and f["per_cycle"] == 3 and f["per_cycle_forwards"] == 3
+  # Seconds: 3 cycles * 1.0 + 2 AR steps * 0.5; the oracle takes an AR step at m=1 (0.5 < 1.0
+  # for the same one token), then two full blocks.
+  s = a["seconds"]
+  assert s["best_fixed"] == pytest.approx(4.0) and s["per_cycle"] == pytest.approx(2.5)
+  assert s["switched_forwards"] == 0 and s["distinct_sizes"] == 2  # an AR step is no switch
+  # Without the fallback the fixed loop has no AR steps and the oracle no AR option.
+  plain = intra.analyse_request(acc, {3: 1.0})
+  assert plain["fixed_ar_steps"] == {"3": 0} and plain["forwards"]["best_fixed"] == 3
+  assert plain["seconds"]["per_cycle"] == pytest.approx(3.0)
+  with pytest.raises(ValueError, match="ar_step_s"):
+    intra.analyse_request(acc, {3: 1.0}, ar_fallback=4)
 
 
 def test_fixed_cycles_and_per_cycle_oracle_by_hand():
@@ -114,8 +175,8 @@ def _brute(acc, costs, M, m):
 def test_analysis_counts_switches_only_when_needed():
   acc = {2: np.array([0, 1, 1, 1, 1, 1]), 3: np.array([0, 2, 2, 2, 2, 2])}
   a = intra.analyse_request(acc, {2: 1.0, 3: 1.0})
-  assert a["cycles"]["best_fixed_size"] == 3 and a["cycles"]["switched_cycles"] == 0
-  assert a["cycles"]["per_cycle"] == a["cycles"]["best_fixed"] == 2
-  s = intra.summarize([a, a], {2: 1.0, 3: 1.0})
-  assert s["cycles"]["gain_per_cycle_over_per_request"] == 0.0
-  assert s["cycles"]["global_static_size"] == 3
+  assert a["forwards"]["best_fixed_size"] == 3 and a["forwards"]["switched_forwards"] == 0
+  assert a["forwards"]["per_cycle"] == a["forwards"]["best_fixed"] == 2
+  s = intra.summarize([a, a])
+  assert s["forwards"]["gain_per_cycle_over_per_request"] == 0.0
+  assert s["forwards"]["global_static_size"] == 3 and s["forwards"]["global_static"] == 4

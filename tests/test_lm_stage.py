@@ -149,6 +149,29 @@ def test_lm_run_refuses_to_resume_with_other_settings(trained, tmp_path):
     stages.load_stage("lm")(cfg)
 
 
+def test_lm_stage_checks_the_tokenizer_against_the_models_vocabulary(trained, tmp_path, capsys):
+  cfg = tiny_config(tmp_path)
+  cfg.workdir = trained.workdir
+  tok_dir = wd.tokenizer_dir(cfg)
+  # A larger model: ids 300..319 cannot be decoded; the stage warns, then (other model) refuses
+  # to resume the run.
+  cfg.model.vocab_size = 320
+  with pytest.raises(BadInputError, match="model changed"):
+    stages.load_stage("lm")(cfg)
+  err = capsys.readouterr().err
+  assert (f"[lm] warning: --config.model.vocab_size=320 but the tokenizer in {tok_dir} has 300 "
+          "ids: the model can emit 20 ids (300..319) that the tokenizer cannot decode") in err
+  # A smaller model: tokenizer ids past its vocabulary are refused before anything else.
+  cfg.model.vocab_size = 256
+  with pytest.raises(BadInputError, match=r"has 300 ids but --config.model.vocab_size=256: its "
+                     r"ids past 255 are out of the model's range; set "
+                     r"--config.model.vocab_size=300"):
+    stages.load_stage("lm")(cfg)
+  # Equal sizes (the trained run): no warning.
+  stages.load_stage("lm")(trained)
+  assert "warning" not in capsys.readouterr().err
+
+
 def test_bfloat16_export_is_smaller_and_loads(trained, tmp_path):
   model = load_target(wd.target_dir(trained))
   out = export_target(model, str(tmp_path / "bf16"), wd.tokenizer_dir(trained), "bfloat16")

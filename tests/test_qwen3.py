@@ -86,6 +86,30 @@ def test_logits_and_hidden_states_match_transformers_float32(variant):
                                rtol=0, err_msg=f"decoder layer {j}")
 
 
+def test_drafter_features_are_transformers_hidden_states_except_the_last_layer():
+  """DESIGN §1 "Trap", pinned: the drafter's feature for target layer j (the target forward's
+  `layer_hiddens`) is transformers' `hidden_states[j + 1]` for every j < L-1, but for j = L-1
+  transformers' entry is the last layer's output after the final norm. Transformers-based
+  DFlash code reading layer L-1 would see other features than bp_jax, which is why drafter
+  conversion and training refuse layer L-1."""
+  L = 4
+  hf = make_hf_qwen3(seed=4, num_hidden_layers=L)
+  ours = jax_qwen3_from_torch(hf)
+  tokens = _tokens(2, 11, hf.config.vocab_size, seed=8)
+  with torch.no_grad():
+    hf_states = hf(torch.from_numpy(tokens).long(), output_hidden_states=True).hidden_states
+  assert len(hf_states) == L + 1  # embeddings, then one entry per layer
+  features = np.asarray(_ours(ours, tokens, hidden_layers=tuple(range(L))).layer_hiddens)
+  for j in range(L - 1):
+    np.testing.assert_allclose(features[j], hf_states[j + 1].numpy(), atol=F32_TOL, rtol=0,
+                               err_msg=f"layer {j}")
+  last, hf_last = features[L - 1], hf_states[L].numpy()
+  assert np.abs(last - hf_last).max() > 0.1 * np.abs(hf_last).max()  # not the same feature
+  norm_weight = hf.model.norm.weight.detach().numpy()
+  normed = last / np.sqrt(np.mean(last**2, -1, keepdims=True) + hf.config.rms_norm_eps)
+  np.testing.assert_allclose(normed * norm_weight, hf_last, atol=F32_TOL, rtol=0)
+
+
 def test_unrolled_layers_equal_the_scanned_forward(tiny_pair):
   """`layers=per_layer()` (decode loops) computes what `lax.scan` over the stacks computes:
   logits, requested hidden states and the cache, on top of a partly filled cache."""

@@ -59,24 +59,30 @@ def trim(ids, stop: int, max_new: int) -> list[int]:
   return out
 
 
-def simulate_cycles(cont, forced, b: int, max_new: int, stop: int, fallback: int = 0,
-                    fallback_accept: int = 1) -> list[int]:
-  """Acceptance lengths (a + 1 per cycle) of greedy spec decoding when the target's greedy
-  continuation is `cont` and the drafter proposes `forced[i]` for new-token index i (0 past the
-  end of `forced`, as the engine pads). Index 0 comes from prefill; a cycle that starts with m
-  committed tokens drafts forced[m .. m+b-2], the target's greedy tokens there are cont[m ..],
-  and the longest matching prefix a is accepted; cont[m .. m+a] are committed. With `fallback`
-  (the engine's ar_fallback), a cycle accepting <= fallback_accept drafts is followed by
-  min(2^k, fallback) AR steps for the k-th poor cycle in a row."""
+def simulate_forwards(cont, forced, b: int, max_new: int, stop: int, fallback: int = 0,
+                      fallback_accept: int = 1) -> list[tuple[int, bool]]:
+  """(kept tokens, is a cycle) per target forward of greedy spec decoding when the target's
+  greedy continuation is `cont` and the drafter proposes `forced[i]` for new-token index i (0
+  past the end of `forced`, as the engine pads). Index 0 comes from prefill; a cycle that starts
+  with m committed tokens drafts forced[m .. m+b-2], the target's greedy tokens there are
+  cont[m ..], and the longest matching prefix a is accepted; cont[m .. m+a] are committed, of
+  which only those up to the stop token and within max_new_tokens are kept (counted). With
+  `fallback` (the engine's ar_fallback), a cycle accepting <= fallback_accept drafts is followed
+  by min(2^k, fallback) AR steps (not cycles) for the k-th poor cycle in a row."""
   f = lambda i: int(forced[i]) if i < len(forced) else 0
-  m, acc, misses = 1, [], 0
+
+  def kept(m: int, n: int) -> int:
+    seg = list(cont[m:m + n])
+    return min(seg.index(stop) + 1 if stop in seg else n, max_new - m)
+
+  m, out, misses = 1, [], 0
   if cont[0] == stop:
-    return acc
+    return out
   while m < max_new:
     a = 0
     while a < b - 1 and f(m + a) == cont[m + a]:
       a += 1
-    acc.append(a + 1)
+    out.append((kept(m, a + 1), True))
     committed = cont[m:m + a + 1]
     m += a + 1
     if stop in committed:
@@ -86,13 +92,22 @@ def simulate_cycles(cont, forced, b: int, max_new: int, stop: int, fallback: int
       for _ in range(min(2 ** misses, fallback)):
         if m >= max_new or cont[m - 1] == stop:
           break
-        acc.append(1)
+        out.append((1, False))
         m += 1
       if cont[m - 1] == stop:
         break
     else:
       misses = 0
-  return acc
+  return out
+
+
+def simulate_cycles(*args, **kw) -> list[int]:
+  """Kept tokens per speculative cycle (τ's terms) of `simulate_forwards`."""
+  return [n for n, is_cycle in simulate_forwards(*args, **kw) if is_cycle]
+
+
+def forwards_of(g) -> list[tuple[int, bool]]:
+  return list(zip(g.forward_lengths, g.forward_is_cycle))
 
 
 # ---- fixtures -----------------------------------------------------------------------------------
@@ -191,10 +206,10 @@ def test_random_drafter_is_lossless(engine, reference, ar_outputs, b):
     assert g.block_size == b
     acc = g.acceptance_lengths
     assert all(1 <= a <= b for a in acc)
-    # Every committed token is in the output, except tokens committed past max_new / the stop
-    # in the last cycle (fewer than b).
-    assert 0 <= sum(acc) - (len(g.output_ids) - 1) <= b - 1, (acc, len(g.output_ids))
-    assert g.target_forwards == len(acc)
+    # Counted tokens are exactly the kept ones: the last cycle's tokens past max_new / the
+    # stop token are not counted.
+    assert sum(acc) == len(g.output_ids) - 1, (acc, len(g.output_ids))
+    assert g.target_forwards == len(acc) and all(g.forward_is_cycle)
     accepts += acc
   assert np.mean(accepts) < 1.3  # it really is a bad drafter: rejection paths exercised
 
@@ -228,7 +243,9 @@ def test_stop_token_inside_an_accepted_block(engine, reference, ar_outputs, b):
     assert g.output_ids == ar_outputs[i], f"prompt {i}"
     assert g.output_ids[-1] == stop and stop not in g.output_ids[:-1]
     assert g.acceptance_lengths == simulate_cycles(c, c, b, m, stop)
-    assert g.acceptance_lengths == [b] * math.ceil(k / b), (k, g.acceptance_lengths)
+    want = [b] * (k // b) + ([k % b] if k % b else [])  # tokens after the stop: not counted
+    assert g.acceptance_lengths == want, (k, g.acceptance_lengths)
+    assert g.target_forwards == math.ceil(k / b)
     mid_block += k % b != 0  # the stop is not the block's last token: later tokens were trimmed
   assert mid_block >= 1
 
@@ -308,9 +325,11 @@ def test_ar_fallback_is_lossless(fallback_engine, engine, reference, ar_outputs,
     forced = [(t + 1) % V if k % 5 < 2 else t for k, t in enumerate(c)]
     g = fallback_engine.generate(p, max_new_tokens=m, block_size=b, forced_continuation=forced)
     assert g.output_ids == ar_outputs[i], f"prompt {i}"
-    want = simulate_cycles(c, forced, b, m, stop, fallback=4, fallback_accept=1)
-    assert g.acceptance_lengths == want, f"prompt {i}"
-    fell_back += want != simulate_cycles(c, forced, b, m, stop)
+    want = simulate_forwards(c, forced, b, m, stop, fallback=4, fallback_accept=1)
+    assert forwards_of(g) == want, f"prompt {i}"
+    assert g.ar_steps == sum(not cyc for _, cyc in want)
+    assert g.acceptance_lengths == [n for n, cyc in want if cyc]  # τ counts cycles only
+    fell_back += want != simulate_forwards(c, forced, b, m, stop)
     perfect = fallback_engine.generate(p, max_new_tokens=m, block_size=b,
                                        forced_continuation=ar_outputs[i])
     assert perfect.output_ids == ar_outputs[i]

@@ -8,6 +8,8 @@ from typing import Any, Callable, Hashable
 
 import jax
 
+from bp_jax import compile_cache
+
 
 class CompiledCache:
   """Compiles `jax.jit(fn)` once per key (a bucket) and reuses it; counts every compilation."""
@@ -16,15 +18,17 @@ class CompiledCache:
     self._fns: dict[Hashable, Any] = {}
     self.counts: collections.Counter = collections.Counter()  # name -> compilations
     self.seconds: dict[Hashable, float] = {}                   # key -> compile seconds
+    self.cache_hits = 0  # compilations served by the persistent compilation cache
 
   def get(self, key: tuple, make: Callable[[], Callable], args: tuple,
           donate_argnums: tuple[int, ...] = ()) -> Any:
     """The compiled function for `key` (first element = a name); compiles on first use."""
     fn = self._fns.get(key)
     if fn is None:
-      t0 = time.perf_counter()
+      t0, hits0 = time.perf_counter(), compile_cache.hits()
       fn = jax.jit(make(), donate_argnums=donate_argnums).lower(*args).compile()
       self.seconds[key] = time.perf_counter() - t0
+      self.cache_hits += compile_cache.hits() > hits0
       self.counts[key[0]] += 1
       self._fns[key] = fn
     return fn
@@ -41,5 +45,6 @@ class CompiledCache:
 
   def summary(self) -> dict:
     return {"compilations": self.total, "by_function": dict(self.counts),
+            "compile_cache_hits": self.cache_hits,
             "compile_s": round(self.compile_seconds(), 3),
             "per_key_s": {"/".join(map(str, k)): round(s, 3) for k, s in self.seconds.items()}}

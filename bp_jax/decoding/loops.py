@@ -10,7 +10,7 @@ cache pointer equals `pos`; `n_gen` counts generated tokens (including `tok`).
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -32,19 +32,28 @@ class PrefillOut(NamedTuple):
   features: dict[str, jax.Array] | None = None
   policy_probs: jax.Array | None = None  # [C] float32 class probabilities (with a policy)
   policy_class: jax.Array | None = None  # [] int32 argmax class = index of the chosen bucket
+  bad_logits: jax.Array | None = None    # [] bool: the last prompt position's logits hold NaN/inf
 
 
 class LoopOut(NamedTuple):
   seq: jax.Array             # [1, S] tokens at absolute positions
   n_gen: jax.Array           # [] generated tokens (may overshoot max_new by < block size)
-  accept_lens: jax.Array     # [S] committed tokens per cycle (first `cycles` entries valid)
-  cycles: jax.Array          # [] target forwards in the loop
+  accept_lens: jax.Array     # [S] committed tokens per target forward (first `forwards` valid)
+  is_cycle: jax.Array        # [S] bool: that forward verified drafts (False: a plain AR step)
+  forwards: jax.Array        # [] target forwards in the loop (speculative cycles + AR steps)
+  bad_logits: jax.Array      # [] bool: a forward produced NaN/inf logits (the loop stopped)
   cache: KVCache
   draft_cache: KVCache | None
 
 
 def _is_stop(tokens: jax.Array, stop_ids: jax.Array) -> jax.Array:
   return jnp.any(tokens[..., None] == stop_ids, axis=-1)
+
+
+def _nonfinite(logits: jax.Array) -> jax.Array:
+  """[] bool: any NaN/inf among the logits a token is sampled from (e.g. float16 overflow):
+  the loop stops there and the engine raises, instead of committing a meaningless id."""
+  return ~jnp.all(jnp.isfinite(logits))
 
 
 def accept_length(draft: jax.Array, y: jax.Array) -> jax.Array:
@@ -91,7 +100,7 @@ def make_prefill(graphdef, draft_graphdef=None, policy_graphdef=None) -> Callabl
       probs = jax.nn.softmax(policy(features[policy.arch.feature_type])[0])
       cls = jnp.argmax(probs).astype(jnp.int32)
     return PrefillOut(first, out.cache.with_lengths(n[None]), draft_cache, logits_1V,
-                      out.final_hidden[:, 0], features, probs, cls)
+                      out.final_hidden[:, 0], features, probs, cls, _nonfinite(logits_1V))
 
   return prefill
 
@@ -122,29 +131,37 @@ def make_ar_loop(graphdef, scan_layers: bool = False) -> Callable:
     accept0 = jnp.zeros((S,), jnp.int32)
 
     def cond(c):
-      _, _, _, n_gen, done, _, _ = c
+      _, _, _, n_gen, done, _, _, _ = c
       return (~done) & (n_gen < max_new)
 
     def body(c):
-      seq, cache, pos, n_gen, done, tok, cycles = c
+      seq, cache, pos, n_gen, done, tok, steps, bad = c
       out = model(tok[None, None], cache.with_lengths(pos[None]), layers=layers)
+      bad = _nonfinite(out.logits)
+      miss = bad.astype(jnp.int32)
       nxt = sample(out.logits[:, 0], temperature, position_keys(seed_key, (pos + 1)[None]))[0]
-      seq = seq.at[0, pos + 1].set(nxt, mode="drop")
-      return (seq, out.cache, pos + 1, n_gen + 1, _is_stop(nxt, stop_ids), nxt, cycles + 1)
+      # A step with NaN/inf logits commits nothing: the loop ends and the engine raises.
+      seq = jnp.where(bad, seq, seq.at[0, pos + 1].set(nxt, mode="drop"))
+      return (seq, out.cache, pos + 1, n_gen + 1 - miss, _is_stop(nxt, stop_ids) | bad, nxt,
+              steps + 1 - miss, bad)
 
     init = (seq_1S, _loop_cache(cache, scan_layers), n, jnp.int32(1),
-            _is_stop(first_tok, stop_ids), first_tok, jnp.int32(0))
-    seq, cache, pos, n_gen, _, _, cycles = jax.lax.while_loop(cond, body, init)
-    accept = jnp.where(jnp.arange(S) < cycles, 1, accept0)
-    return LoopOut(seq, n_gen, accept, cycles, cache.stacked().with_lengths(pos[None]), None)
+            _is_stop(first_tok, stop_ids), first_tok, jnp.int32(0), jnp.bool_(False))
+    seq, cache, pos, n_gen, _, _, steps, bad = jax.lax.while_loop(cond, body, init)
+    # Plain AR decoding is speculative decoding with block size 1: each step is a cycle that
+    # drafts nothing and commits one token (τ = 1).
+    accept = jnp.where(jnp.arange(S) < steps, 1, accept0)
+    return LoopOut(seq, n_gen, accept, accept > 0, steps, bad,
+                   cache.stacked().with_lengths(pos[None]), None)
 
   return ar_loop
 
 
 def make_spec_loop(graphdef, draft_graphdef, block_size: int, scan_layers: bool = False,
-                   ar_fallback: int = 0, ar_fallback_accept: int = 1) -> Callable:
+                   ar_fallback: int = 0, ar_fallback_accept: int = 1,
+                   forced_drafts: bool = False) -> Callable:
   """spec_loop(state, draft_state, seq, cache, draft_cache, first_tok, n, max_new, temperature,
-  seed_key, stop_ids, forced_seq, use_forced) -> LoopOut.
+  seed_key, stop_ids[, forced_seq]) -> LoopOut.
 
   One cycle: the drafter proposes b-1 tokens after `tok` (its argmax), the target verifies the b
   tokens [tok, d_1..d_{b-1}] in one forward, samples y at each of the b positions, accepts the
@@ -158,10 +175,12 @@ def make_spec_loop(graphdef, draft_graphdef, block_size: int, scan_layers: bool 
   the next cycle drafts from the full context. Every token is still the target's own sample at
   its position (same keys), so the output is unchanged; only the time differs: on hardware
   where a cycle costs several AR steps, stretches the drafter cannot predict cost less.
+  `LoopOut.is_cycle` tells cycles from AR steps (τ counts cycles only).
 
-  `forced_seq`/`use_forced` (runtime values): when `use_forced`, draft tokens are read from
-  `forced_seq` at their positions instead of the drafter's argmax — a perfect drafter for tests
-  and for measuring the engine's ceiling, which still pays the drafter's full compute.
+  `forced_drafts` (static; tests and benchmarks): the loop takes one more argument,
+  `forced_seq` [1, S], and drafts the tokens stored there at their positions instead of the
+  drafter's argmax: a perfect drafter that still pays the drafter's full compute. It is a
+  separately compiled variant, so production loops carry no trace of it.
   `scan_layers`: as in `make_ar_loop`, for the target and the drafter.
   """
   b = block_size
@@ -169,7 +188,7 @@ def make_spec_loop(graphdef, draft_graphdef, block_size: int, scan_layers: bool 
     raise ValueError("ar_fallback and ar_fallback_accept must be >= 0")
 
   def spec_loop(state, draft_state, seq_1S, cache, draft_cache, first_tok, n, max_new,
-                temperature, seed_key, stop_ids, forced_seq_1S, use_forced):
+                temperature, seed_key, stop_ids, *forced):
     model = nnx.merge(graphdef, state)
     drafter = nnx.merge(draft_graphdef, draft_state)
     layers, draft_layers = _layers_of(model, scan_layers), _layers_of(drafter, scan_layers)
@@ -182,28 +201,40 @@ def make_spec_loop(graphdef, draft_graphdef, block_size: int, scan_layers: bool 
     def cond(c):
       return (~c["done"]) & (c["n_gen"] < max_new)
 
-    def commit(c, out, y, a, fallback):
-      """The carry after a target forward at `pos` that commits y[0..a] (a drafts accepted)."""
+    def commit(c, out, y, a, is_cycle, fallback):
+      """The carry after a target forward at `pos` that commits y[0..a] (a drafts accepted); a
+      forward with NaN/inf logits commits nothing and ends the loop (`bad_logits`)."""
       pos = c["pos"]
-      new_pos = pos + a + 1
+      # NaN/inf logits at a position a committed token is sampled from (positions past the
+      # accepted prefix are discarded, whatever they hold).
       offs = jnp.arange(y.shape[0], dtype=jnp.int32)
+      bad = jnp.any(~jnp.all(jnp.isfinite(out.logits[0]), axis=-1) & (offs <= a))
+      a = jnp.where(bad, -1, a)
+      new_pos = pos + a + 1
       seq = c["seq"].at[0, pos + 1 + offs].set(y, mode="drop")
-      stop_hit = jnp.any(_is_stop(y, stop_ids) & (offs <= a))
+      stop_hit = jnp.any(_is_stop(y, stop_ids) & (offs <= a)) | bad
       draft_cache = drafter.add_context(out.layer_hiddens, c["draft_cache"], draft_layers)
+      kept = jnp.where(bad, 0, 1)
       return dict(seq=seq, cache=out.cache.with_lengths(new_pos[None]),
                   draft_cache=draft_cache.with_lengths(new_pos[None]), pos=new_pos,
-                  tok=y[a], n_gen=c["n_gen"] + a + 1, done=stop_hit,
-                  accept=c["accept"].at[c["cycles"]].set(a + 1, mode="drop"),
-                  cycles=c["cycles"] + 1, **fallback)
+                  tok=jnp.where(bad, c["tok"], y[jnp.maximum(a, 0)]), n_gen=c["n_gen"] + a + 1,
+                  done=stop_hit, bad=bad,
+                  accept=c["accept"].at[c["forwards"]].set(a + 1, mode="drop"),
+                  is_cycle=c["is_cycle"].at[c["forwards"]].set(is_cycle, mode="drop"),
+                  forwards=c["forwards"] + kept, **fallback)
+
+    def draft_tokens(c):
+      """The b-1 drafts after `tok`: one drafter pass over [tok, MASK, ..., MASK]."""
+      block_1b = jnp.full((1, b), mask_id, jnp.int32).at[0, 0].set(c["tok"])
+      h_1bD = drafter.draft(model.embed_tokens(block_1b), c["draft_cache"], draft_layers)
+      drafted = first_argmax(model.project_to_vocab(h_1bD[:, 1:])[0])
+      if forced_drafts:
+        drafted = jax.lax.dynamic_slice_in_dim(forced[0][0], c["pos"] + 1, b - 1)
+      return drafted.astype(jnp.int32)
 
     def spec_cycle(c):
       pos, tok = c["pos"], c["tok"]
-      # Draft b-1 tokens with one drafter pass over [tok, MASK, ..., MASK].
-      block_1b = jnp.full((1, b), mask_id, jnp.int32).at[0, 0].set(tok)
-      h_1bD = drafter.draft(model.embed_tokens(block_1b), c["draft_cache"], draft_layers)
-      drafted = first_argmax(model.project_to_vocab(h_1bD[:, 1:])[0])
-      forced = jax.lax.dynamic_slice_in_dim(forced_seq_1S[0], pos + 1, b - 1)
-      draft = jnp.where(use_forced, forced, drafted).astype(jnp.int32)
+      draft = draft_tokens(c)
       # Verify the whole block in one target forward.
       verify_1b = jnp.concatenate([tok[None], draft])[None]
       out = model(verify_1b, c["cache"].with_lengths(pos[None]), layer_ids, layers=layers)
@@ -212,14 +243,15 @@ def make_spec_loop(graphdef, draft_graphdef, block_size: int, scan_layers: bool 
       poor = a <= ar_fallback_accept
       misses = jnp.where(poor, c["misses"] + 1, 0)
       wait = jnp.where(poor, jnp.minimum(2 ** jnp.minimum(misses, 30), ar_fallback), 0)
-      return commit(c, out, y, a, dict(misses=misses, wait=wait.astype(jnp.int32)))
+      return commit(c, out, y, a, True, dict(misses=misses, wait=wait.astype(jnp.int32)))
 
     def ar_step(c):
       pos = c["pos"]
       out = model(c["tok"][None, None], c["cache"].with_lengths(pos[None]), layer_ids,
                   layers=layers)
       y = sample(out.logits[0], temperature, position_keys(seed_key, (pos + 1)[None]))
-      return commit(c, out, y, jnp.int32(0), dict(misses=c["misses"], wait=c["wait"] - 1))
+      return commit(c, out, y, jnp.int32(0), False,
+                    dict(misses=c["misses"], wait=c["wait"] - 1))
 
     def body(c):
       c = spec_cycle(c)
@@ -231,11 +263,11 @@ def make_spec_loop(graphdef, draft_graphdef, block_size: int, scan_layers: bool 
 
     init = dict(seq=seq_1S, cache=_loop_cache(cache, scan_layers),
                 draft_cache=_loop_cache(draft_cache, scan_layers), pos=n, tok=first_tok,
-                n_gen=jnp.int32(1), done=_is_stop(first_tok, stop_ids),
-                accept=jnp.zeros((S,), jnp.int32), cycles=jnp.int32(0),
-                misses=jnp.int32(0), wait=jnp.int32(0))
+                n_gen=jnp.int32(1), done=_is_stop(first_tok, stop_ids), bad=jnp.bool_(False),
+                accept=jnp.zeros((S,), jnp.int32), is_cycle=jnp.zeros((S,), jnp.bool_),
+                forwards=jnp.int32(0), misses=jnp.int32(0), wait=jnp.int32(0))
     c = jax.lax.while_loop(cond, body, init)
-    return LoopOut(c["seq"], c["n_gen"], c["accept"], c["cycles"], c["cache"].stacked(),
-                   c["draft_cache"].stacked())
+    return LoopOut(c["seq"], c["n_gen"], c["accept"], c["is_cycle"], c["forwards"], c["bad"],
+                   c["cache"].stacked(), c["draft_cache"].stacked())
 
   return spec_loop

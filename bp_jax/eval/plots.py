@@ -11,7 +11,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
-ACCEPTANCE_LABEL = "acceptance length (tokens committed per target forward)"
+ACCEPTANCE_LABEL = "acceptance length (tokens committed per speculative cycle)"
 
 
 def save_figure(fig, path: str) -> str:

@@ -2,8 +2,20 @@
 labels stage (TFDS array_record), and the label rules computed from them.
 
 Reading a label set is not training: decode.py's `block_policy=oracle` and the report read them
-here. Label rules (ties go to the smaller size):
-  max_tau         the size with the highest τ;
+here. Each label set records the decode settings it was measured with (`decode_settings`: new
+tokens, temperature, chat template and the loops' form) in its TFDS metadata (metadata.json in
+the dataset's folder), so an oracle run with other settings is refused
+(`check_decode_settings`).
+
+Per prompt and size a record holds (one meaning each, as `decoding.generation`): `tau`, the
+committed tokens per speculative cycle (mean over the prompt's cycles, pooled over its label
+seeds); `tokens_per_forward`, committed tokens per target forward (cycles and the AR fallback's
+steps); `cycles` (speculative cycles), `forwards` (target forwards), `committed` (tokens the
+loop committed: new tokens - 1 per seed), `new_tokens`, `decode_s` (loop seconds), and the loop's
+schedule: `accept_lens` (every forward's committed tokens) with the parallel `forward_is_cycle`.
+
+Label rules (ties go to the smaller size):
+  max_tau         the size with the highest τ (per speculative cycle);
   max_throughput  the size with the most committed tokens per second, where a cycle of size b
                   costs the median over prompts of (loop time / cycles) at size b
                   (`cycle_costs`); for labels measured with AR fallback steps each prompt's own
@@ -23,6 +35,26 @@ from bp_jax.errors import BadInputError
 from bp_jax.policy.mlp import check_label_rule
 
 LABELS, EVAL_LABELS = "policy_labels", "policy_eval_labels"
+SETTINGS_KEY = "decode_settings"  # the label set's metadata entry holding `decode_settings`
+
+# Decode setting -> (decode.py's flag, the labels stage's flag).
+SETTING_FLAGS: dict[str, tuple[str, str]] = {
+    "max_new_tokens": ("--config.max_new_tokens", "--config.blockpilot.max_new_tokens"),
+    "temperature": ("--config.temperature", "--config.blockpilot.temperature"),
+    "chat": ("--config.chat", "--config.chat"),
+    "scan_layers": ("--config.scan_layers", "--config.scan_layers"),
+    "ar_fallback": ("--config.ar_fallback", "--config.ar_fallback"),
+    "ar_fallback_accept": ("--config.ar_fallback_accept", "--config.ar_fallback_accept"),
+}
+
+
+def decode_settings(max_new_tokens: int, temperature: float, chat: bool,
+                    loop: Mapping[str, Any]) -> dict[str, Any]:
+  """The settings a label set's measurements depend on; `loop` is `run_decode.loop_options`."""
+  return {"max_new_tokens": int(max_new_tokens), "temperature": float(temperature),
+          "chat": bool(chat), "scan_layers": bool(loop["scan_layers"]),
+          "ar_fallback": int(loop["ar_fallback"]),
+          "ar_fallback_accept": int(loop["ar_fallback_accept"])}
 
 
 # ---- datasets --------------------------------------------------------------------------------
@@ -35,9 +67,17 @@ class LabelSetBuilder(tfds_io.OrderedArrayRecordBuilder):
 
   def __init__(self, *, data_dir: str | os.PathLike, name: str,
                records: Iterator[Mapping[str, Any]], num_sizes: int,
-               feature_dims: Mapping[str, int], description: str = "", overwrite: bool = False):
+               feature_dims: Mapping[str, int], settings: Mapping[str, Any],
+               description: str = "", overwrite: bool = False):
     self._records, self._K, self._dims = records, int(num_sizes), dict(feature_dims)
+    self._settings = dict(settings)
     super().__init__(data_dir=data_dir, name=name, description=description, overwrite=overwrite)
+
+  def _info(self) -> tfds.core.DatasetInfo:
+    # The base builder's info plus the decode settings, saved as metadata.json with the data.
+    return tfds.core.DatasetInfo(
+        builder=self, description=self.builder_config.description, features=self._features(),
+        disable_shuffling=True, metadata=tfds.core.MetadataDict({SETTINGS_KEY: self._settings}))
 
   def _features(self) -> tfds.features.FeaturesDict:
     K = self._K
@@ -47,9 +87,12 @@ class LabelSetBuilder(tfds_io.OrderedArrayRecordBuilder):
             "prompt_len": tfds.features.Scalar(dtype=np.int32),
             "prefill_s": tfds.features.Scalar(dtype=np.float32),
             "ar_fallback": tfds.features.Scalar(dtype=np.int32),
-            "block_sizes": vec(np.int32), "tau": vec(np.float32), "committed": vec(np.int32),
-            "new_tokens": vec(np.int32), "cycles": vec(np.int32), "decode_s": vec(np.float32),
-            "accept_lens": tfds.features.Tensor(shape=(None,), dtype=np.int32)}
+            "block_sizes": vec(np.int32), "tau": vec(np.float32),
+            "tokens_per_forward": vec(np.float32), "committed": vec(np.int32),
+            "new_tokens": vec(np.int32), "cycles": vec(np.int32), "forwards": vec(np.int32),
+            "decode_s": vec(np.float32),
+            "accept_lens": tfds.features.Tensor(shape=(None,), dtype=np.int32),
+            "forward_is_cycle": tfds.features.Tensor(shape=(None,), dtype=np.bool_)}
     for f, dim in self._dims.items():
       spec[f"feat_{f}"] = tfds.features.Tensor(shape=(dim,), dtype=np.float32)
     return tfds.features.FeaturesDict(spec)
@@ -59,15 +102,16 @@ class LabelSetBuilder(tfds_io.OrderedArrayRecordBuilder):
 
 
 def write_label_set(data_dir: str, name: str, records: Sequence[Mapping[str, Any]],
-                    description: str) -> tfds_io.Dataset:
-  """Writes (replacing) label dataset `name` from `label_record` dicts and opens it."""
+                    description: str, settings: Mapping[str, Any]) -> tfds_io.Dataset:
+  """Writes (replacing) label dataset `name` from `label_record` dicts, with the
+  `decode_settings` they were measured with, and opens it."""
   if not records:
     raise BadInputError(f"dataset {name!r}: no labelled prompts to write")
   dims = {k[len("feat_"):]: int(np.size(v)) for k, v in records[0].items()
           if k.startswith("feat_")}
   builder = LabelSetBuilder(data_dir=data_dir, name=name, records=iter(records),
                             num_sizes=len(records[0]["block_sizes"]), feature_dims=dims,
-                            description=description, overwrite=True)
+                            settings=settings, description=description, overwrite=True)
   builder.build()
   return tfds_io.open_dataset(data_dir, name)
 
@@ -84,28 +128,92 @@ def open_label_set(path: str) -> tfds_io.Dataset:
   return ds
 
 
+def label_set_settings(ds: tfds_io.Dataset) -> dict[str, Any] | None:
+  """The `decode_settings` a label set was made with, or None for a set made before they were
+  recorded."""
+  settings = dict(ds.info.metadata or {}).get(SETTINGS_KEY)
+  return dict(settings) if settings else None
+
+
+def _differences(have: Mapping[str, Any], want: Mapping[str, Any]) -> list[str]:
+  """The settings in which `have` and `want` differ (the accept threshold only matters with AR
+  fallback steps)."""
+  names = [k for k in SETTING_FLAGS if have.get(k) != want.get(k)]
+  if not have.get("ar_fallback") and not want.get("ar_fallback"):
+    names = [k for k in names if k != "ar_fallback_accept"]
+  return names
+
+
+def check_decode_settings(path: str, ds: tfds_io.Dataset, want: Mapping[str, Any]) -> None:
+  """Refuses the label set at `path` unless it was measured with the decode settings `want`.
+
+  Raises:
+    BadInputError: a label set without recorded settings, or one made with other settings
+      (naming them, the label set's values and the flags to change).
+  """
+  have = label_set_settings(ds)
+  if have is None:
+    raise BadInputError(f"labels dataset {path!r} does not record the decode settings it was "
+                        "made with (an older label set): relabel it with train.py "
+                        "--config.stage=labels")
+  diffs = _differences(have, want)
+  if diffs:
+    made = ", ".join(f"{k}={have.get(k)}" for k in diffs)
+    ours = ", ".join(f"{k}={want.get(k)}" for k in diffs)
+    flags = " ".join(f"{SETTING_FLAGS[k][0]}={have.get(k)}" for k in diffs)
+    relabel = ", ".join(sorted({SETTING_FLAGS[k][1] for k in diffs}))
+    raise BadInputError(f"labels dataset {path!r} was made with {made} but this decode uses "
+                        f"{ours}: decode with {flags}, or relabel with train.py "
+                        f"--config.stage=labels and {relabel} set to this decode's values")
+
+
 # ---- label rules -----------------------------------------------------------------------------
 
 
 def stack(records: Sequence[Mapping[str, Any]], field: str) -> np.ndarray:
+  """[N, ...] `field` of every record; a label set made before the field was recorded (e.g.
+  `forwards`, `tokens_per_forward`) is refused."""
+  if any(field not in r for r in records):
+    raise BadInputError(f"label records without {field!r}: a label set made by an older labels "
+                        "stage; relabel it with train.py --config.stage=labels")
   return np.stack([np.asarray(r[field]) for r in records])
 
 
+def ar_step_seconds(records: Sequence[Mapping[str, Any]]) -> float | None:
+  """Seconds per step of plain AR decoding: the median over prompts of the size-1 runs' loop
+  time / target forwards; None when size 1 is not a candidate (or never ran a step)."""
+  sizes = [int(b) for b in records[0]["block_sizes"]]
+  if 1 not in sizes:
+    return None
+  k = sizes.index(1)
+  fwd, sec = stack(records, "forwards")[:, k], stack(records, "decode_s")[:, k]
+  ok = fwd > 0
+  return float(np.median(sec[ok] / fwd[ok])) if ok.any() else None
+
+
 def cycle_costs(records: Sequence[Mapping[str, Any]]) -> np.ndarray:
-  """[K] seconds per cycle of each size: the median over prompts of loop time / cycles."""
-  cyc, sec = stack(records, "cycles"), stack(records, "decode_s")
+  """[K] seconds per speculative cycle of each size: the median over prompts of the loop time
+  spent in cycles / cycles. A run with AR fallback steps also spent loop time in them: they are
+  charged at `ar_step_seconds` and subtracted; without a size-1 candidate to price them, only
+  runs that took no AR step count. NaN where no run qualifies."""
+  cyc, sec = stack(records, "cycles"), stack(records, "decode_s").astype(np.float64)
+  steps = stack(records, "forwards") - cyc
+  ar_step = ar_step_seconds(records)
+  priced = (steps == 0) if ar_step is None else np.ones_like(steps, bool)
+  in_cycles = sec - steps * (ar_step or 0.0)
   out = []
   for k in range(cyc.shape[1]):
-    ok = cyc[:, k] > 0
-    out.append(float(np.median(sec[ok, k] / cyc[ok, k])) if ok.any() else float("nan"))
+    ok = (cyc[:, k] > 0) & priced[:, k]
+    out.append(float(np.median(in_cycles[ok, k] / cyc[ok, k])) if ok.any() else float("nan"))
   return np.asarray(out)
 
 
 def decode_seconds(records: Sequence[Mapping[str, Any]],
                    costs: np.ndarray | None = None) -> np.ndarray:
   """[N, K] loop seconds per prompt and size for the throughput rule: cycles * the size's
-  cycle cost (`costs`, default `cycle_costs`), or, for labels measured with AR fallback steps,
-  the measured loop time itself (module docstring)."""
+  cycle cost (`costs`, default `cycle_costs`; without the fallback every target forward is a
+  cycle), or, for labels measured with AR fallback steps, the measured loop time itself (module
+  docstring)."""
   if any(int(r.get("ar_fallback", 0)) > 0 for r in records):
     return stack(records, "decode_s").astype(np.float64)
   costs = cycle_costs(records) if costs is None else np.asarray(costs)
@@ -114,8 +222,8 @@ def decode_seconds(records: Sequence[Mapping[str, Any]],
 
 def label_values(records: Sequence[Mapping[str, Any]], rule: str,
                  costs: np.ndarray | None = None) -> np.ndarray:
-  """[N, K] what each rule maximises: τ (max_tau) or estimated committed tokens per second
-  (max_throughput: new tokens / `decode_seconds`)."""
+  """[N, K] what each rule maximises: τ, committed tokens per speculative cycle (max_tau), or
+  estimated committed tokens per second (max_throughput: new tokens / `decode_seconds`)."""
   check_label_rule(rule)
   if rule == "max_tau":
     return stack(records, "tau").astype(np.float64)
@@ -134,10 +242,14 @@ def labels_of(values_NK: np.ndarray) -> np.ndarray:
   return np.argmax(values_NK, axis=1).astype(np.int32)
 
 
-def oracle_table(path: str, rule: str) -> tuple[dict[str, int], tuple[int, ...]]:
-  """({prompt hash: best size under `rule`}, candidate sizes) from a label dataset."""
+def oracle_table(path: str, rule: str, settings: Mapping[str, Any]
+                 ) -> tuple[dict[str, int], tuple[int, ...]]:
+  """({prompt hash: best size under `rule`}, candidate sizes) from a label dataset measured with
+  the decode settings `settings` (`decode_settings`; any other label set is refused)."""
   check_label_rule(rule, "--config.label_rule")
-  records = list(open_label_set(path))
+  ds = open_label_set(path)
+  check_decode_settings(path, ds, settings)
+  records = list(ds)
   sizes = tuple(int(b) for b in records[0]["block_sizes"])
   values = label_values(records, rule)
   best = labels_of(values)

@@ -211,3 +211,8 @@ def encode_prompt(tokenizer: Any, text: str, chat: bool) -> list[int]:
         [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True, **kwargs)
     return list(tokenizer.encode(rendered, add_special_tokens=False))
   return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def tokenizer_size(tok: Any) -> int:
+  """Ids the tokenizer can decode: 1 + its largest id (added tokens included)."""
+  return max(len(tok), max(tok.get_vocab().values(), default=-1) + 1)

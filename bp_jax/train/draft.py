@@ -28,6 +28,7 @@ from bp_jax.errors import BadInputError
 from bp_jax.eval.resources import peak_rss_mb
 from bp_jax.train import draft_objective as obj
 from bp_jax.train import workdir as wd
+from bp_jax.weights.convert import refuse_last_layer_features
 from bp_jax.train.regenerate import (REGEN_TRAIN, REGEN_VAL, model_fingerprint, read_stamp,
                                      regen_stamp_dir, write_stamp)
 
@@ -43,30 +44,33 @@ def choose_target_layer_ids(num_target_layers: int, num_draft_layers: int,
   """The target layers whose hidden states feed the drafter.
 
   `given` (non-empty) is used as is, after checks. Otherwise DFlash's default
-  (`config.default_target_layer_ids`), unless it repeats a layer (small targets: L=4, n=2 gives
-  [1, 1]); then n distinct layers evenly spaced over 1..L-2.
+  (`config.default_target_layer_ids`), unless it repeats a layer or leaves 0..L-2 (small
+  targets: L=4, n=2 gives [1, 1]); then n distinct layers evenly spaced over 1..L-2. The last
+  layer L-1 is never used (see `convert.refuse_last_layer_features`).
 
   Raises:
-    BadInputError: ids out of range or repeated, or no n distinct layers exist.
+    BadInputError: ids out of range, repeated or including layer L-1, or no n distinct layers
+      below L-1 exist.
   """
   L, n = num_target_layers, num_draft_layers
   if given:
     ids = tuple(int(i) for i in given)
+    flag = f"--config.draft.target_layer_ids={list(ids)}"
     bad = [i for i in ids if not 0 <= i < L]
     if bad:
-      raise BadInputError(f"--config.draft.target_layer_ids={list(ids)}: {bad} out of range for "
-                          f"a target with {L} layers")
+      raise BadInputError(f"{flag}: {bad} out of range for a target with {L} layers")
     if len(set(ids)) != len(ids):
-      raise BadInputError(f"--config.draft.target_layer_ids={list(ids)} repeats a layer")
+      raise BadInputError(f"{flag} repeats a layer")
+    refuse_last_layer_features(ids, L, flag)
     return ids
   ids = default_target_layer_ids(L, n)
-  if len(set(ids)) == len(ids):
+  if len(set(ids)) == n and set(ids) <= set(range(L - 1)):
     return ids
-  lo, hi = (1, L - 2) if L >= 3 else (0, L - 1)
-  ids = tuple(int(round(x)) for x in np.linspace(lo, hi, n))
+  lo, hi = (1, L - 2) if L >= 3 else (0, L - 2)
+  ids = tuple(int(round(x)) for x in np.linspace(lo, hi, n)) if hi >= lo else ()
   if len(set(ids)) != n:
-    raise BadInputError(f"cannot choose {n} distinct target layers of a {L}-layer target by "
-                        "default; set --config.draft.target_layer_ids")
+    raise BadInputError(f"cannot choose {n} distinct target layers below the last of a {L}-layer "
+                        "target by default; set --config.draft.target_layer_ids")
   return ids
 
 

@@ -12,18 +12,24 @@ What is computed, for one request at temperature 0 (greedy):
      This is the drafter's training forward with an anchor at every position
      (`draft_objective.drafter_train_forward`), one pass per size.
   3. A cycle of size b started at m commits acc_b[m] + 1 tokens. With a fixed size b the
-     request takes cycles_b cycles (following m -> m + acc_b[m] + 1 from m = 1 until m >= M);
-     this reproduces the real decode's cycle count (checked: `agreement`).
-  4. Per-cycle oracle: dynamic programming over m, choosing any size at every cycle:
+     request runs the loop that decoded it (`forward_schedule`: from m = 1 until m >= M, cycles
+     m -> m + acc_b[m] + 1 and, with the engine's AR fallback, the AR steps after poor
+     cycles); this reproduces the real decode's every target forward, cycle or AR step, and its
+     committed tokens (checked: `agreement`).
+  4. Per-cycle oracle: dynamic programming over m, choosing any size at every forward (and,
+     when the loop has the AR fallback, an AR step: size 1, which commits one token):
      cost(m) = min_b [c_b + cost(m + acc_b[m] + 1)], cost(m >= M) = 0, with c_b = 1 (fewest target
-     forwards, i.e. highest τ) or c_b = the measured seconds per cycle of size b (fastest).
-     It knows every future acceptance, so it bounds what any per-cycle controller could do.
+     forwards, i.e. most committed tokens per target forward) or c_b = the measured seconds per
+     cycle of size b and per AR step (fastest). It knows every future acceptance, so it bounds
+     what any per-cycle controller could do.
 
-Reported per request: the best fixed size's cycles (the per-request oracle), the per-cycle
-oracle's cycles, and how many of the per-cycle oracle's cycles use another size than the
-request's best fixed size (ties resolved towards that size, so this counts necessary changes).
-Gains are ratios of cycles (= ratios of τ, since the committed tokens are the same) or of
-estimated seconds.
+Reported per request and objective: the best fixed size's cost (the per-request oracle: its
+target forwards, cycles and AR fallback steps together, or its seconds), the per-cycle oracle's,
+and how many of the per-cycle oracle's forwards use another size than the request's best fixed
+size (ties resolved towards that size, so this counts necessary changes; with the fallback its
+AR steps are not changes: the fixed loop takes them too). Gains are ratios of target forwards
+(= ratios of tokens per target forward, since the committed tokens are the same; = ratios of τ
+only without the fallback) or of estimated seconds.
 """
 
 from __future__ import annotations
@@ -87,35 +93,44 @@ def replay_acceptance(target: Any, drafter: Any, prompt_ids: Sequence[int],
   return out
 
 
-def fixed_cycles(acc_M: np.ndarray) -> int:
-  """Cycles a fixed size needs to commit M tokens, from its replayed acceptances."""
-  return fallback_schedule(acc_M)[0]
+def forward_schedule(acc_M: np.ndarray, ar_fallback: int = 0,
+                     ar_fallback_accept: int = 1) -> list[tuple[int, bool]]:
+  """(committed tokens kept, is a speculative cycle) per target forward of the loop that commits
+  the M tokens at a fixed size, as `Generation.forward_lengths` / `forward_is_cycle` record it:
+  cycles from the replayed acceptances and, with the engine's AR fallback (`ar_fallback` > 0),
+  min(2^k, ar_fallback) AR steps after the k-th cycle in a row accepting at most
+  `ar_fallback_accept` drafts. The last forward keeps only the tokens up to M."""
+  M, m, out, misses = len(acc_M), 1, [], 0
+  while m < M:
+    a = int(acc_M[m])
+    out.append((min(a + 1, M - m), True))
+    m += a + 1
+    if ar_fallback and a <= ar_fallback_accept:
+      misses += 1
+      steps = min(2 ** misses, ar_fallback, max(M - m, 0))
+      out += [(1, False)] * steps
+      m += steps
+    else:
+      misses = 0
+  return out
 
 
 def fallback_schedule(acc_M: np.ndarray, ar_fallback: int = 0,
                       ar_fallback_accept: int = 1) -> tuple[int, int]:
-  """(cycles, AR steps) the speculative loop runs to commit M tokens at a fixed size, with the
-  engine's AR fallback (`decode_loops.make_spec_loop`: after a cycle accepting at most
-  `ar_fallback_accept` drafts, min(2^k, ar_fallback) AR steps for the k-th poor cycle in a
-  row; 0 = none)."""
-  M, m, cycles, steps, misses = len(acc_M), 1, 0, 0, 0
-  while m < M:
-    a = int(acc_M[m])
-    m += a + 1
-    cycles += 1
-    if ar_fallback and a <= ar_fallback_accept:
-      misses += 1
-      run = min(min(2 ** misses, ar_fallback), max(M - m, 0))
-      m += run
-      steps += run
-    else:
-      misses = 0
-  return cycles, steps
+  """(speculative cycles, AR steps) of `forward_schedule`."""
+  forwards = forward_schedule(acc_M, ar_fallback, ar_fallback_accept)
+  cycles = sum(is_cycle for _, is_cycle in forwards)
+  return cycles, len(forwards) - cycles
+
+
+def fixed_cycles(acc_M: np.ndarray) -> int:
+  """Cycles a fixed size needs to commit M tokens without the AR fallback."""
+  return fallback_schedule(acc_M)[0]
 
 
 def per_cycle_oracle(acc: dict[int, np.ndarray], costs: dict[int, float], prefer: int
                      ) -> tuple[float, list[int]]:
-  """(least total cost, the sizes of its cycles) over schedules choosing a size every cycle.
+  """(least total cost, the sizes of its forwards) over schedules choosing a size every forward.
 
   Ties prefer `prefer` (the request's best fixed size), then the smaller size."""
   sizes = sorted(acc)
@@ -134,42 +149,65 @@ def per_cycle_oracle(acc: dict[int, np.ndarray], costs: dict[int, float], prefer
   return float(best[1]) if M > 1 else 0.0, schedule
 
 
-def analyse_request(acc: dict[int, np.ndarray], seconds_per_cycle: dict[int, float]) -> dict:
-  """The per-request numbers of the module docstring, for unit costs and for measured costs."""
+def objectives(sizes: Sequence[int], seconds_per_cycle: dict[int, float],
+               ar_step_s: float | None) -> dict[str, dict[int, float]]:
+  """{objective: {size: cost of one of its forwards}}; size 1 is an AR step (`ar_step_s` unless
+  size 1 is a candidate with its own measured cost)."""
+  steps = {} if ar_step_s is None else {1: float(ar_step_s)}
+  return {"forwards": {b: 1.0 for b in (1, *sizes)},
+          "seconds": {**steps, **{b: float(seconds_per_cycle[b]) for b in sizes}}}
+
+
+def analyse_request(acc: dict[int, np.ndarray], seconds_per_cycle: dict[int, float],
+                    ar_step_s: float | None = None, ar_fallback: int = 0,
+                    ar_fallback_accept: int = 1) -> dict:
+  """The per-request numbers of the module docstring, for unit costs per target forward and for
+  measured costs, with the loop that ran (`ar_fallback`, `ar_fallback_accept`: the engine's;
+  with the fallback, `ar_step_s` prices its AR steps unless size 1 is a candidate)."""
   sizes = sorted(acc)
-  cycles = {b: fixed_cycles(acc[b]) for b in sizes}
-  out = {"tokens": int(len(acc[sizes[0]])), "fixed_cycles": {str(b): cycles[b] for b in sizes}}
-  for name, costs in (("cycles", {b: 1.0 for b in sizes}), ("seconds", seconds_per_cycle)):
-    fixed_cost = {b: cycles[b] * costs[b] for b in sizes}
-    best_b = min(sizes, key=lambda b: (fixed_cost[b], b))
-    total, schedule = per_cycle_oracle(acc, costs, best_b)
-    out[name] = {"best_fixed_size": best_b, "best_fixed": fixed_cost[best_b],
-                 "per_cycle": total, "per_cycle_cycles": len(schedule),
-                 "switched_cycles": sum(s != best_b for s in schedule),
-                 "distinct_sizes": len(set(schedule))}
+  schedules = {b: fallback_schedule(acc[b], ar_fallback if b > 1 else 0, ar_fallback_accept)
+               for b in sizes}
+  options = dict(acc)
+  if ar_fallback and 1 not in options:  # the loop's AR step is a choice of a per-cycle controller
+    options[1] = np.zeros(len(acc[sizes[0]]), np.int64)
+  out = {"tokens": int(len(acc[sizes[0]])),
+         "fixed_cycles": {str(b): schedules[b][0] for b in sizes},
+         "fixed_ar_steps": {str(b): schedules[b][1] for b in sizes}}
+  for name, costs in objectives(sizes, seconds_per_cycle, ar_step_s).items():
+    if any(b not in costs for b in options):
+      raise ValueError("the AR fallback's steps need a cost: pass ar_step_s")
+    fixed = {b: cyc * costs[b] + steps * costs.get(1, 0.0) for b, (cyc, steps) in schedules.items()}
+    best_b = min(sizes, key=lambda b: (fixed[b], b))
+    total, schedule = per_cycle_oracle(options, costs, best_b)
+    switched = [b for b in schedule if b != best_b and not (ar_fallback and b == 1)]
+    out[name] = {"best_fixed_size": best_b, "best_fixed": fixed[best_b],
+                 "fixed": {str(b): c for b, c in fixed.items()},
+                 "per_cycle": total, "per_cycle_forwards": len(schedule),
+                 "switched_forwards": len(switched), "distinct_sizes": len(set(schedule))}
   return out
 
 
-def summarize(analyses: Sequence[dict], seconds_per_cycle: dict[int, float]) -> dict:
-  """Totals over requests, per objective (cycles / seconds): the best single size for all
-  requests (chosen on these requests), the per-request oracle (best fixed size per request),
+def summarize(analyses: Sequence[dict]) -> dict:
+  """Totals over requests, per objective (target forwards / seconds): the best single size for
+  all requests (chosen on these requests), the per-request oracle (best fixed size per request),
   the per-cycle oracle, and the gains between them (ratios of totals, minus 1)."""
-  sizes = sorted(int(b) for b in analyses[0]["fixed_cycles"]) if analyses else []
+  names = [n for n in ("forwards", "seconds") if analyses and n in analyses[0]]
   out: dict[str, Any] = {"requests": len(analyses)}
-  for name, costs in (("cycles", {b: 1.0 for b in sizes}), ("seconds", seconds_per_cycle)):
-    static = {b: sum(a["fixed_cycles"][str(b)] * costs[b] for a in analyses) for b in sizes}
-    b_static = min(sizes, key=lambda b: (static[b], b)) if sizes else 0
+  gain = lambda a, b: round(a / max(b, 1e-12) - 1.0, 6) + 0.0  # no -0.0 from rounding
+  for name in names:
+    sizes = sorted(int(b) for b in analyses[0][name]["fixed"])
+    static = {b: sum(a[name]["fixed"][str(b)] for a in analyses) for b in sizes}
+    b_static = min(sizes, key=lambda b: (static[b], b))
     per_req = sum(a[name]["best_fixed"] for a in analyses)
     per_cyc = sum(a[name]["per_cycle"] for a in analyses)
-    cycles = sum(a[name]["per_cycle_cycles"] for a in analyses)
-    gain = lambda a, b: round(a / max(b, 1e-12) - 1.0, 6) + 0.0  # no -0.0 from rounding
+    forwards = sum(a[name]["per_cycle_forwards"] for a in analyses)
     out[name] = {
-        "global_static_size": b_static, "global_static": static.get(b_static, 0.0),
+        "global_static_size": b_static, "global_static": static[b_static],
         "per_request_oracle": per_req, "per_cycle_oracle": per_cyc,
-        "gain_per_request_over_static": gain(static.get(b_static, 0.0), per_req),
+        "gain_per_request_over_static": gain(static[b_static], per_req),
         "gain_per_cycle_over_per_request": gain(per_req, per_cyc),
-        "gain_per_cycle_over_static": gain(static.get(b_static, 0.0), per_cyc),
-        "switched_cycle_fraction": sum(a[name]["switched_cycles"] for a in analyses)
-                                   / max(cycles, 1),
-        "requests_switching": int(sum(a[name]["switched_cycles"] > 0 for a in analyses))}
+        "gain_per_cycle_over_static": gain(static[b_static], per_cyc),
+        "switched_fraction": sum(a[name]["switched_forwards"] for a in analyses)
+                             / max(forwards, 1),
+        "requests_switching": int(sum(a[name]["switched_forwards"] > 0 for a in analyses))}
   return out

@@ -2,12 +2,18 @@
 
 Every prompt of the labelling set (and, separately, of the evaluation set) is decoded once per
 candidate block size with the trained target and drafter (`<workdir>/target`, `<workdir>/drafter`).
-Per prompt and size we record τ, committed tokens, new tokens, cycles (target forwards) and the
-loop's wall time, plus the prompt's policy features from the prefill (`policy_features`, the same
-jitted prefill decoding uses). Two TFDS datasets in `<workdir>/data`:
+Per prompt and size we record τ (committed tokens per speculative cycle), tokens per target
+forward, committed and new tokens, speculative cycles, target forwards (cycles and the AR
+fallback's steps), the loop's wall time and every forward's committed tokens (the fields:
+`label_sets` docstring), plus the prompt's policy features from the prefill (`policy_features`,
+the same jitted prefill decoding uses). Two TFDS datasets in `<workdir>/data`:
 
   policy_labels       labelling prompts: the policy is trained (and validated) on these only;
   policy_eval_labels  evaluation prompts: for the oracle row and analysis, never for training.
+
+Each dataset's TFDS metadata records the decode settings it was measured with (new tokens,
+temperature, chat, the loops' form: `label_sets.decode_settings`); decode.py's oracle policy
+refuses a label set made with settings other than its own.
 
 Settings: `cfg.blockpilot` (`configs/qwen3.py: blockpilot_config`). Prompt sets: the prompts
 of `eval_source` (default HumanEval) are split by id with `split_ids` into a labelling part and
@@ -41,8 +47,9 @@ import numpy as np
 
 from bp_jax.data import tfds_io
 from bp_jax.errors import BadInputError
-from bp_jax.policy.label_sets import (EVAL_LABELS, LABELS, cycle_costs, label_values, labels_of,
-                                      open_label_set, stack, usable, write_label_set)
+from bp_jax.policy.label_sets import (EVAL_LABELS, LABELS, cycle_costs, decode_settings,
+                                      label_set_settings, label_values, labels_of, open_label_set,
+                                      stack, usable, write_label_set)
 from bp_jax.policy.mlp import LABEL_RULES, prompt_hash
 from bp_jax.policy.features import FEATURE_TYPES, parse_feature_types
 from bp_jax.text.prompts import HUMANEVAL, check_disjoint, load_prompts, split_ids
@@ -165,6 +172,24 @@ def encode(prompt: LabelPrompt, tok: Any, chat: bool) -> list[int]:
   return list(prompt.ids) if prompt.ids is not None else encode_prompt(tok, prompt.text, chat)
 
 
+def _size_figures(gens: Sequence[Any]) -> dict[str, float]:
+  """One size's figures over its runs (one per seed): totals, τ = committed tokens per
+  speculative cycle and tokens per target forward, both pooled over the runs."""
+  cycle_tokens = sum(sum(g.acceptance_lengths) for g in gens)
+  committed = sum(sum(g.forward_lengths) for g in gens)
+  cycles = sum(g.cycles for g in gens)
+  forwards = sum(g.target_forwards for g in gens)
+  return {"tau": cycle_tokens / cycles if cycles else 0.0,
+          "tokens_per_forward": committed / forwards if forwards else 0.0,
+          "committed": committed, "new_tokens": sum(g.new_tokens for g in gens),
+          "cycles": cycles, "forwards": forwards, "decode_s": sum(g.decode_s for g in gens)}
+
+
+SIZE_FIGURES = {"tau": np.float32, "tokens_per_forward": np.float32, "committed": np.int32,
+                "new_tokens": np.int32, "cycles": np.int32, "forwards": np.int32,
+                "decode_s": np.float32}
+
+
 def measure_prompt(engine: Any, ids: Sequence[int], sizes: Sequence[int], *, max_new_tokens: int,
                    temperature: float, seed: int, num_seeds: int = 1,
                    order_seed: int = 0) -> dict[str, Any]:
@@ -172,36 +197,31 @@ def measure_prompt(engine: Any, ids: Sequence[int], sizes: Sequence[int], *, max
   sizes run in a per-prompt shuffled order so that slow phases of the machine do not always
   hit the same size.
 
-  Returns:
-    {"tau", "committed", "new_tokens", "cycles", "decode_s"}: [K] arrays summed over the seeds
-    (tau = committed / cycles), "accept_lens": every cycle's acceptance length, size after size
-    (in `sizes` order, seeds consecutive), "prefill_s" (mean), "features": {name: [F]}.
+  Returns [K] arrays (`_size_figures`): "tau" (committed tokens per speculative cycle; with
+  several seeds pooled over their cycles), "tokens_per_forward" (pooled likewise), and summed
+  over the seeds "committed" (tokens committed by the loop: new tokens - 1 per run),
+  "new_tokens", "cycles" (speculative cycles), "forwards" (target forwards: cycles and the AR
+  fallback's steps), "decode_s" (loop seconds); the loops that ran: "accept_lens" (every
+  forward's committed tokens) and "forward_is_cycle" (whether it was a cycle), size after size
+  (in `sizes` order, seeds consecutive, forwards in loop order); "prefill_s" (mean) and
+  "features": {name: [F]} (the first run's).
   """
   K = len(sizes)
-  committed, new_tokens, cycles = (np.zeros(K, np.int64) for _ in range(3))
-  decode_s = np.zeros(K, np.float64)
-  accepts: list[list[int]] = [[] for _ in range(K)]
-  features, prefill = None, []
+  runs: list[list[Any]] = [[] for _ in range(K)]
   order = np.random.default_rng([int(order_seed) & 0xFFFFFFFF, 17]).permutation(K)
   for s in range(num_seeds):
     for k in order:
-      g = engine.generate(ids, max_new_tokens=max_new_tokens, temperature=temperature,
-                          seed=seed + 7919 * s, block_size=int(sizes[k]),
-                          return_features=features is None)
-      if features is None:
-        features = g.features
-      prefill.append(g.prefill_s)
-      committed[k] += sum(g.acceptance_lengths)
-      new_tokens[k] += g.new_tokens
-      cycles[k] += g.target_forwards
-      decode_s[k] += g.decode_s
-      accepts[k] += g.acceptance_lengths
-  tau = np.where(cycles > 0, committed / np.maximum(cycles, 1), 0.0)
-  return {"tau": tau.astype(np.float32), "committed": committed.astype(np.int32),
-          "new_tokens": new_tokens.astype(np.int32), "cycles": cycles.astype(np.int32),
-          "decode_s": decode_s.astype(np.float32),
-          "accept_lens": np.asarray([a for acc in accepts for a in acc], np.int32),
-          "prefill_s": float(np.mean(prefill)), "features": features}
+      runs[k].append(engine.generate(ids, max_new_tokens=max_new_tokens, temperature=temperature,
+                                     seed=seed + 7919 * s, block_size=int(sizes[k]),
+                                     return_features=s == 0 and k == order[0]))
+  per_size = [_size_figures(gens) for gens in runs]
+  gens = [g for size_runs in runs for g in size_runs]
+  out = {f: np.asarray([p[f] for p in per_size], t) for f, t in SIZE_FIGURES.items()}
+  out["accept_lens"] = np.asarray([a for g in gens for a in g.forward_lengths], np.int32)
+  out["forward_is_cycle"] = np.asarray([c for g in gens for c in g.forward_is_cycle], np.bool_)
+  out["prefill_s"] = float(np.mean([g.prefill_s for g in gens]))
+  out["features"] = runs[order[0]][0].features
+  return out
 
 
 # ---- datasets ---------------------------------------------------------------------------------
@@ -214,8 +234,7 @@ def label_record(prompt: LabelPrompt, split: str, prompt_len: int, sizes: Sequen
          "prompt_len": int(prompt_len), "prefill_s": float(m["prefill_s"]),
          "ar_fallback": int(ar_fallback),
          "block_sizes": np.asarray(sizes, np.int32),
-         **{k: m[k] for k in ("tau", "committed", "new_tokens", "cycles", "decode_s",
-                              "accept_lens")}}
+         **{k: m[k] for k in (*SIZE_FIGURES, "accept_lens", "forward_is_cycle")}}
   for f, v in (m["features"] or {}).items():
     rec[f"feat_{f}"] = np.asarray(v, np.float32)
   return rec
@@ -267,6 +286,14 @@ def build_engine(cfg: Any, target: Any, drafter: Any, tok: Any, sizes: Sequence[
   return engine
 
 
+def _holds_settings(data_dir: str, name: str, settings: Mapping[str, Any]) -> bool:
+  """Whether label dataset `name` exists and records the decode settings `settings` (a set made
+  before the settings were recorded is labelled again)."""
+  if not tfds_io.dataset_exists(data_dir, name):
+    return False
+  return label_set_settings(open_label_set(os.path.join(data_dir, name))) == dict(settings)
+
+
 def labels_stage(cfg: Any) -> None:
   """Writes `policy_labels` and `policy_eval_labels` to `<workdir>/data` (module docstring).
 
@@ -304,10 +331,11 @@ def labels_stage(cfg: Any) -> None:
           "scan_layers": loop["scan_layers"],
           "ar_fallback": [loop["ar_fallback"], loop["ar_fallback_accept"]],
           "feature_types": list(FEATURE_TYPES),  # every available feature is stored
-          "record_format": 2}  # 2: records carry ar_fallback
+          "record_format": 3}  # 3: tau per speculative cycle, forwards, forward_is_cycle
+  settings = decode_settings(max_new, temperature, bool(cfg.get("chat", False)), loop)
   stamp = read_stamp(stamp_dir)
   if (stamp is not None and all(stamp.get(k) == v for k, v in want.items())
-      and tfds_io.dataset_exists(data, LABELS) and tfds_io.dataset_exists(data, EVAL_LABELS)):
+      and all(_holds_settings(data, name, settings) for name in (LABELS, EVAL_LABELS))):
     print(f"[labels] up to date: {data}/{LABELS}, {data}/{EVAL_LABELS}")
     return
   engine = build_engine(cfg, target, drafter, tok, sizes, [len(v) for v in encoded.values()],
@@ -328,7 +356,7 @@ def labels_stage(cfg: Any) -> None:
                          seed=int(cfg.seed) + i, num_seeds=seeds, order_seed=i)
       records.append(label_record(p, split, len(ids), sizes, m, loop["ar_fallback"]))
     write_label_set(data, name, records, f"{len(records)} {split} prompts decoded at sizes "
-                    f"{list(sizes)} (T={temperature}, {max_new} new tokens)")
+                    f"{list(sizes)} (T={temperature}, {max_new} new tokens)", settings)
     counts[split] = summarize_labels(records, sizes)
   write_stamp(stamp_dir, {**want, "counts": counts,
                           "seconds": round(time.perf_counter() - t0, 1)})

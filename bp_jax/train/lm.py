@@ -12,6 +12,7 @@ import itertools
 import json
 import math
 import os
+import sys
 from typing import Any, Callable, Iterator
 
 import jax
@@ -148,6 +149,26 @@ def _check_chunks(source: Any, chunk_len: int, name: str) -> None:
         f"{chunk_len - 1} needs {chunk_len}: rerun the 'lm_data' stage")
 
 
+def tokenizer_size(tok: Any) -> int:
+  """How many ids the tokenizer decodes: 1 + its largest id (added tokens included)."""
+  return max(len(tok), max(tok.get_vocab().values(), default=-1) + 1)
+
+
+def check_vocab_sizes(tokenizer_ids: int, vocab_size: int, tok_dir: str) -> None:
+  """Refuses a tokenizer with ids beyond the model's vocabulary; warns (on stderr) when the model
+  can emit ids the tokenizer cannot decode (they would vanish from decoded text)."""
+  if tokenizer_ids > vocab_size:
+    raise BadInputError(f"the tokenizer in {tok_dir} has {tokenizer_ids} ids but "
+                        f"--config.model.vocab_size={vocab_size}: its ids past "
+                        f"{vocab_size - 1} are out of the model's range; set "
+                        f"--config.model.vocab_size={tokenizer_ids}")
+  if tokenizer_ids < vocab_size:
+    print(f"[lm] warning: --config.model.vocab_size={vocab_size} but the tokenizer in {tok_dir} "
+          f"has {tokenizer_ids} ids: the model can emit {vocab_size - tokenizer_ids} ids "
+          f"({tokenizer_ids}..{vocab_size - 1}) that the tokenizer cannot decode; set "
+          f"--config.model.vocab_size={tokenizer_ids} to match", file=sys.stderr, flush=True)
+
+
 RUN_STAMP = "run_settings.json"
 
 
@@ -188,9 +209,7 @@ def lm_stage(cfg: Any) -> None:
   _check_chunks(val_ds, chunk_len, LM_VAL)
   tok = load_tokenizer(tok_dir)
   model = build_target(cfg.model, int(cfg.seed))
-  if len(tok) > model.cfg.vocab_size:
-    raise BadInputError(f"the tokenizer has {len(tok)} tokens but --config.model.vocab_size="
-                        f"{model.cfg.vocab_size}; raise the model's vocab_size")
+  check_vocab_sizes(tokenizer_size(tok), model.cfg.vocab_size, tok_dir)
   if chunk_len - 1 > model.cfg.max_position_embeddings:
     raise BadInputError(f"--config.lm.seq_len={chunk_len - 1} exceeds "
                         f"--config.model.max_position_embeddings")

@@ -138,20 +138,28 @@ def fit_policy(x_train: np.ndarray, y_train: np.ndarray, x_val: np.ndarray | Non
 
 def choice_metrics(records: Sequence[Mapping[str, Any]], choice_N: np.ndarray,
                    costs_K: np.ndarray) -> dict[str, float]:
-  """Aggregate τ (committed tokens / cycles) and estimated tokens per second (new tokens /
-  `labels.decode_seconds`) when prompt i decodes with class `choice_N[i]`."""
+  """Figures of the set when prompt i decodes with class `choice_N[i]`, named as decode.py's
+  summary names them: `tau` (mean over prompts of each prompt's committed tokens per
+  speculative cycle), `tau_pooled_over_cycles`, `tokens_per_forward` (mean over prompts of
+  committed tokens per target forward, the AR fallback's steps included), and
+  `est_tokens_per_s` (new tokens / `label_sets.decode_seconds`). Prompts without a cycle at
+  their size count in no τ."""
   rows = np.arange(len(records))
-  committed = label_sets.stack(records, "committed")[rows, choice_N].sum()
-  cycles = label_sets.stack(records, "cycles")[rows, choice_N]
-  new = label_sets.stack(records, "new_tokens")[rows, choice_N].sum()
+  pick = lambda field: label_sets.stack(records, field)[rows, choice_N]
+  tau, cycles, per_forward = pick("tau"), pick("cycles"), pick("tokens_per_forward")
+  ran = cycles > 0
+  mean = lambda v: float(np.mean(v[ran])) if ran.any() else 0.0
+  new = pick("new_tokens").sum()
   seconds = label_sets.decode_seconds(records, costs_K)[rows, choice_N].sum()
-  return {"tau": float(committed / max(cycles.sum(), 1)),
+  cycle_tokens = (tau.astype(np.float64) * cycles).sum()  # τ = a prompt's cycle tokens / cycles
+  return {"tau": mean(tau), "tau_pooled_over_cycles": float(cycle_tokens / max(cycles.sum(), 1)),
+          "tokens_per_forward": mean(per_forward),
           "est_tokens_per_s": float(new / max(seconds, 1e-12))}
 
 
 def best_static(records: Sequence[Mapping[str, Any]], rule: str, costs_K: np.ndarray) -> int:
-  """The class whose size is best for the whole set under `rule` (aggregate τ, or estimated
-  tokens per second)."""
+  """The class whose size is best for the whole set under `rule` (`choice_metrics`: mean τ
+  per speculative cycle over the prompts, or estimated tokens per second)."""
   K = len(records[0]["block_sizes"])
   key = "tau" if rule == "max_tau" else "est_tokens_per_s"
   scores = [choice_metrics(records, np.full(len(records), k), costs_K)[key] for k in range(K)]
@@ -284,8 +292,10 @@ def _line(name: str, e: dict) -> str:
        f"{e['best_step']}); train acc {e['train_accuracy']:.3f}")
   if "val_accuracy" in e:
     s += (f", val acc {e['val_accuracy']:.3f} (majority {e['val_majority_accuracy']:.3f}); "
-          f"val tau {e['val_policy']['tau']:.3f} vs static b={e['static_size']} "
-          f"{e['val_static']['tau']:.3f} (oracle {e['val_oracle']['tau']:.3f}); est tok/s "
+          f"val tau (per spec. cycle) {e['val_policy']['tau']:.3f} vs static "
+          f"b={e['static_size']} {e['val_static']['tau']:.3f} (oracle "
+          f"{e['val_oracle']['tau']:.3f}); tokens per target forward "
+          f"{e['val_policy']['tokens_per_forward']:.3f}; est tok/s "
           f"{e['val_policy']['est_tokens_per_s']:.1f} vs "
           f"{e['val_static']['est_tokens_per_s']:.1f}")
   return s

@@ -28,6 +28,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from bp_jax.errors import BadInputError
+from bp_jax.models.fingerprint import model_fingerprint  # noqa: F401  (stages import it here)
 from bp_jax.text.prompts import HUMANEVAL, Prompt, load_prompts, split_ids
 from bp_jax.train import workdir as wd
 
@@ -37,25 +38,6 @@ STAMP_FILE = "bp_jax_stage.json"
 
 
 # ---- identities and stamps -------------------------------------------------------------------
-
-
-def model_fingerprint(module: Any) -> str:
-  """A short sha256 of a module's parameters (paths, shapes, dtypes and float32 values).
-
-  Identifies the exact target a dataset or a drafter was made with, independent of the dtype it
-  is loaded in (values are hashed as float32).
-  """
-  import jax
-  from flax import nnx
-
-  h = hashlib.sha256()
-  state = nnx.state(module, nnx.Param).to_pure_dict()
-  for path, leaf in sorted(jax.tree_util.tree_leaves_with_path(state),
-                           key=lambda kv: jax.tree_util.keystr(kv[0])):
-    arr = np.asarray(jax.device_get(leaf), dtype=np.float32)
-    h.update(f"{jax.tree_util.keystr(path)}:{arr.shape};".encode())
-    h.update(np.ascontiguousarray(arr).tobytes())
-  return h.hexdigest()[:16]
 
 
 def read_stamp(folder: str) -> dict | None:

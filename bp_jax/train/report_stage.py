@@ -19,7 +19,10 @@ without decoding again (at a fixed size they are the same computation, same seed
 
 Outputs in `cfg.blockpilot.report_dir` (default `<workdir>/report`): report.md and report.json
 (the table, the policy overhead, the intra-request analysis), runs.jsonl (every run), and PNGs:
-tau_by_size.png, chosen_sizes.png, acceptance_hist.png.
+tau_by_size.png, chosen_sizes.png, acceptance_hist.png. Figures have decode.py's meanings
+(`eval.report`): τ is committed tokens per speculative cycle (the plots and histograms too),
+tokens per target forward also count the AR fallback's steps. The label sets must have been
+measured with this report's decode settings (the loop's form included: `check_label_settings`).
 """
 
 from __future__ import annotations
@@ -52,10 +55,32 @@ QWEN3_4B = {"vocab_size": 151936, "hidden_size": 2560, "num_layers": 5, "params"
 
 
 def _run_record(method: str, key: str, g: Any) -> dict:
+  """One run (runs.jsonl): `acceptance_lengths` per speculative cycle (τ's terms);
+  `forward_lengths` / `forward_is_cycle` every target forward of the loop, in order."""
   return {"method": method, "prompt": key, "block_size": int(g.block_size),
           "new_tokens": g.new_tokens, "prefill_s": g.prefill_s, "decode_s": g.decode_s,
-          "acceptance_lengths": list(g.acceptance_lengths), "policy_probs": g.policy_probs,
-          "output_ids": list(g.output_ids)}
+          "acceptance_lengths": list(g.acceptance_lengths),
+          "forward_lengths": list(g.forward_lengths),
+          "forward_is_cycle": list(g.forward_is_cycle), "cycles": g.cycles,
+          "ar_steps": g.ar_steps, "tau": g.tau, "tokens_per_forward": g.tokens_per_forward,
+          "policy_probs": g.policy_probs, "output_ids": list(g.output_ids)}
+
+
+def _schedule(run: Mapping[str, Any]) -> list[tuple[int, bool]]:
+  """(committed tokens, is a speculative cycle) per target forward of a run."""
+  return [(int(a), bool(c)) for a, c in zip(run["forward_lengths"], run["forward_is_cycle"])]
+
+
+def check_label_settings(cfg: Any, max_new: int, temperature: float) -> None:
+  """Refuses label sets measured with other decode settings than this report's runs (another
+  loop form, e.g. with or without the AR fallback, gives other labels and cycle costs)."""
+  from bp_jax.decoding.run_decode import loop_options
+
+  want = label_sets.decode_settings(max_new, temperature, bool(cfg.get("chat", False)),
+                                    loop_options(cfg))
+  for name in (label_sets.LABELS, label_sets.EVAL_LABELS):
+    path = os.path.join(wd.data_dir(cfg), name)
+    label_sets.check_decode_settings(path, label_sets.open_label_set(path), want)
 
 
 def load_policies(cfg: Any, eval_texts: Sequence[str], fingerprint: str,
@@ -138,6 +163,7 @@ def report_stage(cfg: Any) -> None:
                         "split of --config.blockpilot: rerun the labels stage")
   lab.check_no_overlap(label_prompts, evals)
   max_new, temperature = int(bp.max_new_tokens), float(bp.temperature)
+  check_label_settings(cfg, max_new, temperature)
   policies = load_policies(cfg, [p.text for p in evals], fingerprint, sizes)
   encoded = [lab.encode(p, tok, bool(cfg.get("chat", False))) for p in evals]
   engine = lab.build_engine(cfg, target, drafter, tok, sizes, [len(e) for e in encoded], max_new)
@@ -184,10 +210,9 @@ def report_stage(cfg: Any) -> None:
     runs["b=1"] = runs["AR"]
   if engine.compiled.summary()["compilations"] != compiled["compilations"]:
     raise AssertionError("decoding compiled new functions after precompile")
-  # A learned run is the fixed run of its size plus the policy (same seed): same cycles.
-  mismatches = sum(
-      r["acceptance_lengths"] != runs[f"b={r['block_size']}"][i]["acceptance_lengths"]
-      for n in policies for i, r in enumerate(runs[f"learned {n}"]))
+  # A learned run is the fixed run of its size plus the policy (same seed): same forwards.
+  mismatches = sum(_schedule(r) != _schedule(runs[f"b={r['block_size']}"][i])
+                   for n in policies for i, r in enumerate(runs[f"learned {n}"]))
 
   label_costs = label_sets.cycle_costs(label_records)
   ar_tps = rep.method_row("AR", runs["AR"])["tokens_per_s"]
@@ -212,10 +237,10 @@ def report_stage(cfg: Any) -> None:
 
   out_dir = str(bp.get("report_dir", "") or wd.run_dir(cfg, "report"))
   os.makedirs(out_dir, exist_ok=True)
-  tau_NK = np.asarray([[float(np.mean(runs[f"b={b}"][i]["acceptance_lengths"] or [0]))
-                        for b in sizes] for i in range(len(evals))])
+  tau_NK = np.asarray([[runs[f"b={b}"][i]["tau"] or 0.0 for b in sizes]
+                       for i in range(len(evals))])
   rep.tau_by_size_plot(tau_NK, sizes, os.path.join(out_dir, "tau_by_size.png"),
-                       f"τ by block size, {len(evals)} held-out prompts")
+                       f"τ per speculative cycle by block size, {len(evals)} held-out prompts")
   chosen = {n: [r["block_size"] for r in rs] for n, rs in derived.items()
             if n.startswith(("learned", "oracle", "random"))}
   rep.size_distribution_plot(chosen, sizes, os.path.join(out_dir, "chosen_sizes.png"))
@@ -236,8 +261,9 @@ def report_stage(cfg: Any) -> None:
     analysis = intra_request_analysis(engine, target, drafter, evals, encoded, runs, sizes,
                                       max_new, temperature)
   report = {"prompts": len(evals), "eval_source": str(bp.eval_source), "sizes": list(sizes),
-            "temperature": temperature, "max_new_tokens": max_new, "rows": rows,
-            "learned_vs_fixed_cycle_mismatches": mismatches,
+            "temperature": temperature, "max_new_tokens": max_new,
+            "ar_fallback": [engine.ar_fallback, engine.ar_fallback_accept], "rows": rows,
+            "learned_vs_fixed_forward_mismatches": mismatches,
             "compilations": compiled, "policy_overhead": overhead, "intra_request": analysis,
             "labelling_prompts": len(label_records),
             "label_cycle_cost_ms": [round(1e3 * c, 4) for c in label_costs]}
@@ -254,11 +280,28 @@ def report_stage(cfg: Any) -> None:
   print(f"[report] wrote {out_dir}/report.md, report.json, runs.jsonl and PNGs")
 
 
+def _ar_step_seconds(ar_runs: Sequence[Mapping[str, Any]]) -> float:
+  """Median seconds per step of this report's plain AR runs."""
+  per_step = [r["decode_s"] / len(r["forward_lengths"]) for r in ar_runs if r["forward_lengths"]]
+  return float(np.median(per_step)) if per_step else 0.0
+
+
+def _seconds_per_cycle(size_runs: Sequence[Mapping[str, Any]], ar_step: float) -> float:
+  """Median over a size's runs of the loop seconds spent in speculative cycles per cycle: the
+  AR fallback's steps (the run's own count) are charged at `ar_step` seconds each."""
+  per_run = [(r["decode_s"] - r["ar_steps"] * ar_step) / r["cycles"]
+             for r in size_runs if r["cycles"]]
+  return float(np.median(per_run)) if per_run else 1.0
+
+
 def intra_request_analysis(engine: Any, target: Any, drafter: Any, prompts: Sequence[Any],
                            encoded: Sequence[Sequence[int]], runs: Mapping[str, list],
                            sizes: Sequence[int], max_new: int, temperature: float) -> dict:
   """`intra_request` over the evaluation prompts (greedy outputs; at T > 0 an extra greedy AR
-  decode per prompt gives them), with seconds per cycle measured by this report's fixed runs."""
+  decode per prompt gives them), for the loop this report's runs ran (the engine's AR fallback),
+  with seconds per cycle and per AR step measured by this report's runs. At T=0 the replayed
+  schedule of every fixed run (each forward's committed tokens, cycle or AR step) is compared
+  with the run's (`replay_agrees_with_decode`)."""
   accs = []
   for i, ids in enumerate(encoded):
     if temperature == 0:
@@ -267,31 +310,17 @@ def intra_request_analysis(engine: Any, target: Any, drafter: Any, prompts: Sequ
       out = engine.generate(ids, max_new_tokens=max_new, temperature=0.0, block_size=1).output_ids
     accs.append(intra.replay_acceptance(target, drafter, ids, out, sizes, max_new,
                                         engine.length_buckets))
-  # Seconds per cycle of each size from this report's fixed runs. With AR fallback steps a run
-  # mixes cycles and AR steps: the replayed schedule says how many of each (at T=0), and the AR
-  # steps are charged at the AR run's seconds per step.
-  fb, fb_accept = engine.ar_fallback, engine.ar_fallback_accept
-  ar_step = float(np.median([r["decode_s"] / len(r["acceptance_lengths"])
-                             for r in runs["AR"] if r["acceptance_lengths"]]))
-  spc, agree, total = {}, 0, 0
-  for b in sizes:
-    per_run = []
-    for i, r in enumerate(runs[f"b={b}"]):
-      forwards = len(r["acceptance_lengths"])
-      if not forwards:
-        continue
-      cycles, steps = (intra.fallback_schedule(accs[i][b], fb if b > 1 else 0, fb_accept)
-                       if temperature == 0 else (forwards, 0))
-      if temperature == 0:
-        total += 1
-        agree += cycles + steps == forwards
-      if cycles and cycles + steps == forwards:
-        per_run.append((r["decode_s"] - steps * ar_step) / cycles)
-    spc[b] = float(np.median(per_run)) if per_run else 1.0
-  analyses = [intra.analyse_request(acc, spc) for acc in accs]
-  out = intra.summarize(analyses, spc)
+  fb, fb_accept = int(engine.ar_fallback), int(engine.ar_fallback_accept)
+  ar_step = _ar_step_seconds(runs["AR"])
+  spc = {b: _seconds_per_cycle(runs[f"b={b}"], ar_step) for b in sizes}
+  agree = [intra.forward_schedule(accs[i][b], fb if b > 1 else 0, fb_accept) == _schedule(r)
+           for b in sizes for i, r in enumerate(runs[f"b={b}"])] if temperature == 0 else []
+  analyses = [intra.analyse_request(acc, spc, ar_step, fb, fb_accept) for acc in accs]
+  out = intra.summarize(analyses)
+  out["ar_fallback"] = [fb, fb_accept]
   out["seconds_per_cycle_ms"] = {str(b): 1e3 * s for b, s in spc.items()}
-  out["replay_agrees_with_decode"] = (agree / total) if total else None
+  out["ar_step_ms"] = 1e3 * ar_step
+  out["replay_agrees_with_decode"] = float(np.mean(agree)) if agree else None
   out["per_request"] = [{"prompt": p.key, **a} for p, a in zip(prompts, analyses)]
   return out
 
@@ -300,13 +329,16 @@ def render_markdown(report: Mapping[str, Any]) -> str:
   """report.md: the table, then the overhead and the intra-request analysis in words."""
   lines = [f"# BlockPilot on {report['prompts']} held-out prompts ({report['eval_source']})", "",
            f"Candidate sizes {report['sizes']}; T={report['temperature']}; "
-           f"{report['max_new_tokens']} new tokens; policies trained on "
-           f"{report['labelling_prompts']} labelling prompts (disjoint from these).", "",
+           f"{report['max_new_tokens']} new tokens; {_loop_words(report['ar_fallback'])}; "
+           f"policies trained on {report['labelling_prompts']} labelling prompts (disjoint "
+           "from these).", "",
+           "τ is committed tokens per speculative cycle (draft + verify; 1 for AR), the "
+           "papers' figure; tokens per target forward also count the AR fallback's steps.", "",
            rep.markdown_table(report["rows"]), ""]
-  mm = report.get("learned_vs_fixed_cycle_mismatches")
+  mm = report.get("learned_vs_fixed_forward_mismatches")
   if mm is not None:
-    lines += [f"Learned runs whose cycles differ from the fixed run at the chosen size: {mm} "
-              "(expected 0: the same computation with the same seed).", ""]
+    lines += [f"Learned runs whose target forwards differ from the fixed run at the chosen "
+              f"size: {mm} (expected 0: the same computation with the same seed).", ""]
   o = report["policy_overhead"]
   lines += ["## Policy overhead", "",
             f"Median prefill (no policy): {o['prefill_median_ms']:.2f} ms.", "",
@@ -327,27 +359,47 @@ def render_markdown(report: Mapping[str, Any]) -> str:
                    f"({100 * q / QWEN3_4B['params']:.3f}%; published MLP {pub:,}, "
                    f"{100 * pub / QWEN3_4B['params']:.2f}%)")
   a = report.get("intra_request")
-  if a:
-    c, s = a["cycles"], a["seconds"]
-    lines += ["", "## Intra-request variation (teacher-forced replay, greedy outputs)", "",
-              "For every position where a cycle could start and every candidate size, the "
-              "drafter's acceptance there is replayed; a dynamic program then finds the best "
-              "per-cycle schedule (it knows the future: an upper bound for any per-cycle "
-              "controller), compared with the best fixed size per request (the per-request "
-              "oracle BlockPilot approximates) and with the best single size for all requests.",
-              "",
-              f"- Replay reproduces the real decode's cycle counts for "
-              f"{100 * (a['replay_agrees_with_decode'] or 0):.1f}% of (prompt, size) pairs.",
-              f"- Target forwards: best single size b={c['global_static_size']}: "
-              f"{c['global_static']:.0f}; per-request oracle {c['per_request_oracle']:.0f} "
-              f"({100 * c['gain_per_request_over_static']:.1f}% higher τ); per-cycle oracle "
-              f"{c['per_cycle_oracle']:.0f} ({100 * c['gain_per_cycle_over_per_request']:.1f}% "
-              f"higher τ than per-request).",
-              f"- {100 * c['switched_cycle_fraction']:.1f}% of the per-cycle oracle's cycles "
-              f"need another size than the request's best ({c['requests_switching']} of "
-              f"{a['requests']} requests switch at least once).",
-              f"- Estimated time (measured seconds per cycle): per-request oracle "
-              f"{100 * s['gain_per_request_over_static']:.1f}% faster than the best single size "
-              f"b={s['global_static_size']}; per-cycle oracle a further "
-              f"{100 * s['gain_per_cycle_over_per_request']:.1f}%."]
+  if a and "forwards" in a:
+    lines += ["", "## Intra-request variation (teacher-forced replay, greedy outputs)", ""]
+    lines += _intra_lines(a)
   return "\n".join(lines) + "\n"
+
+
+def _loop_words(ar_fallback: Sequence[int]) -> str:
+  steps, accept = ar_fallback
+  if not steps:
+    return "the paper's loop (no AR fallback)"
+  drafts = "draft" if accept == 1 else "drafts"
+  return (f"the loop with AR fallback (up to {steps} AR steps after a cycle accepting at most "
+          f"{accept} {drafts})")
+
+
+def _intra_lines(a: Mapping[str, Any]) -> list[str]:
+  """The intra-request analysis in words."""
+  f, s = a["forwards"], a["seconds"]
+  fallback = bool(a.get("ar_fallback", [0])[0])
+  loop = (f" Fixed sizes run {_loop_words(a['ar_fallback'])}, as the decodes did; the "
+          "per-cycle schedule may also take an AR step at any forward." if fallback else "")
+  return [
+      "For every position where a cycle could start and every candidate size, the "
+      "drafter's acceptance there is replayed; a dynamic program then finds the best "
+      "per-cycle schedule (it knows the future: an upper bound for any per-cycle "
+      "controller), compared with the best fixed size per request (the per-request "
+      f"oracle BlockPilot approximates) and with the best single size for all requests.{loop}",
+      "",
+      f"- Replay reproduces the real decode's target forwards (each one's committed tokens, "
+      f"cycle or AR step) for {100 * (a['replay_agrees_with_decode'] or 0):.1f}% of "
+      "(prompt, size) pairs.",
+      f"- Target forwards: best single size b={f['global_static_size']}: "
+      f"{f['global_static']:.0f}; per-request oracle {f['per_request_oracle']:.0f} "
+      f"({100 * f['gain_per_request_over_static']:.1f}% more tokens per target forward); "
+      f"per-cycle oracle {f['per_cycle_oracle']:.0f} "
+      f"({100 * f['gain_per_cycle_over_per_request']:.1f}% more than per-request)"
+      + ("." if fallback else "; without the fallback these are also the gains in τ."),
+      f"- {100 * f['switched_fraction']:.1f}% of the per-cycle oracle's forwards need another "
+      f"size than the request's best ({f['requests_switching']} of {a['requests']} requests "
+      "switch at least once).",
+      f"- Estimated time (measured seconds per cycle and per AR step): per-request oracle "
+      f"{100 * s['gain_per_request_over_static']:.1f}% faster than the best single size "
+      f"b={s['global_static_size']}; per-cycle oracle a further "
+      f"{100 * s['gain_per_cycle_over_per_request']:.1f}%."]

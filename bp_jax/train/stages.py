@@ -92,12 +92,16 @@ def parse_stages(text: str) -> list[str]:
   return out
 
 
-def run_stages(cfg: Any) -> None:
-  """Runs the stages named by `cfg.stage`, checking first that all of them are available."""
+def run_stages(cfg: Any, command: str = "") -> None:
+  """Runs the stages named by `cfg.stage`, checking first that all of them are available, while
+  holding the workdir's lock (`workdir.workdir_lock`; `command` is recorded in it)."""
+  from bp_jax.train.workdir import workdir_lock
+
   names = parse_stages(cfg.stage)
   fns = [(name, load_stage(name)) for name in names]
-  for name, fn in fns:
-    t0 = time.perf_counter()
-    print(f"== stage {name}", flush=True)
-    fn(cfg)
-    print(f"== stage {name} done in {time.perf_counter() - t0:.1f} s", flush=True)
+  with workdir_lock(cfg, ",".join(names), command or "run_stages (in-process)"):
+    for name, fn in fns:
+      t0 = time.perf_counter()
+      print(f"== stage {name}", flush=True)
+      fn(cfg)
+      print(f"== stage {name} done in {time.perf_counter() - t0:.1f} s", flush=True)

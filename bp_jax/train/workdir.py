@@ -9,15 +9,21 @@ stage's input is missing (naming the stage that makes it).
   <workdir>/drafter/     the trained drafter, a converted checkpoint (stage draft)
 
 Final checkpoints are also copied to `<export_dir>/<name>` (the shipped demo) by
-`ship_checkpoint`.
+`ship_checkpoint`. A train.py run holds `<workdir>/.lock` (`workdir_lock`): a second run on the
+same workdir fails at once, naming the run that holds it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import datetime
+import fcntl
+import json
 import os
 import shutil
+import socket
 import uuid
-from typing import Any
+from typing import Any, Iterator
 
 from bp_jax.errors import BadInputError
 
@@ -28,6 +34,55 @@ def _root(cfg: Any) -> str:
   if not cfg.workdir:
     raise BadInputError("--config.workdir is empty: give a folder for the training outputs")
   return os.fspath(cfg.workdir)
+
+
+LOCK_FILE = ".lock"
+
+
+def _lock_holder(fd: int) -> str:
+  """What the lock file open at `fd` says about the run holding it."""
+  os.lseek(fd, 0, os.SEEK_SET)
+  try:
+    info = json.loads(os.read(fd, 1 << 16).decode("utf-8"))
+    return (f"pid {info['pid']} on host {info['host']}, stages {info['stages']}, started "
+            f"{info['started']}; command: {info['command']}")
+  except (ValueError, KeyError, TypeError):
+    return "a run that has not written its details yet"
+
+
+def _write_holder(fd: int, what: str, command: str) -> None:
+  started = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+  info = {"pid": os.getpid(), "host": socket.gethostname(), "stages": what,
+          "started": started, "command": command}
+  os.ftruncate(fd, 0)
+  os.lseek(fd, 0, os.SEEK_SET)
+  os.write(fd, (json.dumps(info) + "\n").encode("utf-8"))
+
+
+@contextlib.contextmanager
+def workdir_lock(cfg: Any, what: str, command: str = "") -> Iterator[str]:
+  """Holds an exclusive lock on the workdir (`flock` on `<workdir>/.lock`, released when the
+  process ends, however it ends) and records who holds it; yields the lock file's path.
+
+  Raises:
+    BadInputError: another process holds the lock (naming its pid, host, stages, start time
+      and command).
+  """
+  root = _root(cfg)
+  os.makedirs(root, exist_ok=True)
+  path = os.path.join(root, LOCK_FILE)
+  fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+  try:
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      raise BadInputError(f"--config.workdir={root} is in use by another train.py run "
+                          f"({_lock_holder(fd)}): wait for it to finish or give another "
+                          f"--config.workdir") from None
+    _write_holder(fd, what, command)
+    yield path
+  finally:
+    os.close(fd)  # closing the only descriptor releases the lock
 
 
 def tokenizer_dir(cfg: Any) -> str:

@@ -9,7 +9,9 @@ Layout of a checkpoint folder:
   <dir>/COMPLETE      written last; a folder without it is incomplete
 
 `save_checkpoint` writes everything into a sibling temporary folder and renames it into place
-only at the very end, so an interruption never leaves a folder that looks complete.
+only at the very end, so an interruption never leaves a folder that looks complete. Temporary
+folders are named `<dir>.<role>-<pid>-<hex8>` and hold a `.bp_jax-partial` marker until they
+are renamed into place; `remove_stale_partials` deletes those whose process is gone.
 Parameters are stored as host numpy arrays (no sharding metadata), so a checkpoint written on
 one platform restores on any other.
 """
@@ -21,6 +23,7 @@ import json
 import logging
 import math
 import os
+import re
 import shutil
 import uuid
 from typing import Any, Iterator, Mapping
@@ -36,8 +39,9 @@ CONFIG_FILE = "config.json"
 META_FILE = "bp_jax.json"
 PARAMS_DIR = "params"
 COMPLETE_FILE = "COMPLETE"
+PARTIAL_MARKER = ".bp_jax-partial"  # inside a temporary folder until it is renamed into place
 KNOWN_KINDS = ("qwen3", "dflash", "policy")
-_RESERVED = (CONFIG_FILE, META_FILE, PARAMS_DIR, COMPLETE_FILE)
+_RESERVED = (CONFIG_FILE, META_FILE, PARAMS_DIR, COMPLETE_FILE, PARTIAL_MARKER)
 
 KeyPath = tuple[str, ...]
 
@@ -158,7 +162,9 @@ def _save_params(params_dir: str, host_params: dict[str, Any], compress: bool = 
   itself, instead of +0.93 GB. Restoring reads every form.
   """
   registry = ocp.type_handlers.create_type_handler_registry(
-      (np.ndarray, ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False)))
+      (np.ndarray, ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False)),
+      # Unused (the tree is numpy), but without it orbax warns on every save.
+      (jax.Array, ocp.type_handlers.ArrayHandler()))
   with _quiet_orbax():
     ckptr = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_compression=compress,
                                                          type_handler_registry=registry))
@@ -167,6 +173,80 @@ def _save_params(params_dir: str, host_params: dict[str, Any], compress: bool = 
       ckptr.save(params_dir, args=args)
     finally:
       ckptr.close()
+
+
+# ------------------------------------------------------------------ temporary (partial) folders
+
+
+def _partial_name(out_abs: str, role: str) -> str:
+  return f"{out_abs}.{role}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def _mark_partial(path: str, out_abs: str) -> None:
+  _write_text(os.path.join(path, PARTIAL_MARKER),
+              _json_text({"pid": os.getpid(), "output": out_abs}, "marker"))
+
+
+def make_partial_dir(out_abs: str, role: str) -> str:
+  """Creates `<out_abs>.<role>-<pid>-<hex8>` (role: "tmp" or "tok") holding the marker file,
+  so that a later run recognises it as this tool's leftover if this process dies."""
+  path = _partial_name(out_abs, role)
+  os.makedirs(os.path.dirname(out_abs), exist_ok=True)
+  os.mkdir(path)
+  _mark_partial(path, out_abs)
+  return path
+
+
+def finish_partial_dir(path: str) -> None:
+  """Drops the marker of a finished temporary folder, just before it is renamed into place."""
+  os.remove(os.path.join(path, PARTIAL_MARKER))
+
+
+def remove_partial_dir(path: str) -> None:
+  """Deletes a temporary folder, its marker last: a deletion cut short stays recognisable."""
+  for entry in os.scandir(path):
+    if entry.name == PARTIAL_MARKER:
+      continue
+    if entry.is_dir(follow_symlinks=False):
+      shutil.rmtree(entry.path)
+    else:
+      os.remove(entry.path)
+  if os.path.exists(os.path.join(path, PARTIAL_MARKER)):
+    finish_partial_dir(path)
+  os.rmdir(path)
+
+
+def _process_alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:  # another user's live process
+    pass
+  return True
+
+
+def remove_stale_partials(out_dir: str) -> list[str]:
+  """Removes the temporary folders that interrupted writes of `out_dir` left beside it.
+
+  Only folders named `<out_dir>.{tmp,tok,old}-<pid>-<hex8>` that hold the marker and whose
+  process no longer runs on this machine are removed (a write in progress is left alone).
+
+  Returns:
+    The names of the removed folders.
+  """
+  out_abs = os.path.abspath(out_dir)
+  parent, base = os.path.split(out_abs)
+  leftover = re.compile(re.escape(base) + r"\.(?:tmp|tok|old)-(\d+)-[0-9a-f]{8}")
+  removed = []
+  for name in sorted(os.listdir(parent)) if os.path.isdir(parent) else ():
+    match = leftover.fullmatch(name)
+    path = os.path.join(parent, name)
+    if (match and os.path.isfile(os.path.join(path, PARTIAL_MARKER))
+        and not _process_alive(int(match.group(1)))):
+      remove_partial_dir(path)
+      removed.append(name)
+  return removed
 
 
 # ---------------------------------------------------------------------------------- saving
@@ -220,11 +300,7 @@ def save_checkpoint(out_dir: str, params: Mapping[str, Any], config: Mapping[str
                             "with --overwrite")
     replace_existing = True
 
-  parent = os.path.dirname(out_abs)
-  os.makedirs(parent, exist_ok=True)
-  tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
-  tmp = f"{out_abs}.tmp-{tag}"
-  os.mkdir(tmp)
+  tmp = make_partial_dir(out_abs, "tmp")
   try:
     _write_text(os.path.join(tmp, CONFIG_FILE), config_text)
     _write_text(os.path.join(tmp, META_FILE), meta_text)
@@ -237,14 +313,15 @@ def save_checkpoint(out_dir: str, params: Mapping[str, Any], config: Mapping[str
         shutil.copy2(src, dst)
     _save_params(os.path.join(tmp, PARAMS_DIR), _to_host(params), compress)
     _write_text(os.path.join(tmp, COMPLETE_FILE), _json_text({"format": FORMAT}, "marker"))
-    _move_into_place(tmp, out_abs, replace_existing, tag)
+    finish_partial_dir(tmp)
+    move_into_place(tmp, out_abs, replace_existing)
   except BaseException:
     shutil.rmtree(tmp, ignore_errors=True)
     raise
   return out_abs
 
 
-def _move_into_place(tmp: str, out_abs: str, replace_existing: bool, tag: str) -> None:
+def move_into_place(tmp: str, out_abs: str, replace_existing: bool) -> None:
   """Renames the finished temporary folder to `out_abs`, replacing an existing folder."""
   if not replace_existing:
     os.rename(tmp, out_abs)
@@ -253,14 +330,15 @@ def _move_into_place(tmp: str, out_abs: str, replace_existing: bool, tag: str) -
     os.rmdir(out_abs)
     os.rename(tmp, out_abs)
     return
-  old = f"{out_abs}.old-{tag}"
+  old = _partial_name(out_abs, "old")
   os.rename(out_abs, old)
   try:
     os.rename(tmp, out_abs)
   except BaseException:
     os.rename(old, out_abs)
     raise
-  shutil.rmtree(old, ignore_errors=True)
+  _mark_partial(old, out_abs)  # the replaced output is now a leftover until it is gone
+  remove_partial_dir(old)
 
 
 # --------------------------------------------------------------------------------- loading

@@ -5,13 +5,15 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import uuid
+from typing import Sequence
 
 import numpy as np
 from tqdm import tqdm
 
 from bp_jax.weights import hf_mapping
-from bp_jax.weights.checkpoint_io import load_checkpoint, read_checkpoint_meta, save_checkpoint
+from bp_jax.weights.checkpoint_io import (finish_partial_dir, load_checkpoint, make_partial_dir,
+                                          move_into_place, read_checkpoint_meta,
+                                          remove_stale_partials, save_checkpoint)
 from bp_jax.models.config import DFlashConfig, Qwen3Config, is_dflash_dict, read_config_json
 from bp_jax.models.dflash import validate_drafter_for_target
 from bp_jax.errors import BadInputError
@@ -21,6 +23,31 @@ from bp_jax.weights.safetensors_io import open_hf_checkpoint, write_hf_checkpoin
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
                    "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
                    "generation_config.json", "tokenizer.model")
+
+
+def refuse_last_layer_features(target_layer_ids: Sequence[int], num_target_layers: int,
+                               what: str) -> None:
+  """Refuses a drafter that reads the target's last layer (DESIGN §1, "Trap").
+
+  bp_jax feeds the drafter each chosen layer's output before the final norm; transformers'
+  `output_hidden_states[-1]`, which transformers-based DFlash code reads for the last layer, is
+  after the final norm. A drafter on layer L-1 would see different features in the two.
+  `what` names the ids in the message (a flag, or a file and its field).
+  """
+  last = num_target_layers - 1
+  if last in target_layer_ids:
+    raise BadInputError(
+        f"{what} includes the target's last layer {last}, whose feature is the final-normed "
+        "output in transformers-based DFlash code but the plain layer output in bp_jax; use "
+        f"layers below {last} (z-lab DFlash drafters read layers 1..L-3)")
+
+
+def _remove_leftovers(out_dir: str) -> None:
+  """Removes temporary folders that interrupted earlier runs left beside `out_dir`."""
+  removed = remove_stale_partials(out_dir)
+  if removed:
+    print(f"removed {len(removed)} leftover folder(s) of interrupted earlier runs beside "
+          f"{out_dir}: {', '.join(removed)}")
 
 
 def _tokenizer_files(folder: str) -> dict[str, str]:
@@ -48,6 +75,7 @@ def convert_from_hf(hf_dir: str, out_dir: str, dtype: str | None = None, overwri
   """Converts a Qwen3 or z-lab DFlash checkpoint folder; returns the kind ('qwen3'/'dflash')."""
   if not os.path.isdir(hf_dir):
     raise BadInputError(f"--hf_dir={hf_dir}: no such directory")
+  _remove_leftovers(out_dir)
   if os.path.isdir(out_dir) and os.listdir(out_dir) and not overwrite:
     raise BadInputError(f"--out_dir={out_dir} is not empty; pass --overwrite to replace it")
   cfg_path = os.path.join(hf_dir, "config.json")
@@ -57,6 +85,9 @@ def convert_from_hf(hf_dir: str, out_dir: str, dtype: str | None = None, overwri
   if dflash and target_dir:
     tcfg_raw, _ = read_checkpoint_meta(target_dir, expected_kind="qwen3")
     validate_drafter_for_target(cfg, Qwen3Config.from_hf_dict(tcfg_raw, target_dir), hf_dir)
+  if dflash:  # num_target_layers equals the target's layer count once validated against it
+    refuse_last_layer_features(cfg.target_layer_ids, cfg.num_target_layers,
+                               f"{cfg_path}: target_layer_ids {list(cfg.target_layer_ids)}")
   with open_hf_checkpoint(hf_dir) as ckpt:
     np_dtype = np.dtype(parse_dtype(dtype, "--dtype") or ckpt.dtype(ckpt.keys()[0]))
     keys = set(ckpt.keys())
@@ -66,8 +97,7 @@ def convert_from_hf(hf_dir: str, out_dir: str, dtype: str | None = None, overwri
       params = build(ckpt.get, ckpt.shape, keys, cfg, hf_dir, np_dtype,
                      progress=lambda key: bar.update(1))
       bar.update(len(keys) - bar.n)
-  scratch = f"{os.path.abspath(out_dir)}.tok-{uuid.uuid4().hex[:8]}"
-  os.makedirs(scratch)
+  scratch = make_partial_dir(os.path.abspath(out_dir), "tok")
   try:
     extra = _prepare_tokenizer(tokenizer, hf_dir, scratch)
     kind = "dflash" if dflash else "qwen3"
@@ -82,21 +112,24 @@ def convert_from_hf(hf_dir: str, out_dir: str, dtype: str | None = None, overwri
 def export_to_hf(ckpt_dir: str, out_dir: str, overwrite: bool = False,
                  max_shard_bytes: int = 5 * 10**9) -> str:
   """Writes a bp_jax checkpoint in the Hugging Face / z-lab layout (atomically)."""
+  _remove_leftovers(out_dir)
   if os.path.isdir(out_dir) and os.listdir(out_dir) and not overwrite:
     raise BadInputError(f"--out_dir={out_dir} is not empty; pass --overwrite to replace it")
-  params, config, meta = load_checkpoint(ckpt_dir)
+  config, meta = read_checkpoint_meta(ckpt_dir)
   kind = meta.get("kind")
   if kind == "dflash":
     cfg = DFlashConfig.from_hf_dict(config, ckpt_dir)
-    items = hf_mapping.drafter_params_to_hf(params)
+    refuse_last_layer_features(cfg.target_layer_ids, cfg.num_target_layers,
+                               f"{ckpt_dir}: target_layer_ids {list(cfg.target_layer_ids)}")
   elif kind == "qwen3":
     cfg = Qwen3Config.from_hf_dict(config, ckpt_dir)
-    items = hf_mapping.target_params_to_hf(params)
   else:
     raise BadInputError(f"{ckpt_dir}: cannot export a checkpoint of kind {kind!r} to Hugging Face")
+  params, _, _ = load_checkpoint(ckpt_dir, expected_kind=kind)
+  to_hf = hf_mapping.drafter_params_to_hf if kind == "dflash" else hf_mapping.target_params_to_hf
+  items = to_hf(params)
   out_abs = os.path.abspath(out_dir)
-  tmp = f"{out_abs}.tmp-{uuid.uuid4().hex[:8]}"
-  os.makedirs(tmp)
+  tmp = make_partial_dir(out_abs, "tmp")
   try:
     hf_cfg = cfg.to_hf_dict()
     hf_cfg["torch_dtype"] = hf_cfg["dtype"] = str(meta.get("dtype", "float32"))
@@ -105,9 +138,8 @@ def export_to_hf(ckpt_dir: str, out_dir: str, overwrite: bool = False,
     write_hf_checkpoint(tmp, items, max_shard_bytes=max_shard_bytes)
     for name, src in _tokenizer_files(ckpt_dir).items():
       shutil.copy2(src, os.path.join(tmp, name))
-    if os.path.exists(out_abs):
-      shutil.rmtree(out_abs)
-    os.rename(tmp, out_abs)
+    finish_partial_dir(tmp)
+    move_into_place(tmp, out_abs, replace_existing=os.path.exists(out_abs))
   except BaseException:
     shutil.rmtree(tmp, ignore_errors=True)
     raise

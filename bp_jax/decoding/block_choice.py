@@ -1,0 +1,106 @@
+"""How each request's block size is chosen (decode.py's --config.block_policy):
+
+  fixed    `--config.block_size` for every request;
+  learned  the trained policy at `--config.policy` picks a bucket from each request's prefill
+           (inside the prefill jit);
+  oracle   each prompt's best size under `--config.label_rule`, read from a labels dataset
+           (`--config.oracle_labels`, written by train.py --config.stage=labels): analysis only;
+  random   uniform over the candidate sizes, seeded by (--config.seed, prompt index): the control.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+from bp_jax.decoding.engine import LEARNED
+from bp_jax.errors import BadInputError
+from bp_jax.text.prompts import Prompt
+
+
+BLOCK_POLICIES = ("fixed", "learned", "oracle", "random")
+
+def parse_int_list(text: str, flag: str) -> tuple[int, ...]:
+  if text is None or text == "":
+    return ()
+  try:
+    return tuple(int(x) for x in str(text).split(",") if x.strip())
+  except ValueError:
+    raise BadInputError(f"{flag}={text!r}: expected comma-separated integers") from None
+
+def default_block_sizes(train_block_size: int, radius: int = 4) -> tuple[int, ...]:
+  """The drafter's training block size +- radius (at least 2)."""
+  return tuple(range(max(2, train_block_size - radius), train_block_size + radius + 1))
+
+POLICY_RADIUS = 3  # candidates of the random control by default: training size +- 3 (DESIGN §5)
+
+@dataclasses.dataclass
+class BlockChoice:
+  """How each request's block size is chosen (see the module docstring)."""
+  name: str                               # fixed | learned | oracle | random
+  fixed: int = 1                          # the size of `fixed`
+  sizes: tuple[int, ...] = ()             # candidates of learned / oracle / random
+  seed: int = 0                           # random: seeds the draws with the request index
+  oracle: dict[str, int] | None = None    # oracle: prompt hash -> best size
+  policy: Any = None                      # learned: the BlockPolicy ...
+  info: Any = None                        # ... and its PolicyInfo
+
+  def block_size(self, index: int, prompt: Prompt) -> int | str:
+    """The engine's `block_size` argument for request `index`."""
+    from bp_jax.policy.mlp import prompt_hash, random_block_size
+
+    if self.name == "learned":
+      return LEARNED
+    if self.name == "random":
+      return random_block_size(self.sizes, self.seed, index)
+    if self.name == "oracle":
+      size = self.oracle.get(prompt_hash(prompt.text))
+      if size is None:
+        raise BadInputError(f"prompt {prompt.id!r} is not in the oracle labels "
+                            "(--config.oracle_labels); label it first")
+      return size
+    return self.fixed
+
+  def largest(self) -> int:
+    return max(self.sizes) if self.sizes else self.fixed
+
+def resolve_block_choice(cfg, drafter_block_size: int | None) -> BlockChoice:
+  """The `BlockChoice` of `cfg`; a learned policy whose folder is absent falls back to fixed
+  (with a message) when `--config.policy_fallback` is set."""
+  name = block_policy_of(cfg)
+  fixed = cfg.block_size if cfg.mode == "spec" else 1
+  if name == "learned" and cfg.get("policy_fallback", False) and not os.path.isdir(cfg.policy):
+    print(f"note: no trained block-size policy at {cfg.policy} (make one with train.py "
+          "--config.stage=labels,policy); decoding with the fixed block size "
+          f"{cfg.block_size} instead")
+    name = "fixed"
+  if name == "learned":
+    from bp_jax.policy.mlp import load_policy
+    policy, info = load_policy(cfg.policy)
+    return BlockChoice(name, fixed, info.block_sizes, cfg.seed, policy=policy, info=info)
+  if name == "oracle":
+    from bp_jax.policy.label_sets import decode_settings, oracle_table
+    settings = decode_settings(cfg.max_new_tokens, cfg.temperature, cfg.get("chat", False),
+                               loop_options(cfg))
+    table, sizes = oracle_table(cfg.oracle_labels, cfg.get("label_rule", "max_tau"), settings)
+    return BlockChoice(name, fixed, sizes, cfg.seed, oracle=table)
+  if name == "random":
+    sizes = parse_int_list(cfg.block_sizes, "--config.block_sizes")
+    if not sizes and drafter_block_size is None:
+      raise BadInputError("--config.block_policy=random needs --config.block_sizes or a drafter")
+    sizes = sizes or default_block_sizes(drafter_block_size, POLICY_RADIUS)
+    return BlockChoice(name, fixed, tuple(sizes), cfg.seed)
+  return BlockChoice("fixed", fixed)
+
+def loop_options(cfg) -> dict[str, Any]:
+  """The decode loops' form set by a config, as `Engine` keyword arguments: `scan_layers`,
+  `ar_fallback`, `ar_fallback_accept` (configs/qwen3.py)."""
+  return {"scan_layers": bool(cfg.get("scan_layers", False)),
+          "ar_fallback": int(cfg.get("ar_fallback", 0)),
+          "ar_fallback_accept": int(cfg.get("ar_fallback_accept", 1))}
+
+
+def block_policy_of(cfg) -> str:
+  """The block policy in effect: mode=ar decodes plainly whatever --config.block_policy says."""
+  return cfg.block_policy if cfg.mode == "spec" else "fixed"

@@ -1,0 +1,73 @@
+"""Methods compared inside one decode.py run (--config.compare, --config.repeats): each prompt
+is decoded by every method, all interleaved per request in a shuffled order, N times each, the
+fastest decode kept. Two runs of one command differ by tens of percent on a shared CPU, so a
+speedup means something only inside one such run."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+from typing import Sequence
+
+from bp_jax.decoding.block_choice import (POLICY_RADIUS, BlockChoice, default_block_sizes,
+                                          parse_int_list)
+from bp_jax.decoding.generation import Generation
+from bp_jax.errors import BadInputError
+
+
+def parse_methods(text: str) -> tuple[str, ...]:
+  """--config.compare: comma-separated `ar`, `b<k>` (fixed block size k), `learned`, `random`."""
+  out = []
+  for m in (x.strip() for x in str(text or "").split(",")):
+    if not m:
+      continue
+    ok = m in ("ar", "learned", "random") or (m[:1] == "b" and m[1:].isdigit() and int(m[1:]) >= 1)
+    if not ok:
+      raise BadInputError(f"--config.compare: unknown method {m!r}; give comma-separated ar, "
+                          "b<k> (a fixed block size k, e.g. b8), learned or random")
+    out.append("ar" if m == "b1" else m)
+  return tuple(dict.fromkeys(out))
+
+def method_of(cfg, choice: "BlockChoice") -> str:
+  """The name of the run's own method in comparisons: ar, b<k>, learned, oracle or random."""
+  if cfg.mode != "spec":
+    return "ar"
+  return f"b{choice.fixed}" if choice.name == "fixed" else choice.name
+
+def method_choice(method: str, main: "BlockChoice", cfg, drafter_block_size: int | None
+                  ) -> "BlockChoice":
+  """The BlockChoice of a comparison method (learned reuses the run's policy when it has one)."""
+  if method == "ar":
+    return BlockChoice("fixed", 1)
+  if method.startswith("b"):
+    return BlockChoice("fixed", int(method[1:]))
+  if method == "learned":
+    if main.name == "learned":
+      return main
+    if not cfg.policy or not os.path.isdir(cfg.policy):
+      raise BadInputError(f"--config.compare=learned needs a policy at --config.policy "
+                          f"({cfg.policy!r} is not a folder)")
+    from bp_jax.policy.mlp import load_policy
+    policy, info = load_policy(cfg.policy)
+    return BlockChoice("learned", main.fixed, info.block_sizes, cfg.seed, policy=policy,
+                       info=info)
+  sizes = main.sizes or parse_int_list(cfg.block_sizes, "--config.block_sizes") or \
+      default_block_sizes(drafter_block_size, POLICY_RADIUS)
+  return BlockChoice("random", main.fixed, tuple(sizes), cfg.seed)
+
+def run_order(methods: Sequence[str], repeats: int, seed: int, index: int) -> list[str]:
+  """Every method `repeats` times, shuffled per request (seeded: reproducible)."""
+  order = [m for m in methods for _ in range(repeats)]
+  random.Random(f"{seed}:{index}").shuffle(order)
+  return order
+
+def fastest_of(gens: Sequence[Generation]) -> Generation:
+  """The repeat with the fastest decode (outputs of repeats are identical: checked)."""
+  first = gens[0].output_ids
+  if any(g.output_ids != first for g in gens[1:]):
+    raise RuntimeError("repeats of one request gave different outputs: decoding is not "
+                       "deterministic here (please report this)")
+  best = min(gens, key=lambda g: g.decode_s)
+  return dataclasses.replace(best, prefill_s=min(g.prefill_s for g in gens))
+

@@ -1,0 +1,89 @@
+"""One request's result, and the host-side trimming of a loop's output.
+
+Figures, one meaning each:
+  τ (`tau`)             committed tokens per speculative cycle (draft + verify), the paper's
+                        figure; AR steps taken by the fallback are not cycles. A plain AR
+                        request (block size 1) is cycles of block size 1 that draft nothing:
+                        each commits one token, τ = 1.
+  `tokens_per_forward`  committed tokens per target forward in the loop, cycles and AR steps
+                        together (the prefill's forward and its first token are not counted).
+Both count only tokens that are kept: the last forward's tokens past the first stop token or
+past `max_new_tokens` are not counted (`clip_forward_lengths`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+
+
+def trim_at_stop(ids: Sequence[int], stop_ids: Sequence[int], max_new: int) -> list[int]:
+  """First `max_new` ids, cut just after the first stop token."""
+  out = []
+  for t in list(ids)[:max_new]:
+    out.append(int(t))
+    if t in stop_ids:
+      break
+  return out
+
+
+def clip_forward_lengths(lengths: Sequence[int], kept: int) -> list[int]:
+  """Committed tokens per forward, cut so that they sum to `kept` (the new tokens kept after the
+  prefill's first one): the last forward may have committed tokens past the stop token or past
+  max_new_tokens; forwards that kept nothing are dropped."""
+  out, left = [], int(kept)
+  for a in lengths:
+    if left <= 0:
+      break
+    out.append(min(int(a), left))
+    left -= out[-1]
+  return out
+
+
+@dataclasses.dataclass
+class Generation:
+  """One request's result."""
+  output_ids: list[int]            # new tokens only, trimmed after the first stop token
+  prefill_s: float
+  decode_s: float
+  block_size: int
+  forward_lengths: list[int]       # committed tokens per target forward in the loop, in order
+  forward_is_cycle: list[bool]     # per forward: a cycle (False: an AR step of the fallback)
+  prompt_len: int
+  policy_probs: list[float] | None = None  # the policy's class probabilities (block_size=LEARNED)
+  features: dict[str, np.ndarray] | None = None  # prefill features [F] (return_features=True)
+
+  @property
+  def new_tokens(self) -> int:
+    return len(self.output_ids)
+
+  @property
+  def acceptance_lengths(self) -> list[int]:
+    """Committed tokens per speculative cycle (τ's terms)."""
+    return [a for a, c in zip(self.forward_lengths, self.forward_is_cycle) if c]
+
+  @property
+  def target_forwards(self) -> int:
+    return len(self.forward_lengths)
+
+  @property
+  def cycles(self) -> int:
+    return int(sum(self.forward_is_cycle))
+
+  @property
+  def ar_steps(self) -> int:
+    return self.target_forwards - self.cycles
+
+  @property
+  def tau(self) -> float | None:
+    """Mean committed tokens per speculative cycle (1.0 for plain AR); None when the request
+    ran no cycle (its first token was a stop token, or max_new_tokens=1)."""
+    a = self.acceptance_lengths
+    return float(np.mean(a)) if a else None
+
+  @property
+  def tokens_per_forward(self) -> float | None:
+    f = self.forward_lengths
+    return float(np.mean(f)) if f else None

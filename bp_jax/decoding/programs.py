@@ -1,0 +1,71 @@
+"""The compiled programs of an engine: one prefill per (length bucket[, policy architecture])
+and one decode loop per block size (and loop form), compiled ahead of time on first use, plus
+each loop's untimed first run (warm-up).
+
+An XLA:CPU executable's first run costs ~75-90 ms more than later runs (measured on the demo):
+that belongs with start-up, not in a request's decode time, so each loop runs once on copies of
+the first request's buffers. Compile time (`cache.seconds`) and warm-up time (`warmup_seconds`)
+are measured apart: the warm-up clock starts after its loop is compiled.
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+
+from bp_jax.decoding import loops
+from bp_jax.decoding.compiled import CompiledCache
+
+WARMUP_TOKENS = 16  # new tokens of a loop's untimed first run
+
+
+class LoopPrograms:
+  """Builds, caches and warms the jitted functions of one (target, drafter, loop form)."""
+
+  def __init__(self, t_graph, d_graph, *, scan_layers: bool, ar_fallback: int,
+               ar_fallback_accept: int):
+    self.t_graph, self.d_graph = t_graph, d_graph
+    self.scan_layers = bool(scan_layers)
+    self.ar_fallback, self.ar_fallback_accept = int(ar_fallback), int(ar_fallback_accept)
+    self.cache = CompiledCache()
+    self.warmup_seconds: dict[tuple, float] = {}  # loop key -> its untimed first run (s)
+
+  def prefill(self, args: tuple, p_graph=None, policy_key=None):
+    """The compiled prefill for `args` (`loops.make_prefill`'s, shapes pick the bucket)."""
+    tokens_1P = args[2]
+    key = ("prefill", tokens_1P.shape[1]) + ((policy_key,) if p_graph is not None else ())
+    return self.cache.get(key, lambda: loops.make_prefill(self.t_graph, self.d_graph, p_graph),
+                          args, donate_argnums=(4, 5))
+
+  def loop_key(self, block_size: int, forced: bool = False) -> tuple:
+    if block_size == 1:
+      return ("ar_loop", 1)
+    return ("spec_loop_forced" if forced else "spec_loop", block_size)
+
+  def loop(self, block_size: int, args: tuple, forced: bool = False):
+    """The compiled decode loop of a block size (1 = plain AR) for `args`."""
+    key = self.loop_key(block_size, forced)
+    if block_size == 1:
+      return self.cache.get(key, lambda: loops.make_ar_loop(self.t_graph, self.scan_layers),
+                            args, donate_argnums=(1, 2))
+    make = lambda: loops.make_spec_loop(self.t_graph, self.d_graph, block_size, self.scan_layers,
+                                        self.ar_fallback, self.ar_fallback_accept,
+                                        forced_drafts=forced)
+    return self.cache.get(key, make, args, donate_argnums=(2, 3, 4))
+
+  def warm(self, block_size: int, args: tuple, forced: bool = False) -> None:
+    """Runs a loop once, untimed, on copies of `args` (its buffers are donated) with at most
+    WARMUP_TOKENS new tokens, the first time the loop is used; compiles it first, outside the
+    warm-up clock."""
+    key = self.loop_key(block_size, forced)
+    if key in self.warmup_seconds:
+      return
+    fn = self.loop(block_size, args, forced)
+    max_new_at = 5 if block_size == 1 else 7  # index of max_new among the loop arguments
+    args = tuple(jnp.minimum(a, WARMUP_TOKENS) if i == max_new_at else a
+                 for i, a in enumerate(args))
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*jax.tree.map(jnp.copy, args)))
+    self.warmup_seconds[key] = time.perf_counter() - t0

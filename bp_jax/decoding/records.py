@@ -1,0 +1,114 @@
+"""decode.py's output: one record per request and the run's summary, each figure with one
+meaning (see `bp_jax.decoding.generation`)."""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+
+from bp_jax.decoding.block_choice import block_policy_of
+from bp_jax.decoding.generation import Generation
+from bp_jax.eval.resources import peak_rss_mb
+from bp_jax.text.tokenizer import tokenizer_size
+
+
+def record_of(i: int, prompt, g: Generation, tok, block_policy: str = "fixed") -> dict:
+  """One output line. `acceptance_lengths`: committed tokens per speculative cycle (τ's terms);
+  `forward_lengths` / `forward_is_cycle`: every target forward of the loop in order, AR steps of
+  the fallback included; `ids_beyond_tokenizer`: generated ids the tokenizer cannot decode."""
+  limit = tokenizer_size(tok)
+  return {"id": prompt.id, "index": i, "prompt": prompt.text, "prompt_tokens": g.prompt_len,
+          "output_ids": g.output_ids, "text": tok.decode(g.output_ids, skip_special_tokens=False),
+          "new_tokens": g.new_tokens, "prefill_s": round(g.prefill_s, 6),
+          "decode_s": round(g.decode_s, 6), "block_size": g.block_size,
+          "block_policy": block_policy, "policy_probs": g.policy_probs,
+          "acceptance_lengths": g.acceptance_lengths, "forward_lengths": g.forward_lengths,
+          "forward_is_cycle": g.forward_is_cycle, "cycles": g.cycles, "ar_steps": g.ar_steps,
+          "target_forwards": g.target_forwards,
+          "tau": None if g.tau is None else round(g.tau, 4),
+          "tokens_per_forward": (None if g.tokens_per_forward is None
+                                 else round(g.tokens_per_forward, 4)),
+          "ids_beyond_tokenizer": sum(t >= limit for t in g.output_ids)}
+
+def _mean_of(records: list[dict], field: str) -> float | None:
+  vals = [r[field] for r in records if r.get(field) is not None]
+  return round(float(np.mean(vals)), 4) if vals else None
+
+def figures(records: list[dict]) -> dict:
+  """Throughput and acceptance figures of a set of records (one meaning each):
+  `tau`: mean over requests of each request's committed tokens per speculative cycle (the
+  paper's τ, averaged per request as the DFlash benchmark does); `tau_pooled_over_cycles`: the
+  mean over all cycles of all requests; `tokens_per_forward`: mean over requests of committed
+  tokens per target forward (cycles and fallback AR steps together)."""
+  new = sum(r["new_tokens"] for r in records)
+  prefill = sum(r["prefill_s"] for r in records)
+  decode = sum(r["decode_s"] for r in records)
+  accepts = [a for r in records for a in r["acceptance_lengths"]]
+  return {"prompts": len(records), "new_tokens": new,
+          "tokens_per_s": round(new / max(prefill + decode, 1e-9), 3),
+          "decode_tokens_per_s": round(new / max(decode, 1e-9), 3),
+          "prefill_s": round(prefill, 4), "decode_s": round(decode, 4),
+          "tau": _mean_of(records, "tau"),
+          "tau_pooled_over_cycles": round(float(np.mean(accepts)), 4) if accepts else None,
+          "tokens_per_forward": _mean_of(records, "tokens_per_forward"),
+          "cycles": sum(r["cycles"] for r in records),
+          "ar_steps": sum(r["ar_steps"] for r in records)}
+
+def summarize(records: list[dict], engine, cfg, wall_s: float) -> dict:
+  """The run's summary: `figures` of its records plus compilation, warm-up and memory."""
+  accepts = [a for r in records for a in r["acceptance_lengths"]]
+  hist = collections.Counter(accepts)
+  comp = engine.compiled.summary()
+  return {
+      "mode": cfg.mode, "block_policy": block_policy_of(cfg), "temperature": cfg.temperature,
+      **figures(records), "wall_s": round(wall_s, 3),
+      "acceptance_histogram": {str(k): hist[k] for k in sorted(hist)},
+      "block_sizes_used": dict(collections.Counter(str(r["block_size"]) for r in records)),
+      "ids_beyond_tokenizer": sum(r["ids_beyond_tokenizer"] for r in records),
+      "compilations": comp["compilations"], "compilations_by_function": comp["by_function"],
+      "compile_s": comp["compile_s"], "compile_s_per_bucket": comp["per_key_s"],
+      "compile_cache_hits": comp["compile_cache_hits"],
+      "loop_warmup_s": round(sum(engine.programs.warmup_seconds.values()), 3),
+      "peak_rss_mb": peak_rss_mb(),
+  }
+
+def _fmt(x, spec: str) -> str:
+  return "-" if x is None else format(x, spec)
+
+def print_summary(s: dict) -> None:
+  rows = [("mode", s["mode"]), ("block policy", s["block_policy"]),
+          ("block sizes used", s["block_sizes_used"]), ("prompts", s["prompts"]),
+          ("new tokens", s["new_tokens"]),
+          ("tokens/s (prefill+decode)", s["tokens_per_s"]),
+          ("decode tokens/s", s["decode_tokens_per_s"]),
+          ("tau (tokens per spec. cycle)", _fmt(s["tau"], ".3f")),
+          ("tokens per target forward", _fmt(s["tokens_per_forward"], ".3f")),
+          ("compilations", f"{s['compilations']} {s['compilations_by_function']}"),
+          ("compile time (s)", f"{s['compile_s']} ({s['compile_cache_hits']} of "
+                               f"{s['compilations']} loaded from the compile cache)"),
+          ("loops' first runs (s)", s["loop_warmup_s"]),
+          ("peak RSS (MB)", s["peak_rss_mb"])]
+  if s.get("ids_beyond_tokenizer"):
+    rows.append(("ids the tokenizer can't decode", s["ids_beyond_tokenizer"]))
+  width = max(len(k) for k, _ in rows)
+  print("\n".join(f"  {k:<{width}}  {v}" for k, v in rows))
+  if s.get("compare"):
+    print_comparison(s)
+
+
+def print_comparison(s: dict) -> None:
+  """The methods of one interleaved run side by side, speedups against plain AR."""
+  rows = {"main: " + s["main"]["method"]: s["main"], **s["compare"]}
+  ar = next((r for r in rows.values() if r["method"] == "ar"), None)
+  print(f"\n  compared in one run, interleaved per request, fastest of {s['repeats']} "
+        f"(decode time, T={s['temperature']}):")
+  head = (f"  {'method':<16} {'decode tok/s':>12} {'speedup vs AR':>14} "
+          f"{'tau/cycle':>9} {'tok/forward':>11} {'identical to AR':>16}")
+  print(head)
+  for name, r in rows.items():
+    speed = (f"{r['decode_tokens_per_s'] / ar['decode_tokens_per_s']:.2f}x" if ar else "-")
+    same = r.get("identical_to_ar")
+    mark = "-" if same is None else f"{'✓' if same == r['prompts'] else '✗'} {same}/{r['prompts']}"
+    print(f"  {name:<16} {r['decode_tokens_per_s']:>12,.0f} {speed:>14} "
+          f"{_fmt(r['tau'], '.2f'):>9} {_fmt(r['tokens_per_forward'], '.2f'):>11} {mark:>16}")

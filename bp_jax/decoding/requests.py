@@ -1,0 +1,59 @@
+"""Checks on a request before anything is compiled or run: block size, cache room, token ids."""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from typing import Sequence
+
+from bp_jax.errors import BadInputError
+
+
+def check_block_sizes(sizes: Sequence[int], flag: str = "--config.block_sizes") -> None:
+  """Every block size is an integer >= 1 (1 = plain AR decoding)."""
+  def ok(b) -> bool:
+    try:
+      return not isinstance(b, bool) and operator.index(b) >= 1
+    except TypeError:
+      return False
+
+  bad = [b for b in sizes if not ok(b)]
+  if bad:
+    raise BadInputError(f"{flag}={','.join(map(str, sizes))}: block sizes must be integers >= 1 "
+                        f"(1 = plain AR decoding), got {bad[0]}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestChecks:
+  """What an engine can serve: its cache length, vocabulary, buckets and whether it drafts."""
+  max_len: int
+  vocab_size: int
+  block_sizes: tuple[int, ...]
+  has_drafter: bool
+
+  def check_block_size(self, block_size: int) -> None:
+    check_block_sizes([block_size], "block_size")
+    if block_size == 1:
+      return
+    if not self.has_drafter:
+      raise BadInputError(f"block_size={block_size} needs a drafter (--config.drafter); "
+                          "without one only block_size=1 (mode=ar) is possible")
+    if block_size not in self.block_sizes:
+      raise BadInputError(f"block_size={block_size} is not one of the configured buckets "
+                          f"{list(self.block_sizes)} (--config.block_size / --config.block_sizes)")
+
+  def check_request(self, prompt_len: int, max_new_tokens: int, block_size: int = 1) -> None:
+    self.check_block_size(block_size)
+    if max_new_tokens < 1:
+      raise BadInputError(f"--config.max_new_tokens={max_new_tokens} must be >= 1")
+    if prompt_len < 1:
+      raise BadInputError("empty prompt: at least one token is needed")
+    need = prompt_len + max_new_tokens + block_size - 1
+    if need > self.max_len:
+      raise BadInputError(
+          f"prompt of {prompt_len} tokens + max_new_tokens={max_new_tokens} + block_size-1="
+          f"{block_size - 1} needs {need} cache slots, more than --config.max_len={self.max_len}")
+
+  def check_prompt_ids(self, prompt_ids: Sequence[int]) -> None:
+    if max(prompt_ids) >= self.vocab_size or min(prompt_ids) < 0:
+      raise BadInputError(f"prompt token id out of range for vocab_size={self.vocab_size}")

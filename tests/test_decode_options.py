@@ -1,0 +1,153 @@
+"""decode.py's run on the shipped demo: methods compared in one interleaved run, mode=ar on the
+demo config, --config.num_prompts, bad block sizes, drafters and policies made for other
+targets, and no half-written output after a failure."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+
+from bp_jax.decoding import run_decode
+from bp_jax.decoding.engine import Engine
+from bp_jax.errors import BadInputError
+from configs import demo
+
+PROMPTS = ['def add(a, b):\n    """Return the sum of a and b."""\n',
+           'def is_even(n):\n    """Return True if n is even."""\n',
+           'def reverse(s):\n    """Return s reversed."""\n']
+
+
+@pytest.fixture
+def cfg(tmp_path):
+  path = tmp_path / "prompts.jsonl"
+  path.write_text("".join(json.dumps({"id": f"p{i}", "prompt": p}) + "\n"
+                          for i, p in enumerate(PROMPTS)))
+  c = demo.get_config()
+  c.update(dict(prompts=str(path), num_prompts=0, max_new_tokens=12, max_len=128,
+                output=str(tmp_path / "out" / "d.jsonl"), show=0, compile_cache="", compare=""))
+  return c
+
+
+def test_methods_compared_in_one_interleaved_run(cfg, monkeypatch):
+  calls = []
+  real = Engine.generate
+  monkeypatch.setattr(Engine, "generate", lambda self, ids, **kw: (
+      calls.append(kw["block_size"]), real(self, ids, **kw))[1])
+  cfg.update(dict(compare="ar,b4,random", repeats=2, block_policy="fixed", block_size=8))
+  records, s = run_decode.run(cfg)
+  assert len(calls) == 3 * 4 * 2  # prompts x methods x repeats
+  assert calls[:8] != sorted(calls[:8])  # shuffled per request
+  assert s["main"]["method"] == "b8" and set(s["compare"]) == {"ar", "b4", "random"}
+  assert s["repeats"] == 2
+  for entry in [s["main"], *s["compare"].values()]:
+    assert entry["identical_to_ar"] == len(PROMPTS), entry
+    assert entry["decode_tokens_per_s"] > 0
+  assert s["compare"]["ar"]["tau"] == 1.0
+  for r in records:  # one meaning per figure
+    assert r["tau"] == pytest.approx(sum(r["acceptance_lengths"]) / r["cycles"], abs=1e-4)
+    assert sum(r["forward_lengths"]) == r["new_tokens"] - 1
+  with open(cfg.output + ".summary.json") as f:
+    assert json.load(f)["compare"]["b4"]["identical_to_ar"] == len(PROMPTS)
+
+
+def test_mode_ar_on_the_demo_config_decodes_plainly(cfg, capsys):
+  cfg.update(dict(mode="ar"))
+  assert cfg.block_policy == "learned"
+  records, s = run_decode.run(cfg)
+  assert s["block_sizes_used"] == {"1": len(PROMPTS)}
+  assert "block_policy=learned is not used" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("n, want", [(0, 3), (-1, 3), (1, 1), (2, 2)])
+@pytest.mark.parametrize("policy", ["fixed", "learned"])
+def test_num_prompts_all_or_first_n(cfg, n, want, policy):
+  if policy == "learned" and not os.path.isdir(cfg.policy):
+    pytest.skip("no shipped policy")
+  cfg.update(dict(num_prompts=n, block_policy=policy))
+  records, _ = run_decode.run(cfg)
+  assert [r["id"] for r in records] == [f"p{i}" for i in range(want)]
+
+
+def test_num_prompts_below_minus_one_is_refused(cfg):
+  cfg.num_prompts = -2
+  with pytest.raises(BadInputError, match="--config.num_prompts=-2"):
+    run_decode.run(cfg)
+
+
+@pytest.mark.parametrize("field, value, flag", [("block_sizes", "0", "--config.block_sizes"),
+                                                ("block_sizes", "-3,0", "--config.block_sizes"),
+                                                ("block_size", 0, "--config.block_size")])
+def test_block_sizes_below_one_fail_before_decoding(cfg, field, value, flag):
+  cfg.update({field: value, "block_policy": "fixed"})
+  with pytest.raises(BadInputError, match=f"{flag}=.*block sizes must be integers >= 1"):
+    run_decode.run(cfg)
+  assert not os.path.exists(os.path.dirname(cfg.output))
+
+
+def _copy_with_meta(src: str, dst: str, edit) -> str:
+  shutil.copytree(src, dst)
+  path = os.path.join(dst, "bp_jax.json")
+  with open(path) as f:
+    meta = json.load(f)
+  edit(meta)
+  with open(path, "w") as f:
+    json.dump(meta, f)
+  return dst
+
+
+def test_drafter_trained_for_another_target_is_refused(cfg, tmp_path, capsys):
+  cfg.update(dict(block_policy="fixed", drafter=_copy_with_meta(
+      cfg.drafter, str(tmp_path / "foreign"),
+      lambda m: m.update(target_fingerprint="0123456789abcdef"))))
+  with pytest.raises(BadInputError, match="fingerprint 0123456789abcdef.*allow_foreign_drafter"):
+    run_decode.run(cfg)
+  cfg.allow_foreign_drafter = True
+  records, _ = run_decode.run(cfg)
+  assert len(records) == len(PROMPTS)
+  assert "WARNING" in capsys.readouterr().out
+
+
+def test_policy_labelled_with_another_target_is_refused(cfg, tmp_path):
+  if not os.path.isdir(cfg.policy):
+    pytest.skip("no shipped policy")
+  cfg.policy = _copy_with_meta(cfg.policy, str(tmp_path / "foreign_policy"),
+                               lambda m: m["labels"].update(target_fingerprint="feedfeedfeedfeed"))
+  with pytest.raises(BadInputError, match="labelled with a target of fingerprint feedfeed"):
+    run_decode.run(cfg)
+
+
+def test_a_failure_mid_run_leaves_no_partial_output(cfg, monkeypatch):
+  real, seen = Engine.generate, []
+
+  def fail_second(self, ids, **kw):
+    seen.append(1)
+    if len(seen) == 2:
+      raise BadInputError("simulated failure")
+    return real(self, ids, **kw)
+
+  monkeypatch.setattr(Engine, "generate", fail_second)
+  cfg.block_policy = "fixed"
+  with pytest.raises(BadInputError, match="simulated"):
+    run_decode.run(cfg)
+  assert not os.path.exists(cfg.output + ".partial") and not os.path.exists(cfg.output)
+
+
+def test_records_count_ids_the_tokenizer_cannot_decode():
+  class Tok:
+    def __len__(self):
+      return 10
+
+    def get_vocab(self):
+      return {str(i): i for i in range(10)}
+
+    def decode(self, ids, skip_special_tokens=False):
+      return "".join(str(i) for i in ids if i < 10)
+
+  from bp_jax.decoding.generation import Generation
+  from bp_jax.text.prompts import Prompt
+  g = Generation([3, 12, 15, 4], 0.0, 0.0, 1, [1, 1, 1], [True] * 3, 5)
+  rec = run_decode.record_of(0, Prompt("x", "text"), g, Tok())
+  assert rec["ids_beyond_tokenizer"] == 2

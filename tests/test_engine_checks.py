@@ -1,0 +1,136 @@
+"""The engine's jobs kept apart and its answers to bad numbers: NaN/inf logits stop a request
+with a clear error; compile time and the loops' first runs are measured apart; the perfect-
+drafter path of tests is a separate program, absent from production loops; block sizes < 1 are
+refused before anything is compiled."""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from bp_jax.decoding import compiled as compiled_lib
+from bp_jax.decoding.engine import Engine
+from bp_jax.errors import BadInputError
+from bp_jax.models.config import DFlashConfig
+from hf_fixtures import (jax_drafter_from_state_dict, jax_qwen3_from_torch, make_dflash_state_dict,
+                         make_hf_qwen3)
+
+V = 128
+MAX_LEN = 64
+DRAFTER_HF = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=24, rms_norm_eps=1e-6,
+                  rope_theta=10000.0, block_size=4, num_target_layers=3,
+                  dflash_config={"mask_token_id": V - 1, "target_layer_ids": [0, 1]})
+PROMPT = [5, 17, 33, 2, 9, 41]
+
+
+@pytest.fixture(scope="module")
+def models():
+  target = jax_qwen3_from_torch(make_hf_qwen3(seed=3))
+  cfg = DFlashConfig.from_hf_dict(DRAFTER_HF, "tiny-dflash/config.json")
+  return target, jax_drafter_from_state_dict(cfg, make_dflash_state_dict(cfg, seed=4))
+
+
+def _engine(target, drafter=None, **kw):
+  return Engine(target, max_len=MAX_LEN, length_buckets=(16,), drafter=drafter,
+                block_sizes=(4,), **kw)
+
+
+def _poison_embedding(target, token: int):
+  """A copy of `target` whose input embedding of `token` is NaN (untied lm_head: the logits
+  stay finite until the token is fed back in)."""
+  from flax import nnx
+  graph, state = nnx.split(target)
+  copy = nnx.merge(graph, jax.tree.map(jnp.copy, state))
+  copy.embed.value = copy.embed.value.at[token].set(jnp.nan)
+  return copy
+
+
+@pytest.mark.parametrize("block_size", (1, 4))
+def test_nan_logits_stop_the_request_with_a_clear_error(models, block_size):
+  target, drafter = models
+  clean = _engine(target, drafter).generate(PROMPT, max_new_tokens=12, block_size=1).output_ids
+  bad_tok = next(t for t in clean[2:] if t not in PROMPT and t not in clean[:2])
+  poisoned = _poison_embedding(target, bad_tok)
+  eng = _engine(poisoned, drafter)
+  with pytest.raises(BadInputError, match="NaN/inf logits at position"):
+    eng.generate(PROMPT, max_new_tokens=12, block_size=block_size)
+  # Prompts that never feed the poisoned token decode as before.
+  short = clean.index(bad_tok)
+  assert eng.generate(PROMPT, max_new_tokens=short, block_size=block_size).output_ids == \
+      clean[:short]
+
+
+def test_nan_in_the_prompt_fails_in_the_prefill(models):
+  target, _ = models
+  eng = _engine(_poison_embedding(target, PROMPT[-1]))
+  with pytest.raises(BadInputError, match="the prefill produced NaN/inf logits"):
+    eng.generate(PROMPT, max_new_tokens=4, block_size=1)
+
+
+@pytest.mark.parametrize("sizes", [(0,), (-3, 0), (4, 0)])
+def test_block_sizes_below_one_are_refused_up_front(models, sizes):
+  target, drafter = models
+  with pytest.raises(BadInputError, match="block sizes must be integers >= 1"):
+    Engine(target, max_len=MAX_LEN, drafter=drafter, block_sizes=sizes)
+  with pytest.raises(BadInputError, match=">= 1"):
+    _engine(target, drafter).generate(PROMPT, max_new_tokens=4, block_size=sizes[-1])
+
+
+def test_compile_time_and_first_run_are_measured_apart(models, monkeypatch):
+  """A compile made 0.5 s slower shows in compile time only, not in the loop's first run."""
+  target, drafter = models
+  real_get = compiled_lib.CompiledCache.get
+
+  def slow_get(self, key, make, args, donate_argnums=()):
+    if key not in self:
+      time.sleep(0.5)
+    return real_get(self, key, make, args, donate_argnums)
+
+  monkeypatch.setattr(compiled_lib.CompiledCache, "get", slow_get)
+  eng = _engine(target, drafter)
+  eng.generate(PROMPT, max_new_tokens=8, block_size=4)
+  assert set(eng.warmup_seconds) == {4}
+  # (the sleep sits outside CompiledCache's own clock, so compile seconds do not include it)
+  assert eng.warmup_seconds[4] < 0.5, eng.warmup_seconds
+
+
+def test_forced_drafts_are_a_separate_program(models):
+  """The perfect drafter of tests compiles its own loop; the production loop takes no forced
+  tokens (one [1, S] int32 buffer, the sequence, instead of two) and is what requests run."""
+  target, drafter = models
+  eng = _engine(target, drafter)
+  ref = eng.generate(PROMPT, max_new_tokens=10, block_size=1).output_ids
+  g = eng.generate(PROMPT, max_new_tokens=10, block_size=4, forced_continuation=ref)
+  assert g.output_ids == ref and g.acceptance_lengths[0] == 4
+  eng.generate(PROMPT, max_new_tokens=10, block_size=4)
+  fns = eng.compiled._fns
+  assert ("spec_loop", 4) in fns and ("spec_loop_forced", 4) in fns
+
+  def seq_sized_params(key) -> int:
+    entry = fns[key].as_text().split("ENTRY", 1)[1].split("\n", 1)[0].split("->")[0]
+    return entry.count(f"s32[1,{MAX_LEN}]")
+
+  assert seq_sized_params(("spec_loop", 4)) == 1
+  assert seq_sized_params(("spec_loop_forced", 4)) == 2
+  assert set(eng.warmup_seconds) == {1, 4}  # production loops only
+
+
+def test_generation_figures_have_one_meaning(models):
+  """τ counts speculative cycles only; tokens per forward counts every target forward; the
+  counted tokens are exactly the kept ones."""
+  target, drafter = models
+  eng = _engine(target, drafter, ar_fallback=4)
+  for max_new in (3, 9, 17):
+    g = eng.generate(PROMPT, max_new_tokens=max_new, block_size=4)
+    assert sum(g.forward_lengths) == g.new_tokens - 1
+    assert g.cycles + g.ar_steps == g.target_forwards == len(g.forward_lengths)
+    assert g.tau == pytest.approx(np.mean(g.acceptance_lengths))
+    assert g.tokens_per_forward == pytest.approx((g.new_tokens - 1) / g.target_forwards)
+  assert g.ar_steps > 0  # the random drafter falls back: AR steps are not cycles
+  ar = eng.generate(PROMPT, max_new_tokens=9, block_size=1)
+  assert ar.tau == 1.0 and ar.ar_steps == 0 and ar.cycles == 8
