@@ -41,6 +41,19 @@ class CliResult:
     return bool(lines) and lines[-1].startswith(f"{script}: error: ")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _compile_cache_in_tmp(tmp_path_factory):
+  """decode.py's and train.py's default compile cache (~/.cache/bp_jax/jax) lives in a folder
+  of this test session, for code run in-process as for the scripts (`run_cli`)."""
+  old = os.environ.get("XDG_CACHE_HOME")
+  os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg_cache_inproc"))
+  yield
+  if old is None:
+    os.environ.pop("XDG_CACHE_HOME", None)
+  else:
+    os.environ["XDG_CACHE_HOME"] = old
+
+
 @pytest.fixture(scope="session")
 def run_cli(tmp_path_factory):
   """run_cli("decode.py", *flags) -> CliResult; runs a top-level script of the repository. The

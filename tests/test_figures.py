@@ -6,18 +6,13 @@ rows."""
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from bp_jax.decoding.engine import Engine
+from toy_models import zeros_drafter_pair
 from bp_jax.errors import BadInputError
 from bp_jax.eval import report as rep
-from bp_jax.models.config import DFlashConfig, Qwen3Config
-from bp_jax.models.dflash import DFlashDrafter
-from bp_jax.models.qwen3 import Qwen3
 from bp_jax.policy import label_sets
 from bp_jax.train import labels as lab
 from bp_jax.train import policy_stage as ps
@@ -34,20 +29,7 @@ def engine():
   """A random target whose greedy output often is token 0 and a drafter that always drafts 0
   (its final norm is zero): cycles accept runs of 0s of every length, and poor cycles, after
   which the AR fallback steps, are common."""
-  cfg = Qwen3Config(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
-                    num_attention_heads=4, num_key_value_heads=2, head_dim=8, rope_theta=1e4,
-                    tie_word_embeddings=False, max_position_embeddings=256)
-  target = Qwen3(cfg, rngs=nnx.Rngs(0))
-  target.embed[...] = jax.random.normal(jax.random.key(1), target.embed.shape)
-  for name in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
-    getattr(target.layers, name)[...] = 5 * getattr(target.layers, name)[...]
-  head = target.lm_head[...]
-  target.lm_head[...] = head.at[:, 0].add(0.3 * jax.random.normal(jax.random.key(5), (32,)))
-  layers = Qwen3Config(**{**cfg.__dict__, "num_hidden_layers": 1})
-  drafter = DFlashDrafter(DFlashConfig(layers=layers, block_size=4, num_target_layers=3,
-                                       mask_token_id=V - 1, target_layer_ids=(0, 2)),
-                          rngs=nnx.Rngs(2))
-  drafter.norm[...] = jnp.zeros_like(drafter.norm[...])
+  target, drafter = zeros_drafter_pair(V)
   return Engine(target, max_len=96, length_buckets=(32, 64, 96), drafter=drafter,
                 block_sizes=SIZES, **FALLBACK)
 

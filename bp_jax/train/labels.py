@@ -368,12 +368,14 @@ def labels_stage(cfg: Any) -> None:
 
 
 def summarize_labels(records: Sequence[Mapping[str, Any]], sizes: Sequence[int]) -> dict:
-  """Mean τ per size, cycle cost per size and how often each size is the label, per rule."""
+  """Mean τ per size (over the usable prompts: those with a cycle at every size; a request whose
+  first token is a stop token runs none), cycle cost per size and how often each size is the
+  label, per rule."""
   ok = usable(records)
   kept = [r for r, u in zip(records, ok) if u]
+  taus = stack(kept, "tau").mean(axis=0) if kept else [float("nan")] * len(sizes)
   out = {"prompts": len(records), "usable": int(ok.sum()),
-         "mean_tau": {str(b): round(float(v), 3) for b, v in
-                      zip(sizes, stack(records, "tau").mean(axis=0))},
+         "mean_tau": {str(b): round(float(v), 3) for b, v in zip(sizes, taus)},
          "cycle_cost_ms": {str(b): round(1e3 * float(c), 3) for b, c in
                            zip(sizes, cycle_costs(records))}, "label_counts": {}}
   if kept:
