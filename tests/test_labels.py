@@ -197,7 +197,7 @@ def test_labels_datasets(setup, stages_done, capsys):
     np.testing.assert_allclose(r["tau"], [p[f].mean() for p, f in zip(parts, flags)], rtol=1e-6)
     np.testing.assert_allclose(r["tokens_per_forward"], r["committed"] / fwd, rtol=1e-6)
   # Each label set records the settings it was measured with: the loops' form with AR fallback.
-  from bp_jax.decoding.run_decode import loop_options
+  from bp_jax.decoding.block_choice import loop_options
   made = label_sets.label_set_settings(evals)
   assert made == label_sets.label_set_settings(label)
   assert made == label_sets.decode_settings(MAX_NEW, 0.0, False, loop_options(cfg))

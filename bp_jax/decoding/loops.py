@@ -140,8 +140,9 @@ def make_ar_loop(graphdef, scan_layers: bool = False) -> Callable:
       bad = _nonfinite(out.logits)
       miss = bad.astype(jnp.int32)
       nxt = sample(out.logits[:, 0], temperature, position_keys(seed_key, (pos + 1)[None]))[0]
-      # A step with NaN/inf logits commits nothing: the loop ends and the engine raises.
-      seq = jnp.where(bad, seq, seq.at[0, pos + 1].set(nxt, mode="drop"))
+      # A step with NaN/inf logits commits nothing (n_gen does not count its write): the loop
+      # ends and the engine raises.
+      seq = seq.at[0, pos + 1].set(nxt, mode="drop")
       return (seq, out.cache, pos + 1, n_gen + 1 - miss, _is_stop(nxt, stop_ids) | bad, nxt,
               steps + 1 - miss, bad)
 

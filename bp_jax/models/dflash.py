@@ -19,6 +19,8 @@ index is the absolute position. `draft` reads slots `j < lengths` and never writ
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -180,3 +182,20 @@ def validate_drafter_for_target(cfg: DFlashConfig, target_cfg: Qwen3Config, sour
   if c.vocab_size and c.vocab_size != t.vocab_size:
     raise BadInputError(f"{source}: drafter vocab_size={c.vocab_size} differs from the target's "
                         f"vocab_size={t.vocab_size}")
+
+
+def refuse_last_layer_features(target_layer_ids: Sequence[int], num_target_layers: int,
+                               what: str) -> None:
+  """Refuses a drafter that reads the target's last layer (DESIGN §1, "Trap").
+
+  bp_jax feeds the drafter each chosen layer's output before the final norm; transformers'
+  `output_hidden_states[-1]`, which transformers-based DFlash code reads for the last layer, is
+  after the final norm. A drafter on layer L-1 would see different features in the two.
+  `what` names the ids in the message (a flag, or a file and its field).
+  """
+  last = num_target_layers - 1
+  if last in target_layer_ids:
+    raise BadInputError(
+        f"{what} includes the target's last layer {last}, whose feature is the final-normed "
+        "output in transformers-based DFlash code but the plain layer output in bp_jax; use "
+        f"layers below {last} (z-lab DFlash drafters read layers 1..L-3)")

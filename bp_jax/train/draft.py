@@ -28,7 +28,7 @@ from bp_jax.errors import BadInputError
 from bp_jax.eval.resources import peak_rss_mb
 from bp_jax.train import draft_objective as obj
 from bp_jax.train import workdir as wd
-from bp_jax.weights.convert import refuse_last_layer_features
+from bp_jax.models.dflash import refuse_last_layer_features
 from bp_jax.train.regenerate import (REGEN_TRAIN, REGEN_VAL, model_fingerprint, read_stamp,
                                      regen_stamp_dir, write_stamp)
 
@@ -46,7 +46,7 @@ def choose_target_layer_ids(num_target_layers: int, num_draft_layers: int,
   `given` (non-empty) is used as is, after checks. Otherwise DFlash's default
   (`config.default_target_layer_ids`), unless it repeats a layer or leaves 0..L-2 (small
   targets: L=4, n=2 gives [1, 1]); then n distinct layers evenly spaced over 1..L-2. The last
-  layer L-1 is never used (see `convert.refuse_last_layer_features`).
+  layer L-1 is never used (see `dflash.refuse_last_layer_features`).
 
   Raises:
     BadInputError: ids out of range, repeated or including layer L-1, or no n distinct layers

@@ -147,7 +147,7 @@ def check_no_overlap(label: Sequence[LabelPrompt], evals: Sequence[LabelPrompt])
 def candidate_sizes(bp: Any, drafter_block_size: int) -> tuple[int, ...]:
   """`bp.candidates`, or the drafter's training size +- `bp.radius` (sizes >= 2), plus 1 (plain
   AR decoding) with `bp.include_ar`; ascending."""
-  from bp_jax.decoding.run_decode import parse_int_list
+  from bp_jax.decoding.block_choice import parse_int_list
 
   sizes = parse_int_list(bp.candidates, "--config.blockpilot.candidates")
   if not sizes:
@@ -274,7 +274,7 @@ def build_engine(cfg: Any, target: Any, drafter: Any, tok: Any, sizes: Sequence[
   """An engine with the candidate sizes, its loops in decode.py's form (`--config.scan_layers`),
   so measured cycle costs are the ones decode.py pays; every request is checked first."""
   from bp_jax.decoding.engine import Engine
-  from bp_jax.decoding.run_decode import loop_options, parse_int_list
+  from bp_jax.decoding.block_choice import loop_options, parse_int_list
   from bp_jax.text.tokenizer import stop_token_ids
 
   engine = Engine(target, max_len=int(cfg.max_len), stop_ids=stop_token_ids(tok),
@@ -301,7 +301,7 @@ def labels_stage(cfg: Any) -> None:
   """
   from tqdm import tqdm
 
-  from bp_jax.decoding.run_decode import loop_options
+  from bp_jax.decoding.block_choice import loop_options
   from bp_jax.train.regenerate import model_fingerprint, read_stamp, write_stamp
 
   bp = cfg.blockpilot

@@ -74,7 +74,7 @@ def _schedule(run: Mapping[str, Any]) -> list[tuple[int, bool]]:
 def check_label_settings(cfg: Any, max_new: int, temperature: float) -> None:
   """Refuses label sets measured with other decode settings than this report's runs (another
   loop form, e.g. with or without the AR fallback, gives other labels and cycle costs)."""
-  from bp_jax.decoding.run_decode import loop_options
+  from bp_jax.decoding.block_choice import loop_options
 
   want = label_sets.decode_settings(max_new, temperature, bool(cfg.get("chat", False)),
                                     loop_options(cfg))

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from typing import Sequence
 
 import numpy as np
 from tqdm import tqdm
@@ -15,7 +14,7 @@ from bp_jax.weights.checkpoint_io import (finish_partial_dir, load_checkpoint, m
                                           move_into_place, read_checkpoint_meta,
                                           remove_stale_partials, save_checkpoint)
 from bp_jax.models.config import DFlashConfig, Qwen3Config, is_dflash_dict, read_config_json
-from bp_jax.models.dflash import validate_drafter_for_target
+from bp_jax.models.dflash import refuse_last_layer_features, validate_drafter_for_target
 from bp_jax.errors import BadInputError
 from bp_jax.weights.loading import parse_dtype
 from bp_jax.weights.safetensors_io import open_hf_checkpoint, write_hf_checkpoint
@@ -23,23 +22,6 @@ from bp_jax.weights.safetensors_io import open_hf_checkpoint, write_hf_checkpoin
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
                    "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
                    "generation_config.json", "tokenizer.model")
-
-
-def refuse_last_layer_features(target_layer_ids: Sequence[int], num_target_layers: int,
-                               what: str) -> None:
-  """Refuses a drafter that reads the target's last layer (DESIGN §1, "Trap").
-
-  bp_jax feeds the drafter each chosen layer's output before the final norm; transformers'
-  `output_hidden_states[-1]`, which transformers-based DFlash code reads for the last layer, is
-  after the final norm. A drafter on layer L-1 would see different features in the two.
-  `what` names the ids in the message (a flag, or a file and its field).
-  """
-  last = num_target_layers - 1
-  if last in target_layer_ids:
-    raise BadInputError(
-        f"{what} includes the target's last layer {last}, whose feature is the final-normed "
-        "output in transformers-based DFlash code but the plain layer output in bp_jax; use "
-        f"layers below {last} (z-lab DFlash drafters read layers 1..L-3)")
 
 
 def _remove_leftovers(out_dir: str) -> None:
