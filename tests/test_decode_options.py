@@ -151,3 +151,20 @@ def test_records_count_ids_the_tokenizer_cannot_decode():
   g = Generation([3, 12, 15, 4], 0.0, 0.0, 1, [1, 1, 1], [True] * 3, 5)
   rec = run_decode.record_of(0, Prompt("x", "text"), g, Tok())
   assert rec["ids_beyond_tokenizer"] == 2
+
+
+def test_fingerprints_are_of_the_stored_weights_whatever_the_dtype(cfg):
+  """The drafter records its target's fingerprint over the stored (bfloat16) weights; loading the
+  target as float16 rounds them, yet the check compares the stored weights: no false refusal."""
+  from bp_jax.decoding import provenance
+  from bp_jax.weights.checkpoint_io import read_checkpoint_meta
+  from bp_jax.weights.loading import load_target
+
+  want = read_checkpoint_meta(cfg.drafter)[1]["target_fingerprint"]
+  for dtype in ("float32", "bfloat16", "float16"):
+    target = load_target(cfg.target, dtype)
+    assert provenance.stored_fingerprint(target, cfg.target, load_target) == want, dtype
+  assert provenance.model_fingerprint(load_target(cfg.target, "float16")) != want  # rounded
+  cfg.update(dict(dtype="float16", block_policy="fixed", num_prompts=1))
+  records, _ = run_decode.run(cfg)
+  assert len(records) == 1

@@ -9,7 +9,9 @@ it, or, with `allow_foreign`, say so loudly and go on. Checkpoints that record n
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
+
+import numpy as np
 
 from bp_jax.errors import BadInputError
 from bp_jax.models.fingerprint import model_fingerprint
@@ -45,5 +47,32 @@ def check_policy_made_for(policy_meta: Mapping[str, Any], policy_dir: str,
                 "allow_foreign_drafter")
 
 
-def fingerprints(target: Any, drafter: Any) -> tuple[str, str | None]:
-  return model_fingerprint(target), None if drafter is None else model_fingerprint(drafter)
+def stored_fingerprint(module: Any, ckpt_dir: str, load: Callable[[str, str | None], Any]) -> str:
+  """The fingerprint of a checkpoint's weights as stored (what train.py recorded), from the
+  loaded `module` when its dtype holds the stored values exactly (the same dtype, or float32),
+  else from a second load at the stored dtype (`load(ckpt_dir, None)`): e.g. bfloat16 weights
+  loaded as float16 are rounded, and their hash would no longer match."""
+  from bp_jax.weights.checkpoint_io import read_checkpoint_meta
+
+  stored = np.dtype(read_checkpoint_meta(ckpt_dir)[1].get("dtype", "float32"))
+  loaded = np.dtype(module.dtype)
+  if loaded == stored or loaded in (np.dtype("float32"), np.dtype("float64")):
+    return model_fingerprint(module)
+  return model_fingerprint(load(ckpt_dir, None))
+
+
+class Fingerprints:
+  """The target's and drafter's stored-weight fingerprints of one decode run, computed once."""
+
+  def __init__(self, target: Any, target_dir: str, drafter: Any = None, drafter_dir: str = ""):
+    self._args = {"target": (target, target_dir), "drafter": (drafter, drafter_dir)}
+    self._done: dict[str, str | None] = {}
+
+  def get(self, name: str) -> str | None:
+    if name not in self._done:
+      from bp_jax.weights.loading import load_drafter, load_target
+
+      module, path = self._args[name]
+      load = load_target if name == "target" else (lambda d, dt: load_drafter(d, None, dt))
+      self._done[name] = None if module is None else stored_fingerprint(module, path, load)
+    return self._done[name]

@@ -72,10 +72,11 @@ def needs_drafter(cfg) -> bool:
   """mode=spec, or a comparison method that drafts."""
   return cfg.mode == "spec" or any(m != "ar" for m in parse_methods(cfg.get("compare", "")))
 
-def build_engine(cfg, extra_sizes: Sequence[int] = ()) -> tuple[Engine, Any]:
+def build_engine(cfg, extra_sizes: Sequence[int] = ()) -> tuple[Engine, Any, Any]:
   """Loads target, drafter and tokenizer and builds the engine described by `cfg`; the buckets
   are `--config.block_sizes` (or the drafter's size +- 4), `--config.block_size` and
-  `extra_sizes`. A drafter trained for another target is refused (`provenance`)."""
+  `extra_sizes`. A drafter trained for another target is refused (`provenance`). Returns
+  (engine, tokenizer, the run's `provenance.Fingerprints`)."""
   from bp_jax.decoding import provenance
   from bp_jax.weights.checkpoint_io import read_checkpoint_meta
 
@@ -88,17 +89,19 @@ def build_engine(cfg, extra_sizes: Sequence[int] = ()) -> tuple[Engine, Any]:
       raise BadInputError("--config.compare lists speculative methods: they need "
                           "--config.drafter (a converted DFlash drafter)")
     drafter = load_drafter(cfg.drafter, target.cfg, cfg.dtype)
+  prints = provenance.Fingerprints(target, cfg.target, drafter, cfg.drafter)
+  if drafter is not None:
     _, meta = read_checkpoint_meta(cfg.drafter, expected_kind="dflash")
     if meta.get("target_fingerprint"):
-      provenance.check_drafter_made_for(meta, cfg.drafter, provenance.fingerprints(target, None)[0],
-                                        cfg.target, bool(cfg.get("allow_foreign_drafter", False)))
+      provenance.check_drafter_made_for(meta, cfg.drafter, prints.get("target"), cfg.target,
+                                        bool(cfg.get("allow_foreign_drafter", False)))
     block_sizes = block_sizes or default_block_sizes(drafter.cfg.block_size)
     block_sizes = tuple(block_sizes) + (cfg.block_size,)  # any size can be a bucket
   sizes = tuple(sorted(set(block_sizes or (cfg.block_size,)) | {b for b in extra_sizes if b > 1}))
   engine = Engine(target, max_len=cfg.max_len, stop_ids=stop_token_ids(tok),
                   length_buckets=parse_int_list(cfg.length_buckets, "--config.length_buckets")
                   or None, drafter=drafter, block_sizes=sizes, **loop_options(cfg))
-  return engine, tok
+  return engine, tok, prints
 
 def _drafter_block_size(cfg) -> int | None:
   if not needs_drafter(cfg) or not cfg.drafter:
@@ -131,7 +134,7 @@ def select_prompts(cfg, choice: BlockChoice) -> list[Prompt]:
 
 # ---- the job ------------------------------------------------------------------------------------
 
-def _bind_policy(engine: Engine, choice: "BlockChoice", cfg) -> None:
+def _bind_policy(engine: Engine, choice: "BlockChoice", cfg, prints) -> None:
   """Binds a learned choice's policy to the engine, checking it was made for these models."""
   from bp_jax.decoding import provenance
 
@@ -142,17 +145,13 @@ def _bind_policy(engine: Engine, choice: "BlockChoice", cfg) -> None:
                         f"uses {list(engine.drafter.cfg.target_layer_ids)}")
   labels = choice.info.meta.get("labels") or {}
   if labels.get("target_fingerprint") or labels.get("drafter_fingerprint"):
-    t_fp, d_fp = provenance.fingerprints(engine_target(engine), engine.drafter)
-    provenance.check_policy_made_for(choice.info.meta, cfg.policy, t_fp, d_fp,
+    provenance.check_policy_made_for(choice.info.meta, cfg.policy, prints.get("target"),
+                                     prints.get("drafter"),
                                      bool(cfg.get("allow_foreign_drafter", False)))
   try:
     engine.set_policy(choice.policy, choice.info.block_sizes)
   except BadInputError as e:
     raise BadInputError(f"{cfg.policy}: {e}") from None
-
-def engine_target(engine: Engine):
-  from flax import nnx
-  return nnx.merge(engine.t_graph, engine.t_state)
 
 def _precompile(engine: Engine, cfg, choices: Sequence["BlockChoice"]) -> None:
   sizes = sorted({b for c in choices for b in ((c.fixed,) if c.name == "fixed" else c.sizes)})
@@ -178,10 +177,10 @@ def run(cfg) -> tuple[list[dict], dict]:
   others = [m for m in parse_methods(cfg.get("compare", "")) if m != main]
   choices = {main: choice, **{m: method_choice(m, choice, cfg, drafter_b) for m in others}}
   extra = {b for c in choices.values() for b in c.sizes + (c.fixed,)}
-  engine, tok = build_engine(cfg, tuple(extra))
+  engine, tok, prints = build_engine(cfg, tuple(extra))
   learned = next((c for c in choices.values() if c.name == "learned"), None)
   if learned is not None:
-    _bind_policy(engine, learned, cfg)
+    _bind_policy(engine, learned, cfg, prints)
   for c in choices.values():
     if c.name == "fixed":
       engine.check_block_size(c.fixed)
