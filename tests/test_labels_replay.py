@@ -26,12 +26,13 @@ def models():
   return target, drafter
 
 
-def test_replay_predicts_every_real_cycle(models):
+def _replayed_runs(models, seed: int, **loop):
+  """(output, replayed acceptance of size b, block size b, the engine's Generation at b) for 6
+  random prompts: every size's real decode next to the teacher-forced replay."""
   target, drafter = models
   engine = Engine(target, max_len=96, length_buckets=(32, 64, 96), drafter=drafter,
-                  block_sizes=SIZES)
-  rng = np.random.default_rng(0)
-  partial = 0
+                  block_sizes=SIZES, **loop)
+  rng = np.random.default_rng(seed)
   for _ in range(6):
     prompt = rng.integers(1, V - 1, int(rng.integers(3, 30))).tolist()
     out = engine.generate(prompt, max_new_tokens=MAX_NEW).output_ids
@@ -40,38 +41,33 @@ def test_replay_predicts_every_real_cycle(models):
     for b in SIZES:
       g = engine.generate(prompt, max_new_tokens=MAX_NEW, block_size=b)
       assert g.output_ids == out
-      m = 1
-      for a in g.acceptance_lengths:  # a cycle starting with m committed tokens kept a tokens
-        # The replay cannot see past the output's end; the engine keeps no token past it.
-        assert min(int(acc[b][m]) + 1, len(out) - m) == a, (b, m, a, acc[b][:m + 3])
-        partial += 0 < a - 1 < b - 1
-        m += a
-      assert m == len(out)
-      assert intra.fixed_cycles(acc[b]) == len(g.acceptance_lengths) == g.target_forwards
-      assert intra.forward_schedule(acc[b]) == list(zip(g.forward_lengths, g.forward_is_cycle))
+      yield out, acc[b], b, g
+
+
+def test_replay_predicts_every_real_cycle(models):
+  partial = 0
+  for out, acc, b, g in _replayed_runs(models, 0):
+    m = 1
+    for a in g.acceptance_lengths:  # a cycle starting with m committed tokens kept a tokens
+      # The replay cannot see past the output's end; the engine keeps no token past it.
+      assert min(int(acc[m]) + 1, len(out) - m) == a, (b, m, a, acc[:m + 3])
+      partial += 0 < a - 1 < b - 1
+      m += a
+    assert m == len(out)
+    assert intra.fixed_cycles(acc) == len(g.acceptance_lengths) == g.target_forwards
+    assert intra.forward_schedule(acc) == list(zip(g.forward_lengths, g.forward_is_cycle))
   assert partial >= 3  # intermediate acceptance lengths were checked, not only 0 and b-1
 
 
 def test_replay_reproduces_the_fallback_loop(models):
   """With the engine's AR fallback, the replayed schedule is the loop that ran: every target
   forward, cycle or AR step, and its committed tokens."""
-  target, drafter = models
-  engine = Engine(target, max_len=96, length_buckets=(32, 64, 96), drafter=drafter,
-                  block_sizes=SIZES, ar_fallback=4, ar_fallback_accept=1)
-  rng = np.random.default_rng(1)
   steps = 0
-  for _ in range(6):
-    prompt = rng.integers(1, V - 1, int(rng.integers(3, 30))).tolist()
-    out = engine.generate(prompt, max_new_tokens=MAX_NEW).output_ids
-    acc = intra.replay_acceptance(target, drafter, prompt, out, SIZES, MAX_NEW,
-                                  engine.length_buckets)
-    for b in SIZES:
-      g = engine.generate(prompt, max_new_tokens=MAX_NEW, block_size=b)
-      assert g.output_ids == out
-      assert intra.forward_schedule(acc[b], 4, 1) == list(zip(g.forward_lengths,
-                                                               g.forward_is_cycle)), b
-      assert intra.fallback_schedule(acc[b], 4, 1) == (g.cycles, g.ar_steps)
-      steps += g.ar_steps
+  for out, acc, b, g in _replayed_runs(models, 1, ar_fallback=4, ar_fallback_accept=1):
+    assert intra.forward_schedule(acc, 4, 1) == list(zip(g.forward_lengths,
+                                                         g.forward_is_cycle)), b
+    assert intra.fallback_schedule(acc, 4, 1) == (g.cycles, g.ar_steps)
+    steps += g.ar_steps
   assert steps > 0  # the fallback ran
 
 
