@@ -18,8 +18,8 @@ from bp_jax.decoding.engine import LEARNED
 from bp_jax.errors import BadInputError
 from bp_jax.text.prompts import Prompt
 
-
 BLOCK_POLICIES = ("fixed", "learned", "oracle", "random")
+
 
 def parse_int_list(text: str, flag: str) -> tuple[int, ...]:
   if text is None or text == "":
@@ -29,11 +29,14 @@ def parse_int_list(text: str, flag: str) -> tuple[int, ...]:
   except ValueError:
     raise BadInputError(f"{flag}={text!r}: expected comma-separated integers") from None
 
+
 def default_block_sizes(train_block_size: int, radius: int = 4) -> tuple[int, ...]:
   """The drafter's training block size +- radius (at least 2)."""
   return tuple(range(max(2, train_block_size - radius), train_block_size + radius + 1))
 
+
 POLICY_RADIUS = 3  # candidates of the random control by default: training size +- 3 (DESIGN §5)
+
 
 @dataclasses.dataclass
 class BlockChoice:
@@ -65,6 +68,7 @@ class BlockChoice:
   def largest(self) -> int:
     return max(self.sizes) if self.sizes else self.fixed
 
+
 def resolve_block_choice(cfg, drafter_block_size: int | None) -> BlockChoice:
   """The `BlockChoice` of `cfg`; a learned policy whose folder is absent falls back to fixed
   (with a message) when `--config.policy_fallback` is set."""
@@ -76,9 +80,7 @@ def resolve_block_choice(cfg, drafter_block_size: int | None) -> BlockChoice:
           f"{cfg.block_size} instead")
     name = "fixed"
   if name == "learned":
-    from bp_jax.policy.mlp import load_policy
-    policy, info = load_policy(cfg.policy)
-    return BlockChoice(name, fixed, info.block_sizes, cfg.seed, policy=policy, info=info)
+    return learned_choice(cfg, fixed)
   if name == "oracle":
     from bp_jax.policy.label_sets import decode_settings, oracle_table
     settings = decode_settings(cfg.max_new_tokens, cfg.temperature, cfg.get("chat", False),
@@ -86,12 +88,24 @@ def resolve_block_choice(cfg, drafter_block_size: int | None) -> BlockChoice:
     table, sizes = oracle_table(cfg.oracle_labels, cfg.get("label_rule", "max_tau"), settings)
     return BlockChoice(name, fixed, sizes, cfg.seed, oracle=table)
   if name == "random":
-    sizes = parse_int_list(cfg.block_sizes, "--config.block_sizes")
-    if not sizes and drafter_block_size is None:
-      raise BadInputError("--config.block_policy=random needs --config.block_sizes or a drafter")
-    sizes = sizes or default_block_sizes(drafter_block_size, POLICY_RADIUS)
-    return BlockChoice(name, fixed, tuple(sizes), cfg.seed)
+    return BlockChoice(name, fixed, random_candidates(cfg, drafter_block_size), cfg.seed)
   return BlockChoice("fixed", fixed)
+
+
+def learned_choice(cfg, fixed: int) -> BlockChoice:
+  """The policy at --config.policy, loaded, as a `learned` choice."""
+  from bp_jax.policy.mlp import load_policy
+  policy, info = load_policy(cfg.policy)
+  return BlockChoice("learned", fixed, info.block_sizes, cfg.seed, policy=policy, info=info)
+
+
+def random_candidates(cfg, drafter_block_size: int | None) -> tuple[int, ...]:
+  """The random control's sizes: --config.block_sizes, or the drafter's size +- POLICY_RADIUS."""
+  sizes = parse_int_list(cfg.block_sizes, "--config.block_sizes")
+  if not sizes and drafter_block_size is None:
+    raise BadInputError("--config.block_policy=random needs --config.block_sizes or a drafter")
+  return tuple(sizes or default_block_sizes(drafter_block_size, POLICY_RADIUS))
+
 
 def loop_options(cfg) -> dict[str, Any]:
   """The decode loops' form set by a config, as `Engine` keyword arguments: `scan_layers`,

@@ -10,8 +10,7 @@ import os
 import random
 from typing import Sequence
 
-from bp_jax.decoding.block_choice import (POLICY_RADIUS, BlockChoice, default_block_sizes,
-                                          parse_int_list)
+from bp_jax.decoding.block_choice import BlockChoice, learned_choice, random_candidates
 from bp_jax.decoding.generation import Generation
 from bp_jax.errors import BadInputError
 
@@ -29,11 +28,13 @@ def parse_methods(text: str) -> tuple[str, ...]:
     out.append("ar" if m == "b1" else m)
   return tuple(dict.fromkeys(out))
 
+
 def method_of(cfg, choice: "BlockChoice") -> str:
   """The name of the run's own method in comparisons: ar, b<k>, learned, oracle or random."""
   if cfg.mode != "spec":
     return "ar"
   return f"b{choice.fixed}" if choice.name == "fixed" else choice.name
+
 
 def method_choice(method: str, main: "BlockChoice", cfg, drafter_block_size: int | None
                   ) -> "BlockChoice":
@@ -48,19 +49,17 @@ def method_choice(method: str, main: "BlockChoice", cfg, drafter_block_size: int
     if not cfg.policy or not os.path.isdir(cfg.policy):
       raise BadInputError(f"--config.compare=learned needs a policy at --config.policy "
                           f"({cfg.policy!r} is not a folder)")
-    from bp_jax.policy.mlp import load_policy
-    policy, info = load_policy(cfg.policy)
-    return BlockChoice("learned", main.fixed, info.block_sizes, cfg.seed, policy=policy,
-                       info=info)
-  sizes = main.sizes or parse_int_list(cfg.block_sizes, "--config.block_sizes") or \
-      default_block_sizes(drafter_block_size, POLICY_RADIUS)
-  return BlockChoice("random", main.fixed, tuple(sizes), cfg.seed)
+    return learned_choice(cfg, main.fixed)
+  sizes = main.sizes or random_candidates(cfg, drafter_block_size)
+  return BlockChoice("random", main.fixed, sizes, cfg.seed)
+
 
 def run_order(methods: Sequence[str], repeats: int, seed: int, index: int) -> list[str]:
   """Every method `repeats` times, shuffled per request (seeded: reproducible)."""
   order = [m for m in methods for _ in range(repeats)]
   random.Random(f"{seed}:{index}").shuffle(order)
   return order
+
 
 def fastest_of(gens: Sequence[Generation]) -> Generation:
   """The repeat with the fastest decode (outputs of repeats are identical: checked)."""

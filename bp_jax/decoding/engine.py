@@ -25,7 +25,7 @@ from bp_jax.decoding import loops as decode_loops
 from bp_jax.decoding.buckets import default_length_buckets, pick_bucket
 from bp_jax.decoding.generation import Generation, clip_forward_lengths, trim_at_stop
 from bp_jax.decoding.policy_binding import check_policy_fits
-from bp_jax.decoding.programs import LoopPrograms
+from bp_jax.decoding.programs import WARMUP_TOKENS, LoopPrograms
 from bp_jax.decoding.requests import RequestChecks, check_block_sizes
 from bp_jax.errors import BadInputError
 from bp_jax.models.qwen3 import Qwen3
@@ -215,7 +215,9 @@ class Engine:
     forced_seq = self._forced_seq(n, forced_continuation) if forced else None
     loop_args = self._loop_args(pre, n_arr, jnp.int32(max_new_tokens), temp, seed_key,
                                 block_size, forced_seq)
-    self.programs.warm(block_size, loop_args, forced)
+    warm_args = self._loop_args(pre, n_arr, jnp.int32(min(max_new_tokens, WARMUP_TOKENS)), temp,
+                                seed_key, block_size, forced_seq)
+    self.programs.warm(block_size, warm_args, forced)
     fn = self.programs.loop(block_size, loop_args, forced)
     t2 = time.perf_counter()
     out = fn(*loop_args)

@@ -56,16 +56,13 @@ class LoopPrograms:
     return self.cache.get(key, make, args, donate_argnums=(2, 3, 4))
 
   def warm(self, block_size: int, args: tuple, forced: bool = False) -> None:
-    """Runs a loop once, untimed, on copies of `args` (its buffers are donated) with at most
-    WARMUP_TOKENS new tokens, the first time the loop is used; compiles it first, outside the
+    """Runs a loop once, untimed, on copies of `args` (its buffers are donated; the caller caps
+    max_new at WARMUP_TOKENS), the first time the loop is used; compiles it first, outside the
     warm-up clock."""
     key = self.loop_key(block_size, forced)
     if key in self.warmup_seconds:
       return
     fn = self.loop(block_size, args, forced)
-    max_new_at = 5 if block_size == 1 else 7  # index of max_new among the loop arguments
-    args = tuple(jnp.minimum(a, WARMUP_TOKENS) if i == max_new_at else a
-                 for i, a in enumerate(args))
     t0 = time.perf_counter()
     jax.block_until_ready(fn(*jax.tree.map(jnp.copy, args)))
     self.warmup_seconds[key] = time.perf_counter() - t0

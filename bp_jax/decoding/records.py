@@ -31,9 +31,11 @@ def record_of(i: int, prompt, g: Generation, tok, block_policy: str = "fixed") -
                                  else round(g.tokens_per_forward, 4)),
           "ids_beyond_tokenizer": sum(t >= limit for t in g.output_ids)}
 
+
 def _mean_of(records: list[dict], field: str) -> float | None:
   vals = [r[field] for r in records if r.get(field) is not None]
   return round(float(np.mean(vals)), 4) if vals else None
+
 
 def figures(records: list[dict]) -> dict:
   """Throughput and acceptance figures of a set of records (one meaning each):
@@ -55,6 +57,7 @@ def figures(records: list[dict]) -> dict:
           "cycles": sum(r["cycles"] for r in records),
           "ar_steps": sum(r["ar_steps"] for r in records)}
 
+
 def summarize(records: list[dict], engine, cfg, wall_s: float) -> dict:
   """The run's summary: `figures` of its records plus compilation, warm-up and memory."""
   accepts = [a for r in records for a in r["acceptance_lengths"]]
@@ -73,8 +76,10 @@ def summarize(records: list[dict], engine, cfg, wall_s: float) -> dict:
       "peak_rss_mb": peak_rss_mb(),
   }
 
+
 def _fmt(x, spec: str) -> str:
   return "-" if x is None else format(x, spec)
+
 
 def print_summary(s: dict) -> None:
   rows = [("mode", s["mode"]), ("block policy", s["block_policy"]),

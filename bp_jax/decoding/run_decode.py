@@ -28,8 +28,8 @@ from bp_jax.text.tokenizer import encode_prompt, load_tokenizer, stop_token_ids,
 from bp_jax.weights.loading import load_drafter, load_target
 
 MODES = ("ar", "spec")
-
 LABELLED_PROMPTS = ("refuse", "skip")
+
 
 def prompt_limit(num_prompts: int) -> int | None:
   """--config.num_prompts as a limit: 0 or -1 = all prompts (None), N > 0 = the first N."""
@@ -37,6 +37,7 @@ def prompt_limit(num_prompts: int) -> int | None:
   if n < -1:
     raise BadInputError(f"--config.num_prompts={n}: give N > 0, or 0 / -1 for all prompts")
   return n if n > 0 else None
+
 
 def validate(cfg) -> None:
   if cfg.mode not in MODES:
@@ -68,9 +69,11 @@ def validate(cfg) -> None:
     raise BadInputError(f"--config.repeats={cfg.repeats} must be >= 1")
   parse_methods(cfg.get("compare", ""))
 
+
 def needs_drafter(cfg) -> bool:
   """mode=spec, or a comparison method that drafts."""
   return cfg.mode == "spec" or any(m != "ar" for m in parse_methods(cfg.get("compare", "")))
+
 
 def build_engine(cfg, extra_sizes: Sequence[int] = ()) -> tuple[Engine, Any, Any]:
   """Loads target, drafter and tokenizer and builds the engine described by `cfg`; the buckets
@@ -103,12 +106,14 @@ def build_engine(cfg, extra_sizes: Sequence[int] = ()) -> tuple[Engine, Any, Any
                   or None, drafter=drafter, block_sizes=sizes, **loop_options(cfg))
   return engine, tok, prints
 
+
 def _drafter_block_size(cfg) -> int | None:
   if not needs_drafter(cfg) or not cfg.drafter:
     return None
   from bp_jax.models.config import DFlashConfig, read_config_json
   return DFlashConfig.from_hf_dict(read_config_json(cfg.drafter),
                                    f"{cfg.drafter}/config.json").block_size
+
 
 def select_prompts(cfg, choice: BlockChoice) -> list[Prompt]:
   """The prompts to decode: with a learned policy, those it was labelled on are refused (or
@@ -132,7 +137,9 @@ def select_prompts(cfg, choice: BlockChoice) -> list[Prompt]:
                         "labelling prompts")
   return prompts[:limit]
 
+
 # ---- the job ------------------------------------------------------------------------------------
+
 
 def _bind_policy(engine: Engine, choice: "BlockChoice", cfg, prints) -> None:
   """Binds a learned choice's policy to the engine, checking it was made for these models."""
@@ -153,6 +160,7 @@ def _bind_policy(engine: Engine, choice: "BlockChoice", cfg, prints) -> None:
   except BadInputError as e:
     raise BadInputError(f"{cfg.policy}: {e}") from None
 
+
 def _precompile(engine: Engine, cfg, choices: Sequence["BlockChoice"]) -> None:
   sizes = sorted({b for c in choices for b in ((c.fixed,) if c.name == "fixed" else c.sizes)})
   learned = any(c.name == "learned" for c in choices)
@@ -160,6 +168,7 @@ def _precompile(engine: Engine, cfg, choices: Sequence["BlockChoice"]) -> None:
                            plain_prefill=any(c.name != "learned" for c in choices))
   for key, secs in comp["per_key_s"].items():
     print(f"  compiled {key}: {secs:.2f} s")
+
 
 def run(cfg) -> tuple[list[dict], dict]:
   from bp_jax import compile_cache
@@ -238,7 +247,8 @@ def run(cfg) -> tuple[list[dict], dict]:
       same = (None if ar_out is None else
               sum(r["output_ids"] == a for r, a in zip(recs, ar_out)))
       keep = ("decode_tokens_per_s", "tokens_per_s", "tau", "tokens_per_forward", "prompts")
-      return {"method": m, **{k: figures(recs)[k] for k in keep}, "identical_to_ar": same}
+      got = figures(recs)
+      return {"method": m, **{k: got[k] for k in keep}, "identical_to_ar": same}
 
     summary["main"] = entry(main)
     summary["compare"] = {m: entry(m) for m in others}

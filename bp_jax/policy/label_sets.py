@@ -57,6 +57,12 @@ def decode_settings(max_new_tokens: int, temperature: float, chat: bool,
           "ar_fallback_accept": int(loop["ar_fallback_accept"])}
 
 
+# Per-size figures of a record (one [K] vector each) and their stored dtypes.
+SIZE_FIGURES = {"tau": np.float32, "tokens_per_forward": np.float32, "committed": np.int32,
+                "new_tokens": np.int32, "cycles": np.int32, "forwards": np.int32,
+                "decode_s": np.float32}
+
+
 # ---- datasets --------------------------------------------------------------------------------
 
 
@@ -87,10 +93,7 @@ class LabelSetBuilder(tfds_io.OrderedArrayRecordBuilder):
             "prompt_len": tfds.features.Scalar(dtype=np.int32),
             "prefill_s": tfds.features.Scalar(dtype=np.float32),
             "ar_fallback": tfds.features.Scalar(dtype=np.int32),
-            "block_sizes": vec(np.int32), "tau": vec(np.float32),
-            "tokens_per_forward": vec(np.float32), "committed": vec(np.int32),
-            "new_tokens": vec(np.int32), "cycles": vec(np.int32), "forwards": vec(np.int32),
-            "decode_s": vec(np.float32),
+            "block_sizes": vec(np.int32), **{f: vec(t) for f, t in SIZE_FIGURES.items()},
             "accept_lens": tfds.features.Tensor(shape=(None,), dtype=np.int32),
             "forward_is_cycle": tfds.features.Tensor(shape=(None,), dtype=np.bool_)}
     for f, dim in self._dims.items():

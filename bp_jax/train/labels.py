@@ -47,7 +47,7 @@ import numpy as np
 
 from bp_jax.data import tfds_io
 from bp_jax.errors import BadInputError
-from bp_jax.policy.label_sets import (EVAL_LABELS, LABELS, cycle_costs, decode_settings,
+from bp_jax.policy.label_sets import (EVAL_LABELS, LABELS, SIZE_FIGURES, cycle_costs, decode_settings,
                                       label_set_settings, label_values, labels_of, open_label_set,
                                       stack, usable, write_label_set)
 from bp_jax.policy.mlp import LABEL_RULES, prompt_hash
@@ -183,11 +183,6 @@ def _size_figures(gens: Sequence[Any]) -> dict[str, float]:
           "tokens_per_forward": committed / forwards if forwards else 0.0,
           "committed": committed, "new_tokens": sum(g.new_tokens for g in gens),
           "cycles": cycles, "forwards": forwards, "decode_s": sum(g.decode_s for g in gens)}
-
-
-SIZE_FIGURES = {"tau": np.float32, "tokens_per_forward": np.float32, "committed": np.int32,
-                "new_tokens": np.int32, "cycles": np.int32, "forwards": np.int32,
-                "decode_s": np.float32}
 
 
 def measure_prompt(engine: Any, ids: Sequence[int], sizes: Sequence[int], *, max_new_tokens: int,
