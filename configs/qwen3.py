@@ -76,6 +76,18 @@ def get_config() -> ml_collections.ConfigDict:
   # Decoding.
   c.mode = "ar"              # ar | spec
   c.temperature = 0.0        # 0 = greedy
+  # Truncation of the target's distribution at T > 0 (every mode samples exactly the truncated
+  # distribution): keep the top_k most likely tokens (0 = off), then the smallest set holding
+  # top_p of the probability (1.0 = off), and tokens at least min_p times as likely as the most
+  # likely one (0.0 = off).
+  c.top_k = 0
+  c.top_p = 1.0
+  c.min_p = 0.0
+  # How a speculative cycle keeps drafts at T > 0 (T = 0 is greedy either way, identical to AR):
+  # exact = the drafter's argmax, kept while it equals the target's own sample (token-identical
+  # to AR for a seed); rejection = drafts drawn from the drafter's distribution, speculative
+  # rejection sampling (accepts a draft with probability min(1, p/q); same distribution as AR).
+  c.verify = "exact"
   c.seed = 0
   c.max_new_tokens = 128
   c.max_len = 1024           # cache slots per request: prompt + max_new_tokens + block_size - 1

@@ -3,13 +3,9 @@
 A tiny target over a 16-token vocabulary; the exact distribution of the first three generated
 tokens is enumerated with transformers (float64, every prefix), and the empirical distribution of
 thousands of speculative generations (one seed each) is compared with it by a chi-square test.
-The same test is shown to fail when `decode_loops.accept_length` is replaced by a wrong rule.
+The same test is shown to fail when `decode_verify.accept_length` is replaced by a wrong rule.
 
-Chi-square: with observed counts O_j and expected counts E_j = N p_j over cells j (cells with
-E_j < 5 are pooled into one cell, and a pooled cell still under 5 is merged into the smallest
-kept cell), X^2 = sum_j (O_j - E_j)^2 / E_j, compared against the chi-square(k - 1) quantile at
-1 - ALPHA with ALPHA = 1e-6: under a correct sampler each such check is a false alarm with
-probability about 1e-6.
+The chi-square test and the tiny models: `sampling_stats`.
 
 Why the third token: the loop always commits the target's own samples y_0..y_a, so the second
 token is y_0 ~ p(. | prompt, t1) under ANY acceptance rule; a wrong rule shows first in the
@@ -18,91 +14,35 @@ third token, which it draws conditioned on a draft token that was never committe
 
 from __future__ import annotations
 
-import copy
-import itertools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import scipy.stats
 import torch
 from flax import nnx
 
-from bp_jax.decoding import loops as decode_loops
-from bp_jax.models.config import DFlashConfig
+from bp_jax.decoding import verify as decode_verify
 from bp_jax.decoding.engine import Engine
-from hf_fixtures import (jax_drafter_from_state_dict, jax_qwen3_from_torch, make_dflash_state_dict,
-                         make_hf_qwen3)
+from sampling_stats import MASK, PROMPT, V, chi_square, counts_of, exact_joint, tiny_models
 
-V = 16
-MASK = V - 1
-TARGET_KW = dict(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                 max_position_embeddings=64)
-DRAFTER_HF = dict(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-6,
-                  rope_theta=10000.0, block_size=4, num_target_layers=2,
-                  dflash_config={"mask_token_id": MASK, "target_layer_ids": [0, 1]})
-PROMPT = [3, 9, 1, 12, 7]
 B = 4              # block size of the statistical tests
 N_TOKENS = 3       # generated tokens whose joint distribution is tested
 N_SAMPLES = 4000   # generations with the correct rule
 N_WRONG = 1000     # generations with the wrong rule
-ALPHA = 1e-6
 MAX_LEN = 32
-
-
-def chi_square(counts: np.ndarray, probs: np.ndarray, min_expected: float = 5.0):
-  """(X^2, degrees of freedom, threshold at 1 - ALPHA) of observed counts against probs."""
-  counts, probs = counts.ravel().astype(float), probs.ravel()
-  assert abs(probs.sum() - 1) < 1e-9
-  expected = counts.sum() * probs
-  big = expected >= min_expected
-  obs, exp = list(counts[big]), list(expected[big])
-  if (~big).any():
-    o, e = counts[~big].sum(), expected[~big].sum()
-    if e >= min_expected:
-      obs.append(o)
-      exp.append(e)
-    else:  # fold a still-small pooled cell into the smallest kept cell
-      j = int(np.argmin(exp))
-      obs[j] += o
-      exp[j] += e
-  obs, exp = np.array(obs), np.array(exp)
-  stat = float(((obs - exp) ** 2 / exp).sum())
-  df = len(obs) - 1
-  assert df >= 5, "too few cells for a meaningful test"
-  return stat, df, float(scipy.stats.chi2.isf(ALPHA, df))
 
 
 # ---- fixtures -----------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def models():
-  hf = make_hf_qwen3(seed=3, **TARGET_KW)
-  with torch.no_grad():  # sharper next-token distributions: fewer, better-filled cells
-    hf.lm_head.weight.mul_(4.0)
-  target = jax_qwen3_from_torch(hf)
-  cfg = DFlashConfig.from_hf_dict(DRAFTER_HF, "tiny-dflash/config.json")
-  drafter = jax_drafter_from_state_dict(cfg, make_dflash_state_dict(cfg, seed=2))
-  return hf, target, drafter
+  return tiny_models()
 
 
 @pytest.fixture(scope="module")
 def exact(models):
   """p[t1, t2, t3] = P(t1) P(t2 | t1) P(t3 | t1, t2) of the target at T=1, in float64."""
-  hf = copy.deepcopy(models[0]).double()
-  n = len(PROMPT)
-  seqs = [PROMPT + [t1, t2] for t1, t2 in itertools.product(range(V), repeat=2)]
-  with torch.no_grad():
-    logits = hf(torch.tensor(seqs)).logits  # causal: earlier positions give shorter prefixes
-  probs = torch.softmax(logits, -1).numpy()
-  p1 = probs[0, n - 1]                                   # [t1]
-  p2 = probs[::V, n].reshape(V, V)                       # [t1, t2]
-  p3 = probs[:, n + 1].reshape(V, V, V)                  # [t1, t2, t3]
-  joint = p1[:, None, None] * p2[:, :, None] * p3
-  return joint
+  return exact_joint(models[0], PROMPT, temperature=1.0)
 
 
 @pytest.fixture(scope="module")
@@ -136,12 +76,6 @@ def _sample(engine: Engine, n: int, forced) -> tuple[np.ndarray, list[list[int]]
   return np.array(toks), accepts
 
 
-def _counts(toks: np.ndarray, k: int) -> np.ndarray:
-  """Counts of the first k tokens' joint outcomes, shaped [V] * k."""
-  return np.bincount(np.ravel_multi_index(toks[:, :k].T, (V,) * k), minlength=V ** k).reshape(
-      (V,) * k)
-
-
 @pytest.fixture(scope="module")
 def spec_samples(engine, greedy):
   return _sample(engine, N_SAMPLES, greedy)
@@ -166,9 +100,9 @@ def test_spec_sampling_matches_the_target_distribution(exact, spec_samples):
   # Both outcomes of the first verification occur often: acceptance and rejection.
   assert 0.1 < np.mean(first_cycle >= 2) < 0.9, np.mean(first_cycle >= 2)
   checks = {
-      "2nd token": (_counts(toks[:, 1:], 1), exact.sum((0, 2))),
-      "(1st, 2nd)": (_counts(toks, 2), exact.sum(2)),
-      "(1st, 2nd, 3rd)": (_counts(toks, 3), exact),
+      "2nd token": (counts_of(toks[:, 1:], 1), exact.sum((0, 2))),
+      "(1st, 2nd)": (counts_of(toks, 2), exact.sum(2)),
+      "(1st, 2nd, 3rd)": (counts_of(toks, 3), exact),
   }
   for what, (counts, probs) in checks.items():
     stat, df, thr = chi_square(counts, probs)
@@ -185,10 +119,10 @@ def _accept_mismatches(draft, y):
 
 
 def test_wrong_acceptance_rule_fails_the_same_test(models, exact, greedy, monkeypatch):
-  monkeypatch.setattr(decode_loops, "accept_length", _accept_mismatches)
+  monkeypatch.setattr(decode_verify, "accept_length", _accept_mismatches)
   wrong = _make_engine(models)  # a fresh engine: its loop is traced with the wrong rule
   toks, _ = _sample(wrong, N_WRONG, greedy)
-  stat, df, thr = chi_square(_counts(toks, 3), exact)
+  stat, df, thr = chi_square(counts_of(toks, 3), exact)
   assert stat > thr, f"wrong rule not detected: chi2={stat:.1f} < {thr:.1f} (df={df})"
 
 
@@ -244,7 +178,7 @@ def test_loop_drafts_are_the_drafters_proposals_from_scratch(models, engine, mon
   and the target samples y_0..y_a of every cycle are the AR tokens there. So the loop's
   incremental drafter context (prefill context, fixed-size chunks with invalid tails, rollback)
   is right, which losslessness alone cannot show (any drafter is lossless)."""
-  real_rule = decode_loops.accept_length
+  real_rule = decode_verify.accept_length
   calls = []
 
   def recording_rule(draft, y):
@@ -252,7 +186,7 @@ def test_loop_drafts_are_the_drafters_proposals_from_scratch(models, engine, mon
                        draft, y, ordered=True)
     return real_rule(draft, y)
 
-  monkeypatch.setattr(decode_loops, "accept_length", recording_rule)
+  monkeypatch.setattr(decode_verify, "accept_length", recording_rule)
   eng = _make_engine(models)  # a fresh engine: its loop is traced with the recording rule
   eng.generate([1], max_new_tokens=2, block_size=B)  # its untimed first run records calls too
   ref = _reference_drafter(models, B)

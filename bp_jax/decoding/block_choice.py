@@ -84,7 +84,7 @@ def resolve_block_choice(cfg, drafter_block_size: int | None) -> BlockChoice:
   if name == "oracle":
     from bp_jax.policy.label_sets import decode_settings, oracle_table
     settings = decode_settings(cfg.max_new_tokens, cfg.temperature, cfg.get("chat", False),
-                               loop_options(cfg))
+                               loop_options(cfg), sampling_options(cfg))
     table, sizes = oracle_table(cfg.oracle_labels, cfg.get("label_rule", "max_tau"), settings)
     return BlockChoice(name, fixed, sizes, cfg.seed, oracle=table)
   if name == "random":
@@ -109,10 +109,22 @@ def random_candidates(cfg, drafter_block_size: int | None) -> tuple[int, ...]:
 
 def loop_options(cfg) -> dict[str, Any]:
   """The decode loops' form set by a config, as `Engine` keyword arguments: `scan_layers`,
-  `ar_fallback`, `ar_fallback_accept` (configs/qwen3.py)."""
+  `ar_fallback`, `ar_fallback_accept`, `verify` (configs/qwen3.py)."""
+  from bp_jax.decoding.verify import check_verify_mode
   return {"scan_layers": bool(cfg.get("scan_layers", False)),
           "ar_fallback": int(cfg.get("ar_fallback", 0)),
-          "ar_fallback_accept": int(cfg.get("ar_fallback_accept", 1))}
+          "ar_fallback_accept": int(cfg.get("ar_fallback_accept", 1)),
+          "verify": check_verify_mode(str(cfg.get("verify", "exact")))}
+
+
+def sampling_options(cfg) -> dict[str, Any]:
+  """The truncation of the target's distribution set by a config, as `Engine.generate` keyword
+  arguments: `top_k`, `top_p`, `min_p` (checked; configs/qwen3.py)."""
+  from bp_jax.decoding.requests import check_sampling
+  out = {"top_k": int(cfg.get("top_k", 0)), "top_p": float(cfg.get("top_p", 1.0)),
+         "min_p": float(cfg.get("min_p", 0.0))}
+  check_sampling(0.0, **out)
+  return out
 
 
 def block_policy_of(cfg) -> str:

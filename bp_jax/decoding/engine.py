@@ -26,7 +26,9 @@ from bp_jax.decoding.buckets import default_length_buckets, pick_bucket
 from bp_jax.decoding.generation import Generation, clip_forward_lengths, trim_at_stop
 from bp_jax.decoding.policy_binding import check_policy_fits
 from bp_jax.decoding.programs import WARMUP_TOKENS, LoopPrograms
-from bp_jax.decoding.requests import RequestChecks, check_block_sizes
+from bp_jax.decoding.requests import RequestChecks, check_block_sizes, check_sampling
+from bp_jax.decoding.sampling import sampling_params
+from bp_jax.decoding.verify import check_verify_mode
 from bp_jax.errors import BadInputError
 from bp_jax.models.qwen3 import Qwen3
 
@@ -48,7 +50,7 @@ class Engine:
                length_buckets: Sequence[int] | None = None, drafter=None,
                block_sizes: Sequence[int] = DEFAULT_BLOCK_SIZES, policy=None,
                policy_sizes: Sequence[int] = (), scan_layers: bool = False,
-               ar_fallback: int = 0, ar_fallback_accept: int = 1):
+               ar_fallback: int = 0, ar_fallback_accept: int = 1, verify: str = "exact"):
     if max_len > target.cfg.max_position_embeddings:
       raise BadInputError(f"--config.max_len={max_len} exceeds the model's "
                           f"max_position_embeddings={target.cfg.max_position_embeddings}")
@@ -56,6 +58,7 @@ class Engine:
       raise BadInputError(f"--config.ar_fallback={ar_fallback} and --config.ar_fallback_accept="
                           f"{ar_fallback_accept} must be >= 0")
     check_block_sizes(list(block_sizes))
+    check_verify_mode(verify)
     self.cfg = target.cfg
     self.max_len = max_len
     self.length_buckets = tuple(sorted(length_buckets or default_length_buckets(max_len)))
@@ -78,7 +81,8 @@ class Engine:
     self.checks = RequestChecks(max_len, target.cfg.vocab_size, self.block_sizes,
                                 drafter is not None)
     self.programs = LoopPrograms(self.t_graph, self.d_graph, scan_layers=scan_layers,
-                                 ar_fallback=ar_fallback, ar_fallback_accept=ar_fallback_accept)
+                                 ar_fallback=ar_fallback, ar_fallback_accept=ar_fallback_accept,
+                                 verify=verify)
     self.p_graph = self.p_state = self.policy_key = None
     self.policy_sizes: tuple[int, ...] = ()
     if policy is not None:
@@ -88,6 +92,7 @@ class Engine:
   scan_layers = property(lambda self: self.programs.scan_layers)
   ar_fallback = property(lambda self: self.programs.ar_fallback)
   ar_fallback_accept = property(lambda self: self.programs.ar_fallback_accept)
+  verify = property(lambda self: self.programs.verify)
   compiled = property(lambda self: self.programs.cache)
 
   @property
@@ -136,7 +141,7 @@ class Engine:
                  policy: bool = False, plain_prefill: bool = True) -> dict:
     """Compiles prefill for each length bucket and the loop of each block size ahead of time
     (`policy`: also the prefill that runs the policy; `plain_prefill`: the one without)."""
-    key, z, f = jax.random.key(0), jnp.int32(1), jnp.float32(0)
+    key, z, f = jax.random.key(0), jnp.int32(1), sampling_params()
     if policy and self.p_graph is None:
       raise BadInputError("precompile(policy=True) on an engine without a policy")
     for P in length_buckets or self.length_buckets:
@@ -166,7 +171,8 @@ class Engine:
     return jnp.asarray(forced)
 
   def generate(self, prompt_ids: Sequence[int], *, max_new_tokens: int, temperature: float = 0.0,
-               seed: int = 0, block_size: int | str = 1,
+               seed: int = 0, block_size: int | str = 1, top_k: int = 0, top_p: float = 1.0,
+               min_p: float = 0.0,
                forced_continuation: Sequence[int] | None = None,
                return_features: bool = False) -> Generation:
     """Decodes one request with a fixed bucket `block_size`, or with the bucket the engine's
@@ -193,8 +199,9 @@ class Engine:
     else:
       self.check_request(n, max_new_tokens, block_size)
     self.checks.check_prompt_ids(prompt_ids)
+    check_sampling(temperature, top_k, top_p, min_p)
     toks, _ = self.encode_padded(prompt_ids)
-    n_arr, temp = jnp.int32(n), jnp.float32(temperature)
+    n_arr, temp = jnp.int32(n), sampling_params(temperature, top_k, top_p, min_p)
     seed_key = jax.random.key(seed)
     fn, args = self._prefill(toks, n_arr, seed_key, temp, with_policy=learned)
     t0 = time.perf_counter()

@@ -18,7 +18,8 @@ from flax import nnx
 
 from bp_jax.models.kv_cache import KVCache
 from bp_jax.policy.features import prefill_features
-from bp_jax.decoding.sampling import first_argmax, position_keys, sample
+from bp_jax.decoding import verify as verify_rules
+from bp_jax.decoding.sampling import as_sampling, position_keys, sample
 
 
 class PrefillOut(NamedTuple):
@@ -56,14 +57,11 @@ def _nonfinite(logits: jax.Array) -> jax.Array:
   return ~jnp.all(jnp.isfinite(logits))
 
 
-def accept_length(draft: jax.Array, y: jax.Array) -> jax.Array:
-  """Length a of the longest prefix with draft[i] == y[i] (the exact-match rule, lossless)."""
-  return jnp.sum(jnp.cumprod((draft == y[:draft.shape[0]]).astype(jnp.int32)))
-
-
 def make_prefill(graphdef, draft_graphdef=None, policy_graphdef=None) -> Callable:
-  """prefill(state, draft_state, tokens_1P, n, cache, draft_cache, seed_key, temperature,
+  """prefill(state, draft_state, tokens_1P, n, cache, draft_cache, seed_key, sampling,
   policy_state=None) -> PrefillOut.
+
+  `sampling`: a `sampling.SamplingParams` (or a temperature scalar), as in the loops.
 
   Runs the target over the padded prompt, samples the first token, and (with a drafter) writes
   the prompt's chosen-layer features into the drafter's context cache, all in one jit. The
@@ -73,7 +71,7 @@ def make_prefill(graphdef, draft_graphdef=None, policy_graphdef=None) -> Callabl
   and the argmax class is returned: the host then runs that bucket's compiled loop.
   """
 
-  def prefill(state, draft_state, tokens_1P, n, cache, draft_cache, seed_key, temperature,
+  def prefill(state, draft_state, tokens_1P, n, cache, draft_cache, seed_key, sampling,
               policy_state=None):
     model = nnx.merge(graphdef, state)
     drafter = None if draft_graphdef is None else nnx.merge(draft_graphdef, draft_state)
@@ -81,7 +79,7 @@ def make_prefill(graphdef, draft_graphdef=None, policy_graphdef=None) -> Callabl
     zero = jnp.zeros((1,), jnp.int32)
     out = model(tokens_1P, cache.with_lengths(zero), layer_ids, logits_at=(n - 1)[None])
     logits_1V = out.logits[:, 0]
-    first = sample(logits_1V, temperature, position_keys(seed_key, n[None]))[0]
+    first = sample(logits_1V, sampling, position_keys(seed_key, n[None]))[0]
     draft_logits = None
     if drafter is not None:
       draft_cache = drafter.add_context(out.layer_hiddens, draft_cache.with_lengths(zero))
@@ -118,12 +116,15 @@ def _loop_cache(cache: KVCache | None, scan_layers: bool) -> KVCache | None:
 
 
 def make_ar_loop(graphdef, scan_layers: bool = False) -> Callable:
-  """ar_loop(state, seq, cache, first_tok, n, max_new, temperature, seed_key, stop_ids) -> LoopOut.
+  """ar_loop(state, seq, cache, first_tok, n, max_new, sampling, seed_key, stop_ids) -> LoopOut.
+
+  `sampling`: a `sampling.SamplingParams` (or a temperature scalar).
 
   `scan_layers`: run the target's layers with `lax.scan` (faster to compile for deep models)
   instead of unrolled with per-layer weights (faster per step; the default)."""
 
-  def ar_loop(state, seq_1S, cache, first_tok, n, max_new, temperature, seed_key, stop_ids):
+  def ar_loop(state, seq_1S, cache, first_tok, n, max_new, sampling, seed_key, stop_ids):
+    sp = as_sampling(sampling)
     model = nnx.merge(graphdef, state)
     layers = _layers_of(model, scan_layers)
     S = seq_1S.shape[1]
@@ -139,7 +140,7 @@ def make_ar_loop(graphdef, scan_layers: bool = False) -> Callable:
       out = model(tok[None, None], cache.with_lengths(pos[None]), layers=layers)
       bad = _nonfinite(out.logits)
       miss = bad.astype(jnp.int32)
-      nxt = sample(out.logits[:, 0], temperature, position_keys(seed_key, (pos + 1)[None]))[0]
+      nxt = sample(out.logits[:, 0], sp, position_keys(seed_key, (pos + 1)[None]))[0]
       # A step with NaN/inf logits commits nothing (n_gen does not count its write): the loop
       # ends and the engine raises.
       seq = seq.at[0, pos + 1].set(nxt, mode="drop")
@@ -160,14 +161,17 @@ def make_ar_loop(graphdef, scan_layers: bool = False) -> Callable:
 
 def make_spec_loop(graphdef, draft_graphdef, block_size: int, scan_layers: bool = False,
                    ar_fallback: int = 0, ar_fallback_accept: int = 1,
-                   forced_drafts: bool = False) -> Callable:
-  """spec_loop(state, draft_state, seq, cache, draft_cache, first_tok, n, max_new, temperature,
+                   forced_drafts: bool = False, verify: str = "exact") -> Callable:
+  """spec_loop(state, draft_state, seq, cache, draft_cache, first_tok, n, max_new, sampling,
   seed_key, stop_ids[, forced_seq]) -> LoopOut.
 
-  One cycle: the drafter proposes b-1 tokens after `tok` (its argmax), the target verifies the b
-  tokens [tok, d_1..d_{b-1}] in one forward, samples y at each of the b positions, accepts the
-  longest prefix with d_i == y_{i-1} (length a), commits y_0..y_a, and both caches roll back by
-  pointer to p + a + 1. The target features of block positions 0..a become drafter context.
+  One cycle: the drafter proposes b-1 tokens after `tok` in one pass, the target verifies the b
+  tokens [tok, d_1..d_{b-1}] in one forward, the `verify` rule (`verify.VERIFY_MODES`, static)
+  decides y_0..y_a (a drafts accepted; `exact`: the drafter's argmax, kept while it equals the
+  target's own sample at its position; `rejection`: drafts drawn from the drafter's
+  distribution, speculative rejection sampling at T > 0), commits them, and both caches roll
+  back by pointer to p + a + 1. The target features of block positions 0..a become drafter
+  context. `sampling`: a `sampling.SamplingParams` (or a temperature scalar).
 
   `ar_fallback` > 0 (a static bucket parameter): after a cycle that accepts at most
   `ar_fallback_accept` drafts, the loop runs plain AR steps instead of cycles, 2, 4, 8, ... in
@@ -187,16 +191,19 @@ def make_spec_loop(graphdef, draft_graphdef, block_size: int, scan_layers: bool 
   b = block_size
   if ar_fallback < 0 or ar_fallback_accept < 0:
     raise ValueError("ar_fallback and ar_fallback_accept must be >= 0")
+  verify_rules.check_verify_mode(verify, "verify")
+  if forced_drafts and verify != "exact":
+    raise ValueError("forced drafts are not draws from the drafter: only verify='exact'")
 
   def spec_loop(state, draft_state, seq_1S, cache, draft_cache, first_tok, n, max_new,
-                temperature, seed_key, stop_ids, *forced):
+                sampling, seed_key, stop_ids, *forced):
+    sp = as_sampling(sampling)
     model = nnx.merge(graphdef, state)
     drafter = nnx.merge(draft_graphdef, draft_state)
     layers, draft_layers = _layers_of(model, scan_layers), _layers_of(drafter, scan_layers)
     mask_id = drafter.cfg.mask_token_id
     layer_ids = drafter.cfg.target_layer_ids
     S = seq_1S.shape[1]
-    offs_b = jnp.arange(b, dtype=jnp.int32)
     seq_1S = seq_1S.at[0, n].set(first_tok, mode="drop")
 
     def cond(c):
@@ -225,22 +232,24 @@ def make_spec_loop(graphdef, draft_graphdef, block_size: int, scan_layers: bool 
                   forwards=c["forwards"] + kept, **fallback)
 
     def draft_tokens(c):
-      """The b-1 drafts after `tok`: one drafter pass over [tok, MASK, ..., MASK]."""
+      """(the b-1 drafts after `tok`, the drafter's logits [b-1, V]): one drafter pass over
+      [tok, MASK, ..., MASK]."""
       block_1b = jnp.full((1, b), mask_id, jnp.int32).at[0, 0].set(c["tok"])
       h_1bD = drafter.draft(model.embed_tokens(block_1b), c["draft_cache"], draft_layers)
-      drafted = first_argmax(model.project_to_vocab(h_1bD[:, 1:])[0])
+      logits_kV = model.project_to_vocab(h_1bD[:, 1:])[0]
+      drafted = verify_rules.propose(logits_kV, verify, sp, seed_key, c["pos"])
       if forced_drafts:
         drafted = jax.lax.dynamic_slice_in_dim(forced[0][0], c["pos"] + 1, b - 1)
-      return drafted.astype(jnp.int32)
+      return drafted.astype(jnp.int32), logits_kV
 
     def spec_cycle(c):
       pos, tok = c["pos"], c["tok"]
-      draft = draft_tokens(c)
+      draft, draft_logits_kV = draft_tokens(c)
       # Verify the whole block in one target forward.
       verify_1b = jnp.concatenate([tok[None], draft])[None]
       out = model(verify_1b, c["cache"].with_lengths(pos[None]), layer_ids, layers=layers)
-      y = sample(out.logits[0], temperature, position_keys(seed_key, pos + 1 + offs_b))
-      a = accept_length(draft, y)
+      y, a = verify_rules.verify(out.logits[0], draft_logits_kV, draft, verify, sp, seed_key,
+                                 pos)
       poor = a <= ar_fallback_accept
       misses = jnp.where(poor, c["misses"] + 1, 0)
       wait = jnp.where(poor, jnp.minimum(2 ** jnp.minimum(misses, 30), ar_fallback), 0)
@@ -250,7 +259,7 @@ def make_spec_loop(graphdef, draft_graphdef, block_size: int, scan_layers: bool 
       pos = c["pos"]
       out = model(c["tok"][None, None], c["cache"].with_lengths(pos[None]), layer_ids,
                   layers=layers)
-      y = sample(out.logits[0], temperature, position_keys(seed_key, (pos + 1)[None]))
+      y = sample(out.logits[0], sp, position_keys(seed_key, (pos + 1)[None]))
       return commit(c, out, y, jnp.int32(0), False,
                     dict(misses=c["misses"], wait=c["wait"] - 1))
 

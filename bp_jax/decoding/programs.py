@@ -25,8 +25,9 @@ class LoopPrograms:
   """Builds, caches and warms the jitted functions of one (target, drafter, loop form)."""
 
   def __init__(self, t_graph, d_graph, *, scan_layers: bool, ar_fallback: int,
-               ar_fallback_accept: int):
+               ar_fallback_accept: int, verify: str = "exact"):
     self.t_graph, self.d_graph = t_graph, d_graph
+    self.verify = verify
     self.scan_layers = bool(scan_layers)
     self.ar_fallback, self.ar_fallback_accept = int(ar_fallback), int(ar_fallback_accept)
     self.cache = CompiledCache()
@@ -52,7 +53,8 @@ class LoopPrograms:
                             args, donate_argnums=(1, 2))
     make = lambda: loops.make_spec_loop(self.t_graph, self.d_graph, block_size, self.scan_layers,
                                         self.ar_fallback, self.ar_fallback_accept,
-                                        forced_drafts=forced)
+                                        forced_drafts=forced,
+                                        verify="exact" if forced else self.verify)
     return self.cache.get(key, make, args, donate_argnums=(2, 3, 4))
 
   def warm(self, block_size: int, args: tuple, forced: bool = False) -> None:

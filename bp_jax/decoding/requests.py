@@ -23,6 +23,19 @@ def check_block_sizes(sizes: Sequence[int], flag: str = "--config.block_sizes") 
                         f"(1 = plain AR decoding), got {bad[0]}")
 
 
+def check_sampling(temperature: float, top_k: int = 0, top_p: float = 1.0,
+                   min_p: float = 0.0) -> None:
+  """The sampling settings are in range (0 / 1.0 / 0.0 switch top_k / top_p / min_p off)."""
+  if not temperature >= 0:
+    raise BadInputError(f"--config.temperature={temperature} must be >= 0")
+  if isinstance(top_k, bool) or int(top_k) != top_k or top_k < 0:
+    raise BadInputError(f"--config.top_k={top_k} must be an integer >= 0 (0 = off)")
+  if not 0 < top_p <= 1:
+    raise BadInputError(f"--config.top_p={top_p} must be in (0, 1] (1 = off)")
+  if not 0 <= min_p < 1:
+    raise BadInputError(f"--config.min_p={min_p} must be in [0, 1) (0 = off)")
+
+
 @dataclasses.dataclass(frozen=True)
 class RequestChecks:
   """What an engine can serve: its cache length, vocabulary, buckets and whether it drafts."""

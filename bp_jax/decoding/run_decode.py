@@ -16,12 +16,12 @@ from tqdm import tqdm
 
 from bp_jax.decoding.block_choice import (BLOCK_POLICIES, BlockChoice, block_policy_of,
                                           default_block_sizes, loop_options, parse_int_list,
-                                          resolve_block_choice)
+                                          resolve_block_choice, sampling_options)
 from bp_jax.decoding.compare import fastest_of, method_choice, method_of, parse_methods, run_order
 from bp_jax.decoding.engine import Engine
 from bp_jax.decoding.generation import Generation
 from bp_jax.decoding.records import figures, print_summary, record_of, summarize  # noqa: F401
-from bp_jax.decoding.requests import check_block_sizes
+from bp_jax.decoding.requests import check_block_sizes, check_sampling
 from bp_jax.errors import BadInputError
 from bp_jax.text.prompts import Prompt, load_prompts
 from bp_jax.text.tokenizer import encode_prompt, load_tokenizer, stop_token_ids, tokenizer_size
@@ -59,8 +59,9 @@ def validate(cfg) -> None:
     raise BadInputError("--config.target is empty: give a converted target checkpoint folder")
   if cfg.mode == "spec" and not cfg.drafter:
     raise BadInputError("--config.mode=spec needs --config.drafter (a converted DFlash drafter)")
-  if cfg.temperature < 0:
-    raise BadInputError(f"--config.temperature={cfg.temperature} must be >= 0")
+  check_sampling(cfg.temperature)
+  sampling_options(cfg)
+  loop_options(cfg)
   prompt_limit(cfg.num_prompts)
   check_block_sizes(parse_int_list(cfg.block_sizes, "--config.block_sizes"))
   if cfg.mode == "spec":
@@ -208,6 +209,7 @@ def run(cfg) -> tuple[list[dict], dict]:
     except BadInputError as e:
       raise BadInputError(f"prompt {p.id!r}: {e}") from None
   repeats = int(cfg.get("repeats", 1))
+  sampling = sampling_options(cfg)
   os.makedirs(os.path.dirname(os.path.abspath(cfg.output)), exist_ok=True)
   per_method: dict[str, list[dict]] = {m: [] for m in choices}
   tmp_out = cfg.output + ".partial"
@@ -220,7 +222,7 @@ def run(cfg) -> tuple[list[dict], dict]:
         for m in run_order(list(choices), repeats, cfg.seed, i):
           gens[m].append(engine.generate(
               ids, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-              seed=cfg.seed + i, block_size=choices[m].block_size(i, p)))
+              seed=cfg.seed + i, block_size=choices[m].block_size(i, p), **sampling))
         for m, gs in gens.items():
           per_method[m].append(record_of(i, p, fastest_of(gs), tok, choices[m].name))
         f.write(json.dumps(per_method[main][-1]) + "\n")

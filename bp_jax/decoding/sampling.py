@@ -1,10 +1,47 @@
 """Token sampling with per-position keys, so that any decoder visiting the same position with
-the same prefix draws the same token (AR and speculative decoding agree even at T > 0)."""
+the same prefix draws the same token (AR and speculative decoding agree even at T > 0).
+
+The distribution a token is drawn from is the target's *processed* distribution: its logits
+divided by the temperature, then truncated by top-k, top-p and min-p (`processed_logits`), and
+renormalised. Every decode mode samples exactly that distribution; T = 0 is the argmax.
+"""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
+
+
+class SamplingParams(NamedTuple):
+  """The sampling settings of a request, as traced scalars (one compilation serves them all).
+
+  temperature: 0 = greedy (the other fields are then ignored).
+  top_k: keep the k most likely tokens (0 = off). Tokens tied with the k-th are kept too.
+  top_p: keep the smallest most-likely-first set whose probability reaches top_p, computed on
+    the top-k-truncated distribution (1.0 = off). Tokens tied with the last kept one are kept.
+  min_p: keep tokens whose probability is at least min_p times the most likely one's (0 = off),
+    computed on the same (temperature-scaled) distribution.
+  """
+  temperature: jax.Array
+  top_k: jax.Array
+  top_p: jax.Array
+  min_p: jax.Array
+
+
+def sampling_params(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0) -> SamplingParams:
+  """SamplingParams of host values (float32 / int32 scalars)."""
+  return SamplingParams(jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p),
+                        jnp.float32(min_p))
+
+
+def as_sampling(sp) -> SamplingParams:
+  """`sp` itself, or plain temperature-only sampling from a temperature scalar."""
+  if isinstance(sp, SamplingParams):
+    return sp
+  return SamplingParams(jnp.asarray(sp, jnp.float32), jnp.int32(0), jnp.float32(1.0),
+                        jnp.float32(0.0))
 
 
 def position_keys(seed_key: jax.Array, pos: jax.Array) -> jax.Array:
@@ -25,19 +62,54 @@ def first_argmax(x: jax.Array) -> jax.Array:
   return jnp.min(jnp.where(at_max, jnp.arange(V, dtype=jnp.int32), V), axis=-1)
 
 
-def sample(logits: jax.Array, temperature: jax.Array, keys: jax.Array) -> jax.Array:
+def _truncate_sorted(x: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+  """x [..., V] scaled logits with -inf outside the top-k and then the top-p set (one sort)."""
+  V = x.shape[-1]
+  srt = -jnp.sort(-x, axis=-1)                                   # descending
+  k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)
+  rank = jnp.arange(V, dtype=jnp.int32)
+  srt_k = jnp.where(rank < k, srt, -jnp.inf)
+  p_sorted = jax.nn.softmax(srt_k, axis=-1)
+  before = jnp.cumsum(p_sorted, axis=-1) - p_sorted              # mass strictly more likely
+  in_p = (before < top_p) | (top_p >= 1.0)
+  n_keep = jnp.maximum(jnp.sum(in_p & (rank < k), axis=-1, keepdims=True), 1)
+  threshold = jnp.take_along_axis(srt, n_keep - 1, axis=-1)
+  return jnp.where(x >= threshold, x, -jnp.inf)
+
+
+def processed_logits(logits: jax.Array, sp: SamplingParams) -> jax.Array:
+  """float32 logits [..., V] / temperature, -inf outside the top-k / top-p / min-p set: the
+  distribution every mode samples (softmax of this). Only for temperature > 0. The sort behind
+  top-k / top-p runs only when one of them is set (a real branch)."""
+  x = logits.astype(jnp.float32) / jnp.maximum(sp.temperature, 1e-6)
+  truncating = (sp.top_k > 0) | (sp.top_p < 1.0)
+  x = jax.lax.cond(truncating, lambda x: _truncate_sorted(x, sp.top_k, sp.top_p),
+                   lambda x: x, x)
+  floor = jnp.max(x, axis=-1, keepdims=True) + jnp.log(jnp.maximum(sp.min_p, 1e-30))
+  return jnp.where((sp.min_p > 0) & (x < floor), -jnp.inf, x)
+
+
+def draw(logits: jax.Array, keys: jax.Array) -> jax.Array:
+  """int32 draws [...] from softmax(logits [..., V]) with typed keys [...] (one per row)."""
+  flat = logits.reshape(-1, logits.shape[-1])
+  out = jax.vmap(jax.random.categorical)(keys.reshape(-1), flat)
+  return out.reshape(logits.shape[:-1]).astype(jnp.int32)
+
+
+def sample(logits: jax.Array, sp, keys: jax.Array) -> jax.Array:
   """Samples [...] tokens from logits [..., V] with typed keys [...].
 
-  temperature == 0 gives the argmax; otherwise one draw from softmax(logits / temperature).
+  `sp`: SamplingParams, or a temperature scalar. Temperature 0 gives the argmax; otherwise one
+  draw from softmax(processed_logits(logits, sp)).
   """
+  sp = as_sampling(sp)
+
   def greedy(logits, keys):
     del keys
     return first_argmax(logits)
 
   def drawn(logits, keys):
-    scaled = logits.reshape(-1, logits.shape[-1]) / jnp.maximum(temperature, 1e-6)
-    out = jax.vmap(jax.random.categorical)(keys.reshape(-1), scaled)
-    return out.reshape(logits.shape[:-1]).astype(jnp.int32)
+    return draw(processed_logits(logits, sp), keys)
 
   # A real branch: the random draws over the vocabulary are not computed at T == 0.
-  return jax.lax.cond(temperature > 0, drawn, greedy, logits, keys)
+  return jax.lax.cond(sp.temperature > 0, drawn, greedy, logits, keys)

@@ -45,16 +45,28 @@ SETTING_FLAGS: dict[str, tuple[str, str]] = {
     "scan_layers": ("--config.scan_layers", "--config.scan_layers"),
     "ar_fallback": ("--config.ar_fallback", "--config.ar_fallback"),
     "ar_fallback_accept": ("--config.ar_fallback_accept", "--config.ar_fallback_accept"),
+    "verify": ("--config.verify", "--config.verify"),
+    "top_k": ("--config.top_k", "--config.top_k"),
+    "top_p": ("--config.top_p", "--config.top_p"),
+    "min_p": ("--config.min_p", "--config.min_p"),
 }
+# Settings only sampling reads (ignored when both sides decode greedily), and the value a label
+# set made before they were recorded was measured with.
+SAMPLING_SETTINGS = {"verify": "exact", "top_k": 0, "top_p": 1.0, "min_p": 0.0}
 
 
 def decode_settings(max_new_tokens: int, temperature: float, chat: bool,
-                    loop: Mapping[str, Any]) -> dict[str, Any]:
-  """The settings a label set's measurements depend on; `loop` is `run_decode.loop_options`."""
+                    loop: Mapping[str, Any],
+                    sampling: Mapping[str, Any] | None = None) -> dict[str, Any]:
+  """The settings a label set's measurements depend on; `loop` is `block_choice.loop_options`,
+  `sampling` `block_choice.sampling_options` (top_k, top_p, min_p; None = off)."""
+  sampling = {**SAMPLING_SETTINGS, **(sampling or {})}
   return {"max_new_tokens": int(max_new_tokens), "temperature": float(temperature),
           "chat": bool(chat), "scan_layers": bool(loop["scan_layers"]),
           "ar_fallback": int(loop["ar_fallback"]),
-          "ar_fallback_accept": int(loop["ar_fallback_accept"])}
+          "ar_fallback_accept": int(loop["ar_fallback_accept"]),
+          "verify": str(loop.get("verify", "exact")), "top_k": int(sampling["top_k"]),
+          "top_p": float(sampling["top_p"]), "min_p": float(sampling["min_p"])}
 
 
 # Per-size figures of a record (one [K] vector each) and their stored dtypes.
@@ -141,9 +153,12 @@ def label_set_settings(ds: tfds_io.Dataset) -> dict[str, Any] | None:
 def _differences(have: Mapping[str, Any], want: Mapping[str, Any]) -> list[str]:
   """The settings in which `have` and `want` differ (the accept threshold only matters with AR
   fallback steps)."""
-  names = [k for k in SETTING_FLAGS if have.get(k) != want.get(k)]
+  get = lambda d, k: d.get(k, SAMPLING_SETTINGS.get(k))
+  names = [k for k in SETTING_FLAGS if get(have, k) != get(want, k)]
   if not have.get("ar_fallback") and not want.get("ar_fallback"):
     names = [k for k in names if k != "ar_fallback_accept"]
+  if not have.get("temperature") and not want.get("temperature"):
+    names = [k for k in names if k not in SAMPLING_SETTINGS]
   return names
 
 

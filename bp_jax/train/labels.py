@@ -187,10 +187,11 @@ def _size_figures(gens: Sequence[Any]) -> dict[str, float]:
 
 def measure_prompt(engine: Any, ids: Sequence[int], sizes: Sequence[int], *, max_new_tokens: int,
                    temperature: float, seed: int, num_seeds: int = 1,
-                   order_seed: int = 0) -> dict[str, Any]:
+                   order_seed: int = 0, sampling: dict[str, Any] | None = None
+                   ) -> dict[str, Any]:
   """Decodes one prompt at every size (`num_seeds` times each, seeds `seed + 7919 * s`); the
   sizes run in a per-prompt shuffled order so that slow phases of the machine do not always
-  hit the same size.
+  hit the same size. `sampling`: `Engine.generate`'s top_k / top_p / min_p.
 
   Returns [K] arrays (`_size_figures`): "tau" (committed tokens per speculative cycle; with
   several seeds pooled over their cycles), "tokens_per_forward" (pooled likewise), and summed
@@ -208,7 +209,8 @@ def measure_prompt(engine: Any, ids: Sequence[int], sizes: Sequence[int], *, max
     for k in order:
       runs[k].append(engine.generate(ids, max_new_tokens=max_new_tokens, temperature=temperature,
                                      seed=seed + 7919 * s, block_size=int(sizes[k]),
-                                     return_features=s == 0 and k == order[0]))
+                                     return_features=s == 0 and k == order[0],
+                                     **(sampling or {})))
   per_size = [_size_figures(gens) for gens in runs]
   gens = [g for size_runs in runs for g in size_runs]
   out = {f: np.asarray([p[f] for p in per_size], t) for f, t in SIZE_FIGURES.items()}
@@ -296,11 +298,12 @@ def labels_stage(cfg: Any) -> None:
   """
   from tqdm import tqdm
 
-  from bp_jax.decoding.block_choice import loop_options
+  from bp_jax.decoding.block_choice import loop_options, sampling_options
   from bp_jax.train.regenerate import model_fingerprint, read_stamp, write_stamp
 
   bp = cfg.blockpilot
   loop = loop_options(cfg)  # the measured loops' form: cycle costs and labels depend on it
+  sampling = sampling_options(cfg)
   target, drafter, tok, fingerprint = load_models(cfg, "labels")
   sizes = candidate_sizes(bp, drafter.cfg.block_size)
   parse_feature_types(bp.features)
@@ -325,9 +328,10 @@ def labels_stage(cfg: Any) -> None:
           "chat": bool(cfg.get("chat", False)), "max_len": int(cfg.max_len),
           "scan_layers": loop["scan_layers"],
           "ar_fallback": [loop["ar_fallback"], loop["ar_fallback_accept"]],
+          "sampling": {**sampling, "verify": loop["verify"]},
           "feature_types": list(FEATURE_TYPES),  # every available feature is stored
           "record_format": 3}  # 3: tau per speculative cycle, forwards, forward_is_cycle
-  settings = decode_settings(max_new, temperature, bool(cfg.get("chat", False)), loop)
+  settings = decode_settings(max_new, temperature, bool(cfg.get("chat", False)), loop, sampling)
   stamp = read_stamp(stamp_dir)
   if (stamp is not None and all(stamp.get(k) == v for k, v in want.items())
       and all(_holds_settings(data, name, settings) for name in (LABELS, EVAL_LABELS))):
@@ -348,7 +352,8 @@ def labels_stage(cfg: Any) -> None:
                                dynamic_ncols=True)):
       ids = encoded[p.key]
       m = measure_prompt(engine, ids, sizes, max_new_tokens=max_new, temperature=temperature,
-                         seed=int(cfg.seed) + i, num_seeds=seeds, order_seed=i)
+                         seed=int(cfg.seed) + i, num_seeds=seeds, order_seed=i,
+                         sampling=sampling)
       records.append(label_record(p, split, len(ids), sizes, m, loop["ar_fallback"]))
     write_label_set(data, name, records, f"{len(records)} {split} prompts decoded at sizes "
                     f"{list(sizes)} (T={temperature}, {max_new} new tokens)", settings)

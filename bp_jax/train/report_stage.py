@@ -38,6 +38,7 @@ import numpy as np
 from flax import nnx
 
 from bp_jax.eval import report as rep
+from bp_jax.decoding.block_choice import sampling_options
 from bp_jax.decoding.engine import LEARNED
 from bp_jax.errors import BadInputError
 from bp_jax.policy.mlp import load_policy, random_block_size
@@ -77,7 +78,7 @@ def check_label_settings(cfg: Any, max_new: int, temperature: float) -> None:
   from bp_jax.decoding.block_choice import loop_options
 
   want = label_sets.decode_settings(max_new, temperature, bool(cfg.get("chat", False)),
-                                    loop_options(cfg))
+                                    loop_options(cfg), sampling_options(cfg))
   for name in (label_sets.LABELS, label_sets.EVAL_LABELS):
     path = os.path.join(wd.data_dir(cfg), name)
     label_sets.check_decode_settings(path, label_sets.open_label_set(path), want)
@@ -177,6 +178,7 @@ def report_stage(cfg: Any) -> None:
   print(f"[report] {len(evals)} evaluation prompts; {len(policies)} policies; compiled "
         f"{compiled['compilations']} functions in {time.perf_counter() - t0:.1f} s", flush=True)
 
+  sampling = sampling_options(cfg)
   repeats = int(bp.get("report_repeats", 1))
   if repeats < 1:
     raise BadInputError(f"--config.blockpilot.report_repeats={repeats} must be >= 1")
@@ -185,7 +187,8 @@ def report_stage(cfg: Any) -> None:
   runs: dict[str, list[dict]] = {m: [] for m in methods}
   for i, (p, ids) in enumerate(tqdm(list(zip(evals, encoded)), desc="report", unit="prompt",
                                     dynamic_ncols=True)):
-    kw = dict(max_new_tokens=max_new, temperature=temperature, seed=int(cfg.seed) + i)
+    kw = dict(max_new_tokens=max_new, temperature=temperature, seed=int(cfg.seed) + i,
+              **sampling)
     done: dict[str, dict] = {}
     for r in range(repeats):
       for k in np.random.default_rng([i, r, 99]).permutation(len(methods)):

@@ -1,0 +1,132 @@
+"""How a speculative cycle proposes its drafts and decides which the target keeps (DESIGN §3).
+
+Both rules are lossless: every committed token is distributed exactly as the target's processed
+distribution (`sampling.processed_logits`) given the committed prefix; at T = 0 both are the
+greedy rule (the drafter's argmax, kept while it equals the target's argmax).
+
+`exact` (the DFlash reference, vLLM's and SGLang's default): the drafts are the drafter's
+argmax; the target samples y_i at every block position with the position's key (the same draw
+plain AR decoding makes there) and keeps the longest prefix with d_{i+1} == y_i. A draft
+survives with probability p(d); at T > 0 the output is token-identical to AR for a seed.
+
+`rejection` (speculative rejection sampling, Leviathan et al. / Chen et al. 2023): at T > 0 each
+draft d_k is drawn from the drafter's own processed distribution q_k at its position. The
+block's positions are drafted in one parallel pass from the committed context alone, so q_k
+does not depend on d_<k and is a valid proposal for position k whatever was drafted before.
+Draft k is accepted with probability min(1, p_k(d_k) / q_k(d_k)), p_k being the target's
+processed distribution after the accepted prefix; the first rejected position takes a draw from
+normalize(max(0, p_k - q_k)); when all b-1 drafts are accepted the bonus token is a draw from
+p at the next position. Each accepted position keeps a token with probability 1 - TV(p_k, q_k).
+
+Random streams: the draft draws, the acceptance uniforms and the residual draws each have their
+own stream (`stream_key`), and every draw is keyed by its absolute position; the bonus token
+(and every AR step) uses the target's stream, as in plain AR decoding. A key's draw decides a
+committed token at most once: a draw at position x is only consulted when every earlier draft
+of its cycle was accepted, and then position x is committed in that cycle; a later cycle
+redrawing at x (after an earlier rejection) meets a draw that influenced nothing yet.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from bp_jax.decoding.sampling import (SamplingParams, draw, first_argmax, position_keys,
+                                      processed_logits, sample)
+
+VERIFY_MODES = ("exact", "rejection")
+
+# Stream ids folded into the seed key (far above any position, which are the target stream's
+# own fold-ins).
+DRAFT_STREAM = 0xFFFF_FF01
+ACCEPT_STREAM = 0xFFFF_FF02
+RESIDUAL_STREAM = 0xFFFF_FF03
+
+
+def stream_key(seed_key: jax.Array, stream: int) -> jax.Array:
+  """The seed key of one random stream (draft draws, acceptance uniforms or residual draws)."""
+  return jax.random.fold_in(seed_key, stream)
+
+
+def accept_length(draft: jax.Array, y: jax.Array) -> jax.Array:
+  """Length a of the longest prefix with draft[i] == y[i] (the exact-match rule, lossless)."""
+  return jnp.sum(jnp.cumprod((draft == y[:draft.shape[0]]).astype(jnp.int32)))
+
+
+def exact_match(target_logits_bV: jax.Array, draft_k: jax.Array, sp: SamplingParams,
+                seed_key: jax.Array, pos: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(y [b], a): the target's own samples at positions pos+1..pos+b and the accepted drafts."""
+  b = target_logits_bV.shape[0]
+  y = sample(target_logits_bV, sp, position_keys(seed_key, pos + 1 + jnp.arange(b)))
+  return y, accept_length(draft_k, y)
+
+
+def residual_logits(p_kV: jax.Array, q_kV: jax.Array) -> jax.Array:
+  """log normalize(max(0, p - q)) per row (log p where p == q: a row that is never rejected)."""
+  res = jnp.maximum(p_kV - q_kV, 0.0)
+  empty = jnp.sum(res, axis=-1, keepdims=True) <= 0
+  return jnp.log(jnp.where(empty, p_kV, res))
+
+
+def rejection_sample(target_logits_bV: jax.Array, draft_logits_kV: jax.Array, draft_k: jax.Array,
+                     sp: SamplingParams, seed_key: jax.Array, pos: jax.Array
+                     ) -> tuple[jax.Array, jax.Array]:
+  """(y [b], a) of speculative rejection sampling (T > 0): y[:a] are the accepted drafts, y[a]
+  the residual draw at the first rejection (or the bonus draw from p when a == b-1)."""
+  b = target_logits_bV.shape[0]
+  k = jnp.arange(b - 1)
+  draft_pos = pos + 1 + k
+  logp_bV = jax.nn.log_softmax(processed_logits(target_logits_bV, sp), axis=-1)
+  logq_kV = jax.nn.log_softmax(processed_logits(draft_logits_kV, sp), axis=-1)
+  logp_k = jnp.take_along_axis(logp_bV[:-1], draft_k[:, None], axis=-1)[:, 0]
+  logq_k = jnp.take_along_axis(logq_kV, draft_k[:, None], axis=-1)[:, 0]
+  u_k = jax.vmap(jax.random.uniform)(position_keys(stream_key(seed_key, ACCEPT_STREAM),
+                                                   draft_pos))
+  # u < p/q, in logs; q(d) > 0 always (d was drawn from q).
+  accepted_k = jnp.log(u_k) < logp_k - logq_k
+  a = jnp.sum(jnp.cumprod(accepted_k.astype(jnp.int32)))
+  res_kV = residual_logits(jnp.exp(logp_bV[:-1]), jnp.exp(logq_kV))
+  residual_k = draw(res_kV, position_keys(stream_key(seed_key, RESIDUAL_STREAM), draft_pos))
+  bonus = draw(logp_bV[-1:], position_keys(seed_key, (pos + b)[None]))
+  y = jnp.concatenate([jnp.where(k < a, draft_k, residual_k), bonus])
+  return y, a
+
+
+def propose(draft_logits_kV: jax.Array, mode: str, sp: SamplingParams, seed_key: jax.Array,
+            pos: jax.Array) -> jax.Array:
+  """The cycle's b-1 drafts at positions pos+1..: the drafter's argmax, or (`rejection` at
+  T > 0) draws from its processed distribution."""
+  if mode == "exact":
+    return first_argmax(draft_logits_kV)
+
+  def drawn(logits):
+    draft_pos = pos + 1 + jnp.arange(logits.shape[0])
+    return draw(processed_logits(logits, sp),
+                position_keys(stream_key(seed_key, DRAFT_STREAM), draft_pos))
+
+  return jax.lax.cond(sp.temperature > 0, drawn, first_argmax, draft_logits_kV)
+
+
+def verify(target_logits_bV: jax.Array, draft_logits_kV: jax.Array, draft_k: jax.Array,
+           mode: str, sp: SamplingParams, seed_key: jax.Array, pos: jax.Array
+           ) -> tuple[jax.Array, jax.Array]:
+  """(y [b], a) of the cycle at `pos` under `mode` (`VERIFY_MODES`); T = 0 is always greedy."""
+  if mode == "exact":
+    return exact_match(target_logits_bV, draft_k, sp, seed_key, pos)
+
+  def rejection(args):
+    return rejection_sample(*args, sp, seed_key, pos)
+
+  def greedy(args):
+    target_logits, _, draft = args
+    return exact_match(target_logits, draft, sp, seed_key, pos)
+
+  return jax.lax.cond(sp.temperature > 0, rejection, greedy,
+                      (target_logits_bV, draft_logits_kV, draft_k))
+
+
+def check_verify_mode(mode: str, flag: str = "--config.verify") -> str:
+  from bp_jax.errors import BadInputError
+  if mode not in VERIFY_MODES:
+    raise BadInputError(f"{flag}={mode!r} is not one of {list(VERIFY_MODES)}")
+  return mode
