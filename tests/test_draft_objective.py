@@ -274,3 +274,80 @@ def test_loss_fn_trains_only_the_drafter_and_a_few_steps_reduce_the_loss():
       assert float(metrics["anchors_per_seq"]) == 8.0
   assert np.mean(losses[-5:]) < 0.7 * np.mean(losses[:3]), losses
   assert float(metrics["acceptance_length"]) > 1.5
+
+
+# ---- soft objectives (distillation) ----------------------------------------------------------
+
+def test_soft_targets_are_the_targets_next_token_logits_after_the_true_prefix():
+  """The target logits `draft_forward_metrics` distils against: block position k of the block
+  at anchor p gets the target's logits at position p + k - 1 of a full causal forward."""
+  target = _strong_target()
+  rs = np.random.default_rng(3)
+  tokens = jnp.asarray(_pattern_batch(rs, 2, 20)["tokens"])
+  anchors = jnp.asarray([[4, 9, 12], [5, 6, 16]], jnp.int32)
+  at = obj.soft_target_positions(anchors, 4, 20)
+  _, logits = obj.target_pass(target, tokens, (0, 2), at)
+  full = target(tokens, target.init_cache(2, 20)).logits
+  for b in range(2):
+    for a in range(3):
+      for k in range(1, 4):
+        np.testing.assert_allclose(logits[b, a * 3 + k - 1],
+                                   full[b, min(int(anchors[b, a]) + k - 1, 19)],
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_soft_losses_match_their_formulas():
+  q = jax.random.normal(jax.random.key(0), (2, 3, 3, V))
+  p = 2 * jax.random.normal(jax.random.key(1), (2, 3, 3, V))
+  labels = jax.random.randint(jax.random.key(2), (2, 3, 4), 0, V)
+  valid = jnp.asarray([[True, True, False], [True, False, False]])
+  w = obj.loss_weights(4, 4.0)
+  t = 0.7
+  pt, qt = jax.nn.softmax(p / t), jax.nn.softmax(q / t)
+  kl = np.asarray(jnp.sum(pt * (jnp.log(pt) - jnp.log(qt)), -1))
+  tv = np.asarray(0.5 * jnp.sum(jnp.abs(pt - qt), -1))
+  ce = np.asarray(optax.softmax_cross_entropy_with_integer_labels(q, labels[:, :, 1:]))
+  wv = np.asarray(w[1:])[None, None] * np.asarray(valid)[..., None]
+  for kind, per_pos in (("ce", ce), ("kl", kl), ("tvd", tv), ("mix", 0.7 * ce + 0.3 * kl)):
+    m = obj.block_metrics(q, labels, valid, w, p, obj.DraftLoss(kind, t, 0.3))
+    np.testing.assert_allclose(float(m["loss"]), (per_pos * wv).sum() / wv.sum(), rtol=1e-5)
+    np.testing.assert_allclose(float(m["ce"]), (ce * wv).sum() / wv.sum(), rtol=1e-5)
+    np.testing.assert_allclose(float(m["tv_acceptance"]),
+                               ((1 - tv) * (wv > 0)).sum() / (wv > 0).sum(), rtol=1e-5)
+  # A drafter equal to the target: zero KL and TV, full acceptance.
+  m = obj.block_metrics(p, labels, valid, w, p, obj.DraftLoss("tvd", t))
+  assert abs(float(m["loss"])) < 1e-6 and abs(float(m["tv_acceptance"]) - 1) < 1e-6
+  with pytest.raises(ValueError, match="not one of"):
+    obj.DraftLoss("l2")
+
+
+@pytest.mark.parametrize("kind", ["kl", "tvd", "mix"])
+def test_soft_objectives_train_the_drafter_toward_the_target(kind):
+  """A few steps of each soft objective raise 1 - TV(p, q) on fixed batches; the target
+  gets no gradient."""
+  t_graph, t_state = nnx.split(_strong_target())
+  drafter = DFlashDrafter(drafter_cfg(4), rngs=nnx.Rngs(1))
+  d_graph, d_params = nnx.split(drafter)
+  loss_fn = obj.make_draft_loss_fn(t_graph, block_size=4, num_anchors=8, gamma=4.0,
+                                   loss=obj.DraftLoss(kind, 1.0, 0.5))
+  opt = optax.adam(1e-2)
+  opt_state = opt.init(d_params)
+
+  @jax.jit
+  def step(params, opt_state, t_state, batch, rng):
+    f = lambda d, t: loss_fn(nnx.merge(d_graph, d), t, batch, rng)
+    (loss, metrics), (g_d, g_t) = jax.value_and_grad(f, argnums=(0, 1), has_aux=True)(
+        params, t_state)
+    updates, opt_state = opt.update(g_d, opt_state, params)
+    g_t_max = jnp.max(jnp.stack([jnp.abs(x).max() for x in jax.tree.leaves(g_t)]))
+    return optax.apply_updates(params, updates), opt_state, metrics, g_t_max
+
+  rs = np.random.default_rng(0)
+  accept = []
+  for i in range(30):
+    batch = {k: jnp.asarray(v) for k, v in _pattern_batch(rs, 4, 20).items()}
+    d_params, opt_state, metrics, g_t_max = step(d_params, opt_state, t_state, batch,
+                                                 jax.random.key(i))
+    assert float(g_t_max) == 0.0
+    accept.append(float(metrics["tv_acceptance"]))
+  assert np.mean(accept[-5:]) > np.mean(accept[:3]) + 0.05, accept

@@ -85,11 +85,15 @@ def rejection_sample(target_logits_bV: jax.Array, draft_logits_kV: jax.Array, dr
   # u < p/q, in logs; q(d) > 0 always (d was drawn from q).
   accepted_k = jnp.log(u_k) < logp_k - logq_k
   a = jnp.sum(jnp.cumprod(accepted_k.astype(jnp.int32)))
-  res_kV = residual_logits(jnp.exp(logp_bV[:-1]), jnp.exp(logq_kV))
-  residual_k = draw(res_kV, position_keys(stream_key(seed_key, RESIDUAL_STREAM), draft_pos))
-  bonus = draw(logp_bV[-1:], position_keys(seed_key, (pos + b)[None]))
-  y = jnp.concatenate([jnp.where(k < a, draft_k, residual_k), bonus])
-  return y, a
+  # Only the first rejected position's residual is ever committed: one row is drawn (at
+  # a = b-1 nothing was rejected and the row is unused).
+  j = jnp.minimum(a, b - 2)
+  res_1V = residual_logits(jnp.exp(logp_bV[j][None]), jnp.exp(logq_kV[j][None]))
+  residual = draw(res_1V, position_keys(stream_key(seed_key, RESIDUAL_STREAM),
+                                        (pos + 1 + j)[None]))[0]
+  bonus = draw(logp_bV[-1:], position_keys(seed_key, (pos + b)[None]))[0]
+  y = jnp.concatenate([draft_k, jnp.zeros((1,), draft_k.dtype)])
+  return y.at[a].set(jnp.where(a == b - 1, bonus, residual)), a
 
 
 def propose(draft_logits_kV: jax.Array, mode: str, sp: SamplingParams, seed_key: jax.Array,

@@ -99,7 +99,8 @@ class Qwen3(nnx.Module):
     """Runs T tokens through the model on top of `cache`.
 
     `hidden_layers`: indices of decoder layers whose outputs are returned (same pass).
-    `logits_at`: optional [B] index into T; logits are then computed only there ([B, 1, V]).
+    `logits_at`: optional [B] index into T, or [B, M] indices; logits are then computed only
+    there ([B, 1, V] or [B, M, V]).
     `layers`: None runs the layers with `lax.scan` over the stacked parameters (one traced
     layer: fast to compile); `self.layers.per_layer()` (taken once, outside a decode loop) runs
     them unrolled with static per-layer weights (fast to run; see `LayerStack.per_layer`), on a
@@ -154,7 +155,9 @@ class Qwen3(nnx.Module):
         carry, _ = body(carry, (p, i, keep_slot[i]))
     x_BTD, k_all, v_all, hid = carry
     if logits_at is not None:
-      x_BTD = jnp.take_along_axis(x_BTD, logits_at[:, None, None].astype(jnp.int32), axis=1)
+      at = logits_at.astype(jnp.int32)
+      at_BM1 = at[:, None, None] if at.ndim == 1 else at[:, :, None]
+      x_BTD = jnp.take_along_axis(x_BTD, at_BM1, axis=1)
     normed = L.rms_norm(x_BTD, self.final_norm[...], c.rms_norm_eps)
     hid = hid[jnp.asarray([kept.index(layer) for layer in hidden_layers], jnp.int32)]
     return ForwardOutput(self.project_to_vocab(normed), normed, hid,

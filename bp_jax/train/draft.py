@@ -13,6 +13,7 @@ and `decode.py --config.drafter` load; its metadata records the target's fingerp
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from typing import Any, Callable, Iterator, Sequence
@@ -203,23 +204,26 @@ def _fixed_batches(source: Sequence, batch_size: int, seq_len: int, pad_id: int,
 
 def make_draft_eval_fn(target_graphdef: Any, val_source: Sequence, *, batch_size: int,
                        seq_len: int, pad_id: int, block_size: int, num_anchors: int,
-                       gamma: float, num_batches: int = 0,
-                       seed: int = 0) -> Callable[[nnx.Module, Any], dict[str, float]]:
+                       gamma: float, num_batches: int = 0, seed: int = 0,
+                       loss: obj.DraftLoss = obj.DraftLoss()
+                       ) -> Callable[[nnx.Module, Any], dict[str, float]]:
   """The loop's `eval_fn(drafter, frozen)` over held-out sequences.
 
   Anchors are drawn from a fixed key per batch, so successive evaluations score the same blocks.
-  Returns loss (weighted CE), accuracy (top-1 at draft positions) and acceptance_length (the
-  expected acceptance length, `draft_objective.expected_acceptance_length`), each aggregated over
-  all evaluated blocks.
+  Returns loss (the weighted objective, `loss`), ce (the weighted CE), accuracy (top-1 at draft
+  positions) and acceptance_length (the expected acceptance length,
+  `draft_objective.expected_acceptance_length`), and with a soft objective kl and tv_acceptance
+  (mean 1 - TV(p_t, q_t)), each aggregated over all evaluated blocks.
   """
   batches = _fixed_batches(val_source, batch_size, seq_len, pad_id, num_batches)
 
   def sums(d_graph, d_state, frozen, batch, rng):
     m = obj.draft_forward_metrics(nnx.merge(d_graph, d_state), nnx.merge(target_graphdef, frozen),
                                   batch, rng, block_size=block_size, num_anchors=num_anchors,
-                                  gamma=gamma)
-    return {k: m[k] for k in ("ce_sum", "weight_sum", "correct_sum", "positions",
-                              "acceptance_sum", "blocks")}
+                                  gamma=gamma, loss=loss)
+    return {k: m[k] for k in ("objective_sum", "ce_sum", "weight_sum", "correct_sum", "positions",
+                              "acceptance_sum", "blocks", "kl_sum", "tv_acceptance_sum")
+            if k in m}
 
   sums_jit = jax.jit(sums, static_argnums=0)
 
@@ -231,10 +235,15 @@ def make_draft_eval_fn(target_graphdef: Any, val_source: Sequence, *, batch_size
       out = jax.device_get(sums_jit(graph, state, frozen, batch, rng))
       for k, v in out.items():
         total[k] = total.get(k, 0.0) + float(v)
-    return {"loss": total["ce_sum"] / max(total["weight_sum"], 1e-9),
-            "accuracy": total["correct_sum"] / max(total["positions"], 1.0),
-            "acceptance_length": total["acceptance_sum"] / max(total["blocks"], 1.0),
-            "blocks": total["blocks"]}
+    w = max(total["weight_sum"], 1e-9)
+    out = {"loss": total["objective_sum"] / w, "ce": total["ce_sum"] / w,
+           "accuracy": total["correct_sum"] / max(total["positions"], 1.0),
+           "acceptance_length": total["acceptance_sum"] / max(total["blocks"], 1.0),
+           "blocks": total["blocks"]}
+    if "kl_sum" in total:
+      out["kl"] = total["kl_sum"] / w
+      out["tv_acceptance"] = total["tv_acceptance_sum"] / max(total["positions"], 1.0)
+    return out
 
   return eval_fn
 
@@ -312,6 +321,20 @@ def _check_run_dir(run_dir: str, want: dict) -> None:
 # ---- the stage -------------------------------------------------------------------------------
 
 
+def draft_loss_of(d: Any) -> obj.DraftLoss:
+  """`cfg.draft`'s objective (loss, distill_temperature, mix_weight), checked."""
+  kind = str(d.get("loss", "ce"))
+  temperature = float(d.get("distill_temperature", 1.0))
+  mix_weight = float(d.get("mix_weight", 0.5))
+  if kind not in obj.DRAFT_LOSSES:
+    raise BadInputError(f"--config.draft.loss={kind!r} is not one of {list(obj.DRAFT_LOSSES)}")
+  if not temperature > 0:
+    raise BadInputError(f"--config.draft.distill_temperature={temperature} must be > 0")
+  if not 0 <= mix_weight <= 1:
+    raise BadInputError(f"--config.draft.mix_weight={mix_weight} must lie in [0, 1]")
+  return obj.DraftLoss(kind, temperature, mix_weight)
+
+
 def draft_stage(cfg: Any) -> None:
   """Trains the drafter on regen_train, validates on regen_val, exports `<workdir>/drafter`.
 
@@ -319,7 +342,9 @@ def draft_stage(cfg: Any) -> None:
   size), anchors_per_seq, batch, steps, opt, target_layer_ids (empty = default), export_dtype;
   optional: seq_len (default: the longest sequence), eval_every (default steps // 4),
   eval_batches (0 = all of regen_val), checkpoint_every (default 100), log_every (default 10),
-  drop_short (False), mask_token_id (-1 = the tokenizer's), intermediate_size (0 = target's).
+  drop_short (False), mask_token_id (-1 = the tokenizer's), intermediate_size (0 = target's),
+  loss (ce | kl | tvd | mix, `draft_objective.DraftLoss`), distill_temperature (1.0),
+  mix_weight (0.5).
   """
   from bp_jax.weights.loading import load_drafter, load_target
   from bp_jax.text.tokenizer import load_tokenizer
@@ -342,6 +367,7 @@ def draft_stage(cfg: Any) -> None:
   dcfg = drafter_config(target.cfg, d, mask_token_id_of(tok, d))
   b = dcfg.block_size
   gamma = float(d.get("gamma", 0) or 0) or obj.default_gamma(b)
+  loss = draft_loss_of(d)
   num_anchors, batch_size, steps = int(d.anchors_per_seq), int(d.batch), int(d.steps)
   if num_anchors < 1 or batch_size < 1:
     raise BadInputError("--config.draft.anchors_per_seq and --config.draft.batch must be >= 1")
@@ -356,18 +382,20 @@ def draft_stage(cfg: Any) -> None:
   run_dir = wd.run_dir(cfg, "draft")
   _check_run_dir(run_dir, {"stage": "draft", "target_fingerprint": fingerprint,
                            "drafter_config": dcfg.to_hf_dict(), "seq_len": seq_len,
-                           "gamma": gamma, "anchors_per_seq": num_anchors})
+                           "gamma": gamma, "anchors_per_seq": num_anchors,
+                           "loss": dataclasses.asdict(loss)})
   seed = int(cfg.seed)
   drafter = DFlashDrafter(dcfg, dtype=jnp.float32, rngs=nnx.Rngs(seed))
   t_graph, t_state = nnx.split(target)
   pad_id = int(tok.pad_token_id if tok.pad_token_id is not None else 0)
   eval_fn = make_draft_eval_fn(t_graph, val_src, batch_size=batch_size, seq_len=seq_len,
                                pad_id=pad_id, block_size=b, num_anchors=num_anchors, gamma=gamma,
-                               num_batches=int(d.get("eval_batches", 0) or 0), seed=seed)
+                               num_batches=int(d.get("eval_batches", 0) or 0), seed=seed,
+                               loss=loss)
   result = train(
       workdir=run_dir, model=drafter,
       loss_fn=obj.make_draft_loss_fn(t_graph, block_size=b, num_anchors=num_anchors,
-                                     gamma=gamma),
+                                     gamma=gamma, loss=loss),
       batches_fn=draft_batches_fn(train_src, batch_size, seq_len, seed, pad_id),
       num_steps=steps, opt_cfg=d.opt, frozen=t_state, eval_fn=eval_fn,
       eval_every=int(d.get("eval_every", 0) or max(1, steps // 4)),
@@ -376,7 +404,8 @@ def draft_stage(cfg: Any) -> None:
 
   out = export_drafter(result.model, wd.drafter_dir(cfg), target,
                        str(d.get("export_dtype", "float32")),
-                       {"train_steps": result.step,
+                       {"train_steps": result.step, "loss": dataclasses.asdict(loss),
+                        "regenerate": {k: regen.get(k) for k in ("temperature", "also_greedy")},
                         "eval_acceptance_length": result.eval_metrics.get(
                             "eval_acceptance_length")})
   load_drafter(out, target.cfg)  # loads as decode.py will
@@ -388,7 +417,7 @@ def draft_stage(cfg: Any) -> None:
     with open(summary_path, encoding="utf-8") as f:
       tokens_per_s = json.load(f).get("response_tokens_per_s", tokens_per_s)
   summary = {"steps": result.step, "resumed_from": result.start_step,
-             "block_size": b, "gamma": gamma, "anchors_per_seq": num_anchors, "seq_len": seq_len,
+             "block_size": b, "gamma": gamma, "loss": dataclasses.asdict(loss), "anchors_per_seq": num_anchors, "seq_len": seq_len,
              "target_layer_ids": list(dcfg.target_layer_ids),
              "train_loss": result.last_metrics.get("loss"),
              "train_acceptance_length": result.last_metrics.get("acceptance_length"),

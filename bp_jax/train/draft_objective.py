@@ -21,6 +21,7 @@ D hidden, V vocabulary.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import jax
@@ -31,6 +32,8 @@ from flax import nnx
 
 from bp_jax.models import layers as L
 from bp_jax.models.dflash import DFlashDrafter
+
+DRAFT_LOSSES = ("ce", "kl", "tvd", "mix")
 
 # Published decay constants: gamma 7 for b = 16, 5 for b = 10, 4 for b = 8 (DESIGN §6).
 _GAMMA_POINTS = ((8, 4.0), (10, 5.0), (16, 7.0))
@@ -294,18 +297,35 @@ def drafter_train_forward(drafter: DFlashDrafter, target_hiddens_nBTD: jax.Array
 # ---- the loss --------------------------------------------------------------------------------
 
 
-def target_features(target: nnx.Module, tokens_BT: jax.Array,
-                    layer_ids: tuple[int, ...]) -> jax.Array:
-  """The frozen target's chosen-layer hidden states [n, B, T, D] of every position, one pass.
+def target_pass(target: nnx.Module, tokens_BT: jax.Array, layer_ids: tuple[int, ...],
+                logits_at_BM: jax.Array | None = None) -> tuple[jax.Array, jax.Array | None]:
+  """The frozen target's chosen-layer hidden states [n, B, T, D] of every position and, with
+  `logits_at_BM` [B, M], its float32 logits there [B, M, V] (else None); one pass.
 
-  A causal forward over the whole (padded) sequence on an empty cache of T slots; logits are
-  computed at one position only (`logits_at`), so the vocabulary projection is skipped. Padding
-  after a sequence does not affect its positions (causal). Gradients are stopped.
+  A causal forward over the whole (padded) sequence on an empty cache of T slots; the vocabulary
+  projection runs only at the requested positions. Padding after a sequence does not affect its
+  positions (causal). Gradients are stopped.
   """
   B, T = tokens_BT.shape
-  out = target(tokens_BT, target.init_cache(B, T), tuple(layer_ids),
-               logits_at=jnp.zeros((B,), jnp.int32))
-  return jax.lax.stop_gradient(out.layer_hiddens)
+  at = jnp.zeros((B,), jnp.int32) if logits_at_BM is None else logits_at_BM
+  out = target(tokens_BT, target.init_cache(B, T), tuple(layer_ids), logits_at=at)
+  logits = None if logits_at_BM is None else jax.lax.stop_gradient(out.logits)
+  return jax.lax.stop_gradient(out.layer_hiddens), logits
+
+
+def target_features(target: nnx.Module, tokens_BT: jax.Array,
+                    layer_ids: tuple[int, ...]) -> jax.Array:
+  """The frozen target's chosen-layer hidden states [n, B, T, D] of every position (`target_pass`
+  without logits)."""
+  return target_pass(target, tokens_BT, layer_ids)[0]
+
+
+def soft_target_positions(anchors_BA: jax.Array, block_size: int, seq_len: int) -> jax.Array:
+  """[B, A*(b-1)] the positions whose target logits predict draft positions 1..b-1 of each
+  block: anchor + k - 1 (the target's next-token distribution after the true prefix)."""
+  B, A = anchors_BA.shape
+  pos_BAk = anchors_BA[..., None] + jnp.arange(block_size - 1, dtype=jnp.int32)
+  return jnp.minimum(pos_BAk, seq_len - 1).reshape(B, A * (block_size - 1))
 
 
 def block_logits(target: nnx.Module, hidden_BAbD: jax.Array) -> jax.Array:
@@ -315,13 +335,57 @@ def block_logits(target: nnx.Module, hidden_BAbD: jax.Array) -> jax.Array:
                     preferred_element_type=jnp.float32)
 
 
-def block_metrics(logits_BAkV: jax.Array, labels_BAb: jax.Array, valid_BA: jax.Array,
-                  weights_b: jax.Array) -> dict[str, jax.Array]:
-  """Weighted CE and the other per-batch statistics of a set of blocks.
+@dataclasses.dataclass(frozen=True)
+class DraftLoss:
+  """The per-position training objective of the drafter (`--config.draft.loss`).
 
-  Returns sums (to aggregate over batches) and their ratios: loss = sum_w(CE) / sum(w) over the
-  valid blocks' positions 1..b-1; accuracy = top-1 over those positions (unweighted);
-  acceptance_length = `expected_acceptance_length`.
+  ce:  cross-entropy against the data token (the target's response), as DFlash trains.
+  kl:  forward KL(p_t || q_t) against the frozen target's distribution at that position after
+       the true prefix, both at `temperature` t (p_t = softmax(target logits / t)): distillation
+       with soft targets (DistillSpec's forward KL).
+  tvd: total variation TV(p_t, q_t): 1 - TV is the acceptance probability of speculative
+       rejection sampling at temperature t, so this maximises it directly.
+  mix: (1 - mix_weight) * ce + mix_weight * kl: the argmax for T = 0, the spread for T > 0.
+  """
+  kind: str = "ce"
+  temperature: float = 1.0
+  mix_weight: float = 0.5
+
+  def __post_init__(self):
+    if self.kind not in DRAFT_LOSSES:
+      raise ValueError(f"draft loss {self.kind!r} is not one of {list(DRAFT_LOSSES)}")
+    if not self.temperature > 0:
+      raise ValueError(f"distillation temperature {self.temperature} must be > 0")
+    if not 0 <= self.mix_weight <= 1:
+      raise ValueError(f"mix weight {self.mix_weight} must lie in [0, 1]")
+
+  @property
+  def soft(self) -> bool:
+    """Whether the objective needs the target's logits at the block positions."""
+    return self.kind != "ce"
+
+
+def distribution_gaps(logits_BAkV: jax.Array, target_logits_BAkV: jax.Array,
+                      temperature: float) -> tuple[jax.Array, jax.Array]:
+  """(KL(p_t || q_t), TV(p_t, q_t)) per position [B, A, k], p the target's, q the drafter's."""
+  logp = jax.nn.log_softmax(target_logits_BAkV / temperature, axis=-1)
+  logq = jax.nn.log_softmax(logits_BAkV / temperature, axis=-1)
+  p, q = jnp.exp(logp), jnp.exp(logq)
+  kl = jnp.sum(p * (logp - logq), axis=-1)
+  tv = 0.5 * jnp.sum(jnp.abs(p - q), axis=-1)
+  return kl, tv
+
+
+def block_metrics(logits_BAkV: jax.Array, labels_BAb: jax.Array, valid_BA: jax.Array,
+                  weights_b: jax.Array, target_logits_BAkV: jax.Array | None = None,
+                  loss: DraftLoss = DraftLoss()) -> dict[str, jax.Array]:
+  """The weighted objective and the other per-batch statistics of a set of blocks.
+
+  Returns sums (to aggregate over batches) and their ratios: loss = sum_w(objective) / sum(w)
+  over the valid blocks' positions 1..b-1 (`loss.kind`; CE without target logits); ce = the
+  weighted CE; accuracy = top-1 over those positions (unweighted); acceptance_length =
+  `expected_acceptance_length`; with target logits also tv_acceptance = mean 1 - TV(p_t, q_t)
+  over the positions (unweighted): rejection sampling's per-position acceptance at t.
   """
   labels_BAk = labels_BAb[:, :, 1:]
   ce_BAk = optax.softmax_cross_entropy_with_integer_labels(logits_BAkV, labels_BAk)
@@ -329,34 +393,53 @@ def block_metrics(logits_BAkV: jax.Array, labels_BAb: jax.Array, valid_BA: jax.A
   w_BAk = weights_b[1:][None, None, :] * v_BA1
   w_sum = jnp.sum(w_BAk)
   ce_sum = jnp.sum(ce_BAk * w_BAk)
+  objective_BAk, extra = ce_BAk, {}
+  if target_logits_BAkV is not None:
+    kl_BAk, tv_BAk = distribution_gaps(logits_BAkV, target_logits_BAkV, loss.temperature)
+    objective_BAk = {"ce": ce_BAk, "kl": kl_BAk, "tvd": tv_BAk,
+                     "mix": (1 - loss.mix_weight) * ce_BAk + loss.mix_weight * kl_BAk}[loss.kind]
+    extra = {"kl_sum": jnp.sum(kl_BAk * w_BAk),
+             "tv_acceptance_sum": jnp.sum((1.0 - tv_BAk) * v_BA1)}
+  objective_sum = jnp.sum(objective_BAk * w_BAk)
   draft_BAk = jnp.argmax(logits_BAkV, axis=-1)
   n_pos = jnp.sum(jnp.broadcast_to(v_BA1, ce_BAk.shape))
   correct = jnp.sum((draft_BAk == labels_BAk).astype(jnp.float32) * v_BA1)
   acc_BA = acceptance_lengths(draft_BAk, labels_BAk).astype(jnp.float32)
   n_blocks = jnp.sum(v_BA1)
   acc_sum = jnp.sum(acc_BA * v_BA1[..., 0])
-  return {"loss": ce_sum / jnp.maximum(w_sum, 1e-6),
-          "accuracy": correct / jnp.maximum(n_pos, 1.0),
-          "acceptance_length": acc_sum / jnp.maximum(n_blocks, 1.0),
-          "ce_sum": ce_sum, "weight_sum": w_sum, "correct_sum": correct, "positions": n_pos,
-          "acceptance_sum": acc_sum, "blocks": n_blocks}
+  out = {"loss": objective_sum / jnp.maximum(w_sum, 1e-6),
+         "ce": ce_sum / jnp.maximum(w_sum, 1e-6),
+         "accuracy": correct / jnp.maximum(n_pos, 1.0),
+         "acceptance_length": acc_sum / jnp.maximum(n_blocks, 1.0),
+         "objective_sum": objective_sum, "ce_sum": ce_sum, "weight_sum": w_sum,
+         "correct_sum": correct, "positions": n_pos, "acceptance_sum": acc_sum,
+         "blocks": n_blocks, **extra}
+  if extra:
+    out["tv_acceptance"] = extra["tv_acceptance_sum"] / jnp.maximum(n_pos, 1.0)
+  return out
 
 
 def draft_forward_metrics(drafter: DFlashDrafter, target: nnx.Module, batch: dict[str, jax.Array],
                           rng: jax.Array, *, block_size: int, num_anchors: int,
-                          gamma: float) -> dict[str, jax.Array]:
-  """Target features -> anchors -> blocks -> drafter pass -> `block_metrics` for one batch."""
+                          gamma: float, loss: DraftLoss = DraftLoss()) -> dict[str, jax.Array]:
+  """Target pass -> anchors -> blocks -> drafter pass -> `block_metrics` for one batch (the
+  target's logits at the block positions only for a soft objective)."""
   tokens_BT = batch["tokens"]
-  T = tokens_BT.shape[1]
-  hiddens_nBTD = target_features(target, tokens_BT, drafter.cfg.target_layer_ids)
+  B, T = tokens_BT.shape
   anchors_BA, valid_BA = sample_anchors(rng, batch["prompt_lens"], batch["lengths"], T,
                                         num_anchors, block_size)
+  at_BM = soft_target_positions(anchors_BA, block_size, T) if loss.soft else None
+  hiddens_nBTD, target_logits = target_pass(target, tokens_BT, drafter.cfg.target_layer_ids,
+                                            at_BM)
   block_tokens_BAb, _, labels_BAb = build_blocks(tokens_BT, anchors_BA, block_size,
                                                  drafter.cfg.mask_token_id)
   emb_BAbD = jax.lax.stop_gradient(target.embed_tokens(block_tokens_BAb))
   hidden_BAbD = drafter_train_forward(drafter, hiddens_nBTD, emb_BAbD, anchors_BA, valid_BA)
   logits_BAkV = block_logits(target, hidden_BAbD)
-  return block_metrics(logits_BAkV, labels_BAb, valid_BA, loss_weights(block_size, gamma))
+  if target_logits is not None:
+    target_logits = target_logits.reshape(logits_BAkV.shape)
+  return block_metrics(logits_BAkV, labels_BAb, valid_BA, loss_weights(block_size, gamma),
+                       target_logits, loss)
 
 
 LossFn = Callable[[DFlashDrafter, Any, dict[str, jax.Array], jax.Array],
@@ -364,7 +447,7 @@ LossFn = Callable[[DFlashDrafter, Any, dict[str, jax.Array], jax.Array],
 
 
 def make_draft_loss_fn(target_graphdef: Any, *, block_size: int, num_anchors: int,
-                       gamma: float | None = None) -> LossFn:
+                       gamma: float | None = None, loss: DraftLoss = DraftLoss()) -> LossFn:
   """The training loop's `loss_fn(drafter, frozen, batch, rng) -> (loss, metrics)`.
 
   `frozen` is the target's state (`nnx.split(target)[1]`) and `target_graphdef` its graph; the
@@ -372,7 +455,8 @@ def make_draft_loss_fn(target_graphdef: Any, *, block_size: int, num_anchors: in
   (`target_features`, stop_gradient) and lends its embedding and head (stop_gradient): only the
   drafter's weights (layers, fc, hidden_norm, norm) get gradients. Anchors are re-sampled from
   `rng` at every step. `batch` holds `tokens` [B, T], `lengths` [B], `prompt_lens` [B] (from
-  `bp_jax.data.batches`).
+  `bp_jax.data.batches`). `loss`: the objective (`DraftLoss`; soft objectives also project the
+  target's final states at the A*(b-1) block positions to the vocabulary).
 
   Cost: the features are recomputed every step (one causal target forward over B*T tokens,
   without the vocabulary projection and without backward), in exchange for no feature storage
@@ -384,9 +468,11 @@ def make_draft_loss_fn(target_graphdef: Any, *, block_size: int, num_anchors: in
                     rng: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
     target = nnx.merge(target_graphdef, frozen)
     m = draft_forward_metrics(drafter, target, batch, rng, block_size=block_size,
-                              num_anchors=num_anchors, gamma=gamma)
+                              num_anchors=num_anchors, gamma=gamma, loss=loss)
     metrics = {"accuracy": m["accuracy"], "acceptance_length": m["acceptance_length"],
                "anchors_per_seq": m["blocks"] / batch["tokens"].shape[0]}
+    if loss.soft:
+      metrics.update(ce=m["ce"], tv_acceptance=m["tv_acceptance"])
     return m["loss"], metrics
 
   return draft_loss_fn

@@ -256,31 +256,38 @@ def split_prompts(source: str, docs: Sequence[Prompt], val_frac: float,
 
 def regenerate_records(engine: Any, prompts: Sequence[tuple[str, list[int]]], *,
                        max_new_tokens: int, temperature: float, seed: int,
-                       desc: str) -> Iterator[dict[str, Any]]:
+                       desc: str, also_greedy: bool = False) -> Iterator[dict[str, Any]]:
   """Yields {"id", "tokens": prompt + response, "prompt_len"} for each prompt, with a progress bar.
 
   The response is the engine's AR output (trimmed after a stop token, which is kept); prompt i
-  is sampled with seed `seed + i` when temperature > 0.
+  is sampled with seed `seed + i` when temperature > 0. `also_greedy` (with temperature > 0):
+  each prompt also yields its greedy response first (id suffixed '#greedy'), so a drafter learns
+  the argmax paths T = 0 decoding takes and the spread of sampled ones.
   """
   from tqdm import tqdm
 
+  temperatures = ([0.0] if also_greedy and temperature > 0 else []) + [temperature]
   new_tokens, t0 = 0, time.perf_counter()
-  with tqdm(total=len(prompts), desc=desc, unit="prompt", dynamic_ncols=True) as bar:
+  with tqdm(total=len(prompts) * len(temperatures), desc=desc, unit="response",
+            dynamic_ncols=True) as bar:
     for i, (pid, ids) in enumerate(prompts):
-      g = engine.generate(ids, max_new_tokens=max_new_tokens, temperature=temperature,
-                          seed=seed + i, block_size=1)
-      new_tokens += g.new_tokens
-      bar.update(1)
-      bar.set_postfix(tok_s=f"{new_tokens / max(time.perf_counter() - t0, 1e-9):,.0f}")
-      yield {"id": pid, "tokens": np.asarray(list(ids) + g.output_ids, np.int32),
-             "prompt_len": len(ids)}
+      for t in temperatures:
+        g = engine.generate(ids, max_new_tokens=max_new_tokens, temperature=t,
+                            seed=seed + i, block_size=1)
+        new_tokens += g.new_tokens
+        bar.update(1)
+        bar.set_postfix(tok_s=f"{new_tokens / max(time.perf_counter() - t0, 1e-9):,.0f}")
+        name = f"{pid}#greedy" if t != temperature else pid
+        yield {"id": name, "tokens": np.asarray(list(ids) + g.output_ids, np.int32),
+               "prompt_len": len(ids)}
 
 
 def regenerate_stage(cfg: Any) -> None:
   """Writes `regen_train` / `regen_val` to `<workdir>/data` (see the module docstring).
 
   Fields of `cfg.regenerate`: num_prompts, prompt_tokens, max_new_tokens, temperature, and
-  optionally prompt_style (`window`, the default, or `docstring`), source (default: the
+  optionally also_greedy (with temperature > 0, each prompt's greedy response as well),
+  prompt_style (`window`, the default, or `docstring`), source (default: the
   corpus), num_val_prompts (default max(8, num_prompts // 16)), val_frac (fraction of
   documents held out for validation prompts, default 0.1).
   Skipped when both datasets exist and were made with the same settings and target.
@@ -296,6 +303,7 @@ def regenerate_stage(cfg: Any) -> None:
   num_val = int(r.get("num_val_prompts", 0) or max(8, num_prompts // 16))
   val_frac = float(r.get("val_frac", 0.1))
   style = str(r.get("prompt_style", "window") or "window")
+  also_greedy = bool(r.get("also_greedy", False)) and temperature > 0
   check_prompt_style(style)
   for name, value, lo in (("num_prompts", num_prompts, 1), ("prompt_tokens", prompt_tokens, 1),
                           ("max_new_tokens", max_new, 1)):
@@ -314,7 +322,7 @@ def regenerate_stage(cfg: Any) -> None:
   want = {"stage": "regenerate", "source": source, "num_prompts": num_prompts,
           "num_val_prompts": num_val, "prompt_tokens": prompt_tokens, "max_new_tokens": max_new,
           "temperature": temperature, "val_frac": val_frac, "seed": int(cfg.seed),
-          "prompt_style": style,
+          "prompt_style": style, **({"also_greedy": True} if also_greedy else {}),
           "target_fingerprint": model_fingerprint(target), "dtype": np.dtype(target.dtype).name}
   stamp = read_stamp(stamp_dir)
   if (stamp is not None and all(stamp.get(k) == v for k, v in want.items())
@@ -351,10 +359,12 @@ def regenerate_stage(cfg: Any) -> None:
                             ("val", REGEN_VAL, int(cfg.seed) + 1_000_003)):
     prompts = splits[split]
     records = regenerate_records(engine, prompts, max_new_tokens=max_new,
-                                 temperature=temperature, seed=seed, desc=f"regenerate {split}")
+                                 temperature=temperature, seed=seed, desc=f"regenerate {split}",
+                                 also_greedy=also_greedy)
     ds = write_sequences(data, name, records, overwrite=True,
                          description=f"{len(prompts)} {split} prompts of {source} with responses "
-                                     f"by the target (T={temperature})")
+                                     f"by the target (T={temperature}"
+                                     + (", and greedy)" if also_greedy else ")"))
     lengths = [len(rec["tokens"]) - rec["prompt_len"] for rec in ds]
     counts[split] = {"prompts": len(ds), "response_tokens": int(sum(lengths)),
                      "mean_response": round(float(np.mean(lengths)), 1)}
