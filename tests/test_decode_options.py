@@ -168,3 +168,32 @@ def test_fingerprints_are_of_the_stored_weights_whatever_the_dtype(cfg):
   cfg.update(dict(dtype="float16", block_policy="fixed", num_prompts=1))
   records, _ = run_decode.run(cfg)
   assert len(records) == 1
+
+
+def test_rejection_sampling_with_truncation_through_decode(cfg, capsys):
+  """--config.verify=rejection with top_k / top_p at T=1: recorded in the summary; outputs are
+  reproducible for a seed but not compared token-for-token with AR (same distribution, other
+  draws); at T=0 the same config is identical to AR."""
+  cfg.update(dict(compare="ar", block_policy="fixed", block_size=8, verify="rejection",
+                  temperature=1.0, top_k=50, top_p=0.9))
+  records, s = run_decode.run(cfg)
+  assert (s["verify"], s["top_k"], s["top_p"], s["min_p"]) == ("rejection", 50, 0.9, 0.0)
+  assert s["main"]["identical_to_ar"] is None
+  run_decode.print_summary(s)
+  assert "outputs are not compared" in capsys.readouterr().out
+  again, _ = run_decode.run(cfg)
+  assert [r["output_ids"] for r in again] == [r["output_ids"] for r in records]
+  cfg.update(dict(temperature=0.0))
+  _, s = run_decode.run(cfg)
+  assert s["main"]["identical_to_ar"] == len(PROMPTS)
+
+
+@pytest.mark.parametrize("field, value, flag", [
+    ("verify", "argmax", "--config.verify"), ("top_k", -2, "--config.top_k"),
+    ("top_p", 0.0, "--config.top_p"), ("min_p", 1.5, "--config.min_p"),
+])
+def test_bad_sampling_flags_are_refused_before_decoding(cfg, field, value, flag):
+  cfg.update({field: value})
+  with pytest.raises(BadInputError, match=flag):
+    run_decode.run(cfg)
+  assert not os.path.exists(cfg.output)

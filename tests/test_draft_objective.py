@@ -240,12 +240,14 @@ def _strong_target() -> Qwen3:
   return target
 
 
-def test_loss_fn_trains_only_the_drafter_and_a_few_steps_reduce_the_loss():
-  """A minimal optax loop (independent of bp_jax.train.loop) on a tiny frozen random target."""
+def _optax_steps(num_steps: int, loss: obj.DraftLoss = obj.DraftLoss()):
+  """A minimal optax loop (independent of bp_jax.train.loop) training a drafter on a tiny
+  frozen random target; yields (loss, metrics, largest target gradient, smallest largest
+  drafter gradient) per step, on fresh pattern batches."""
   t_graph, t_state = nnx.split(_strong_target())
   drafter = DFlashDrafter(drafter_cfg(4), rngs=nnx.Rngs(1))
   d_graph, d_params = nnx.split(drafter)
-  loss_fn = obj.make_draft_loss_fn(t_graph, block_size=4, num_anchors=8, gamma=4.0)
+  loss_fn = obj.make_draft_loss_fn(t_graph, block_size=4, num_anchors=8, gamma=4.0, loss=loss)
   opt = optax.adam(1e-2)
   opt_state = opt.init(d_params)
 
@@ -260,11 +262,15 @@ def test_loss_fn_trains_only_the_drafter_and_a_few_steps_reduce_the_loss():
     return optax.apply_updates(params, updates), opt_state, loss, metrics, g_t_max, g_d_min
 
   rs = np.random.default_rng(0)
-  losses = []
-  for i in range(40):
+  for i in range(num_steps):
     batch = {k: jnp.asarray(v) for k, v in _pattern_batch(rs, 4, 20).items()}
-    d_params, opt_state, loss, metrics, g_t_max, g_d_min = step(
-        d_params, opt_state, t_state, batch, jax.random.key(i))
+    d_params, opt_state, *out = step(d_params, opt_state, t_state, batch, jax.random.key(i))
+    yield out
+
+
+def test_loss_fn_trains_only_the_drafter_and_a_few_steps_reduce_the_loss():
+  losses = []
+  for i, (loss, metrics, g_t_max, g_d_min) in enumerate(_optax_steps(40)):
     losses.append(float(loss))
     if i == 0:
       assert float(g_t_max) == 0.0  # the frozen target gets no gradient ...
@@ -325,29 +331,8 @@ def test_soft_losses_match_their_formulas():
 def test_soft_objectives_train_the_drafter_toward_the_target(kind):
   """A few steps of each soft objective raise 1 - TV(p, q) on fixed batches; the target
   gets no gradient."""
-  t_graph, t_state = nnx.split(_strong_target())
-  drafter = DFlashDrafter(drafter_cfg(4), rngs=nnx.Rngs(1))
-  d_graph, d_params = nnx.split(drafter)
-  loss_fn = obj.make_draft_loss_fn(t_graph, block_size=4, num_anchors=8, gamma=4.0,
-                                   loss=obj.DraftLoss(kind, 1.0, 0.5))
-  opt = optax.adam(1e-2)
-  opt_state = opt.init(d_params)
-
-  @jax.jit
-  def step(params, opt_state, t_state, batch, rng):
-    f = lambda d, t: loss_fn(nnx.merge(d_graph, d), t, batch, rng)
-    (loss, metrics), (g_d, g_t) = jax.value_and_grad(f, argnums=(0, 1), has_aux=True)(
-        params, t_state)
-    updates, opt_state = opt.update(g_d, opt_state, params)
-    g_t_max = jnp.max(jnp.stack([jnp.abs(x).max() for x in jax.tree.leaves(g_t)]))
-    return optax.apply_updates(params, updates), opt_state, metrics, g_t_max
-
-  rs = np.random.default_rng(0)
   accept = []
-  for i in range(30):
-    batch = {k: jnp.asarray(v) for k, v in _pattern_batch(rs, 4, 20).items()}
-    d_params, opt_state, metrics, g_t_max = step(d_params, opt_state, t_state, batch,
-                                                 jax.random.key(i))
+  for _, metrics, g_t_max, _ in _optax_steps(30, obj.DraftLoss(kind, 1.0, 0.5)):
     assert float(g_t_max) == 0.0
     accept.append(float(metrics["tv_acceptance"]))
   assert np.mean(accept[-5:]) > np.mean(accept[:3]) + 0.05, accept

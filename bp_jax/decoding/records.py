@@ -65,6 +65,8 @@ def summarize(records: list[dict], engine, cfg, wall_s: float) -> dict:
   comp = engine.compiled.summary()
   return {
       "mode": cfg.mode, "block_policy": block_policy_of(cfg), "temperature": cfg.temperature,
+      "verify": engine.verify, **{k: cfg.get(k, d) for k, d in (("top_k", 0), ("top_p", 1.0),
+                                                                ("min_p", 0.0))},
       **figures(records), "wall_s": round(wall_s, 3),
       "acceptance_histogram": {str(k): hist[k] for k in sorted(hist)},
       "block_sizes_used": dict(collections.Counter(str(r["block_size"]) for r in records)),
@@ -117,3 +119,6 @@ def print_comparison(s: dict) -> None:
     mark = "-" if same is None else f"{'✓' if same == r['prompts'] else '✗'} {same}/{r['prompts']}"
     print(f"  {name:<16} {r['decode_tokens_per_s']:>12,.0f} {speed:>14} "
           f"{_fmt(r['tau'], '.2f'):>9} {_fmt(r['tokens_per_forward'], '.2f'):>11} {mark:>16}")
+  if s.get("verify") == "rejection" and s.get("temperature", 0) > 0:
+    print("  (verify=rejection at T > 0 samples the target's own distribution, not AR's tokens "
+          "for a seed: outputs are not compared)")

@@ -243,10 +243,12 @@ def run(cfg) -> tuple[list[dict], dict]:
                          "num_params": choice.policy.arch.num_params()}
   if others:
     ar_out = [r["output_ids"] for r in per_method["ar"]] if "ar" in per_method else None
+    # Rejection sampling draws the same distribution as AR, not the same tokens for a seed.
+    same_tokens = not (engine.verify == "rejection" and cfg.temperature > 0)
 
     def entry(m: str) -> dict:
       recs = per_method[m]
-      same = (None if ar_out is None else
+      same = (None if ar_out is None or not (same_tokens or m == "ar") else
               sum(r["output_ids"] == a for r, a in zip(recs, ar_out)))
       keep = ("decode_tokens_per_s", "tokens_per_s", "tau", "tokens_per_forward", "prompts")
       got = figures(recs)
