@@ -1,8 +1,8 @@
 """Speculative decoding at T > 0: `exact` vs `rejection` verify, for one or more drafters, on the
 demo's held-out HumanEval prompts (the BlockPilot evaluation half, never labelled on).
 
-  python benchmarks/sampling_modes.py                                   # shipped demo drafter
-  python benchmarks/sampling_modes.py --drafters ce=old/drafter,mix=demo/drafter --out docs/sampling
+  python benchmarks/sampling_modes.py                   # both shipped demo drafters, 82 prompts
+  python benchmarks/sampling_modes.py --num_prompts 20 --temperatures 1.0 --repeats 1
 
 In one process, on the same prompts, weights and seeds (prompt i: seed + i):
   * per temperature (--temperatures, plus T=0 as a check): our AR decode and, for every
@@ -42,7 +42,7 @@ from bp_jax.train import draft_objective as obj  # noqa: E402
 from bp_jax.weights.loading import load_drafter, load_target  # noqa: E402
 
 flags.DEFINE_string("target", "demo/target", "Target checkpoint folder.")
-flags.DEFINE_string("drafters", "demo/drafter",
+flags.DEFINE_string("drafters", "ce=demo/drafter,mix=demo/drafter_sampling",
                     "Comma-separated drafter folders, each optionally named: name=folder.")
 flags.DEFINE_string("modes", "exact,rejection", "Verify modes to compare (--config.verify).")
 flags.DEFINE_string("temperatures", "0.6,1.0", "Temperatures > 0 to compare at (T=0 is run "

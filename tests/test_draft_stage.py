@@ -4,6 +4,7 @@ lossless speculative decoding with the exported drafter, and the refusals."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 
@@ -153,6 +154,40 @@ def test_regenerate_round_trip_and_draft_stage(setup, capsys):
       draft_stage_mod.draft_stage(cfg)
   finally:
     _save_target(target, os.path.join(cfg.workdir, "target"), setup["tok_dir"])
+
+
+def test_distilling_from_a_trained_drafter(setup, tmp_path):
+  """--config.draft.init_from starts from a trained drafter (lr 1e-30: the export equals it), a soft
+  objective reports 1 - TV, and a drafter of another config is refused by name."""
+  import shutil
+  from bp_jax.weights.loading import load_drafter, load_target
+  cfg = setup["cfg"]
+  regen.regenerate_stage(cfg)
+  draft_stage_mod.draft_stage(cfg)
+  start = os.path.join(cfg.workdir, "drafter")
+  work = str(tmp_path / "work")
+  for name in ("target", "data"):
+    shutil.copytree(os.path.join(cfg.workdir, name), os.path.join(work, name))
+  ft = copy.deepcopy(cfg)
+  ft.workdir = work
+  ft.draft.update({"loss": "mix", "init_from": start, "steps": 2,
+                   "opt": opt_config(lr=1e-30, warmup_frac=0.0, clip=1.0)})
+  draft_stage_mod.draft_stage(ft)
+  target = load_target(os.path.join(work, "target"))
+  a = jax.tree.leaves(nnx.state(load_drafter(start, target.cfg)))
+  b = jax.tree.leaves(nnx.state(load_drafter(os.path.join(work, "drafter"), target.cfg)))
+  assert all(np.array_equal(x, y) for x, y in zip(a, b))
+  summary = json.load(open(os.path.join(work, "draft", "summary.json")))
+  assert summary["loss"]["kind"] == "mix" and -1e-6 <= summary["eval_tv_acceptance"] <= 1
+  other = copy.deepcopy(ft)
+  other.workdir = str(tmp_path / "other")
+  shutil.copytree(work, other.workdir, ignore=shutil.ignore_patterns("draft", "drafter"))
+  other.draft.block_size = BLOCK + 1
+  with pytest.raises(BadInputError, match="init_from.*block_size"):
+    draft_stage_mod.draft_stage(other)
+  other.draft.update({"block_size": BLOCK, "loss": "l1"})
+  with pytest.raises(BadInputError, match="--config.draft.loss"):
+    draft_stage_mod.draft_stage(other)
 
 
 def test_humaneval_is_refused_for_training(setup, tmp_path):

@@ -321,6 +321,26 @@ def _check_run_dir(run_dir: str, want: dict) -> None:
 # ---- the stage -------------------------------------------------------------------------------
 
 
+def start_from_drafter(drafter: DFlashDrafter, path: str, target: Any, target_path: str) -> None:
+  """Loads the drafter checkpoint at `path` (`--config.draft.init_from`) into `drafter` (to
+  fine-tune it, e.g. a greedy-trained drafter distilled for sampling). It must have the same
+  config and have been made for this target.
+
+  Raises:
+    BadInputError: another config (naming the differing fields) or another target.
+  """
+  from bp_jax.weights.loading import load_drafter
+  check_drafter_target(path, target, target_path)
+  start = load_drafter(path, target.cfg, "float32")
+  have, want = start.cfg.to_hf_dict(), drafter.cfg.to_hf_dict()
+  diffs = _differences(have, want, "config")
+  if diffs:
+    raise BadInputError(f"--config.draft.init_from={path}: its config differs from the drafter "
+                        f"being trained ({'; '.join(diffs[:4])}); set --config.draft sizes to "
+                        "match it")
+  nnx.update(drafter, nnx.state(start))
+
+
 def draft_loss_of(d: Any) -> obj.DraftLoss:
   """`cfg.draft`'s objective (loss, distill_temperature, mix_weight), checked."""
   kind = str(d.get("loss", "ce"))
@@ -344,7 +364,8 @@ def draft_stage(cfg: Any) -> None:
   eval_batches (0 = all of regen_val), checkpoint_every (default 100), log_every (default 10),
   drop_short (False), mask_token_id (-1 = the tokenizer's), intermediate_size (0 = target's),
   loss (ce | kl | tvd | mix, `draft_objective.DraftLoss`), distill_temperature (1.0),
-  mix_weight (0.5).
+  mix_weight (0.5), ship_name (the folder under export_dir, default `drafter`), init_from (a
+  drafter checkpoint to start from instead of a random init, e.g. to distil it for sampling).
   """
   from bp_jax.weights.loading import load_drafter, load_target
   from bp_jax.text.tokenizer import load_tokenizer
@@ -368,6 +389,7 @@ def draft_stage(cfg: Any) -> None:
   b = dcfg.block_size
   gamma = float(d.get("gamma", 0) or 0) or obj.default_gamma(b)
   loss = draft_loss_of(d)
+  init_from = str(d.get("init_from", "") or "")
   num_anchors, batch_size, steps = int(d.anchors_per_seq), int(d.batch), int(d.steps)
   if num_anchors < 1 or batch_size < 1:
     raise BadInputError("--config.draft.anchors_per_seq and --config.draft.batch must be >= 1")
@@ -383,9 +405,12 @@ def draft_stage(cfg: Any) -> None:
   _check_run_dir(run_dir, {"stage": "draft", "target_fingerprint": fingerprint,
                            "drafter_config": dcfg.to_hf_dict(), "seq_len": seq_len,
                            "gamma": gamma, "anchors_per_seq": num_anchors,
-                           "loss": dataclasses.asdict(loss)})
+                           "loss": dataclasses.asdict(loss),
+                           **({"init_from": init_from} if init_from else {})})
   seed = int(cfg.seed)
   drafter = DFlashDrafter(dcfg, dtype=jnp.float32, rngs=nnx.Rngs(seed))
+  if init_from:
+    start_from_drafter(drafter, init_from, target, target_path)
   t_graph, t_state = nnx.split(target)
   pad_id = int(tok.pad_token_id if tok.pad_token_id is not None else 0)
   eval_fn = make_draft_eval_fn(t_graph, val_src, batch_size=batch_size, seq_len=seq_len,
@@ -410,7 +435,7 @@ def draft_stage(cfg: Any) -> None:
                             "eval_acceptance_length")})
   load_drafter(out, target.cfg)  # loads as decode.py will
   check_drafter_target(out, target, target_path)
-  shipped = wd.ship_checkpoint(cfg, out, "drafter")
+  shipped = wd.ship_checkpoint(cfg, out, str(d.get("ship_name", "drafter") or "drafter"))
   summary_path = os.path.join(run_dir, "summary.json")
   tokens_per_s = round(result.tokens_per_s, 1)
   if result.start_step >= result.step and os.path.exists(summary_path):  # nothing trained now
