@@ -117,6 +117,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.draft.loss = "ce"
   c.draft.distill_temperature = 1.0
   c.draft.mix_weight = 0.5
+  c.draft.ce_label = "data"        # CE against the data token | the target's argmax (argmax)
   c.draft.opt = opt_config(lr=6e-4, warmup_frac=0.04, min_lr_frac=0.0, weight_decay=0.0,
                            clip=1.0)
   # Target layers whose hidden states feed the drafter: a shallow one and the deepest allowed.

@@ -320,6 +320,12 @@ def test_soft_losses_match_their_formulas():
     np.testing.assert_allclose(float(m["ce"]), (ce * wv).sum() / wv.sum(), rtol=1e-5)
     np.testing.assert_allclose(float(m["tv_acceptance"]),
                                ((1 - tv) * (wv > 0)).sum() / (wv > 0).sum(), rtol=1e-5)
+  # mix with CE against the target's argmax instead of the data token.
+  ce_arg = np.asarray(optax.softmax_cross_entropy_with_integer_labels(q, jnp.argmax(p, -1)))
+  m = obj.block_metrics(q, labels, valid, w, p, obj.DraftLoss("mix", t, 0.3, "argmax"))
+  np.testing.assert_allclose(float(m["loss"]), ((0.7 * ce_arg + 0.3 * kl) * wv).sum() / wv.sum(),
+                             rtol=1e-5)
+  assert obj.DraftLoss("ce", ce_label="argmax").soft and not obj.DraftLoss("ce").soft
   # A drafter equal to the target: zero KL and TV, full acceptance.
   m = obj.block_metrics(p, labels, valid, w, p, obj.DraftLoss("tvd", t))
   assert abs(float(m["loss"])) < 1e-6 and abs(float(m["tv_acceptance"]) - 1) < 1e-6

@@ -342,17 +342,21 @@ def start_from_drafter(drafter: DFlashDrafter, path: str, target: Any, target_pa
 
 
 def draft_loss_of(d: Any) -> obj.DraftLoss:
-  """`cfg.draft`'s objective (loss, distill_temperature, mix_weight), checked."""
+  """`cfg.draft`'s objective (loss, distill_temperature, mix_weight, ce_label), checked."""
   kind = str(d.get("loss", "ce"))
   temperature = float(d.get("distill_temperature", 1.0))
   mix_weight = float(d.get("mix_weight", 0.5))
+  ce_label = str(d.get("ce_label", "data"))
   if kind not in obj.DRAFT_LOSSES:
     raise BadInputError(f"--config.draft.loss={kind!r} is not one of {list(obj.DRAFT_LOSSES)}")
   if not temperature > 0:
     raise BadInputError(f"--config.draft.distill_temperature={temperature} must be > 0")
   if not 0 <= mix_weight <= 1:
     raise BadInputError(f"--config.draft.mix_weight={mix_weight} must lie in [0, 1]")
-  return obj.DraftLoss(kind, temperature, mix_weight)
+  if ce_label not in obj.CE_LABELS:
+    raise BadInputError(f"--config.draft.ce_label={ce_label!r} is not one of "
+                        f"{list(obj.CE_LABELS)}")
+  return obj.DraftLoss(kind, temperature, mix_weight, ce_label)
 
 
 def draft_stage(cfg: Any) -> None:
@@ -364,8 +368,9 @@ def draft_stage(cfg: Any) -> None:
   eval_batches (0 = all of regen_val), checkpoint_every (default 100), log_every (default 10),
   drop_short (False), mask_token_id (-1 = the tokenizer's), intermediate_size (0 = target's),
   loss (ce | kl | tvd | mix, `draft_objective.DraftLoss`), distill_temperature (1.0),
-  mix_weight (0.5), ship_name (the folder under export_dir, default `drafter`), init_from (a
-  drafter checkpoint to start from instead of a random init, e.g. to distil it for sampling).
+  mix_weight (0.5), ce_label (data | argmax), ship_name (the folder under export_dir, default
+  `drafter`), init_from (a drafter checkpoint to start from instead of a random init, e.g. to
+  distil it for sampling).
   """
   from bp_jax.weights.loading import load_drafter, load_target
   from bp_jax.text.tokenizer import load_tokenizer

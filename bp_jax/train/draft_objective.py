@@ -34,6 +34,7 @@ from bp_jax.models import layers as L
 from bp_jax.models.dflash import DFlashDrafter
 
 DRAFT_LOSSES = ("ce", "kl", "tvd", "mix")
+CE_LABELS = ("data", "argmax")
 
 # Published decay constants: gamma 7 for b = 16, 5 for b = 10, 4 for b = 8 (DESIGN §6).
 _GAMMA_POINTS = ((8, 4.0), (10, 5.0), (16, 7.0))
@@ -346,10 +347,14 @@ class DraftLoss:
   tvd: total variation TV(p_t, q_t): 1 - TV is the acceptance probability of speculative
        rejection sampling at temperature t, so this maximises it directly.
   mix: (1 - mix_weight) * ce + mix_weight * kl: the argmax for T = 0, the spread for T > 0.
+  ce_label: what the CE of `mix` is taken against: "data" (the data token; for responses
+  sampled at T > 0 a sample, not the argmax) or "argmax" (the target's own argmax at that
+  position after the true prefix: the token T = 0 decoding needs there, on every context).
   """
   kind: str = "ce"
   temperature: float = 1.0
   mix_weight: float = 0.5
+  ce_label: str = "data"
 
   def __post_init__(self):
     if self.kind not in DRAFT_LOSSES:
@@ -358,11 +363,13 @@ class DraftLoss:
       raise ValueError(f"distillation temperature {self.temperature} must be > 0")
     if not 0 <= self.mix_weight <= 1:
       raise ValueError(f"mix weight {self.mix_weight} must lie in [0, 1]")
+    if self.ce_label not in CE_LABELS:
+      raise ValueError(f"CE label {self.ce_label!r} is not one of {list(CE_LABELS)}")
 
   @property
   def soft(self) -> bool:
     """Whether the objective needs the target's logits at the block positions."""
-    return self.kind != "ce"
+    return self.kind != "ce" or self.ce_label == "argmax"
 
 
 def distribution_gaps(logits_BAkV: jax.Array, target_logits_BAkV: jax.Array,
@@ -382,8 +389,8 @@ def block_metrics(logits_BAkV: jax.Array, labels_BAb: jax.Array, valid_BA: jax.A
   """The weighted objective and the other per-batch statistics of a set of blocks.
 
   Returns sums (to aggregate over batches) and their ratios: loss = sum_w(objective) / sum(w)
-  over the valid blocks' positions 1..b-1 (`loss.kind`; CE without target logits); ce = the
-  weighted CE; accuracy = top-1 over those positions (unweighted); acceptance_length =
+  over the valid blocks' positions 1..b-1 (`loss.kind`, its CE against `loss.ce_label`; CE
+  against the data without target logits); ce = the weighted CE against the data; accuracy = top-1 over those positions (unweighted); acceptance_length =
   `expected_acceptance_length`; with target logits also tv_acceptance = mean 1 - TV(p_t, q_t)
   over the positions (unweighted): rejection sampling's per-position acceptance at t.
   """
@@ -396,8 +403,13 @@ def block_metrics(logits_BAkV: jax.Array, labels_BAb: jax.Array, valid_BA: jax.A
   objective_BAk, extra = ce_BAk, {}
   if target_logits_BAkV is not None:
     kl_BAk, tv_BAk = distribution_gaps(logits_BAkV, target_logits_BAkV, loss.temperature)
-    objective_BAk = {"ce": ce_BAk, "kl": kl_BAk, "tvd": tv_BAk,
-                     "mix": (1 - loss.mix_weight) * ce_BAk + loss.mix_weight * kl_BAk}[loss.kind]
+    hard_BAk = ce_BAk
+    if loss.ce_label == "argmax":
+      hard_BAk = optax.softmax_cross_entropy_with_integer_labels(
+          logits_BAkV, jnp.argmax(target_logits_BAkV, axis=-1))
+    objective_BAk = {"ce": hard_BAk, "kl": kl_BAk, "tvd": tv_BAk,
+                     "mix": (1 - loss.mix_weight) * hard_BAk + loss.mix_weight * kl_BAk
+                     }[loss.kind]
     extra = {"kl_sum": jnp.sum(kl_BAk * w_BAk),
              "tv_acceptance_sum": jnp.sum((1.0 - tv_BAk) * v_BA1)}
   objective_sum = jnp.sum(objective_BAk * w_BAk)
