@@ -90,9 +90,10 @@ def _positional_acceptance(target, drafter, seqs, temperature: float, b: int) ->
     blocks, _, _ = obj.build_blocks(tokens_1T, anchors_1A, b, drafter.cfg.mask_token_id)
     h = obj.drafter_train_forward(drafter, hid, target.embed_tokens(blocks), anchors_1A, valid_1A)
     q_logits = obj.block_logits(target, h)[0]                  # [A, k, V]
-    p = jax.nn.softmax(processed_logits(t_logits.reshape(q_logits.shape), sp), axis=-1)
-    q = jax.nn.softmax(processed_logits(q_logits, sp), axis=-1)
-    tv_accept = 1.0 - 0.5 * jnp.sum(jnp.abs(p - q), axis=-1)  # [A, k]
+    t_logits = t_logits.reshape(q_logits.shape)
+    _, tv = obj.distribution_gaps(q_logits, t_logits, temperature)  # the training metric's TV
+    tv_accept = 1.0 - tv                                            # [A, k]
+    p = jax.nn.softmax(processed_logits(t_logits, sp), axis=-1)
     argmax_accept = jnp.take_along_axis(p, jnp.argmax(q_logits, -1)[..., None], -1)[..., 0]
     return tv_accept, argmax_accept
 

@@ -119,40 +119,40 @@ class Engine:
     self.checks.check_request(prompt_len, max_new_tokens, block_size)
 
   # -- compiled pieces ----------------------------------------------------------------------
-  def _prefill_args(self, tokens_1P, n, seed_key, temperature, with_policy: bool) -> tuple:
+  def _prefill_args(self, tokens_1P, n, seed_key, sampling, with_policy: bool) -> tuple:
     return (self.t_state, self.d_state, tokens_1P, n, self.cache, self.draft_cache, seed_key,
-            temperature) + ((self.p_state,) if with_policy else ())
+            sampling) + ((self.p_state,) if with_policy else ())
 
-  def _prefill(self, tokens_1P, n, seed_key, temperature, with_policy: bool = False):
-    args = self._prefill_args(tokens_1P, n, seed_key, temperature, with_policy)
+  def _prefill(self, tokens_1P, n, seed_key, sampling, with_policy: bool = False):
+    args = self._prefill_args(tokens_1P, n, seed_key, sampling, with_policy)
     fn = self.programs.prefill(args, self.p_graph if with_policy else None, self.policy_key)
     return fn, args
 
-  def _loop_args(self, pre, n, max_new, temperature, seed_key, block_size,
+  def _loop_args(self, pre, n, max_new, sampling, seed_key, block_size,
                  forced_seq=None) -> tuple:
     if block_size == 1:
-      return (self.t_state, self.seq, self.cache, pre.first_tok, n, max_new, temperature,
+      return (self.t_state, self.seq, self.cache, pre.first_tok, n, max_new, sampling,
               seed_key, self._stop_arr)
     return (self.t_state, self.d_state, self.seq, self.cache, self.draft_cache, pre.first_tok, n,
-            max_new, temperature, seed_key, self._stop_arr) + (
+            max_new, sampling, seed_key, self._stop_arr) + (
                 () if forced_seq is None else (forced_seq,))
 
   def precompile(self, block_sizes: Sequence[int], length_buckets: Sequence[int] | None = None,
                  policy: bool = False, plain_prefill: bool = True) -> dict:
     """Compiles prefill for each length bucket and the loop of each block size ahead of time
     (`policy`: also the prefill that runs the policy; `plain_prefill`: the one without)."""
-    key, z, f = jax.random.key(0), jnp.int32(1), sampling_params()
+    key, z, sp = jax.random.key(0), jnp.int32(1), sampling_params()
     if policy and self.p_graph is None:
       raise BadInputError("precompile(policy=True) on an engine without a policy")
     for P in length_buckets or self.length_buckets:
       if plain_prefill:
-        self._prefill(jnp.zeros((1, P), jnp.int32), z, key, f)
+        self._prefill(jnp.zeros((1, P), jnp.int32), z, key, sp)
       if policy:
-        self._prefill(jnp.zeros((1, P), jnp.int32), z, key, f, with_policy=True)
+        self._prefill(jnp.zeros((1, P), jnp.int32), z, key, sp, with_policy=True)
     pre = decode_loops.PrefillOut(z, self.cache, self.draft_cache, None, None)
     for b in block_sizes:
       self.check_block_size(b)
-      self.programs.loop(b, self._loop_args(pre, z, z, f, key, b))
+      self.programs.loop(b, self._loop_args(pre, z, z, sp, key, b))
     return self.compiled.summary()
 
   # -- public -------------------------------------------------------------------------------
@@ -201,9 +201,9 @@ class Engine:
     self.checks.check_prompt_ids(prompt_ids)
     check_sampling(temperature, top_k, top_p, min_p)
     toks, _ = self.encode_padded(prompt_ids)
-    n_arr, temp = jnp.int32(n), sampling_params(temperature, top_k, top_p, min_p)
+    n_arr, sp = jnp.int32(n), sampling_params(temperature, top_k, top_p, min_p)
     seed_key = jax.random.key(seed)
-    fn, args = self._prefill(toks, n_arr, seed_key, temp, with_policy=learned)
+    fn, args = self._prefill(toks, n_arr, seed_key, sp, with_policy=learned)
     t0 = time.perf_counter()
     pre = fn(*args)
     probs = None
@@ -220,9 +220,9 @@ class Engine:
                 else None)
     forced = forced_continuation is not None
     forced_seq = self._forced_seq(n, forced_continuation) if forced else None
-    loop_args = self._loop_args(pre, n_arr, jnp.int32(max_new_tokens), temp, seed_key,
+    loop_args = self._loop_args(pre, n_arr, jnp.int32(max_new_tokens), sp, seed_key,
                                 block_size, forced_seq)
-    warm_args = self._loop_args(pre, n_arr, jnp.int32(min(max_new_tokens, WARMUP_TOKENS)), temp,
+    warm_args = self._loop_args(pre, n_arr, jnp.int32(min(max_new_tokens, WARMUP_TOKENS)), sp,
                                 seed_key, block_size, forced_seq)
     self.programs.warm(block_size, warm_args, forced)
     fn = self.programs.loop(block_size, loop_args, forced)

@@ -7,8 +7,9 @@ import collections
 
 import numpy as np
 
-from bp_jax.decoding.block_choice import block_policy_of
+from bp_jax.decoding.block_choice import block_policy_of, sampling_options
 from bp_jax.decoding.generation import Generation
+from bp_jax.decoding.verify import same_tokens_as_ar
 from bp_jax.eval.resources import peak_rss_mb
 from bp_jax.text.tokenizer import tokenizer_size
 
@@ -65,8 +66,7 @@ def summarize(records: list[dict], engine, cfg, wall_s: float) -> dict:
   comp = engine.compiled.summary()
   return {
       "mode": cfg.mode, "block_policy": block_policy_of(cfg), "temperature": cfg.temperature,
-      "verify": engine.verify, **{k: cfg.get(k, d) for k, d in (("top_k", 0), ("top_p", 1.0),
-                                                                ("min_p", 0.0))},
+      "verify": engine.verify, **sampling_options(cfg),
       **figures(records), "wall_s": round(wall_s, 3),
       "acceptance_histogram": {str(k): hist[k] for k in sorted(hist)},
       "block_sizes_used": dict(collections.Counter(str(r["block_size"]) for r in records)),
@@ -119,6 +119,6 @@ def print_comparison(s: dict) -> None:
     mark = "-" if same is None else f"{'✓' if same == r['prompts'] else '✗'} {same}/{r['prompts']}"
     print(f"  {name:<16} {r['decode_tokens_per_s']:>12,.0f} {speed:>14} "
           f"{_fmt(r['tau'], '.2f'):>9} {_fmt(r['tokens_per_forward'], '.2f'):>11} {mark:>16}")
-  if s.get("verify") == "rejection" and s.get("temperature", 0) > 0:
+  if not same_tokens_as_ar(s["verify"], s["temperature"]):
     print("  (verify=rejection at T > 0 samples the target's own distribution, not AR's tokens "
           "for a seed: outputs are not compared)")

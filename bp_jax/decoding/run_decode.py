@@ -22,6 +22,7 @@ from bp_jax.decoding.engine import Engine
 from bp_jax.decoding.generation import Generation
 from bp_jax.decoding.records import figures, print_summary, record_of, summarize  # noqa: F401
 from bp_jax.decoding.requests import check_block_sizes, check_sampling
+from bp_jax.decoding.verify import same_tokens_as_ar
 from bp_jax.errors import BadInputError
 from bp_jax.text.prompts import Prompt, load_prompts
 from bp_jax.text.tokenizer import encode_prompt, load_tokenizer, stop_token_ids, tokenizer_size
@@ -243,8 +244,7 @@ def run(cfg) -> tuple[list[dict], dict]:
                          "num_params": choice.policy.arch.num_params()}
   if others:
     ar_out = [r["output_ids"] for r in per_method["ar"]] if "ar" in per_method else None
-    # Rejection sampling draws the same distribution as AR, not the same tokens for a seed.
-    same_tokens = not (engine.verify == "rejection" and cfg.temperature > 0)
+    same_tokens = same_tokens_as_ar(engine.verify, cfg.temperature)
 
     def entry(m: str) -> dict:
       recs = per_method[m]

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 
 from bp_jax.decoding.sampling import (SamplingParams, draw, first_argmax, position_keys,
                                       processed_logits, sample)
+from bp_jax.errors import BadInputError
 
 VERIFY_MODES = ("exact", "rejection")
 
@@ -129,8 +130,13 @@ def verify(target_logits_bV: jax.Array, draft_logits_kV: jax.Array, draft_k: jax
                       (target_logits_bV, draft_logits_kV, draft_k))
 
 
+def same_tokens_as_ar(mode: str, temperature: float) -> bool:
+  """Whether `mode` gives plain AR decoding's very tokens for a seed (greedy always does;
+  `rejection` at T > 0 gives the same distribution with other draws)."""
+  return not (mode == "rejection" and temperature > 0)
+
+
 def check_verify_mode(mode: str, flag: str = "--config.verify") -> str:
-  from bp_jax.errors import BadInputError
   if mode not in VERIFY_MODES:
     raise BadInputError(f"{flag}={mode!r} is not one of {list(VERIFY_MODES)}")
   return mode

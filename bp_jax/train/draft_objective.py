@@ -30,6 +30,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from bp_jax.errors import BadInputError
 from bp_jax.models import layers as L
 from bp_jax.models.dflash import DFlashDrafter
 
@@ -357,14 +358,17 @@ class DraftLoss:
   ce_label: str = "data"
 
   def __post_init__(self):
+    """Each field checked; the errors name the `--config.draft` flag that sets it."""
     if self.kind not in DRAFT_LOSSES:
-      raise ValueError(f"draft loss {self.kind!r} is not one of {list(DRAFT_LOSSES)}")
+      raise BadInputError(f"--config.draft.loss={self.kind!r} is not one of "
+                          f"{list(DRAFT_LOSSES)}")
     if not self.temperature > 0:
-      raise ValueError(f"distillation temperature {self.temperature} must be > 0")
+      raise BadInputError(f"--config.draft.distill_temperature={self.temperature} must be > 0")
     if not 0 <= self.mix_weight <= 1:
-      raise ValueError(f"mix weight {self.mix_weight} must lie in [0, 1]")
+      raise BadInputError(f"--config.draft.mix_weight={self.mix_weight} must lie in [0, 1]")
     if self.ce_label not in CE_LABELS:
-      raise ValueError(f"CE label {self.ce_label!r} is not one of {list(CE_LABELS)}")
+      raise BadInputError(f"--config.draft.ce_label={self.ce_label!r} is not one of "
+                          f"{list(CE_LABELS)}")
 
   @property
   def soft(self) -> bool:
