@@ -88,6 +88,12 @@ def get_config() -> ml_collections.ConfigDict:
   # to AR for a seed); rejection = drafts drawn from the drafter's distribution, speculative
   # rejection sampling (accepts a draft with probability min(1, p/q); same distribution as AR).
   c.verify = "rejection"     # measured better at T > 0 on the demo (docs/sampling)
+  # Many requests at once: up to batch_size requests decode together in one compiled loop per
+  # block-size bucket (1 = one request at a time, the plain loop); the loop returns to the host
+  # every sync_cycles cycles so that finished requests free their slots for queued ones
+  # (continuous batching; 0 = a batch runs until all its requests finish). README "Batching".
+  c.batch_size = 1
+  c.sync_cycles = 16
   c.seed = 0
   c.max_new_tokens = 128
   c.max_len = 1024           # cache slots per request: prompt + max_new_tokens + block_size - 1

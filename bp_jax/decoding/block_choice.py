@@ -117,6 +117,16 @@ def loop_options(cfg) -> dict[str, Any]:
           "verify": check_verify_mode(str(cfg.get("verify", "exact")))}
 
 
+def batch_options(cfg) -> dict[str, Any]:
+  """How many requests decode at once, as `Engine` keyword arguments (checked):
+  `batch_size` slots per block-size bucket and `sync_cycles`, the cycles between the host's
+  refills of finished slots (configs/qwen3.py)."""
+  from bp_jax.decoding.requests import check_batching
+  out = {"batch_size": cfg.get("batch_size", 1), "sync_cycles": cfg.get("sync_cycles", 16)}
+  check_batching(**out)
+  return {k: int(v) for k, v in out.items()}
+
+
 def sampling_options(cfg) -> dict[str, Any]:
   """The truncation of the target's distribution set by a config, as `Engine.generate` keyword
   arguments: `top_k`, `top_p`, `min_p` (checked; configs/qwen3.py)."""

@@ -26,7 +26,9 @@ from bp_jax.decoding.buckets import default_length_buckets, pick_bucket
 from bp_jax.decoding.generation import Generation, clip_forward_lengths, trim_at_stop
 from bp_jax.decoding.policy_binding import check_policy_fits
 from bp_jax.decoding.programs import WARMUP_TOKENS, LoopPrograms
-from bp_jax.decoding.requests import RequestChecks, check_block_sizes, check_sampling
+from bp_jax.decoding.requests import (RequestChecks, check_batching, check_block_sizes,
+                                     check_sampling)
+from bp_jax.decoding.scheduler import BatchRequest, Scheduler
 from bp_jax.decoding.sampling import sampling_params
 from bp_jax.decoding.verify import check_verify_mode
 from bp_jax.errors import BadInputError
@@ -50,7 +52,8 @@ class Engine:
                length_buckets: Sequence[int] | None = None, drafter=None,
                block_sizes: Sequence[int] = DEFAULT_BLOCK_SIZES, policy=None,
                policy_sizes: Sequence[int] = (), scan_layers: bool = False,
-               ar_fallback: int = 0, ar_fallback_accept: int = 1, verify: str = "exact"):
+               ar_fallback: int = 0, ar_fallback_accept: int = 1, verify: str = "exact",
+               batch_size: int = 1, sync_cycles: int = 16):
     if max_len > target.cfg.max_position_embeddings:
       raise BadInputError(f"--config.max_len={max_len} exceeds the model's "
                           f"max_position_embeddings={target.cfg.max_position_embeddings}")
@@ -59,6 +62,8 @@ class Engine:
                           f"{ar_fallback_accept} must be >= 0")
     check_block_sizes(list(block_sizes))
     check_verify_mode(verify)
+    check_batching(batch_size, sync_cycles)
+    self.batch_size, self.sync_cycles = int(batch_size), int(sync_cycles)
     self.cfg = target.cfg
     self.max_len = max_len
     self.length_buckets = tuple(sorted(length_buckets or default_length_buckets(max_len)))
@@ -68,6 +73,9 @@ class Engine:
     self.stop_ids = list(stop_ids)
     self._stop_arr = jnp.asarray(self.stop_ids or [-1], jnp.int32)
     self.t_graph, self.t_state = nnx.split(target)
+    self._init_caches = lambda batch: (
+        target.init_cache(batch, max_len),
+        None if drafter is None else drafter.init_cache(batch, max_len))
     self.cache = target.init_cache(1, max_len)
     self.block_sizes = tuple(sorted(set(int(b) for b in block_sizes)))
     self.drafter = drafter
@@ -99,7 +107,7 @@ class Engine:
   def warmup_seconds(self) -> dict[int, float]:
     """Block size -> its loop's untimed first run (s), production loops only."""
     return {k[1]: s for k, s in self.programs.warmup_seconds.items()
-            if k[0] in ("ar_loop", "spec_loop")}
+            if k[0] in ("ar_loop", "spec_loop", "batch_ar_loop", "batch_spec_loop")}
 
   def set_policy(self, policy, block_sizes: Sequence[int]) -> None:
     """Makes `policy` (a `bp_jax.policy.mlp.BlockPolicy`) choose the bucket of LEARNED requests;
@@ -140,7 +148,8 @@ class Engine:
   def precompile(self, block_sizes: Sequence[int], length_buckets: Sequence[int] | None = None,
                  policy: bool = False, plain_prefill: bool = True) -> dict:
     """Compiles prefill for each length bucket and the loop of each block size ahead of time
-    (`policy`: also the prefill that runs the policy; `plain_prefill`: the one without)."""
+    (`policy`: also the prefill that runs the policy; `plain_prefill`: the one without); with
+    batch_size > 1, the batched loops instead of the one-request loops."""
     key, z, sp = jax.random.key(0), jnp.int32(1), sampling_params()
     if policy and self.p_graph is None:
       raise BadInputError("precompile(policy=True) on an engine without a policy")
@@ -149,6 +158,14 @@ class Engine:
         self._prefill(jnp.zeros((1, P), jnp.int32), z, key, sp)
       if policy:
         self._prefill(jnp.zeros((1, P), jnp.int32), z, key, sp, with_policy=True)
+    if self.batch_size > 1:
+      for b in block_sizes:
+        self.check_block_size(b)
+        carry = jax.eval_shape(lambda: self.slot_carry(b))
+        args = ((self.t_state,) if b == 1 else (self.t_state, self.d_state)) + (
+            carry, sp, self._stop_arr)
+        self.programs.batched_loop(b, self.batch_size, self.sync_cycles, args)
+      return self.compiled.summary()
     pre = decode_loops.PrefillOut(z, self.cache, self.draft_cache, None, None)
     for b in block_sizes:
       self.check_block_size(b)
@@ -170,6 +187,21 @@ class Engine:
     forced[0, n:n + len(cont)] = cont
     return jnp.asarray(forced)
 
+  def _check_one(self, prompt_ids: Sequence[int], max_new_tokens: int,
+                 block_size: int | str) -> None:
+    """Refuses a request this engine cannot serve (size, prompt ids, learned without policy)."""
+    n = len(prompt_ids)
+    if isinstance(block_size, str):
+      if block_size != LEARNED:
+        raise BadInputError(f"block_size={block_size!r}: give an integer bucket or {LEARNED!r}")
+      if self.p_graph is None:
+        raise BadInputError("block_size='learned' needs a block-size policy "
+                            "(--config.policy with --config.block_policy=learned)")
+      self.check_request(n, max_new_tokens, max(self.policy_sizes))
+    else:
+      self.check_request(n, max_new_tokens, block_size)
+    self.checks.check_prompt_ids(prompt_ids)
+
   def generate(self, prompt_ids: Sequence[int], *, max_new_tokens: int, temperature: float = 0.0,
                seed: int = 0, block_size: int | str = 1, top_k: int = 0, top_p: float = 1.0,
                min_p: float = 0.0,
@@ -189,16 +221,7 @@ class Engine:
     """
     n = len(prompt_ids)
     learned = isinstance(block_size, str)
-    if learned:
-      if block_size != LEARNED:
-        raise BadInputError(f"block_size={block_size!r}: give an integer bucket or {LEARNED!r}")
-      if self.p_graph is None:
-        raise BadInputError("block_size='learned' needs a block-size policy "
-                            "(--config.policy with --config.block_policy=learned)")
-      self.check_request(n, max_new_tokens, max(self.policy_sizes))
-    else:
-      self.check_request(n, max_new_tokens, block_size)
-    self.checks.check_prompt_ids(prompt_ids)
+    self._check_one(prompt_ids, max_new_tokens, block_size)
     check_sampling(temperature, top_k, top_p, min_p)
     toks, _ = self.encode_padded(prompt_ids)
     n_arr, sp = jnp.int32(n), sampling_params(temperature, top_k, top_p, min_p)
@@ -213,7 +236,7 @@ class Engine:
     t1 = time.perf_counter()
     self.cache, self.draft_cache = pre.cache, pre.draft_cache
     if bool(pre.bad_logits):
-      raise BadInputError(_nonfinite_message(n, "the prefill"))
+      self.raise_nonfinite(n, "the prefill")
     if learned:
       probs = [round(float(p), 6) for p in np.asarray(pre.policy_probs)]
     features = ({k: np.asarray(v[0]) for k, v in pre.features.items()} if return_features
@@ -235,7 +258,7 @@ class Engine:
       self.draft_cache = out.draft_cache
     forwards = int(out.forwards)
     if bool(out.bad_logits):
-      raise BadInputError(_nonfinite_message(n + n_gen, "a decode step"))
+      self.raise_nonfinite(n + n_gen, "a decode step")
     seq = np.asarray(out.seq[0])
     ids = trim_at_stop(seq[n:n + n_gen], self.stop_ids, max_new_tokens)
     lengths = clip_forward_lengths(np.asarray(out.accept_lens[:forwards]).tolist(), len(ids) - 1)
@@ -243,7 +266,105 @@ class Engine:
     return Generation(ids, t1 - t0, t3 - t2, block_size, lengths, is_cycle, n, probs, features)
 
 
-def _nonfinite_message(pos: int, where: str) -> str:
-  return (f"{where} produced NaN/inf logits at position {pos}: the model overflowed or its "
-          "weights hold NaN (float16 overflows easily: try --config.dtype=bfloat16 or float32); "
-          "the request was stopped, nothing past that position was kept")
+  # -- many requests at once (continuous batching per bucket, `scheduler`) ------------------
+  def generate_batch(self, prompts: Sequence[Sequence[int]], *,
+                     max_new_tokens: int | Sequence[int], temperature: float = 0.0,
+                     seeds: Sequence[int] | int = 0,
+                     block_size: int | str | Sequence[int | str] = 1, top_k: int = 0,
+                     top_p: float = 1.0, min_p: float = 0.0,
+                     forced_continuations: Sequence[Sequence[int]] | None = None
+                     ) -> list[Generation]:
+    """Decodes many requests, up to `batch_size` at a time per block-size bucket, refilling
+    finished slots every `sync_cycles` cycles (`scheduler`). Every request's output is the one
+    `generate` gives it alone (same seed); results come back in the order of `prompts`.
+
+    `max_new_tokens`, `seeds` and `block_size` (a bucket or LEARNED) may be one value or one
+    per request (an int seed s gives request i the seed s + i); the sampling settings are
+    shared by the batch. `forced_continuations`: as in `generate`, one per request.
+    """
+    N = len(prompts)
+    per = lambda v: list(v) if isinstance(v, (list, tuple)) else [v] * N
+    max_new, sizes = per(max_new_tokens), per(block_size)
+    seed_list = list(seeds) if isinstance(seeds, (list, tuple)) else [seeds + i for i in range(N)]
+    for name, v in (("max_new_tokens", max_new), ("block_size", sizes), ("seeds", seed_list)):
+      if len(v) != N:
+        raise BadInputError(f"generate_batch: {len(v)} {name} for {N} prompts")
+    check_sampling(temperature, top_k, top_p, min_p)
+    forced = forced_continuations is not None
+    reqs = []
+    for i, ids in enumerate(prompts):
+      self._check_one(ids, max_new[i], sizes[i])
+      if forced and isinstance(sizes[i], str):
+        raise BadInputError("forced continuations need fixed block sizes")
+      reqs.append(BatchRequest(i, list(ids), int(max_new[i]), int(seed_list[i]), sizes[i],
+                               forced_continuations[i] if forced else None))
+    sp = sampling_params(temperature, top_k, top_p, min_p)
+    return Scheduler(self, reqs, sp, forced).run()
+
+  def slot_carry(self, block_size: int, forced: bool = False) -> dict:
+    """A batched carry of `batch_size` empty slots for a bucket (fresh buffers)."""
+    cache, draft_cache = self._init_caches(self.batch_size)
+    if not self.scan_layers:  # the form the loops carry (see `loops._loop_cache`)
+      cache = cache.per_layer()
+      draft_cache = None if draft_cache is None else draft_cache.per_layer()
+    if block_size == 1:
+      draft_cache = None
+    seq = jnp.zeros((self.batch_size, self.max_len), jnp.int32)
+    forced_seq = jnp.zeros_like(seq) if forced else None
+    return decode_loops.slot_carry(seq, cache, draft_cache, forced_seq)
+
+  def staging_buffers(self) -> tuple:
+    """Fresh one-sequence caches a request is prefilled into before it takes a slot (the
+    scheduler reuses them once the request is in its slot)."""
+    return self._init_caches(1)
+
+  def stage(self, req: BatchRequest, sp, buffers: tuple) -> tuple:
+    """Prefills `req` into the staging `buffers`: (PrefillOut, its block size, prefill
+    seconds, the policy's probabilities or None)."""
+    learned = isinstance(req.block_size, str)
+    toks, _ = self.encode_padded(req.prompt_ids)
+    n = len(req.prompt_ids)
+    args = (self.t_state, self.d_state, toks, jnp.int32(n), buffers[0], buffers[1],
+            jax.random.key(req.seed), sp) + ((self.p_state,) if learned else ())
+    fn = self.programs.prefill(args, self.p_graph if learned else None, self.policy_key)
+    t0 = time.perf_counter()
+    pre = fn(*args)
+    block_size = self.policy_sizes[int(pre.policy_class)] if learned else req.block_size
+    pre.first_tok.block_until_ready()
+    secs = time.perf_counter() - t0
+    if bool(pre.bad_logits):
+      self.raise_nonfinite(n, "the prefill")
+    probs = ([round(float(p), 6) for p in np.asarray(pre.policy_probs)] if learned else None)
+    return pre, block_size, secs, probs
+
+  def insert_program(self, carry: dict, row: int, req: BatchRequest, pre) -> tuple:
+    """(compiled insertion, its arguments): calling it returns `carry` (donated) with slot
+    `row` holding the prefilled request. Compiles on first use, before any clock starts."""
+    n = len(req.prompt_ids)
+    forced = (() if req.forced_continuation is None else
+              (self._forced_seq(n, req.forced_continuation)[0],))
+    draft_cache = pre.draft_cache if "draft_cache" in carry else None
+    args = (carry, jnp.int32(row), pre.cache, draft_cache, pre.first_tok, jnp.int32(n),
+            jnp.int32(req.max_new_tokens), jax.random.key(req.seed), self._stop_arr) + forced
+    return self.programs.insert(args), args
+
+  def slots_program(self, block_size: int, carry: dict, sp, forced: bool = False) -> tuple:
+    """(compiled batched loop of a bucket, its arguments with `carry` donated): one call runs
+    `sync_cycles` cycles, or until no row decodes (0). Compiles the loop and runs it once on an
+    idle copy of the carry (its first run's fixed cost) on first use, before any clock
+    starts."""
+    states = (self.t_state,) if block_size == 1 else (self.t_state, self.d_state)
+    args = states + (carry, sp, self._stop_arr)
+    fn = self.programs.batched_loop(block_size, self.batch_size, self.sync_cycles, args, forced)
+    key = self.programs.batched_loop_key(block_size, self.batch_size, self.sync_cycles, forced)
+    if key not in self.programs.warmup_seconds:
+      idle = dict(carry, max_new=jnp.zeros_like(carry["max_new"]))
+      self.programs.warm_batched(key, fn, states + (idle, sp, self._stop_arr))
+    return fn, args
+
+  @staticmethod
+  def raise_nonfinite(pos: int, where: str) -> None:
+    raise BadInputError(
+        f"{where} produced NaN/inf logits at position {pos}: the model overflowed or its "
+        "weights hold NaN (float16 overflows easily: try --config.dtype=bfloat16 or float32); "
+        "the request was stopped, nothing past that position was kept")

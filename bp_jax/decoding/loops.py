@@ -115,78 +115,188 @@ def _loop_cache(cache: KVCache | None, scan_layers: bool) -> KVCache | None:
   return cache if cache is None or scan_layers else cache.per_layer()
 
 
-def make_ar_loop(graphdef, scan_layers: bool = False) -> Callable:
-  """ar_loop(state, seq, cache, first_tok, n, max_new, sampling, seed_key, stop_ids) -> LoopOut.
+def _active(c) -> jax.Array:
+  """[B] bool: rows still decoding (not stopped, below their max_new_tokens). Empty slots have
+  max_new = 0."""
+  return (~c["done"]) & (c["n_gen"] < c["max_new"])
 
-  `sampling`: a `sampling.SamplingParams` (or a temperature scalar).
 
-  `scan_layers`: run the target's layers with `lax.scan` (faster to compile for deep models)
-  instead of unrolled with per-layer weights (faster per step; the default)."""
+def _parked(c, active: jax.Array) -> jax.Array:
+  """[B] the cache pointer a forward uses per row: the row's position, or the cache length for
+  a row that is not decoding, so that every write of that row falls past the cache and is
+  dropped (a finished row or an empty slot makes no write while the others go on)."""
+  return jnp.where(active, c["pos"], c["seq"].shape[1])
 
-  def ar_loop(state, seq_1S, cache, first_tok, n, max_new, sampling, seed_key, stop_ids):
+
+def _row_keys(seed_keys_B: jax.Array, pos_BT: jax.Array) -> jax.Array:
+  """[B, T] typed keys: each request's own seed folded with absolute positions."""
+  return jax.vmap(position_keys)(seed_keys_B, pos_BT)
+
+
+def _commit(c, out, y_Bb, a_B, is_cycle: bool, stop_ids, drafter=None, draft_layers=None,
+            fallback=None) -> dict:
+  """The carry after a target forward that commits y[r, 0..a_r] for every decoding row r (a_r
+  drafts accepted). A row that is not decoding commits nothing and writes nothing; a forward
+  with NaN/inf logits at a committed position commits nothing there and stops that row
+  (`bad`)."""
+  B, S = c["seq"].shape
+  active = _active(c)
+  pos = c["pos"]
+  offs = jnp.arange(y_Bb.shape[1], dtype=jnp.int32)
+  # NaN/inf logits at a position a committed token is sampled from (positions past the
+  # accepted prefix are discarded, whatever they hold).
+  finite_Bb = jnp.all(jnp.isfinite(out.logits), axis=-1)
+  bad = active & jnp.any(~finite_Bb & (offs[None] <= a_B[:, None]), axis=-1)
+  a_B = jnp.where(bad | ~active, -1, a_B)
+  kept = a_B >= 0
+  new_pos = pos + a_B + 1
+  rows = jnp.arange(B)
+  write_at = jnp.where(active[:, None], pos[:, None] + 1 + offs[None], S)
+  seq = c["seq"].at[rows[:, None], write_at].set(y_Bb, mode="drop")
+  stop_hit = jnp.any(_is_stop(y_Bb, stop_ids) & (offs[None] <= a_B[:, None]), axis=-1)
+  fwd_at = jnp.where(active, c["forwards"], S)
+  new = dict(c, seq=seq, cache=out.cache.with_lengths(new_pos), pos=new_pos,
+             tok=jnp.where(kept, y_Bb[rows, jnp.maximum(a_B, 0)], c["tok"]),
+             n_gen=c["n_gen"] + a_B + 1, done=c["done"] | (active & (stop_hit | bad)),
+             bad=c["bad"] | bad,
+             accept=c["accept"].at[rows, fwd_at].set(a_B + 1, mode="drop"),
+             is_cycle=c["is_cycle"].at[rows, fwd_at].set(is_cycle, mode="drop"),
+             forwards=c["forwards"] + kept.astype(jnp.int32))
+  if drafter is not None:
+    draft_cache = drafter.add_context(out.layer_hiddens,
+                                      c["draft_cache"].with_lengths(_parked(c, active)),
+                                      draft_layers)
+    new["draft_cache"] = draft_cache.with_lengths(new_pos)
+  if fallback is not None:
+    new.update({k: jnp.where(active, v, c[k]) for k, v in fallback(c, a_B).items()})
+  return new
+
+
+def _run(cond_rows: Callable, body: Callable, c: dict, sync_cycles: int) -> dict:
+  """Runs `body` while some row decodes (`cond_rows`), at most `sync_cycles` times when > 0
+  (then the host gets the carry back to refill finished slots), in one `while_loop`."""
+  if sync_cycles <= 0:
+    return jax.lax.while_loop(cond_rows, body, c)
+
+  def cond(ic):
+    return (ic[0] < sync_cycles) & cond_rows(ic[1])
+
+  return jax.lax.while_loop(cond, lambda ic: (ic[0] + 1, body(ic[1])), (jnp.int32(0), c))[1]
+
+
+def slot_carry(seq_BS: jax.Array, cache: KVCache, draft_cache: KVCache | None,
+               forced_BS: jax.Array | None = None) -> dict:
+  """The carry of a batched loop with every slot empty (max_new = 0): per-row position, token,
+  counts, acceptance lengths and seed keys beside the shared buffers."""
+  B, S = seq_BS.shape
+  zeros = lambda: jnp.zeros((B,), jnp.int32)  # one buffer per field: the carry is donated
+  c = dict(seq=seq_BS, cache=cache, pos=zeros(), tok=zeros(), n_gen=zeros() + 1,
+           max_new=zeros(), done=jnp.zeros((B,), jnp.bool_), bad=jnp.zeros((B,), jnp.bool_),
+           accept=jnp.zeros((B, S), jnp.int32), is_cycle=jnp.zeros((B, S), jnp.bool_),
+           forwards=zeros(), misses=zeros(), wait=zeros(),
+           seed_keys=jax.random.split(jax.random.key(0), B))
+  if draft_cache is not None:
+    c["draft_cache"] = draft_cache
+  if forced_BS is not None:
+    c["forced"] = forced_BS
+  return c
+
+
+def start_row(c: dict, row, first_tok, n, max_new, seed_key, stop_ids,
+              forced_S: jax.Array | None = None) -> dict:
+  """`c` with slot `row` starting a request whose prompt (n tokens) and first generated token
+  are in place: the caches' rows are the caller's to fill (`KVCache.put_rows`)."""
+  S = c["seq"].shape[1]
+  new = dict(c, seq=c["seq"].at[row, n].set(first_tok, mode="drop"),
+             pos=c["pos"].at[row].set(n), tok=c["tok"].at[row].set(first_tok),
+             n_gen=c["n_gen"].at[row].set(1), max_new=c["max_new"].at[row].set(max_new),
+             done=c["done"].at[row].set(_is_stop(first_tok, stop_ids)),
+             bad=c["bad"].at[row].set(False),
+             accept=c["accept"].at[row].set(jnp.zeros((S,), jnp.int32)),
+             is_cycle=c["is_cycle"].at[row].set(jnp.zeros((S,), jnp.bool_)),
+             forwards=c["forwards"].at[row].set(0), misses=c["misses"].at[row].set(0),
+             wait=c["wait"].at[row].set(0), seed_keys=c["seed_keys"].at[row].set(seed_key))
+  if forced_S is not None:
+    new["forced"] = c["forced"].at[row].set(forced_S)
+  return new
+
+
+def make_insert() -> Callable:
+  """insert(carry, row, cache, draft_cache, first_tok, n, max_new, seed_key, stop_ids
+  [, forced_S]) -> carry: a request prefilled into one-sequence caches (`make_prefill`) takes
+  slot `row` of a batched carry (compiled once per carry shape; the carry is donated)."""
+
+  def insert(c, row, cache, draft_cache, first_tok, n, max_new, seed_key, stop_ids, *forced):
+    c = start_row(c, row, first_tok, n, max_new, seed_key, stop_ids, *forced)
+    c["cache"] = c["cache"].put_rows(cache, row)
+    if draft_cache is not None:
+      c["draft_cache"] = c["draft_cache"].put_rows(draft_cache, row)
+    return c
+
+  return insert
+
+
+def make_batched_ar_loop(graphdef, scan_layers: bool = False, sync_cycles: int = 0) -> Callable:
+  """ar_loop(state, carry, sampling, stop_ids) -> carry: plain AR decoding of every row of a
+  `slot_carry` (rows at their own positions), until no row decodes or, with `sync_cycles` > 0
+  (static), after that many steps.
+
+  `sampling`: a `sampling.SamplingParams` (or a temperature scalar) shared by the batch; each
+  row draws with its own seed key at its own positions, so a row's tokens are those it gets
+  decoded alone. `scan_layers`: run the target's layers with `lax.scan` (faster to compile for
+  deep models) instead of unrolled with per-layer weights (faster per step; the default)."""
+
+  def ar_loop(state, c, sampling, stop_ids):
     sp = as_sampling(sampling)
     model = nnx.merge(graphdef, state)
     layers = _layers_of(model, scan_layers)
-    S = seq_1S.shape[1]
-    seq_1S = seq_1S.at[0, n].set(first_tok, mode="drop")
-    accept0 = jnp.zeros((S,), jnp.int32)
-
-    def cond(c):
-      _, _, _, n_gen, done, _, _, _ = c
-      return (~done) & (n_gen < max_new)
 
     def body(c):
-      seq, cache, pos, n_gen, done, tok, steps, bad = c
-      out = model(tok[None, None], cache.with_lengths(pos[None]), layers=layers)
-      bad = _nonfinite(out.logits)
-      miss = bad.astype(jnp.int32)
-      nxt = sample(out.logits[:, 0], sp, position_keys(seed_key, (pos + 1)[None]))[0]
-      # A step with NaN/inf logits commits nothing (n_gen does not count its write): the loop
-      # ends and the engine raises.
-      seq = seq.at[0, pos + 1].set(nxt, mode="drop")
-      return (seq, out.cache, pos + 1, n_gen + 1 - miss, _is_stop(nxt, stop_ids) | bad, nxt,
-              steps + 1 - miss, bad)
+      out = model(c["tok"][:, None], c["cache"].with_lengths(_parked(c, _active(c))),
+                  layers=layers)
+      y_B1 = sample(out.logits[:, 0], sp, _row_keys(c["seed_keys"], (c["pos"] + 1)[:, None])[:, 0]
+                    )[:, None]
+      # Plain AR decoding is speculative decoding with block size 1: each step is a cycle that
+      # drafts nothing and commits one token (τ = 1).
+      return _commit(c, out, y_B1, jnp.zeros_like(c["pos"]), True, stop_ids)
 
-    init = (seq_1S, _loop_cache(cache, scan_layers), n, jnp.int32(1),
-            _is_stop(first_tok, stop_ids), first_tok, jnp.int32(0), jnp.bool_(False))
-    seq, cache, pos, n_gen, _, _, steps, bad = jax.lax.while_loop(cond, body, init)
-    # Plain AR decoding is speculative decoding with block size 1: each step is a cycle that
-    # drafts nothing and commits one token (τ = 1).
-    accept = jnp.where(jnp.arange(S) < steps, 1, accept0)
-    return LoopOut(seq, n_gen, accept, accept > 0, steps, bad,
-                   cache.stacked().with_lengths(pos[None]), None)
+    c = dict(c, cache=_loop_cache(c["cache"], scan_layers))
+    return _run(lambda c: jnp.any(_active(c)), body, c, sync_cycles)
 
   return ar_loop
 
 
-def make_spec_loop(graphdef, draft_graphdef, block_size: int, scan_layers: bool = False,
-                   ar_fallback: int = 0, ar_fallback_accept: int = 1,
-                   forced_drafts: bool = False, verify: str = "exact") -> Callable:
-  """spec_loop(state, draft_state, seq, cache, draft_cache, first_tok, n, max_new, sampling,
-  seed_key, stop_ids[, forced_seq]) -> LoopOut.
+def make_batched_spec_loop(graphdef, draft_graphdef, block_size: int, scan_layers: bool = False,
+                           ar_fallback: int = 0, ar_fallback_accept: int = 1,
+                           forced_drafts: bool = False, verify: str = "exact",
+                           sync_cycles: int = 0) -> Callable:
+  """spec_loop(state, draft_state, carry, sampling, stop_ids) -> carry: speculative decoding of
+  every row of a `slot_carry`, each at its own position, until no row decodes or, with
+  `sync_cycles` > 0 (static), after that many cycles.
 
-  One cycle: the drafter proposes b-1 tokens after `tok` in one pass, the target verifies the b
-  tokens [tok, d_1..d_{b-1}] in one forward, the `verify` rule (`verify.VERIFY_MODES`, static)
-  decides y_0..y_a (a drafts accepted; `exact`: the drafter's argmax, kept while it equals the
-  target's own sample at its position; `rejection`: drafts drawn from the drafter's
-  distribution, speculative rejection sampling at T > 0), commits them, and both caches roll
-  back by pointer to p + a + 1. The target features of block positions 0..a become drafter
-  context. `sampling`: a `sampling.SamplingParams` (or a temperature scalar).
+  One cycle: the drafter proposes b-1 tokens after each row's `tok` in one pass, the target
+  verifies the rows' b tokens [tok, d_1..d_{b-1}] in one forward, the `verify` rule
+  (`verify.VERIFY_MODES`, static; applied per row with the row's seed key) decides y_0..y_a
+  (a drafts accepted; `exact`: the drafter's argmax, kept while it equals the target's own
+  sample at its position; `rejection`: drafts drawn from the drafter's distribution,
+  speculative rejection sampling at T > 0), commits them, and both caches roll back by pointer
+  to p + a + 1, row by row. The target features of block positions 0..a become drafter context.
+  `sampling`: a `sampling.SamplingParams` (or a temperature scalar) shared by the batch.
 
   `ar_fallback` > 0 (a static bucket parameter): after a cycle that accepts at most
-  `ar_fallback_accept` drafts, the loop runs plain AR steps instead of cycles, 2, 4, 8, ... in
-  a row for consecutive poor cycles (at most `ar_fallback`), then drafts again. An AR step is
-  one target forward over `tok` whose chosen-layer features still become drafter context, so
-  the next cycle drafts from the full context. Every token is still the target's own sample at
-  its position (same keys), so the output is unchanged; only the time differs: on hardware
-  where a cycle costs several AR steps, stretches the drafter cannot predict cost less.
-  `LoopOut.is_cycle` tells cycles from AR steps (τ counts cycles only).
+  `ar_fallback_accept` drafts, a row asks for plain AR steps instead of cycles, 2, 4, 8, ... in
+  a row for consecutive poor cycles (at most `ar_fallback`), then drafts again. The batch takes
+  AR steps while every decoding row asks for them (a row alone: exactly its own schedule). An
+  AR step is one target forward over `tok` whose chosen-layer features still become drafter
+  context, so the next cycle drafts from the full context. Every token is still the target's
+  own sample at its position (same keys), so the output is unchanged; only the time differs.
+  `carry["is_cycle"]` tells cycles from AR steps (τ counts cycles only).
 
-  `forced_drafts` (static; tests and benchmarks): the loop takes one more argument,
-  `forced_seq` [1, S], and drafts the tokens stored there at their positions instead of the
-  drafter's argmax: a perfect drafter that still pays the drafter's full compute. It is a
-  separately compiled variant, so production loops carry no trace of it.
-  `scan_layers`: as in `make_ar_loop`, for the target and the drafter.
+  `forced_drafts` (static; tests and benchmarks): the carry has `forced` [B, S], and each row
+  drafts the tokens stored there at its positions instead of the drafter's argmax: a perfect
+  drafter that still pays the drafter's full compute. It is a separately compiled variant, so
+  production loops carry no trace of it.
+  `scan_layers`: as in `make_batched_ar_loop`, for the target and the drafter.
   """
   b = block_size
   if ar_fallback < 0 or ar_fallback_accept < 0:
@@ -195,89 +305,115 @@ def make_spec_loop(graphdef, draft_graphdef, block_size: int, scan_layers: bool 
   if forced_drafts and verify != "exact":
     raise ValueError("forced drafts are not draws from the drafter: only verify='exact'")
 
-  def spec_loop(state, draft_state, seq_1S, cache, draft_cache, first_tok, n, max_new,
-                sampling, seed_key, stop_ids, *forced):
+  def spec_loop(state, draft_state, c, sampling, stop_ids):
     sp = as_sampling(sampling)
     model = nnx.merge(graphdef, state)
     drafter = nnx.merge(draft_graphdef, draft_state)
     layers, draft_layers = _layers_of(model, scan_layers), _layers_of(drafter, scan_layers)
     mask_id = drafter.cfg.mask_token_id
     layer_ids = drafter.cfg.target_layer_ids
-    S = seq_1S.shape[1]
-    seq_1S = seq_1S.at[0, n].set(first_tok, mode="drop")
 
-    def cond(c):
-      return (~c["done"]) & (c["n_gen"] < max_new)
-
-    def commit(c, out, y, a, is_cycle, fallback):
-      """The carry after a target forward at `pos` that commits y[0..a] (a drafts accepted); a
-      forward with NaN/inf logits commits nothing and ends the loop (`bad_logits`)."""
-      pos = c["pos"]
-      # NaN/inf logits at a position a committed token is sampled from (positions past the
-      # accepted prefix are discarded, whatever they hold).
-      offs = jnp.arange(y.shape[0], dtype=jnp.int32)
-      bad = jnp.any(~jnp.all(jnp.isfinite(out.logits[0]), axis=-1) & (offs <= a))
-      a = jnp.where(bad, -1, a)
-      new_pos = pos + a + 1
-      seq = c["seq"].at[0, pos + 1 + offs].set(y, mode="drop")
-      stop_hit = jnp.any(_is_stop(y, stop_ids) & (offs <= a)) | bad
-      draft_cache = drafter.add_context(out.layer_hiddens, c["draft_cache"], draft_layers)
-      kept = jnp.where(bad, 0, 1)
-      return dict(seq=seq, cache=out.cache.with_lengths(new_pos[None]),
-                  draft_cache=draft_cache.with_lengths(new_pos[None]), pos=new_pos,
-                  tok=jnp.where(bad, c["tok"], y[jnp.maximum(a, 0)]), n_gen=c["n_gen"] + a + 1,
-                  done=stop_hit, bad=bad,
-                  accept=c["accept"].at[c["forwards"]].set(a + 1, mode="drop"),
-                  is_cycle=c["is_cycle"].at[c["forwards"]].set(is_cycle, mode="drop"),
-                  forwards=c["forwards"] + kept, **fallback)
-
-    def draft_tokens(c):
-      """(the b-1 drafts after `tok`, the drafter's logits [b-1, V]): one drafter pass over
-      [tok, MASK, ..., MASK]."""
-      block_1b = jnp.full((1, b), mask_id, jnp.int32).at[0, 0].set(c["tok"])
-      h_1bD = drafter.draft(model.embed_tokens(block_1b), c["draft_cache"], draft_layers)
-      logits_kV = model.project_to_vocab(h_1bD[:, 1:])[0]
-      drafted = verify_rules.propose(logits_kV, verify, sp, seed_key, c["pos"])
+    def draft_tokens(c, parked):
+      """(each row's b-1 drafts after `tok` [B, b-1], the drafter's logits [B, b-1, V]): one
+      drafter pass over [tok, MASK, ..., MASK]."""
+      B = parked.shape[0]
+      block_Bb = jnp.full((B, b), mask_id, jnp.int32).at[:, 0].set(c["tok"])
+      h_BbD = drafter.draft(model.embed_tokens(block_Bb), c["draft_cache"].with_lengths(parked),
+                            draft_layers)
+      logits_BkV = model.project_to_vocab(h_BbD[:, 1:])
+      drafted = jax.vmap(lambda lg, key, p: verify_rules.propose(lg, verify, sp, key, p))(
+          logits_BkV, c["seed_keys"], c["pos"])
       if forced_drafts:
-        drafted = jax.lax.dynamic_slice_in_dim(forced[0][0], c["pos"] + 1, b - 1)
-      return drafted.astype(jnp.int32), logits_kV
+        drafted = jax.vmap(lambda f, p: jax.lax.dynamic_slice_in_dim(f, p + 1, b - 1))(
+            c["forced"], c["pos"])
+      return drafted.astype(jnp.int32), logits_BkV
 
-    def spec_cycle(c):
-      pos, tok = c["pos"], c["tok"]
-      draft, draft_logits_kV = draft_tokens(c)
-      # Verify the whole block in one target forward.
-      verify_1b = jnp.concatenate([tok[None], draft])[None]
-      out = model(verify_1b, c["cache"].with_lengths(pos[None]), layer_ids, layers=layers)
-      y, a = verify_rules.verify(out.logits[0], draft_logits_kV, draft, verify, sp, seed_key,
-                                 pos)
-      poor = a <= ar_fallback_accept
+    def fallback_after(c, a_B):
+      """Each row's poor-cycle count and the AR steps it asks for after this cycle."""
+      poor = a_B <= ar_fallback_accept
       misses = jnp.where(poor, c["misses"] + 1, 0)
       wait = jnp.where(poor, jnp.minimum(2 ** jnp.minimum(misses, 30), ar_fallback), 0)
-      return commit(c, out, y, a, True, dict(misses=misses, wait=wait.astype(jnp.int32)))
+      return dict(misses=misses, wait=wait.astype(jnp.int32))
+
+    def spec_cycle(c):
+      parked = _parked(c, _active(c))
+      draft_Bk, draft_logits_BkV = draft_tokens(c, parked)
+      # Verify each row's whole block in one target forward.
+      verify_Bb = jnp.concatenate([c["tok"][:, None], draft_Bk], axis=1)
+      out = model(verify_Bb, c["cache"].with_lengths(parked), layer_ids, layers=layers)
+      y_Bb, a_B = jax.vmap(
+          lambda tl, dl, d, key, p: verify_rules.verify(tl, dl, d, verify, sp, key, p))(
+              out.logits, draft_logits_BkV, draft_Bk, c["seed_keys"], c["pos"])
+      return _commit(c, out, y_Bb, a_B, True, stop_ids, drafter, draft_layers,
+                     fallback_after if ar_fallback else None)
 
     def ar_step(c):
-      pos = c["pos"]
-      out = model(c["tok"][None, None], c["cache"].with_lengths(pos[None]), layer_ids,
-                  layers=layers)
-      y = sample(out.logits[0], sp, position_keys(seed_key, (pos + 1)[None]))
-      return commit(c, out, y, jnp.int32(0), False,
-                    dict(misses=c["misses"], wait=c["wait"] - 1))
+      out = model(c["tok"][:, None], c["cache"].with_lengths(_parked(c, _active(c))),
+                  layer_ids, layers=layers)
+      y_B1 = sample(out.logits[:, 0], sp, _row_keys(c["seed_keys"], (c["pos"] + 1)[:, None])[:, 0]
+                    )[:, None]
+      return _commit(c, out, y_B1, jnp.zeros_like(c["pos"]), False, stop_ids, drafter,
+                     draft_layers, lambda c, a: dict(wait=c["wait"] - 1))
+
+    def wants_ar(c):
+      active = _active(c)
+      return jnp.any(active) & jnp.all(~active | (c["wait"] > 0))
 
     def body(c):
       c = spec_cycle(c)
       if ar_fallback == 0:
         return c
-      # The AR steps a poor cycle asked for, as a nested loop (zero trips otherwise): a
-      # `lax.cond` between a cycle and a step would copy every cache buffer at every step.
-      return jax.lax.while_loop(lambda c: (c["wait"] > 0) & cond(c), ar_step, c)
+      # The AR steps the rows' poor cycles asked for, as a nested loop (zero trips otherwise):
+      # a `lax.cond` between a cycle and a step would copy every cache buffer at every step.
+      return jax.lax.while_loop(wants_ar, ar_step, c)
 
-    init = dict(seq=seq_1S, cache=_loop_cache(cache, scan_layers),
-                draft_cache=_loop_cache(draft_cache, scan_layers), pos=n, tok=first_tok,
-                n_gen=jnp.int32(1), done=_is_stop(first_tok, stop_ids), bad=jnp.bool_(False),
-                accept=jnp.zeros((S,), jnp.int32), is_cycle=jnp.zeros((S,), jnp.bool_),
-                forwards=jnp.int32(0), misses=jnp.int32(0), wait=jnp.int32(0))
-    c = jax.lax.while_loop(cond, body, init)
-    return LoopOut(c["seq"], c["n_gen"], c["accept"], c["is_cycle"], c["forwards"], c["bad"],
-                   c["cache"].stacked(), c["draft_cache"].stacked())
+    c = dict(c, cache=_loop_cache(c["cache"], scan_layers),
+             draft_cache=_loop_cache(c["draft_cache"], scan_layers))
+    return _run(lambda c: jnp.any(_active(c)), body, c, sync_cycles)
+
+  return spec_loop
+
+
+def _single(c: dict) -> LoopOut:
+  """The LoopOut of a one-row carry (stacked caches, as callers outside the loops expect)."""
+  return LoopOut(c["seq"], c["n_gen"][0], c["accept"][0], c["is_cycle"][0], c["forwards"][0],
+                 c["bad"][0], c["cache"].stacked(),
+                 c["draft_cache"].stacked() if "draft_cache" in c else None)
+
+
+def _one_row(seq_1S, cache, draft_cache, first_tok, n, max_new, seed_key, stop_ids,
+             forced_1S=None) -> dict:
+  c = slot_carry(seq_1S, cache, draft_cache, forced_1S)
+  return start_row(c, 0, first_tok, n, max_new, seed_key, stop_ids,
+                   None if forced_1S is None else forced_1S[0])
+
+
+def make_ar_loop(graphdef, scan_layers: bool = False) -> Callable:
+  """ar_loop(state, seq, cache, first_tok, n, max_new, sampling, seed_key, stop_ids) -> LoopOut:
+  one request, `make_batched_ar_loop` on a one-row carry. `sampling`: a
+  `sampling.SamplingParams` (or a temperature scalar)."""
+  batched = make_batched_ar_loop(graphdef, scan_layers)
+
+  def ar_loop(state, seq_1S, cache, first_tok, n, max_new, sampling, seed_key, stop_ids):
+    c = _one_row(seq_1S, cache, None, first_tok, n, max_new, seed_key, stop_ids)
+    return _single(batched(state, c, sampling, stop_ids))
+
+  return ar_loop
+
+
+def make_spec_loop(graphdef, draft_graphdef, block_size: int, scan_layers: bool = False,
+                   ar_fallback: int = 0, ar_fallback_accept: int = 1,
+                   forced_drafts: bool = False, verify: str = "exact") -> Callable:
+  """spec_loop(state, draft_state, seq, cache, draft_cache, first_tok, n, max_new, sampling,
+  seed_key, stop_ids[, forced_seq]) -> LoopOut: one request, `make_batched_spec_loop` (see it
+  for the cycle, the fallback and forced drafts) on a one-row carry; `forced_seq` [1, S]."""
+  batched = make_batched_spec_loop(graphdef, draft_graphdef, block_size, scan_layers,
+                                   ar_fallback, ar_fallback_accept, forced_drafts, verify)
+
+  def spec_loop(state, draft_state, seq_1S, cache, draft_cache, first_tok, n, max_new,
+                sampling, seed_key, stop_ids, *forced):
+    c = _one_row(seq_1S, cache, draft_cache, first_tok, n, max_new, seed_key, stop_ids,
+                 forced[0] if forced else None)
+    return _single(batched(state, draft_state, c, sampling, stop_ids))
 
   return spec_loop

@@ -57,6 +57,43 @@ class LoopPrograms:
                                         verify="exact" if forced else self.verify)
     return self.cache.get(key, make, args, donate_argnums=(2, 3, 4))
 
+  def batched_loop(self, block_size: int, batch: int, sync_cycles: int, args: tuple,
+                   forced: bool = False):
+    """The compiled batched loop (`loops.make_batched_*_loop`) of a block size for a carry of
+    `batch` rows, returning to the host every `sync_cycles` cycles (0: when no row decodes);
+    compiled once per (block size, batch, sync_cycles)."""
+    key = self.batched_loop_key(block_size, batch, sync_cycles, forced)
+    if block_size == 1:
+      return self.cache.get(
+          key, lambda: loops.make_batched_ar_loop(self.t_graph, self.scan_layers, sync_cycles),
+          args, donate_argnums=(1,))
+    make = lambda: loops.make_batched_spec_loop(
+        self.t_graph, self.d_graph, block_size, self.scan_layers, self.ar_fallback,
+        self.ar_fallback_accept, forced_drafts=forced, verify="exact" if forced else self.verify,
+        sync_cycles=sync_cycles)
+    return self.cache.get(key, make, args, donate_argnums=(2,))
+
+  def batched_loop_key(self, block_size: int, batch: int, sync_cycles: int,
+                       forced: bool = False) -> tuple:
+    name = "batch_ar_loop" if block_size == 1 else (
+        "batch_spec_loop_forced" if forced else "batch_spec_loop")
+    return (name, block_size, batch, sync_cycles)
+
+  def insert(self, args: tuple):
+    """The compiled slot insertion (`loops.make_insert`) for a carry's shapes."""
+    c = args[0]
+    key = ("insert", c["seq"].shape[0], "draft_cache" in c, "forced" in c)
+    return self.cache.get(key, loops.make_insert, args, donate_argnums=(0,))
+
+  def warm_batched(self, key: tuple, fn, args: tuple) -> None:
+    """Runs a batched loop once, untimed, on a copy of an idle carry (no row decodes: the first
+    run's fixed cost, not a decode), the first time the loop is used."""
+    if key in self.warmup_seconds:
+      return
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*jax.tree.map(jnp.copy, args)))
+    self.warmup_seconds[key] = time.perf_counter() - t0
+
   def warm(self, block_size: int, args: tuple, forced: bool = False) -> None:
     """Runs a loop once, untimed, on copies of `args` (its buffers are donated; the caller caps
     max_new at WARMUP_TOKENS), the first time the loop is used; compiles it first, outside the

@@ -36,6 +36,15 @@ def check_sampling(temperature: float, top_k: int = 0, top_p: float = 1.0,
     raise BadInputError(f"--config.min_p={min_p} must be in [0, 1) (0 = off)")
 
 
+def check_batching(batch_size: int, sync_cycles: int) -> None:
+  """--config.batch_size >= 1 slots per bucket; --config.sync_cycles >= 0 (0 = static)."""
+  if isinstance(batch_size, bool) or int(batch_size) != batch_size or batch_size < 1:
+    raise BadInputError(f"--config.batch_size={batch_size} must be an integer >= 1")
+  if isinstance(sync_cycles, bool) or int(sync_cycles) != sync_cycles or sync_cycles < 0:
+    raise BadInputError(f"--config.sync_cycles={sync_cycles} must be an integer >= 0 "
+                        "(0 = a batch runs until all its rows finish)")
+
+
 @dataclasses.dataclass(frozen=True)
 class RequestChecks:
   """What an engine can serve: its cache length, vocabulary, buckets and whether it drafts."""

@@ -71,6 +71,25 @@ class KVCache:
     v = c.v.reshape(L, B, Z // B, H, S).transpose(0, 1, 4, 2, 3)
     return k, v
 
+  def put_rows(self, src: "KVCache", row: jax.Array) -> "KVCache":
+    """This cache with sequence `row` replaced by the one-sequence cache `src` (entries and
+    pointer): how a prefilled request enters a batch slot. A slot-sized copy, in place when the
+    caller donates this cache; either cache form."""
+    rows = src.k[0].shape[0]  # Z of a one-sequence cache = its kv heads
+    start = row * rows
+    src_k, src_v = (src.k, src.v) if src.is_per_layer == self.is_per_layer else (
+        (src.per_layer().k, src.per_layer().v) if self.is_per_layer else
+        (src.stacked().k, src.stacked().v))
+    axis = 0 if self.is_per_layer else 1
+    put = lambda dst, new: jax.lax.dynamic_update_slice_in_dim(dst, new.astype(dst.dtype),
+                                                               start, axis)
+    if self.is_per_layer:
+      k = tuple(put(d, n) for d, n in zip(self.k, src_k))
+      v = tuple(put(d, n) for d, n in zip(self.v, src_v))
+    else:
+      k, v = put(self.k, src_k), put(self.v, src_v)
+    return self.replace(k=k, v=v, lengths=self.lengths.at[row].set(src.lengths[0]))
+
   def with_lengths(self, lengths: jax.Array) -> "KVCache":
     return self.replace(lengths=jnp.asarray(lengths, jnp.int32))
 

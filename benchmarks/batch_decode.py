@@ -1,0 +1,163 @@
+"""Batched decoding on the demo: tokens/s and memory for batch sizes B x (AR, speculative b,
+learned block size), on the held-out HumanEval prompts (the BlockPilot evaluation half).
+
+  python benchmarks/batch_decode.py                       # B = 1, 4, 16; 32 prompts
+  python benchmarks/batch_decode.py --batch_sizes 1,8 --methods ar --num_prompts 16
+
+In one process, on the same prompts and weights (T = 0): every (B, method) decodes all prompts
+`--repeats` times, the (B, method) pairs in a shuffled order per repeat, and the repeat with the
+least wall time is kept. B = 1 is the one-request path decode.py takes at --config.batch_size=1
+(`Engine.generate` per prompt); B > 1 is `Engine.generate_batch` (continuous batching,
+--sync_cycles). Figures, one meaning each:
+  tokens/s         all new tokens / wall time of the pass (prefills included)
+  decode tokens/s  all new tokens / time in decode loops (prefills, insertions excluded)
+  tau              mean over prompts of committed tokens per speculative cycle
+  slot MB          the KV-cache (and drafter context cache) memory of the B slots of one bucket,
+                   and per request: what batching costs in memory on any device
+  peak RSS MB      the process's peak resident memory after the pass (monotone: an upper bound)
+Every output must equal the B = 1 output of its method (checked). Writes <out>/batch_decode.json,
+<out>/batch_decode.md and <out>/batch_decode.png.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import jax  # noqa: E402
+from absl import app, flags  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from bp_jax.decoding.engine import LEARNED, Engine  # noqa: E402
+from bp_jax.eval.plots import line_plot  # noqa: E402
+from bp_jax.eval.resources import peak_rss_mb  # noqa: E402
+from bp_jax.policy.mlp import load_policy  # noqa: E402
+from bp_jax.text.tokenizer import encode_prompt, load_tokenizer, stop_token_ids  # noqa: E402
+from bp_jax.weights.loading import load_drafter, load_target  # noqa: E402
+
+flags.DEFINE_string("target", "demo/target", "Target checkpoint folder.")
+flags.DEFINE_string("drafter", "demo/drafter", "DFlash drafter folder.")
+flags.DEFINE_string("policy", "demo/policy", "Block-size policy folder (method 'learned').")
+flags.DEFINE_string("batch_sizes", "1,4,16", "Comma-separated batch sizes B.")
+flags.DEFINE_string("methods", "ar,spec,learned", "Methods: ar, spec (fixed --block_size), "
+                    "learned (the policy's size per request).")
+flags.DEFINE_integer("block_size", 8, "Block size of method 'spec'.")
+flags.DEFINE_integer("sync_cycles", 16, "Cycles between the host's slot refills (B > 1).")
+flags.DEFINE_integer("num_prompts", 32, "Held-out prompts decoded (0 = all 82).")
+flags.DEFINE_integer("max_new_tokens", 128, "New tokens per prompt.")
+flags.DEFINE_integer("max_len", 640, "KV cache slots per request.")
+flags.DEFINE_integer("repeats", 2, "Timed passes per (B, method); the fastest is kept.")
+flags.DEFINE_string("out", "out/batch_decode", "Output folder (JSON, Markdown, PNG).")
+FLAGS = flags.FLAGS
+
+
+def _heldout_prompts(tok, limit: int) -> list[list[int]]:
+  """The BlockPilot evaluation half of HumanEval (configs/demo.py's split), encoded."""
+  from configs import demo
+  from bp_jax.train.labels import prompt_sets
+  _, evals = prompt_sets(demo.get_config(), tok)
+  evals = evals[:limit] if limit > 0 else evals
+  return [encode_prompt(tok, p.text, False) for p in evals]
+
+
+def _slot_mb(engine: Engine, block_size: int) -> float:
+  carry = jax.eval_shape(lambda: engine.slot_carry(block_size))
+  caches = [carry["cache"]] + ([carry["draft_cache"]] if "draft_cache" in carry else [])
+  return sum(x.size * x.dtype.itemsize for c in caches for x in jax.tree.leaves(c)) / 2**20
+
+
+def _pass(engine: Engine, prompts, block_size) -> tuple[list, float]:
+  t0 = time.perf_counter()
+  if engine.batch_size == 1:
+    gens = [engine.generate(p, max_new_tokens=FLAGS.max_new_tokens, block_size=block_size)
+            for p in prompts]
+  else:
+    gens = engine.generate_batch(prompts, max_new_tokens=FLAGS.max_new_tokens,
+                                 block_size=block_size, seeds=0)
+  return gens, time.perf_counter() - t0
+
+
+def main(_):
+  target = load_target(FLAGS.target, "float32")
+  drafter = load_drafter(FLAGS.drafter, target.cfg, "float32")
+  tok = load_tokenizer(FLAGS.target)
+  prompts = _heldout_prompts(tok, FLAGS.num_prompts)
+  methods = [m for m in FLAGS.methods.split(",") if m]
+  sizes = [int(b) for b in FLAGS.batch_sizes.split(",") if b]
+  policy = sizes_of_policy = None
+  if "learned" in methods:
+    policy, info = load_policy(FLAGS.policy)
+    sizes_of_policy = tuple(info.block_sizes)
+  buckets = tuple(sorted({1, FLAGS.block_size} | set(sizes_of_policy or ())))
+  engines = {B: Engine(target, max_len=FLAGS.max_len, stop_ids=stop_token_ids(tok),
+                       drafter=drafter, block_sizes=buckets, batch_size=B,
+                       sync_cycles=FLAGS.sync_cycles, policy=policy,
+                       policy_sizes=sizes_of_policy or ()) for B in sizes}
+  size_of = {"ar": 1, "spec": FLAGS.block_size, "learned": LEARNED}
+  # Compile and warm every (B, method) on two prompts (untimed).
+  for B, eng in tqdm(engines.items(), desc="compiling"):
+    for m in methods:
+      _pass_two = (prompts[:2] if B == 1 else prompts[:B])
+      if B == 1:
+        for p in _pass_two:
+          eng.generate(p, max_new_tokens=8, block_size=size_of[m])
+      else:
+        eng.generate_batch(_pass_two, max_new_tokens=8, block_size=size_of[m])
+  runs = {(B, m): [] for B in sizes for m in methods}
+  order = list(runs)
+  for r in tqdm(range(FLAGS.repeats), desc="timed passes"):
+    random.Random(r).shuffle(order)
+    for B, m in order:
+      gens, wall = _pass(engines[B], prompts, size_of[m])
+      runs[(B, m)].append((wall, gens, peak_rss_mb()))
+  rows = []
+  for (B, m), reps in runs.items():
+    wall, gens, rss = min(reps, key=lambda x: x[0])
+    ref = min(runs[(sizes[0], m)], key=lambda x: x[0])[1]
+    new = sum(g.new_tokens for g in gens)
+    taus = [g.tau for g in gens if g.tau is not None]
+    used = sorted({g.block_size for g in gens})
+    rows.append({
+        "batch_size": B, "method": m, "prompts": len(gens), "new_tokens": new,
+        "tokens_per_s": round(new / wall, 1),
+        "decode_tokens_per_s": round(new / sum(g.decode_s for g in gens), 1),
+        "tau": round(sum(taus) / len(taus), 3) if taus else None,
+        "identical_to_first_batch_size": sum(g.output_ids == h.output_ids
+                                             for g, h in zip(gens, ref)),
+        "slot_mb": round(sum(_slot_mb(engines[B], b) for b in used), 2),
+        "slot_mb_per_request": round(sum(_slot_mb(engines[B], b) for b in used) / B, 3),
+        "peak_rss_mb": rss, "wall_s": round(wall, 3)})
+  for row in rows:
+    base = next(r for r in rows if r["method"] == row["method"] and r["batch_size"] == sizes[0])
+    row["tokens_per_s_vs_first_batch_size"] = round(row["tokens_per_s"] / base["tokens_per_s"], 3)
+    row["decode_tokens_per_s_vs_first_batch_size"] = round(
+        row["decode_tokens_per_s"] / base["decode_tokens_per_s"], 3)
+  os.makedirs(FLAGS.out, exist_ok=True)
+  meta = {"device": jax.devices()[0].device_kind, "cpu_count": os.cpu_count(),
+          "block_size": FLAGS.block_size, "sync_cycles": FLAGS.sync_cycles,
+          "max_new_tokens": FLAGS.max_new_tokens, "repeats": FLAGS.repeats,
+          "command": "python benchmarks/batch_decode.py " + " ".join(sys.argv[1:])}
+  with open(os.path.join(FLAGS.out, "batch_decode.json"), "w") as f:
+    json.dump({"meta": meta, "rows": rows}, f, indent=2)
+  cols = ("batch_size", "method", "tokens_per_s", "tokens_per_s_vs_first_batch_size",
+          "decode_tokens_per_s", "decode_tokens_per_s_vs_first_batch_size", "tau",
+          "identical_to_first_batch_size", "slot_mb", "slot_mb_per_request", "peak_rss_mb")
+  lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+  lines += ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in rows]
+  with open(os.path.join(FLAGS.out, "batch_decode.md"), "w") as f:
+    f.write(f"`{meta['command']}` on {meta['device']} ({meta['cpu_count']} cores)\n\n"
+            + "\n".join(lines) + "\n")
+  line_plot({m: ([r["batch_size"] for r in rows if r["method"] == m],
+                 [r["tokens_per_s"] for r in rows if r["method"] == m]) for m in methods},
+            os.path.join(FLAGS.out, "batch_decode.png"), xlabel="batch size B",
+            ylabel="tokens/s (prefill + decode)", title="demo, held-out HumanEval, T=0")
+  print("\n".join(lines))
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,220 @@
+"""Batched decoding and continuous batching (`Engine.generate_batch`, `scheduler`): every row
+of a batch is token-identical to decoding its request alone, finished rows free their slots for
+queued requests, and each batched loop compiles once per (block size, batch size).
+
+The models are `toy_models.zeros_drafter_pair`: a drafter that always drafts token 0, so cycles
+accept every length and poor cycles (AR fallback) are common; the prompts have different
+lengths (three length buckets) and the requests different max_new_tokens, so rows finish at
+different times and slots are refilled while others decode.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from bp_jax.decoding.engine import LEARNED, Engine
+from bp_jax.errors import BadInputError
+from bp_jax.policy.features import feature_dims
+from bp_jax.policy.mlp import BlockPolicy, PolicyArch
+from toy_models import zeros_drafter_pair
+
+V, D, MAX_LEN, BUCKETS = 64, 32, 128, (16, 32, 64)
+SIZES = (1, 2, 4, 6)
+
+
+def _requests(num: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:
+  rng = np.random.default_rng(seed)
+  prompts = [rng.integers(1, V - 1, int(rng.integers(2, 50))).tolist() for _ in range(num)]
+  max_news = [int(rng.integers(1, 40)) for _ in range(num)]
+  return prompts, max_news
+
+
+@pytest.fixture(scope="module")
+def models():
+  return zeros_drafter_pair(V)
+
+
+@pytest.fixture(scope="module")
+def stop_id(models):
+  """The token (not 0, what the drafter drafts) whose first occurrence falls inside the most
+  requested outputs of `_requests(11)` while absent from at least 3 (rows stop at different
+  times, some at their max_new_tokens)."""
+  target, drafter = models
+  eng = Engine(target, max_len=MAX_LEN, length_buckets=BUCKETS)
+  prompts, max_news = _requests(11)
+  outs = [eng.generate(p, max_new_tokens=m).output_ids for p, m in zip(prompts, max_news)]
+  best, best_inside = None, -1
+  for t in range(1, V):
+    firsts = [o.index(t) if t in o else None for o in outs]
+    inside = sum(k is not None and 1 <= k < len(o) - 1 for k, o in zip(firsts, outs))
+    if sum(k is None for k in firsts) >= 3 and inside > best_inside:
+      best, best_inside = t, inside
+  return best
+
+
+def _engine(models, stop_id, batch_size: int, **kw) -> Engine:
+  target, drafter = models
+  return Engine(target, max_len=MAX_LEN, stop_ids=[stop_id], length_buckets=BUCKETS,
+                drafter=drafter, block_sizes=SIZES, batch_size=batch_size, **kw)
+
+
+@pytest.fixture(scope="module")
+def single(models, stop_id):
+  return _engine(models, stop_id, 1)
+
+
+@pytest.fixture(scope="module")
+def batched(models, stop_id):
+  return _engine(models, stop_id, 4, sync_cycles=3)
+
+
+def _alone(engine, prompts, max_news, sizes, seed: int = 0, **kw):
+  return [engine.generate(p, max_new_tokens=m, block_size=b, seed=seed + i, **kw)
+          for i, (p, m, b) in enumerate(zip(prompts, max_news, sizes))]
+
+
+@pytest.mark.parametrize("b", [1, 4, 6])
+def test_every_row_equals_its_request_alone(single, batched, stop_id, b):
+  prompts, max_news = _requests(11)
+  alone = _alone(single, prompts, max_news, [b] * 11)
+  together = batched.generate_batch(prompts, max_new_tokens=max_news, block_size=b)
+  assert [g.output_ids for g in together] == [g.output_ids for g in alone]
+  assert [g.forward_lengths for g in together] == [g.forward_lengths for g in alone]
+  assert [g.forward_is_cycle for g in together] == [g.forward_is_cycle for g in alone]
+  # The fixture's requests do finish at different times, some at the stop token.
+  lengths = [len(g.output_ids) for g in alone]
+  assert len(set(lengths)) >= 5
+  assert sum(g.output_ids[-1] == stop_id for g in alone) >= 2
+  assert all(g.decode_s > 0 for g in together if len(g.output_ids) > 1)
+
+
+def test_mixed_block_sizes_share_the_run(single, batched):
+  prompts, max_news = _requests(10, seed=2)
+  sizes = [SIZES[i % len(SIZES)] for i in range(10)]
+  alone = _alone(single, prompts, max_news, sizes)
+  together = batched.generate_batch(prompts, max_new_tokens=max_news, block_size=sizes)
+  assert [g.output_ids for g in together] == [g.output_ids for g in alone]
+  assert [g.block_size for g in together] == sizes
+
+
+@pytest.mark.parametrize("verify", ["exact", "rejection"])
+def test_sampled_rows_equal_their_request_alone_for_the_same_seed(models, stop_id, verify):
+  one = _engine(models, stop_id, 1, verify=verify)
+  many = _engine(models, stop_id, 3, sync_cycles=2, verify=verify)
+  prompts, max_news = _requests(7, seed=3)
+  kw = dict(temperature=1.0, top_k=20)
+  alone = _alone(one, prompts, max_news, [4] * 7, seed=100, **kw)
+  together = many.generate_batch(prompts, max_new_tokens=max_news, block_size=4, seeds=100, **kw)
+  assert [g.output_ids for g in together] == [g.output_ids for g in alone]
+  other = many.generate_batch(prompts, max_new_tokens=max_news, block_size=4, seeds=200, **kw)
+  assert [g.output_ids for g in other] != [g.output_ids for g in alone]
+
+
+def test_ar_fallback_rows_equal_their_request_alone(models, stop_id):
+  one = _engine(models, stop_id, 1, ar_fallback=4)
+  many = _engine(models, stop_id, 4, sync_cycles=5, ar_fallback=4)
+  prompts, max_news = _requests(9, seed=4)
+  alone = _alone(one, prompts, max_news, [4] * 9)
+  together = many.generate_batch(prompts, max_new_tokens=max_news, block_size=4)
+  assert [g.output_ids for g in together] == [g.output_ids for g in alone]
+  assert any(g.ar_steps for g in alone)  # the fallback does step in this fixture
+
+
+def test_static_batching_gives_the_same_outputs(models, stop_id, single):
+  prompts, max_news = _requests(6, seed=5)
+  static = _engine(models, stop_id, 4, sync_cycles=0)
+  alone = _alone(single, prompts, max_news, [4] * 6)
+  assert ([g.output_ids for g in static.generate_batch(prompts, max_new_tokens=max_news,
+                                                        block_size=4)]
+          == [g.output_ids for g in alone])
+
+
+def test_learned_policy_in_batches(models, stop_id, single):
+  target, drafter = models
+  dims = feature_dims(V, D, 2, draft_block_size=drafter.cfg.block_size)
+  policy = BlockPolicy(PolicyArch("last_hidden", dims["last_hidden"], 16, 2, 3),
+                       rngs=nnx.Rngs(7))
+  one = _engine(models, stop_id, 1, policy=policy, policy_sizes=(1, 4, 6))
+  many = _engine(models, stop_id, 2, sync_cycles=2, policy=policy, policy_sizes=(1, 4, 6))
+  prompts, max_news = _requests(10, seed=6)
+  alone = _alone(one, prompts, max_news, [LEARNED] * 10)
+  together = many.generate_batch(prompts, max_new_tokens=max_news, block_size=LEARNED)
+  assert [g.block_size for g in together] == [g.block_size for g in alone]
+  assert len({g.block_size for g in alone}) >= 2  # the random policy does pick several sizes
+  assert [g.output_ids for g in together] == [g.output_ids for g in alone]
+  assert [g.policy_probs for g in together] == [g.policy_probs for g in alone]
+
+
+def test_continuous_batching_refills_slots_in_arrival_order(models, stop_id):
+  """With one long request and short ones, the short ones flow through the other slots while
+  the long one decodes (it does not hold the batch hostage): the scheduler's insertion order is
+  the arrival order, and the long request is still in flight when later requests start."""
+  from bp_jax.decoding import scheduler as sched
+
+  eng = _engine(models, stop_id, 2, sync_cycles=1)
+  prompts, _ = _requests(6, seed=7)
+  max_news = [60, 3, 3, 3, 3, 3]
+  order, in_flight_at = [], []
+  real_insert = eng.insert_program
+
+  def spy(carry, row, req, pre):
+    order.append(req.index)
+    in_flight_at.append(row)
+    return real_insert(carry, row, req, pre)
+
+  eng.insert_program = spy
+  outs = eng.generate_batch(prompts, max_new_tokens=max_news, block_size=1)
+  assert order == list(range(6))
+  assert in_flight_at[0] == 0 and set(in_flight_at[1:]) == {1}  # row 0 kept the long request
+  assert len(outs[0].output_ids) > 3 or outs[0].output_ids[-1] == stop_id
+  assert sched.Scheduler is not None
+
+
+def test_batched_loops_compile_once_per_bucket_and_batch(models, stop_id):
+  eng = _engine(models, stop_id, 3, sync_cycles=2)
+  prompts, max_news = _requests(8, seed=8)
+  for _ in range(2):
+    eng.generate_batch(prompts, max_new_tokens=max_news, block_size=[1, 4] * 4)
+  counts = eng.compiled.counts
+  assert counts["batch_ar_loop"] == 1 and counts["batch_spec_loop"] == 1
+  assert counts["insert"] == 2  # carries with and without a drafter cache
+  assert counts["prefill"] <= len(BUCKETS)
+
+
+def test_batched_loops_update_the_caches_in_place(models, stop_id):
+  """As tests/test_spec_decode.py checks for one request: the batched loops (with fallback
+  steps) hold no copy of a cache buffer."""
+  eng = _engine(models, stop_id, 2, sync_cycles=2, ar_fallback=4)
+  prompts, max_news = _requests(3, seed=9)
+  eng.generate_batch(prompts, max_new_tokens=max_news, block_size=[1, 4, 4])
+  # A cache buffer per layer is k [Z, S, H] / v [Z, H, S] (Z = 2 rows x 2 kv heads, H = 8),
+  # stacked with a leading layer axis in the scanned form.
+  cache_shape = re.compile(rf"= f32\[([0-9]+,)?4,({MAX_LEN},8|8,{MAX_LEN})\]\{{[0-9,]*\}} copy\(")
+  for key in (("batch_ar_loop", 1, 2, 2), ("batch_spec_loop", 4, 2, 2)):
+    hlo = eng.compiled._fns[key].as_text()
+    copies = [line.strip()[:120] for line in hlo.splitlines() if cache_shape.search(line)]
+    assert not copies, (key, copies)
+    # The pattern does name the loop's cache buffers (it would see their copies).
+    assert re.search(rf"f32\[4,{MAX_LEN},8\]", hlo) and re.search(rf"f32\[4,8,{MAX_LEN}\]", hlo)
+
+
+@pytest.mark.parametrize("kw, flag", [(dict(batch_size=0), "--config.batch_size"),
+                                      (dict(batch_size=2.5), "--config.batch_size"),
+                                      (dict(sync_cycles=-1), "--config.sync_cycles")])
+def test_bad_batch_settings_name_the_flag(models, kw, flag):
+  target, _ = models
+  with pytest.raises(BadInputError, match=re.escape(flag)):
+    Engine(target, max_len=MAX_LEN, **kw)
+
+
+def test_bad_batch_requests_are_refused_before_decoding(batched):
+  prompts, max_news = _requests(3)
+  with pytest.raises(BadInputError, match="2 max_new_tokens for 3 prompts"):
+    batched.generate_batch(prompts, max_new_tokens=max_news[:2])
+  with pytest.raises(BadInputError, match="block_size=3 is not one of the configured buckets"):
+    batched.generate_batch(prompts, max_new_tokens=4, block_size=3)
