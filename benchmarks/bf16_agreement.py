@@ -126,7 +126,8 @@ def _write_markdown(report: dict, path: str) -> None:
            + ", ".join(f"{r['replay_rows_agree']}/{r['replay_rows']} ({r['dtype']})"
                        for r in report["by_dtype"].values()) + " rows.", "",
            "| dtype | identical | divergent | near-ties | max AR gap "
-           "| max AR gap / (eps max \\|l\\|) | max \\|l_AR - l_verify\\| | same / (eps max \\|l\\|) |",
+           "| max AR gap / (eps max \\|l\\|) | max \\|l_AR - l_verify\\| "
+           "| same / (eps max \\|l\\|) |",
            "|---|---:|---:|---:|---:|---:|---:|---:|"]
   f = lambda x: "-" if x is None else f"{x:.3g}"
   for r in report["by_dtype"].values():
