@@ -27,6 +27,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.max_new_tokens = 128
   c.max_len = 640               # HumanEval: longest prompt 490 tokens + 128 new + block - 1
   c.dtype = "float32"
+  c.matmul_precision = "highest"  # full f32 matmuls on TPU/GPU too (see configs/qwen3.py)
   c.block_size = DRAFT_BLOCK_SIZE  # the fixed size (and the fallback without a policy)
   # On this CPU a b=8 cycle costs ~4 AR steps: after a cycle that accepts <= 1 draft, run 2, 4,
   # ... (at most 16) plain AR steps before drafting again (lossless; see configs/qwen3.py).

@@ -67,6 +67,10 @@ def get_config() -> ml_collections.ConfigDict:
   c.policy = ""              # block-size policy checkpoint (block_policy=learned)
   c.tokenizer = ""           # tokenizer folder; empty = the target checkpoint's own files
   c.dtype = "auto"           # auto (as stored) | float32 | bfloat16 | float16
+  # Precision of float32 matmuls: highest | high | default. highest = full float32 on every
+  # backend, so f32 speculative output is token-identical to AR on TPU/GPU as on CPU (JAX's
+  # default there runs f32 matmuls as bf16 passes / TF32); high and default are faster, inexact.
+  c.matmul_precision = "highest"
   # Prompts and outputs.
   c.prompts = "configs/prompts/example.jsonl"  # JSONL of {"prompt": ...}, 'humaneval', 'pysrc:<dir>'
   c.num_prompts = 0          # 0 = all

@@ -25,6 +25,7 @@ from bp_jax.decoding.records import figures, print_summary, record_of, summarize
 from bp_jax.decoding.requests import check_block_sizes, check_sampling
 from bp_jax.decoding.verify import same_tokens_as_ar
 from bp_jax.errors import BadInputError
+from bp_jax.models.precision import matmul_precision, precision_of
 from bp_jax.text.prompts import Prompt, load_prompts
 from bp_jax.text.tokenizer import encode_prompt, load_tokenizer, stop_token_ids, tokenizer_size
 from bp_jax.weights.loading import load_drafter, load_target
@@ -72,6 +73,7 @@ def validate(cfg) -> None:
   if int(cfg.get("repeats", 1)) < 1:
     raise BadInputError(f"--config.repeats={cfg.repeats} must be >= 1")
   parse_methods(cfg.get("compare", ""))
+  precision_of(cfg)
 
 
 def needs_drafter(cfg) -> bool:
@@ -202,6 +204,12 @@ def _decode_batched(engine: Engine, cfg, choices: dict, prompts: Sequence[Prompt
 
 
 def run(cfg) -> tuple[list[dict], dict]:
+  """The decode job, its programs compiled with --config.matmul_precision."""
+  with matmul_precision(precision_of(cfg)):
+    return _run(cfg)
+
+
+def _run(cfg) -> tuple[list[dict], dict]:
   from bp_jax import compile_cache
 
   validate(cfg)
@@ -275,6 +283,7 @@ def run(cfg) -> tuple[list[dict], dict]:
   summary["block_policy"] = choice.name
   summary.update(batch_size=engine.batch_size, sync_cycles=engine.sync_cycles)
   summary["compile_cache"] = cache_dir
+  summary["matmul_precision"] = precision_of(cfg)
   if choice.name != "fixed":
     summary["candidate_block_sizes"] = list(choice.sizes)
   if choice.name == "learned":

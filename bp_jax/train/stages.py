@@ -94,12 +94,16 @@ def parse_stages(text: str) -> list[str]:
 
 def run_stages(cfg: Any, command: str = "") -> None:
   """Runs the stages named by `cfg.stage`, checking first that all of them are available, while
-  holding the workdir's lock (`workdir.workdir_lock`; `command` is recorded in it)."""
+  holding the workdir's lock (`workdir.workdir_lock`; `command` is recorded in it), with JAX's
+  matmul precision set to `cfg.matmul_precision` (`bp_jax.models.precision`)."""
+  from bp_jax.models.precision import matmul_precision, precision_of
   from bp_jax.train.workdir import workdir_lock
 
   names = parse_stages(cfg.stage)
   fns = [(name, load_stage(name)) for name in names]
-  with workdir_lock(cfg, ",".join(names), command or "run_stages (in-process)"):
+  precision = precision_of(cfg)
+  with workdir_lock(cfg, ",".join(names), command or "run_stages (in-process)"), \
+      matmul_precision(precision):
     for name, fn in fns:
       t0 = time.perf_counter()
       print(f"== stage {name}", flush=True)
