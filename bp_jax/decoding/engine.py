@@ -31,6 +31,7 @@ from bp_jax.decoding.sampling import sampling_params
 from bp_jax.decoding.verify import check_verify_mode
 from bp_jax.errors import BadInputError
 from bp_jax.models.qwen3 import Qwen3
+from bp_jax.parallel.rules import replicated, shard_cache, shard_state
 
 LEARNED = "learned"  # `generate(block_size=LEARNED)`: the policy chooses the bucket
 DEFAULT_BLOCK_SIZES = tuple(range(2, 33))
@@ -50,7 +51,8 @@ class Engine:
                length_buckets: Sequence[int] | None = None, drafter=None,
                block_sizes: Sequence[int] = DEFAULT_BLOCK_SIZES, policy=None,
                policy_sizes: Sequence[int] = (), scan_layers: bool = False,
-               ar_fallback: int = 0, ar_fallback_accept: int = 1, verify: str = "exact"):
+               ar_fallback: int = 0, ar_fallback_accept: int = 1, verify: str = "exact",
+               mesh=None):
     if max_len > target.cfg.max_position_embeddings:
       raise BadInputError(f"--config.max_len={max_len} exceeds the model's "
                           f"max_position_embeddings={target.cfg.max_position_embeddings}")
@@ -85,6 +87,11 @@ class Engine:
                                  verify=verify)
     self.p_graph = self.p_state = self.policy_key = None
     self.policy_sizes: tuple[int, ...] = ()
+    self.mesh = mesh  # a jax.sharding.Mesh (`bp_jax.parallel.mesh.make_mesh`) or None
+    if mesh is not None:  # weights by the rule table, caches by rows; jit propagates the rest
+      self.t_state, self.d_state = (shard_state(s, mesh) for s in (self.t_state, self.d_state))
+      self.cache, self.draft_cache = (shard_cache(c, mesh) for c in (self.cache, self.draft_cache))
+      self.seq = jax.device_put(self.seq, replicated(mesh))
     if policy is not None:
       self.set_policy(policy, policy_sizes)
 
@@ -109,6 +116,7 @@ class Engine:
       self.check_block_size(b)
     check_policy_fits(policy, sizes, self.cfg, self.drafter)
     self.p_graph, self.p_state = nnx.split(policy)
+    self.p_state = shard_state(self.p_state, self.mesh)
     self.policy_key, self.policy_sizes = policy.arch.signature, sizes
 
   # -- checks -------------------------------------------------------------------------------
