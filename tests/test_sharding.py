@@ -203,3 +203,12 @@ def test_data_parallel_train_steps_match_one_device(checks):
 def test_a_mesh_beyond_the_devices_is_refused_there_too(checks):
   assert "needs 16 devices but 8 are available" in checks["bad_mesh"]["data:4,model:4"]
   assert checks["bad_mesh"]["data:16"].startswith("--config.mesh=data:16,model:1")
+
+
+def test_scripts_refuse_a_bad_mesh_before_doing_anything(run_cli, tmp_path):
+  err = run_cli("decode.py", "--config.mesh=tensor:2").error_line("decode.py")
+  assert err == ("decode.py: error: --config.mesh='tensor:2': unknown axis 'tensor'; the axes "
+                 "are data and model")
+  err = run_cli("train.py", "--config.stage=policy", "--config.mesh=data:2",
+                f"--config.workdir={tmp_path}").error_line("train.py")
+  assert "--config.mesh=data:2,model:1 needs 2 devices but 1 are available" in err

@@ -97,8 +97,11 @@ def run_stages(cfg: Any, command: str = "") -> None:
   holding the workdir's lock (`workdir.workdir_lock`; `command` is recorded in it)."""
   from bp_jax.train.workdir import workdir_lock
 
+  from bp_jax.parallel.mesh import make_mesh
+
   names = parse_stages(cfg.stage)
   fns = [(name, load_stage(name)) for name in names]
+  make_mesh(str(cfg.get("mesh", "") or ""))  # a bad --config.mesh fails before any stage runs
   with workdir_lock(cfg, ",".join(names), command or "run_stages (in-process)"):
     for name, fn in fns:
       t0 = time.perf_counter()
