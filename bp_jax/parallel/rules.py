@@ -123,10 +123,9 @@ def spec_for(name: str, shape: tuple[int, ...], axes: tuple[str, ...], mesh: Mes
     if used & set(mesh_axes):
       why = f"mesh axis {'/'.join(mesh_axes)} is taken by another dimension"
     elif size % unit or (size // unit) % n:
-      what = f"{size // unit} heads" if unit > 1 else f"size {size}"
-      shape_txt = ",".join(f"{a}:{mesh.shape[a]}" for a in mesh_axes)
-      why = f"{what} do not divide {shape_txt}" if unit > 1 else \
-          f"{what} does not divide {shape_txt}"
+      on = ",".join(f"{a}:{mesh.shape[a]}" for a in mesh_axes)
+      why = (f"{size // unit} heads do not divide {on}" if unit > 1
+             else f"size {size} does not divide {on}")
     if why:
       if replicated is not None:
         replicated.append(f"{name} dim {dim} ({axis}): {why}; replicated")
