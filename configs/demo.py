@@ -59,6 +59,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.export_dir = "demo"          # final target/drafter checkpoints are copied here ('' = don't)
   c.seed = 0                     # model init, data order and splits
   c.corpus = ""                  # folder of Python source; '' = this Python's standard library
+  c.mesh = ""                    # "data:D,model:M": data-parallel draft/policy steps (qwen3.py)
 
   # Stage `tokenizer` (named `bpe` here: `tokenizer` is decode.py's tokenizer-folder field).
   c.bpe = ml_collections.ConfigDict()

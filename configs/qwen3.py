@@ -130,6 +130,12 @@ def get_config() -> ml_collections.ConfigDict:
   c.repeats = 1
   # JAX's persistent compilation cache: "default" = ~/.cache/bp_jax/jax, "" = off, or a folder.
   c.compile_cache = "default"
+  # Device mesh, e.g. "data:4,model:2" (axes data and model, a missing one is 1): weights are
+  # split over `model` (heads, KV heads, MLP width, vocabulary), batch and KV-cache rows over
+  # `data`, by one rule table (bp_jax/parallel/rules.py); a dimension that does not divide is
+  # replicated. Uses the first data*model devices. "" = one device, nothing sharded. train.py's
+  # draft and policy stages read it too (data-parallel batches).
+  c.mesh = ""
   # Decode with a drafter (or policy) whose recorded target fingerprint differs from the target
   # given (it was trained for other weights: τ ≈ 1), with a loud warning instead of an error.
   c.allow_foreign_drafter = False

@@ -21,12 +21,14 @@ class CompiledCache:
     self.cache_hits = 0  # compilations served by the persistent compilation cache
 
   def get(self, key: tuple, make: Callable[[], Callable], args: tuple,
-          donate_argnums: tuple[int, ...] = ()) -> Any:
-    """The compiled function for `key` (first element = a name); compiles on first use."""
+          donate_argnums: tuple[int, ...] = (), out_shardings: Any = None) -> Any:
+    """The compiled function for `key` (first element = a name); compiles on first use.
+    `out_shardings`: pinned output placements (a carry that goes back in must keep its own)."""
     fn = self._fns.get(key)
     if fn is None:
       t0, hits0 = time.perf_counter(), compile_cache.hits()
-      fn = jax.jit(make(), donate_argnums=donate_argnums).lower(*args).compile()
+      kw = {} if out_shardings is None else {"out_shardings": out_shardings}
+      fn = jax.jit(make(), donate_argnums=donate_argnums, **kw).lower(*args).compile()
       self.seconds[key] = time.perf_counter() - t0
       self.cache_hits += compile_cache.hits() > hits0
       self.counts[key[0]] += 1

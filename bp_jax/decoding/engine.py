@@ -33,6 +33,7 @@ from bp_jax.decoding.sampling import sampling_params
 from bp_jax.decoding.verify import check_verify_mode
 from bp_jax.errors import BadInputError
 from bp_jax.models.qwen3 import Qwen3
+from bp_jax.parallel.rules import replicated, shard_batch, shard_cache, shard_state
 
 LEARNED = "learned"  # `generate(block_size=LEARNED)`: the policy chooses the bucket
 DEFAULT_BLOCK_SIZES = tuple(range(2, 33))
@@ -53,7 +54,7 @@ class Engine:
                block_sizes: Sequence[int] = DEFAULT_BLOCK_SIZES, policy=None,
                policy_sizes: Sequence[int] = (), scan_layers: bool = False,
                ar_fallback: int = 0, ar_fallback_accept: int = 1, verify: str = "exact",
-               batch_size: int = 1, sync_cycles: int = 16):
+               batch_size: int = 1, sync_cycles: int = 16, mesh=None):
     if max_len > target.cfg.max_position_embeddings:
       raise BadInputError(f"--config.max_len={max_len} exceeds the model's "
                           f"max_position_embeddings={target.cfg.max_position_embeddings}")
@@ -73,7 +74,7 @@ class Engine:
     self.stop_ids = list(stop_ids)
     self._stop_arr = jnp.asarray(self.stop_ids or [-1], jnp.int32)
     self.t_graph, self.t_state = nnx.split(target)
-    self._init_caches = lambda batch: (
+    self._new_caches = lambda batch: (
         target.init_cache(batch, max_len),
         None if drafter is None else drafter.init_cache(batch, max_len))
     self.cache = target.init_cache(1, max_len)
@@ -93,6 +94,11 @@ class Engine:
                                  verify=verify)
     self.p_graph = self.p_state = self.policy_key = None
     self.policy_sizes: tuple[int, ...] = ()
+    self.mesh = mesh  # a jax.sharding.Mesh (`bp_jax.parallel.mesh.make_mesh`) or None
+    if mesh is not None:  # weights by the rule table, caches by rows; jit propagates the rest
+      self.t_state, self.d_state = (shard_state(s, mesh) for s in (self.t_state, self.d_state))
+      self.cache, self.draft_cache = (shard_cache(c, mesh) for c in (self.cache, self.draft_cache))
+      self.seq = jax.device_put(self.seq, replicated(mesh))
     if policy is not None:
       self.set_policy(policy, policy_sizes)
 
@@ -117,6 +123,7 @@ class Engine:
       self.check_block_size(b)
     check_policy_fits(policy, sizes, self.cfg, self.drafter)
     self.p_graph, self.p_state = nnx.split(policy)
+    self.p_state = shard_state(self.p_state, self.mesh)
     self.policy_key, self.policy_sizes = policy.arch.signature, sizes
 
   # -- checks -------------------------------------------------------------------------------
@@ -161,7 +168,9 @@ class Engine:
     if self.batch_size > 1:
       for b in block_sizes:
         self.check_block_size(b)
-        carry = jax.eval_shape(lambda: self.slot_carry(b))
+        # Shapes suffice on one device; on a mesh the placements count too.
+        carry = (self.slot_carry(b) if self.mesh is not None else
+                 jax.eval_shape(lambda: self.slot_carry(b)))
         args = ((self.t_state,) if b == 1 else (self.t_state, self.d_state)) + (
             carry, sp, self._stop_arr)
         self.programs.batched_loop(b, self.batch_size, self.sync_cycles, args)
@@ -301,17 +310,27 @@ class Engine:
     sp = sampling_params(temperature, top_k, top_p, min_p)
     return Scheduler(self, reqs, sp, forced).run()
 
+  def _init_caches(self, batch: int) -> tuple:
+    """Fresh (target, drafter) caches of `batch` sequences, placed on the mesh's rows."""
+    return tuple(shard_cache(c, self.mesh) for c in self._new_caches(batch))
+
   def slot_carry(self, block_size: int, forced: bool = False) -> dict:
     """A batched carry of `batch_size` empty slots for a bucket (fresh buffers)."""
-    cache, draft_cache = self._init_caches(self.batch_size)
+    cache, draft_cache = self._new_caches(self.batch_size)
     if not self.scan_layers:  # the form the loops carry (see `loops._loop_cache`)
       cache = cache.per_layer()
       draft_cache = None if draft_cache is None else draft_cache.per_layer()
+    cache, draft_cache = (shard_cache(c, self.mesh) for c in (cache, draft_cache))
     if block_size == 1:
       draft_cache = None
     seq = jnp.zeros((self.batch_size, self.max_len), jnp.int32)
     forced_seq = jnp.zeros_like(seq) if forced else None
-    return decode_loops.slot_carry(seq, cache, draft_cache, forced_seq)
+    carry = decode_loops.slot_carry(seq, cache, draft_cache, forced_seq)
+    if self.mesh is None:
+      return carry
+    # Rows on the mesh's `data` axis (when the batch divides it), caches by `cache_sharding`.
+    return {k: v if k in ("cache", "draft_cache") else shard_batch(v, self.mesh)
+            for k, v in carry.items()}
 
   def staging_buffers(self) -> tuple:
     """Fresh one-sequence caches a request is prefilled into before it takes a slot (the

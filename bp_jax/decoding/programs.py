@@ -21,6 +21,17 @@ from bp_jax.decoding.compiled import CompiledCache
 WARMUP_TOKENS = 16  # new tokens of a loop's untimed first run
 
 
+def _placements_of(carry: dict):
+  """The carry's own shardings when it is placed on a mesh (a batched carry goes back into the
+  programs that returned it, so it must come out placed as it went in), else None (XLA's
+  choice, one device)."""
+  from jax.sharding import NamedSharding
+  shardings = jax.tree.map(lambda x: getattr(x, "sharding", None), carry)
+  if any(isinstance(s, NamedSharding) for s in jax.tree.leaves(shardings)):
+    return shardings
+  return None
+
+
 class LoopPrograms:
   """Builds, caches and warms the jitted functions of one (target, drafter, loop form)."""
 
@@ -66,12 +77,13 @@ class LoopPrograms:
     if block_size == 1:
       return self.cache.get(
           key, lambda: loops.make_batched_ar_loop(self.t_graph, self.scan_layers, sync_cycles),
-          args, donate_argnums=(1,))
+          args, donate_argnums=(1,), out_shardings=_placements_of(args[1]))
     make = lambda: loops.make_batched_spec_loop(
         self.t_graph, self.d_graph, block_size, self.scan_layers, self.ar_fallback,
         self.ar_fallback_accept, forced_drafts=forced, verify="exact" if forced else self.verify,
         sync_cycles=sync_cycles)
-    return self.cache.get(key, make, args, donate_argnums=(2,))
+    return self.cache.get(key, make, args, donate_argnums=(2,),
+                          out_shardings=_placements_of(args[2]))
 
   def batched_loop_key(self, block_size: int, batch: int, sync_cycles: int,
                        forced: bool = False) -> tuple:
@@ -83,7 +95,8 @@ class LoopPrograms:
     """The compiled slot insertion (`loops.make_insert`) for a carry's shapes."""
     c = args[0]
     key = ("insert", c["seq"].shape[0], "draft_cache" in c, "forced" in c)
-    return self.cache.get(key, loops.make_insert, args, donate_argnums=(0,))
+    return self.cache.get(key, loops.make_insert, args, donate_argnums=(0,),
+                          out_shardings=_placements_of(c))
 
   def warm_batched(self, key: tuple, fn, args: tuple) -> None:
     """Runs a batched loop once, untimed, on a copy of an idle carry (no row decodes: the first

@@ -28,6 +28,7 @@ from bp_jax.errors import BadInputError
 from bp_jax.models.precision import matmul_precision, precision_of
 from bp_jax.text.prompts import Prompt, load_prompts
 from bp_jax.text.tokenizer import encode_prompt, load_tokenizer, stop_token_ids, tokenizer_size
+from bp_jax.parallel.mesh import make_mesh
 from bp_jax.weights.loading import load_drafter, load_target
 
 MODES = ("ar", "spec")
@@ -89,7 +90,8 @@ def build_engine(cfg, extra_sizes: Sequence[int] = ()) -> tuple[Engine, Any, Any
   from bp_jax.decoding import provenance
   from bp_jax.weights.checkpoint_io import read_checkpoint_meta
 
-  target = load_target(cfg.target, cfg.dtype)
+  mesh = make_mesh(str(cfg.get("mesh", "") or ""))
+  target = load_target(cfg.target, cfg.dtype, mesh=mesh)
   tok = load_tokenizer(cfg.tokenizer or cfg.target)
   drafter = None
   block_sizes = parse_int_list(cfg.block_sizes, "--config.block_sizes")
@@ -97,7 +99,7 @@ def build_engine(cfg, extra_sizes: Sequence[int] = ()) -> tuple[Engine, Any, Any
     if not cfg.drafter:
       raise BadInputError("--config.compare lists speculative methods: they need "
                           "--config.drafter (a converted DFlash drafter)")
-    drafter = load_drafter(cfg.drafter, target.cfg, cfg.dtype)
+    drafter = load_drafter(cfg.drafter, target.cfg, cfg.dtype, mesh=mesh)
   prints = provenance.Fingerprints(target, cfg.target, drafter, cfg.drafter)
   if drafter is not None:
     _, meta = read_checkpoint_meta(cfg.drafter, expected_kind="dflash")
@@ -109,7 +111,7 @@ def build_engine(cfg, extra_sizes: Sequence[int] = ()) -> tuple[Engine, Any, Any
   sizes = tuple(sorted(set(block_sizes or (cfg.block_size,)) | {b for b in extra_sizes if b > 1}))
   engine = Engine(target, max_len=cfg.max_len, stop_ids=stop_token_ids(tok),
                   length_buckets=parse_int_list(cfg.length_buckets, "--config.length_buckets")
-                  or None, drafter=drafter, block_sizes=sizes, **loop_options(cfg),
+                  or None, drafter=drafter, block_sizes=sizes, mesh=mesh, **loop_options(cfg),
                   **batch_options(cfg))
   return engine, tok, prints
 

@@ -26,6 +26,8 @@ from flax import nnx
 from bp_jax.models.config import DFlashConfig, Qwen3Config, default_target_layer_ids
 from bp_jax.models.dflash import DFlashDrafter
 from bp_jax.errors import BadInputError
+from bp_jax.parallel.mesh import make_mesh
+from bp_jax.parallel.rules import shard_state
 from bp_jax.eval.resources import peak_rss_mb
 from bp_jax.train import draft_objective as obj
 from bp_jax.train import workdir as wd
@@ -367,7 +369,8 @@ def draft_stage(cfg: Any) -> None:
 
   d = cfg.draft
   target_path = wd.require_checkpoint(wd.target_dir(cfg), "qwen3", "draft", "lm")
-  target = load_target(target_path, cfg.get("dtype") or None)
+  mesh = make_mesh(str(cfg.get("mesh", "") or ""))
+  target = load_target(target_path, cfg.get("dtype") or None, mesh=mesh)
   fingerprint = model_fingerprint(target)
   tok = load_tokenizer(target_path)
   train_src = wd.require_dataset(cfg, REGEN_TRAIN, "draft", "regenerate")
@@ -416,10 +419,10 @@ def draft_stage(cfg: Any) -> None:
       loss_fn=obj.make_draft_loss_fn(t_graph, block_size=b, num_anchors=num_anchors,
                                      gamma=gamma, loss=loss),
       batches_fn=draft_batches_fn(train_src, batch_size, seq_len, seed, pad_id),
-      num_steps=steps, opt_cfg=d.opt, frozen=t_state, eval_fn=eval_fn,
+      num_steps=steps, opt_cfg=d.opt, frozen=shard_state(t_state, mesh), eval_fn=eval_fn,
       eval_every=int(d.get("eval_every", 0) or max(1, steps // 4)),
       checkpoint_every=int(d.get("checkpoint_every", 0) or 100), seed=seed, desc="draft",
-      log_every=int(d.get("log_every", 0) or 10))
+      log_every=int(d.get("log_every", 0) or 10), mesh=mesh)
 
   out = export_drafter(result.model, wd.drafter_dir(cfg), target,
                        str(d.get("export_dtype", "float32")),

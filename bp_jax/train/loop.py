@@ -39,6 +39,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from bp_jax.errors import BadInputError
+from bp_jax.parallel.rules import shard_batch, shard_state
 from bp_jax.train.checkpointing import TrainCheckpointer
 from bp_jax.train.optim import make_optimizer
 
@@ -208,7 +209,7 @@ def _check_args(num_steps: int, checkpoint_every: int, eval_every: int, log_ever
 def train(*, workdir: str, model: nnx.Module, loss_fn: LossFn, batches_fn: BatchesFn,
           num_steps: int, opt_cfg: Any, frozen: Any = None, eval_fn: EvalFn | None = None,
           eval_every: int = 0, checkpoint_every: int, seed: int, desc: str,
-          log_every: int = 10, progress: bool = True) -> TrainResult:
+          log_every: int = 10, progress: bool = True, mesh=None) -> TrainResult:
   """Trains `model` for `num_steps` steps in total, resuming from `<workdir>/checkpoints`.
 
   Args:
@@ -225,6 +226,9 @@ def train(*, workdir: str, model: nnx.Module, loss_fn: LossFn, batches_fn: Batch
     desc: progress-bar label and plot title.
     log_every: log averaged metrics every N steps (and at the end).
     progress: show a tqdm progress bar.
+    mesh: a `jax.sharding.Mesh` (`--config.mesh`): params, the other variables and the
+      optimiser state are placed by the rule table (`bp_jax.parallel.rules`), each batch is
+      split over `data`; None = one device. `frozen` is the caller's to place.
 
   Raises:
     BadInputError: bad arguments, no data, or a checkpoint that does not fit this run.
@@ -236,6 +240,7 @@ def train(*, workdir: str, model: nnx.Module, loss_fn: LossFn, batches_fn: Batch
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   tx, schedule, step_fn = _compiled_step(graphdef, loss_fn, opt_cfg, num_steps)
   params = jax.tree.map(jnp.array, params)  # own copies: the step donates them
+  params, rest = shard_state(params, mesh), shard_state(rest, mesh)
   opt_state = tx.init(params)
   rng = jax.random.PRNGKey(seed)
 
@@ -266,7 +271,7 @@ def train(*, workdir: str, model: nnx.Module, loss_fn: LossFn, batches_fn: Batch
                  eval_fn=eval_fn, eval_every=eval_every, checkpoint_every=checkpoint_every,
                  log_every=log_every, seed=seed, desc=desc, progress=progress, ckpt=ckpt,
                  history=history, metrics_path=metrics_path, plot_path=plot_path,
-                 elapsed=elapsed, eval_metrics=out.eval_metrics)
+                 elapsed=elapsed, eval_metrics=out.eval_metrics, mesh=mesh)
     elif eval_fn is not None and not out.eval_metrics:
       out = out._replace(eval_metrics=_evaluate(eval_fn, nnx.merge(graphdef, params, rest),
                                                 frozen))
@@ -297,7 +302,7 @@ def _last_record(history: list[dict], prefix: str) -> dict[str, float]:
 def _run(*, graphdef, params, opt_state, rest, rng, frozen, step_fn, schedule, batches_fn,
          position, start, num_steps, eval_fn, eval_every, checkpoint_every, log_every, seed,
          desc, progress, ckpt, history, metrics_path, plot_path, elapsed,
-         eval_metrics) -> _RunOutput:
+         eval_metrics, mesh=None) -> _RunOutput:
   """The step loop of `train` from `start` to `num_steps`; appends its records to `history`."""
   data = DataCursor(batches_fn, position["epoch"], position["batch"])
   pending: list = []
@@ -316,7 +321,8 @@ def _run(*, graphdef, params, opt_state, rest, rng, frozen, step_fn, schedule, b
   try:
     for step in range(start, num_steps):
       batch = data.next()
-      params, opt_state, loss, metrics = step_fn(params, opt_state, rest, frozen, batch,
+      params, opt_state, loss, metrics = step_fn(params, opt_state, rest, frozen,
+                                                 shard_batch(batch, mesh),
                                                  jax.random.fold_in(rng, step))
       pending.append((loss, metrics))
       tokens_since += count_tokens(batch)

@@ -32,6 +32,8 @@ from flax import nnx
 
 from bp_jax.data import epoch_order
 from bp_jax.errors import BadInputError
+from bp_jax.parallel.mesh import make_mesh
+from bp_jax.parallel.rules import shard_batch, shard_state
 from bp_jax.policy.mlp import BlockPolicy, PolicyArch, check_label_rule, save_policy
 from bp_jax.policy.features import parse_feature_types
 from bp_jax.text.prompts import check_disjoint, split_ids
@@ -79,9 +81,10 @@ def predict(policy: BlockPolicy, x_NF: np.ndarray) -> np.ndarray:
 def fit_policy(x_train: np.ndarray, y_train: np.ndarray, x_val: np.ndarray | None,
                y_val: np.ndarray | None, arch: PolicyArch, *, opt_cfg: Any, steps: int,
                batch: int, label_smoothing: float, eval_every: int, patience: int,
-               seed: int) -> FitResult:
+               seed: int, mesh=None) -> FitResult:
   """Trains a policy; with a validation set, early-stops on its cross-entropy (see the module
-  docstring) and returns the best parameters, else the last ones."""
+  docstring) and returns the best parameters, else the last ones. `mesh` (`--config.mesh`):
+  params placed by the rule table (`bp_jax.parallel.rules`), each batch split over `data`."""
   from bp_jax.train.loop import make_train_step
   from bp_jax.train.optim import make_optimizer
 
@@ -99,7 +102,8 @@ def fit_policy(x_train: np.ndarray, y_train: np.ndarray, x_val: np.ndarray | Non
   graphdef, params, rest = nnx.split(policy, nnx.Param, ...)
   tx, _ = make_optimizer(opt_cfg, steps)
   step_fn = make_train_step(graphdef, _loss_fn(float(label_smoothing)), tx)
-  params = jax.tree.map(jnp.array, params)
+  params = shard_state(jax.tree.map(jnp.array, params), mesh)
+  rest = shard_state(rest, mesh)
   opt_state = tx.init(params)
   bs = min(batch, N)
   per_epoch = max(1, N // bs)
@@ -116,7 +120,7 @@ def fit_policy(x_train: np.ndarray, y_train: np.ndarray, x_val: np.ndarray | Non
       order = epoch_order(N, seed, epoch)
     idx = order[j * bs:(j + 1) * bs]
     params, opt_state, loss, metrics = step_fn(
-        params, opt_state, rest, None, {"x": x_train[idx], "y": y_train[idx]},
+        params, opt_state, rest, None, shard_batch({"x": x_train[idx], "y": y_train[idx]}, mesh),
         jax.random.fold_in(rng, step))
     done = step + 1
     if has_val and (done % eval_every == 0 or done == steps):
@@ -216,6 +220,7 @@ def policy_stage(cfg: Any) -> None:
     raise BadInputError(f"only {len(tr)} labelling prompts for training; label more prompts "
                         "(--config.blockpilot.label_sources / corpus_prompts)")
   layer_ids = _layer_ids(cfg)
+  mesh = make_mesh(str(cfg.get("mesh", "") or ""))
   labelled = {r["text_hash"] for r in lab.read_label_set(cfg, label_sets.LABELS, "policy")}
   provenance = _provenance(cfg, records)
   rec_tr, rec_va = [records[i] for i in tr], [records[i] for i in va]
@@ -238,7 +243,7 @@ def policy_stage(cfg: Any) -> None:
                        arch, opt_cfg=bp.opt, steps=int(bp.steps), batch=int(bp.batch),
                        label_smoothing=float(bp.label_smoothing),
                        eval_every=int(bp.eval_every), patience=int(bp.patience),
-                       seed=int(cfg.seed))
+                       seed=int(cfg.seed), mesh=mesh)
       entry = {"feature": feature, "rule": rule, "num_params": arch.num_params(),
                "best_step": fit.best_step, "steps_run": fit.steps_run,
                "train_accuracy": float((predict(fit.policy, x[tr]) == y[tr]).mean()),

@@ -97,10 +97,12 @@ def run_stages(cfg: Any, command: str = "") -> None:
   holding the workdir's lock (`workdir.workdir_lock`; `command` is recorded in it), with JAX's
   matmul precision set to `cfg.matmul_precision` (`bp_jax.models.precision`)."""
   from bp_jax.models.precision import matmul_precision, precision_of
+  from bp_jax.parallel.mesh import make_mesh
   from bp_jax.train.workdir import workdir_lock
 
   names = parse_stages(cfg.stage)
   fns = [(name, load_stage(name)) for name in names]
+  make_mesh(str(cfg.get("mesh", "") or ""))  # a bad --config.mesh fails before any stage runs
   precision = precision_of(cfg)
   with workdir_lock(cfg, ",".join(names), command or "run_stages (in-process)"), \
       matmul_precision(precision):
