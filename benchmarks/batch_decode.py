@@ -31,13 +31,14 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import jax  # noqa: E402
 from absl import app, flags  # noqa: E402
+from demo_prompts import heldout_prompts  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from bp_jax.decoding.engine import LEARNED, Engine  # noqa: E402
 from bp_jax.eval.plots import line_plot  # noqa: E402
 from bp_jax.eval.resources import peak_rss_mb  # noqa: E402
 from bp_jax.policy.mlp import load_policy  # noqa: E402
-from bp_jax.text.tokenizer import encode_prompt, load_tokenizer, stop_token_ids  # noqa: E402
+from bp_jax.text.tokenizer import load_tokenizer, stop_token_ids  # noqa: E402
 from bp_jax.weights.loading import load_drafter, load_target  # noqa: E402
 
 flags.DEFINE_string("target", "demo/target", "Target checkpoint folder.")
@@ -54,15 +55,6 @@ flags.DEFINE_integer("max_len", 640, "KV cache slots per request.")
 flags.DEFINE_integer("repeats", 2, "Timed passes per (B, method); the fastest is kept.")
 flags.DEFINE_string("out", "out/batch_decode", "Output folder (JSON, Markdown, PNG).")
 FLAGS = flags.FLAGS
-
-
-def _heldout_prompts(tok, limit: int) -> list[list[int]]:
-  """The BlockPilot evaluation half of HumanEval (configs/demo.py's split), encoded."""
-  from configs import demo
-  from bp_jax.train.labels import prompt_sets
-  _, evals = prompt_sets(demo.get_config(), tok)
-  evals = evals[:limit] if limit > 0 else evals
-  return [encode_prompt(tok, p.text, False) for p in evals]
 
 
 def _slot_mb(engine: Engine, block_size: int) -> float:
@@ -86,7 +78,7 @@ def main(_):
   target = load_target(FLAGS.target, "float32")
   drafter = load_drafter(FLAGS.drafter, target.cfg, "float32")
   tok = load_tokenizer(FLAGS.target)
-  prompts = _heldout_prompts(tok, FLAGS.num_prompts)
+  prompts = [ids for _, ids in heldout_prompts(tok, FLAGS.num_prompts)]
   methods = [m for m in FLAGS.methods.split(",") if m]
   sizes = [int(b) for b in FLAGS.batch_sizes.split(",") if b]
   policy = sizes_of_policy = None

@@ -29,12 +29,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
+from demo_prompts import heldout_prompts  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from bp_jax.decoding.engine import Engine  # noqa: E402
 from bp_jax.eval import exactness as ex  # noqa: E402
 from bp_jax.models.precision import MATMUL_PRECISIONS, matmul_precision  # noqa: E402
-from bp_jax.text.tokenizer import encode_prompt, load_tokenizer, stop_token_ids  # noqa: E402
+from bp_jax.text.tokenizer import load_tokenizer, stop_token_ids  # noqa: E402
 from bp_jax.weights.loading import load_drafter, load_target  # noqa: E402
 
 flags.DEFINE_string("target", "demo/target", "Target checkpoint folder.")
@@ -53,15 +54,6 @@ flags.DEFINE_bool("logit_stats", True, "Also replay every prompt (not only diver
                   "measure the largest AR-step vs verify-pass logit difference.")
 flags.DEFINE_string("out", "docs/exactness", "Output folder (JSON and Markdown).")
 FLAGS = flags.FLAGS
-
-
-def _heldout_prompts(tok, limit: int) -> list[tuple[str, list[int]]]:
-  """The BlockPilot evaluation half of HumanEval (configs/demo.py's split), encoded."""
-  from configs import demo
-  from bp_jax.train.labels import prompt_sets
-  _, evals = prompt_sets(demo.get_config(), tok)
-  evals = evals[:limit] if limit > 0 else evals
-  return [(p.key, encode_prompt(tok, p.text, False)) for p in evals]
 
 
 def measure(dtype: str, prompts, tok) -> dict:
@@ -156,7 +148,7 @@ def main(argv):
   del argv
   os.makedirs(FLAGS.out, exist_ok=True)
   tok = load_tokenizer(FLAGS.target)
-  prompts = _heldout_prompts(tok, FLAGS.num_prompts)
+  prompts = heldout_prompts(tok, FLAGS.num_prompts)
   report = {"prompts": len(prompts), "block_size": FLAGS.block_size,
             "max_new_tokens": FLAGS.max_new_tokens, "matmul_precision": FLAGS.matmul_precision,
             "tolerance_k": FLAGS.tolerance_k, "bf16_eps": ex.BF16_EPS,

@@ -31,13 +31,14 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
+from demo_prompts import heldout_prompts  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from bp_jax.decoding.engine import Engine  # noqa: E402
 from bp_jax.decoding.sampling import processed_logits, sampling_params  # noqa: E402
 from bp_jax.eval.plots import line_plot  # noqa: E402
 from bp_jax.eval.report import acceptance_figures  # noqa: E402
-from bp_jax.text.tokenizer import encode_prompt, load_tokenizer, stop_token_ids  # noqa: E402
+from bp_jax.text.tokenizer import load_tokenizer, stop_token_ids  # noqa: E402
 from bp_jax.train import draft_objective as obj  # noqa: E402
 from bp_jax.weights.loading import load_drafter, load_target  # noqa: E402
 
@@ -65,15 +66,6 @@ def _drafter_paths(spec: str) -> dict[str, str]:
     name, _, path = item.rpartition("=")
     out[name or path] = path
   return out
-
-
-def _heldout_prompts(tok, limit: int) -> list[tuple[str, list[int]]]:
-  """The BlockPilot evaluation half of HumanEval (configs/demo.py's split), encoded."""
-  from configs import demo
-  from bp_jax.train.labels import prompt_sets
-  _, evals = prompt_sets(demo.get_config(), tok)
-  evals = evals[:limit] if limit > 0 else evals
-  return [(p.key, encode_prompt(tok, p.text, False)) for p in evals]
 
 
 def _positional_acceptance(target, drafter, seqs, temperature: float, b: int) -> dict:
@@ -133,7 +125,7 @@ def main(argv):
                                   ar_fallback=FLAGS.ar_fallback)
              for name, d in drafters.items() for mode in modes}
   ar_engine = next(iter(engines.values()))
-  prompts = _heldout_prompts(tok, FLAGS.num_prompts)
+  prompts = heldout_prompts(tok, FLAGS.num_prompts)
   methods = ["AR"] + [f"{name} {mode}" for name, mode in engines]
   report = {"block_size": b, "ar_fallback": FLAGS.ar_fallback, "prompts": len(prompts),
             "max_new_tokens": FLAGS.max_new_tokens, "repeats": FLAGS.repeats,

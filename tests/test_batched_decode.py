@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import re
 
-import jax
 import numpy as np
 import pytest
 from flax import nnx
@@ -195,7 +194,7 @@ def test_batched_loops_update_the_caches_in_place(models, stop_id):
   # A cache buffer per layer is k [Z, S, H] / v [Z, H, S] (Z = 2 rows x 2 kv heads, H = 8),
   # stacked with a leading layer axis in the scanned form.
   cache_shape = re.compile(rf"= f32\[([0-9]+,)?4,({MAX_LEN},8|8,{MAX_LEN})\]\{{[0-9,]*\}} copy\(")
-  for key in (("batch_ar_loop", 1, 2, 2), ("batch_spec_loop", 4, 2, 2)):
+  for key in (("batch_ar_loop", 1, 2, 2, "all"), ("batch_spec_loop", 4, 2, 2, "all")):
     hlo = eng.compiled._fns[key].as_text()
     copies = [line.strip()[:120] for line in hlo.splitlines() if cache_shape.search(line)]
     assert not copies, (key, copies)
@@ -218,3 +217,33 @@ def test_bad_batch_requests_are_refused_before_decoding(batched):
     batched.generate_batch(prompts, max_new_tokens=max_news[:2])
   with pytest.raises(BadInputError, match="block_size=3 is not one of the configured buckets"):
     batched.generate_batch(prompts, max_new_tokens=4, block_size=3)
+
+
+def test_attention_windows_follow_the_rows_and_change_nothing(models, stop_id, single):
+  """With a longer cache (windows 128 and all 256 slots), each loop call attends over the smallest window
+  with room for its furthest row and returns early when a row would pass it: outputs are those
+  of each request alone, each window compiles once, and a windowed loop holds no cache copy."""
+  from bp_jax.decoding.programs import window_buckets, window_for
+
+  assert window_buckets(320) == (128, 256, 320) and window_buckets(256) == (128, 256)
+  assert window_for(100, 4, 2, 320) == 128 and window_for(121, 4, 2, 320) == 256
+  assert window_for(100, 4, 0, 320) is None and window_for(260, 4, 2, 320) is None
+  target, drafter = models
+  long = Engine(target, max_len=256, stop_ids=[stop_id], length_buckets=BUCKETS,
+                drafter=drafter, block_sizes=SIZES, batch_size=3, sync_cycles=2, ar_fallback=4)
+  long_single = Engine(target, max_len=256, stop_ids=[stop_id], length_buckets=BUCKETS,
+                       drafter=drafter, block_sizes=SIZES, ar_fallback=4)
+  prompts, _ = _requests(5, seed=10)
+  max_news = [150, 90, 120, 60, 140]
+  for b in (1, 4):
+    alone = _alone(long_single, prompts, max_news, [b] * 5)
+    together = long.generate_batch(prompts, max_new_tokens=max_news, block_size=b)
+    assert [g.output_ids for g in together] == [g.output_ids for g in alone], b
+  keys = [k for k in long.compiled.counts if k.startswith("batch_")]
+  windows = {k[4] for k in long.compiled._fns if k[0].startswith("batch_")}
+  assert windows == {128, "all"}  # rows moved from the first window to all slots
+  assert all(long.compiled.counts[k] <= len(window_buckets(256)) for k in keys)
+  hlo = long.compiled._fns[("batch_spec_loop", 4, 3, 2, 128)].as_text()
+  cache_shape = re.compile(r"= f32\[([0-9]+,)?6,(256,8|8,256)\]\{[0-9,]*\} copy\(")
+  assert not [line for line in hlo.splitlines() if cache_shape.search(line)]
+  assert re.search(r"f32\[6,256,8\]", hlo)  # the pattern names the cache buffers

@@ -197,3 +197,30 @@ def test_bad_sampling_flags_are_refused_before_decoding(cfg, field, value, flag)
   with pytest.raises(BadInputError, match=flag):
     run_decode.run(cfg)
   assert not os.path.exists(cfg.output)
+
+
+def test_batched_decode_writes_the_same_records_as_one_at_a_time(cfg):
+  """--config.batch_size=2 on the demo (learned policy, AR compared in the same run): the same
+  outputs, sizes and τ per request as batch 1, one record per request, and the batch settings
+  in the summary."""
+  cfg.update(dict(compare="ar", repeats=2))
+  one, _ = run_decode.run(cfg)
+  cfg.update(dict(batch_size=2, sync_cycles=4))
+  many, s = run_decode.run(cfg)
+  assert [r["id"] for r in many] == [r["id"] for r in one]
+  for key in ("output_ids", "block_size", "acceptance_lengths", "forward_lengths", "tau"):
+    assert [r[key] for r in many] == [r[key] for r in one], key
+  assert (s["batch_size"], s["sync_cycles"], s["mesh"]) == (2, 4, "none")
+  assert s["main"]["identical_to_ar"] == s["compare"]["ar"]["identical_to_ar"] == len(PROMPTS)
+  assert s["compilations_by_function"]["batch_ar_loop"] == 1
+  with open(cfg.output) as f:
+    assert len(f.readlines()) == len(PROMPTS)
+
+
+@pytest.mark.parametrize("field, value, flag", [("batch_size", 0, "--config.batch_size=0"),
+                                                ("sync_cycles", -2, "--config.sync_cycles=-2")])
+def test_bad_batch_flags_are_refused_before_loading(cfg, field, value, flag):
+  cfg[field] = value
+  with pytest.raises(BadInputError, match=flag):
+    run_decode.run(cfg)
+  assert not os.path.exists(os.path.dirname(cfg.output))

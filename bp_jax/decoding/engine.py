@@ -25,7 +25,7 @@ from bp_jax.decoding import loops as decode_loops
 from bp_jax.decoding.buckets import default_length_buckets, pick_bucket
 from bp_jax.decoding.generation import Generation, clip_forward_lengths, trim_at_stop
 from bp_jax.decoding.policy_binding import check_policy_fits
-from bp_jax.decoding.programs import WARMUP_TOKENS, LoopPrograms
+from bp_jax.decoding.programs import WARMUP_TOKENS, LoopPrograms, window_for
 from bp_jax.decoding.requests import (RequestChecks, check_batching, check_block_sizes,
                                      check_sampling)
 from bp_jax.decoding.scheduler import BatchRequest, Scheduler
@@ -173,7 +173,7 @@ class Engine:
                  jax.eval_shape(lambda: self.slot_carry(b)))
         args = ((self.t_state,) if b == 1 else (self.t_state, self.d_state)) + (
             carry, sp, self._stop_arr)
-        self.programs.batched_loop(b, self.batch_size, self.sync_cycles, args)
+        self.programs.batched_loop(b, self.batch_size, self.sync_cycles, None, args)
       return self.compiled.summary()
     pre = decode_loops.PrefillOut(z, self.cache, self.draft_cache, None, None)
     for b in block_sizes:
@@ -367,15 +367,21 @@ class Engine:
             jnp.int32(req.max_new_tokens), jax.random.key(req.seed), self._stop_arr) + forced
     return self.programs.insert(args), args
 
-  def slots_program(self, block_size: int, carry: dict, sp, forced: bool = False) -> tuple:
+  def slots_program(self, block_size: int, carry: dict, sp, forced: bool = False,
+                    max_pos: int | None = None) -> tuple:
     """(compiled batched loop of a bucket, its arguments with `carry` donated): one call runs
-    `sync_cycles` cycles, or until no row decodes (0). Compiles the loop and runs it once on an
-    idle copy of the carry (its first run's fixed cost) on first use, before any clock
-    starts."""
+    `sync_cycles` cycles, or until no row decodes (0), attending over the window that the
+    furthest decoding row (`max_pos`) needs (`programs.window_for`). Compiles the loop and runs
+    it once on an idle copy of the carry (its first run's fixed cost) on first use, before any
+    clock starts."""
     states = (self.t_state,) if block_size == 1 else (self.t_state, self.d_state)
     args = states + (carry, sp, self._stop_arr)
-    fn = self.programs.batched_loop(block_size, self.batch_size, self.sync_cycles, args, forced)
-    key = self.programs.batched_loop_key(block_size, self.batch_size, self.sync_cycles, forced)
+    window = (None if max_pos is None else
+              window_for(max_pos, block_size, self.sync_cycles, self.max_len))
+    fn = self.programs.batched_loop(block_size, self.batch_size, self.sync_cycles, window, args,
+                                    forced)
+    key = self.programs.batched_loop_key(block_size, self.batch_size, self.sync_cycles, window,
+                                         forced)
     if key not in self.programs.warmup_seconds:
       idle = dict(carry, max_new=jnp.zeros_like(carry["max_new"]))
       self.programs.warm_batched(key, fn, states + (idle, sp, self._stop_arr))

@@ -236,10 +236,23 @@ def make_insert() -> Callable:
   return insert
 
 
-def make_batched_ar_loop(graphdef, scan_layers: bool = False, sync_cycles: int = 0) -> Callable:
+def _fits(c, span: int, window: int | None) -> jax.Array:
+  """[] bool: every decoding row's next forward of `span` tokens lies inside the attention
+  window (always, without one)."""
+  if window is None:
+    return jnp.bool_(True)
+  return jnp.all(~_active(c) | (c["pos"] + span <= window))
+
+
+def make_batched_ar_loop(graphdef, scan_layers: bool = False, sync_cycles: int = 0,
+                         window: int | None = None) -> Callable:
   """ar_loop(state, carry, sampling, stop_ids) -> carry: plain AR decoding of every row of a
   `slot_carry` (rows at their own positions), until no row decodes or, with `sync_cycles` > 0
   (static), after that many steps.
+
+  `window` (static): attention reads cache slots [0, window) only, and the loop returns to the
+  host before a row's next step would reach past it (the host then picks a larger window,
+  `window_for`): a step reads the live part of the cache instead of all its slots.
 
   `sampling`: a `sampling.SamplingParams` (or a temperature scalar) shared by the batch; each
   row draws with its own seed key at its own positions, so a row's tokens are those it gets
@@ -253,7 +266,7 @@ def make_batched_ar_loop(graphdef, scan_layers: bool = False, sync_cycles: int =
 
     def body(c):
       out = model(c["tok"][:, None], c["cache"].with_lengths(_parked(c, _active(c))),
-                  layers=layers)
+                  layers=layers, window=window)
       y_B1 = sample(out.logits[:, 0], sp, _row_keys(c["seed_keys"], (c["pos"] + 1)[:, None])[:, 0]
                     )[:, None]
       # Plain AR decoding is speculative decoding with block size 1: each step is a cycle that
@@ -261,7 +274,7 @@ def make_batched_ar_loop(graphdef, scan_layers: bool = False, sync_cycles: int =
       return _commit(c, out, y_B1, jnp.zeros_like(c["pos"]), True, stop_ids)
 
     c = dict(c, cache=_loop_cache(c["cache"], scan_layers))
-    return _run(lambda c: jnp.any(_active(c)), body, c, sync_cycles)
+    return _run(lambda c: jnp.any(_active(c)) & _fits(c, 1, window), body, c, sync_cycles)
 
   return ar_loop
 
@@ -269,7 +282,7 @@ def make_batched_ar_loop(graphdef, scan_layers: bool = False, sync_cycles: int =
 def make_batched_spec_loop(graphdef, draft_graphdef, block_size: int, scan_layers: bool = False,
                            ar_fallback: int = 0, ar_fallback_accept: int = 1,
                            forced_drafts: bool = False, verify: str = "exact",
-                           sync_cycles: int = 0) -> Callable:
+                           sync_cycles: int = 0, window: int | None = None) -> Callable:
   """spec_loop(state, draft_state, carry, sampling, stop_ids) -> carry: speculative decoding of
   every row of a `slot_carry`, each at its own position, until no row decodes or, with
   `sync_cycles` > 0 (static), after that many cycles.
@@ -296,7 +309,8 @@ def make_batched_spec_loop(graphdef, draft_graphdef, block_size: int, scan_layer
   drafts the tokens stored there at its positions instead of the drafter's argmax: a perfect
   drafter that still pays the drafter's full compute. It is a separately compiled variant, so
   production loops carry no trace of it.
-  `scan_layers`: as in `make_batched_ar_loop`, for the target and the drafter.
+  `scan_layers`, `window`: as in `make_batched_ar_loop`, for the target and the drafter (a
+  cycle needs b slots of room, an AR step one).
   """
   b = block_size
   if ar_fallback < 0 or ar_fallback_accept < 0:
@@ -319,7 +333,7 @@ def make_batched_spec_loop(graphdef, draft_graphdef, block_size: int, scan_layer
       B = parked.shape[0]
       block_Bb = jnp.full((B, b), mask_id, jnp.int32).at[:, 0].set(c["tok"])
       h_BbD = drafter.draft(model.embed_tokens(block_Bb), c["draft_cache"].with_lengths(parked),
-                            draft_layers)
+                            draft_layers, window)
       logits_BkV = model.project_to_vocab(h_BbD[:, 1:])
       drafted = jax.vmap(lambda lg, key, p: verify_rules.propose(lg, verify, sp, key, p))(
           logits_BkV, c["seed_keys"], c["pos"])
@@ -340,7 +354,8 @@ def make_batched_spec_loop(graphdef, draft_graphdef, block_size: int, scan_layer
       draft_Bk, draft_logits_BkV = draft_tokens(c, parked)
       # Verify each row's whole block in one target forward.
       verify_Bb = jnp.concatenate([c["tok"][:, None], draft_Bk], axis=1)
-      out = model(verify_Bb, c["cache"].with_lengths(parked), layer_ids, layers=layers)
+      out = model(verify_Bb, c["cache"].with_lengths(parked), layer_ids, layers=layers,
+                  window=window)
       y_Bb, a_B = jax.vmap(
           lambda tl, dl, d, key, p: verify_rules.verify(tl, dl, d, verify, sp, key, p))(
               out.logits, draft_logits_BkV, draft_Bk, c["seed_keys"], c["pos"])
@@ -349,7 +364,7 @@ def make_batched_spec_loop(graphdef, draft_graphdef, block_size: int, scan_layer
 
     def ar_step(c):
       out = model(c["tok"][:, None], c["cache"].with_lengths(_parked(c, _active(c))),
-                  layer_ids, layers=layers)
+                  layer_ids, layers=layers, window=window)
       y_B1 = sample(out.logits[:, 0], sp, _row_keys(c["seed_keys"], (c["pos"] + 1)[:, None])[:, 0]
                     )[:, None]
       return _commit(c, out, y_B1, jnp.zeros_like(c["pos"]), False, stop_ids, drafter,
@@ -357,7 +372,7 @@ def make_batched_spec_loop(graphdef, draft_graphdef, block_size: int, scan_layer
 
     def wants_ar(c):
       active = _active(c)
-      return jnp.any(active) & jnp.all(~active | (c["wait"] > 0))
+      return jnp.any(active) & jnp.all(~active | (c["wait"] > 0)) & _fits(c, 1, window)
 
     def body(c):
       c = spec_cycle(c)
@@ -369,7 +384,7 @@ def make_batched_spec_loop(graphdef, draft_graphdef, block_size: int, scan_layer
 
     c = dict(c, cache=_loop_cache(c["cache"], scan_layers),
              draft_cache=_loop_cache(c["draft_cache"], scan_layers))
-    return _run(lambda c: jnp.any(_active(c)), body, c, sync_cycles)
+    return _run(lambda c: jnp.any(_active(c)) & _fits(c, b, window), body, c, sync_cycles)
 
   return spec_loop
 

@@ -32,6 +32,31 @@ def _placements_of(carry: dict):
   return None
 
 
+MIN_WINDOW = 128
+
+
+def window_buckets(max_len: int) -> tuple[int, ...]:
+  """The attention windows of the batched loops: powers of two from MIN_WINDOW below max_len,
+  then max_len (a bounded set: at most log2(max_len / MIN_WINDOW) + 1 programs per loop)."""
+  out, w = [], MIN_WINDOW
+  while w < max_len:
+    out.append(w)
+    w *= 2
+  return tuple(out) + (max_len,)
+
+
+def window_for(max_pos: int, block_size: int, sync_cycles: int, max_len: int) -> int | None:
+  """The window of a batched loop call whose furthest decoding row is at `max_pos`: room for
+  about half of `sync_cycles` full cycles (the loop returns early when a row reaches the
+  window's end); None (all slots) for static batching (sync_cycles = 0) or past the largest
+  power of two."""
+  if sync_cycles <= 0:
+    return None
+  need = max_pos + block_size * (1 + sync_cycles // 2)
+  w = next((w for w in window_buckets(max_len) if w >= need), max_len)
+  return None if w >= max_len else w
+
+
 class LoopPrograms:
   """Builds, caches and warms the jitted functions of one (target, drafter, loop form)."""
 
@@ -68,28 +93,30 @@ class LoopPrograms:
                                         verify="exact" if forced else self.verify)
     return self.cache.get(key, make, args, donate_argnums=(2, 3, 4))
 
-  def batched_loop(self, block_size: int, batch: int, sync_cycles: int, args: tuple,
-                   forced: bool = False):
+  def batched_loop(self, block_size: int, batch: int, sync_cycles: int, window: int | None,
+                   args: tuple, forced: bool = False):
     """The compiled batched loop (`loops.make_batched_*_loop`) of a block size for a carry of
-    `batch` rows, returning to the host every `sync_cycles` cycles (0: when no row decodes);
-    compiled once per (block size, batch, sync_cycles)."""
-    key = self.batched_loop_key(block_size, batch, sync_cycles, forced)
+    `batch` rows, returning to the host every `sync_cycles` cycles (0: when no row decodes),
+    attending over `window` cache slots (None: all); compiled once per (block size, batch,
+    sync_cycles, window bucket)."""
+    key = self.batched_loop_key(block_size, batch, sync_cycles, window, forced)
     if block_size == 1:
       return self.cache.get(
-          key, lambda: loops.make_batched_ar_loop(self.t_graph, self.scan_layers, sync_cycles),
+          key, lambda: loops.make_batched_ar_loop(self.t_graph, self.scan_layers, sync_cycles,
+                                                  window),
           args, donate_argnums=(1,), out_shardings=_placements_of(args[1]))
     make = lambda: loops.make_batched_spec_loop(
         self.t_graph, self.d_graph, block_size, self.scan_layers, self.ar_fallback,
         self.ar_fallback_accept, forced_drafts=forced, verify="exact" if forced else self.verify,
-        sync_cycles=sync_cycles)
+        sync_cycles=sync_cycles, window=window)
     return self.cache.get(key, make, args, donate_argnums=(2,),
                           out_shardings=_placements_of(args[2]))
 
   def batched_loop_key(self, block_size: int, batch: int, sync_cycles: int,
-                       forced: bool = False) -> tuple:
+                       window: int | None, forced: bool = False) -> tuple:
     name = "batch_ar_loop" if block_size == 1 else (
         "batch_spec_loop_forced" if forced else "batch_spec_loop")
-    return (name, block_size, batch, sync_cycles)
+    return (name, block_size, batch, sync_cycles, window or "all")
 
   def insert(self, args: tuple):
     """The compiled slot insertion (`loops.make_insert`) for a carry's shapes."""

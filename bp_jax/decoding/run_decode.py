@@ -28,7 +28,7 @@ from bp_jax.errors import BadInputError
 from bp_jax.models.precision import matmul_precision, precision_of
 from bp_jax.text.prompts import Prompt, load_prompts
 from bp_jax.text.tokenizer import encode_prompt, load_tokenizer, stop_token_ids, tokenizer_size
-from bp_jax.parallel.mesh import make_mesh
+from bp_jax.parallel.mesh import describe, make_mesh
 from bp_jax.weights.loading import load_drafter, load_target
 
 MODES = ("ar", "spec")
@@ -283,7 +283,8 @@ def _run(cfg) -> tuple[list[dict], dict]:
   records = per_method[main]
   summary = summarize(records, engine, cfg, time.perf_counter() - t0)
   summary["block_policy"] = choice.name
-  summary.update(batch_size=engine.batch_size, sync_cycles=engine.sync_cycles)
+  summary.update(batch_size=engine.batch_size, sync_cycles=engine.sync_cycles,
+                 mesh=describe(engine.mesh))
   summary["compile_cache"] = cache_dir
   summary["matmul_precision"] = precision_of(cfg)
   if choice.name != "fixed":

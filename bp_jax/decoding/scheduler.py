@@ -11,7 +11,9 @@ Each block size in use (a bucket) has a batched carry of `batch_size` slots
 2. moves prefilled requests into free slots of their bucket (`loops.make_insert`: a slot-sized
    copy into the donated carry), oldest first;
 3. runs the bucket with the most requests in flight (ties: the smallest block size) for
-   `sync_cycles` cycles (0: until none of its rows decodes: static batching) in one call;
+   `sync_cycles` cycles (0: until none of its rows decodes: static batching) in one call,
+   attending over the smallest window of cache slots (`programs.window_buckets`) with room for
+   its furthest row (the call returns early when a row would pass it);
 4. reads back which rows finished (stop token or max_new_tokens), turns each into its
    `Generation` and frees its slot; then goes back to 1.
 
@@ -129,11 +131,12 @@ class Scheduler:
     b, bucket = max(((b, k) for b, k in self.buckets.items() if k.live()),
                     key=lambda bk: (bk[1].live(), -bk[0]))
     c = bucket.carry
-    n_gen, done, max_new = jax.device_get((c["n_gen"], c["done"], c["max_new"]))
+    n_gen, done, max_new, pos = jax.device_get((c["n_gen"], c["done"], c["max_new"], c["pos"]))
     decoding = [i for i, r in enumerate(bucket.rows)
                 if r is not None and not done[i] and n_gen[i] < max_new[i]]
     if decoding:
-      fn, args = self.engine.slots_program(b, bucket.carry, self.sp, self.forced)
+      fn, args = self.engine.slots_program(b, bucket.carry, self.sp, self.forced,
+                                           max_pos=int(max(pos[i] for i in decoding)))
       t0 = time.perf_counter()
       bucket.carry = fn(*args)
       jax.block_until_ready(bucket.carry["pos"])

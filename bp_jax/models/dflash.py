@@ -121,23 +121,29 @@ class DFlashDrafter(nnx.Module):
   # ---- drafting ------------------------------------------------------------------------------
 
   def draft(self, block_emb_BbD: jax.Array, cache: KVCache,
-            layers: list[dict[str, jax.Array]] | None = None) -> jax.Array:
+            layers: list[dict[str, jax.Array]] | None = None,
+            window: int | None = None) -> jax.Array:
     """Final-normed hidden states [B, b, D] of a block at positions `cache.lengths + arange(b)`.
 
     `block_emb_BbD` is the target's embedding of `[t, MASK, ..., MASK]`. Each block position sees
     the valid context (slots `j < cache.lengths`) and the whole block. The cache is only read.
     Multiply by the target's head weight for logits; positions 1..b-1 give the draft tokens.
     `layers`: as for `Qwen3.__call__` (None = `lax.scan`; `self.layers.per_layer()` = unrolled).
+    `window`: read context slots [0, window) only (static; the context must lie below it).
     """
     c = self.cfg.layers
     eps, K, H = c.rms_norm_eps, c.num_key_value_heads, c.head_dim
     B, b, _ = block_emb_BbD.shape
     pos_Bb = cache.lengths[:, None] + jnp.arange(b, dtype=jnp.int32)[None, :]
     cos_BbH, sin_BbH = L.rope_cos_sin(pos_Bb, H, c.rope_theta)
-    ctx_mask_BS = jnp.arange(cache.max_len)[None, :] < cache.lengths[:, None]
+    W = cache.max_len if window is None else min(int(window), cache.max_len)
+    ctx_mask_BS = jnp.arange(W)[None, :] < cache.lengths[:, None]
+    in_window = (lambda k, v: (k, v)) if W == cache.max_len else (
+        lambda k, v: (k[..., :W, :], v[..., :W]))
 
     def body(x_BbD, xs):
       p, k_ctx_ZSH, v_ctx_ZHS = xs
+      k_ctx_ZSH, v_ctx_ZHS = in_window(k_ctx_ZSH, v_ctx_ZHS)
       xn_BbD = L.rms_norm(x_BbD, p["input_norm"], eps)
       q_BbNH = L.project_q(xn_BbD, p, cos_BbH, sin_BbH, c.num_attention_heads, H, eps)
       k_blk_BbKH, v_blk_BbKH = L.project_kv(xn_BbD, p, cos_BbH, sin_BbH, K, H, eps)

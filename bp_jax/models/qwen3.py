@@ -95,7 +95,8 @@ class Qwen3(nnx.Module):
 
   def __call__(self, tokens_BT: jax.Array, cache: KVCache,
                hidden_layers: Sequence[int] = (), logits_at: jax.Array | None = None,
-               layers: Sequence[dict[str, jax.Array]] | None = None) -> ForwardOutput:
+               layers: Sequence[dict[str, jax.Array]] | None = None,
+               window: int | None = None) -> ForwardOutput:
     """Runs T tokens through the model on top of `cache`.
 
     `hidden_layers`: indices of decoder layers whose outputs are returned (same pass).
@@ -105,12 +106,15 @@ class Qwen3(nnx.Module):
     layer: fast to compile); `self.layers.per_layer()` (taken once, outside a decode loop) runs
     them unrolled with static per-layer weights (fast to run; see `LayerStack.per_layer`), on a
     stacked cache or, best, on `cache.per_layer()`.
+    `window`: attend over cache slots [0, window) only (static; every query position must be
+    below it): a decode step then reads the live part of the cache, not all `max_len` slots.
     """
     c = self.cfg
     B, T = tokens_BT.shape
     pos_BT = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
     cos, sin = L.rope_cos_sin(pos_BT, c.head_dim, c.rope_theta)
-    mask_BTS = causal_mask(pos_BT, cache.max_len)
+    W = cache.max_len if window is None else min(int(window), cache.max_len)
+    mask_BTS = causal_mask(pos_BT, W)
     kept = sorted(set(hidden_layers))  # a layer may be requested more than once
     n_keep = len(kept)
     # Slot of each layer in the returned hidden buffer; unrequested layers go to a spare slot.
@@ -135,6 +139,8 @@ class Qwen3(nnx.Module):
       else:
         k_all, v_all = write_layer(k_all, v_all, layer, k_new, v_new, pos_BT)
         k_l, v_l = k_all[layer], v_all[layer]
+      if W < cache.max_len:
+        k_l, v_l = k_l[:, :W], v_l[:, :, :W]
       attn = L.attend(q, k_l, v_l, mask_BTS)
       h = x + attn @ p["o_proj"]
       x = h + L.swiglu_mlp(L.rms_norm(h, p["post_norm"], c.rms_norm_eps), p)
