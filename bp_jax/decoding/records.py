@@ -108,7 +108,9 @@ def print_comparison(s: dict) -> None:
   """The methods of one interleaved run side by side, speedups against plain AR."""
   rows = {"main: " + s["main"]["method"]: s["main"], **s["compare"]}
   ar = next((r for r in rows.values() if r["method"] == "ar"), None)
-  print(f"\n  compared in one run, interleaved per request, fastest of {s['repeats']} "
+  how = ("interleaved per request" if s.get("batch_size", 1) == 1 else
+         f"in batches of {s['batch_size']}, one pass over the prompts per method, alternating")
+  print(f"\n  compared in one run, {how}, fastest of {s['repeats']} "
         f"(decode time, T={s['temperature']}):")
   head = (f"  {'method':<16} {'decode tok/s':>12} {'speedup vs AR':>14} "
           f"{'tau/cycle':>9} {'tok/forward':>11} {'identical to AR':>16}")
