@@ -130,9 +130,10 @@ def get_config() -> ml_collections.ConfigDict:
   c.controller = "backoff"
   # confidence: relative costs of one target forward over 1, 2, 4, 8, 16, 32 tokens (linear in
   # between) and of one drafter pass, same unit; defaults measured on the demo on a 2-core CPU
-  # (benchmarks/controller_costs.py; measure your own hardware with it).
-  c.controller_costs = "1.0,1.08,1.25,1.63,2.47,4.05"
-  c.controller_draft_cost = 0.95
+  # (benchmarks/controller_costs.py, figures in bp_jax/decoding/controller.py; measure your own
+  # hardware with it).
+  c.controller_costs = "1.0,2.01,2.25,2.58,4.22,6.16"
+  c.controller_draft_cost = 1.58
   c.report = ""              # folder for PNG plots (acceptance-length histogram)
   # Comparisons in one run: every prompt is also decoded by each method listed (ar, b<k> for a
   # fixed block size k, learned, random), all interleaved per request in a shuffled order,

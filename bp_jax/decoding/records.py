@@ -86,7 +86,8 @@ def _fmt(x, spec: str) -> str:
 
 def print_summary(s: dict) -> None:
   rows = [("mode", s["mode"]), ("block policy", s["block_policy"]),
-          ("block sizes used", s["block_sizes_used"]), ("prompts", s["prompts"]),
+          ("block sizes used", s["block_sizes_used"]),
+          ("verify-length controller", s.get("controller", "-")), ("prompts", s["prompts"]),
           ("new tokens", s["new_tokens"]),
           ("tokens/s (prefill+decode)", s["tokens_per_s"]),
           ("decode tokens/s", s["decode_tokens_per_s"]),
