@@ -32,6 +32,10 @@ def get_config() -> ml_collections.ConfigDict:
   # On this CPU a b=8 cycle costs ~4 AR steps: after a cycle that accepts <= 1 draft, run 2, 4,
   # ... (at most 16) plain AR steps before drafting again (lossless; see configs/qwen3.py).
   c.ar_fallback = 16
+  # The per-cycle verify-length controller: backoff = the fallback above; try
+  # --config.controller=confidence (verify 0, 1, 3 or 7 drafts per cycle by the drafter's
+  # confidence and the cost table of configs/qwen3.py) or none (the paper's loop).
+  c.controller = "backoff"
   # BlockPilot: the shipped policy picks each request's block size from its prefill. Without
   # demo/policy, decode.py says so and decodes with block_size. HumanEval prompts the policy was
   # labelled on are skipped (never evaluate on them).

@@ -122,6 +122,18 @@ def get_config() -> ml_collections.ConfigDict:
   # pays off where a cycle costs several AR steps (CPU). 0 = always draft (the paper's loop).
   c.ar_fallback = 0
   c.ar_fallback_accept = 1
+  # Per-cycle verify-length controller of the speculative loops: none (verify all b-1 drafts,
+  # ar_fallback unused) | backoff (none plus the AR fallback above; with ar_fallback = 0 it is
+  # none) | confidence (verify k in {0, 1, 3, 7, ..., b-1} drafts per cycle, the k maximizing
+  # expected committed tokens / cost from the drafter's probabilities, and skip the next
+  # drafter pass when drafting does not pay; ar_fallback unused). Lossless either way.
+  c.controller = "backoff"
+  # confidence: relative costs of one target forward over 1, 2, 4, 8, 16, 32 tokens (linear in
+  # between) and of one drafter pass, same unit; defaults measured on the demo on a 2-core CPU
+  # (benchmarks/controller_costs.py, figures in bp_jax/decoding/controller.py; measure your own
+  # hardware with it).
+  c.controller_costs = "1.0,2.01,2.25,2.58,4.22,6.16"
+  c.controller_draft_cost = 1.58
   c.report = ""              # folder for PNG plots (acceptance-length histogram)
   # Comparisons in one run: every prompt is also decoded by each method listed (ar, b<k> for a
   # fixed block size k, learned, random), all interleaved per request in a shuffled order,

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from bp_jax.decoding import controller as control
 from bp_jax.decoding import loops as decode_loops
 from bp_jax.decoding.buckets import default_length_buckets, pick_bucket
 from bp_jax.decoding.generation import Generation, clip_forward_lengths, trim_at_stop
@@ -54,7 +55,10 @@ class Engine:
                block_sizes: Sequence[int] = DEFAULT_BLOCK_SIZES, policy=None,
                policy_sizes: Sequence[int] = (), scan_layers: bool = False,
                ar_fallback: int = 0, ar_fallback_accept: int = 1, verify: str = "exact",
-               batch_size: int = 1, sync_cycles: int = 16, mesh=None):
+               batch_size: int = 1, sync_cycles: int = 16, mesh=None,
+               controller: str = "backoff",
+               controller_costs: str | Sequence[float] = control.DEFAULT_COSTS,
+               controller_draft_cost: float = control.DEFAULT_DRAFT_COST):
     if max_len > target.cfg.max_position_embeddings:
       raise BadInputError(f"--config.max_len={max_len} exceeds the model's "
                           f"max_position_embeddings={target.cfg.max_position_embeddings}")
@@ -63,6 +67,9 @@ class Engine:
                           f"{ar_fallback_accept} must be >= 0")
     check_block_sizes(list(block_sizes))
     check_verify_mode(verify)
+    control.check_controller(controller)
+    controller_costs = control.parse_costs(controller_costs)
+    controller_draft_cost = control.check_draft_cost(controller_draft_cost)
     check_batching(batch_size, sync_cycles)
     self.batch_size, self.sync_cycles = int(batch_size), int(sync_cycles)
     self.cfg = target.cfg
@@ -91,7 +98,9 @@ class Engine:
                                 drafter is not None)
     self.programs = LoopPrograms(self.t_graph, self.d_graph, scan_layers=scan_layers,
                                  ar_fallback=ar_fallback, ar_fallback_accept=ar_fallback_accept,
-                                 verify=verify)
+                                 verify=verify, controller=controller,
+                                 controller_costs=controller_costs,
+                                 controller_draft_cost=controller_draft_cost)
     self.p_graph = self.p_state = self.policy_key = None
     self.policy_sizes: tuple[int, ...] = ()
     self.mesh = mesh  # a jax.sharding.Mesh (`bp_jax.parallel.mesh.make_mesh`) or None
@@ -107,6 +116,9 @@ class Engine:
   ar_fallback = property(lambda self: self.programs.ar_fallback)
   ar_fallback_accept = property(lambda self: self.programs.ar_fallback_accept)
   verify = property(lambda self: self.programs.verify)
+  # The verify-length controller in effect (`controller.CONTROLLERS`; "backoff" without fallback
+  # steps reads "none").
+  controller = property(lambda self: self.programs.controller)
   compiled = property(lambda self: self.programs.cache)
 
   @property

@@ -18,6 +18,7 @@ from flax import nnx
 
 from bp_jax.models.kv_cache import KVCache
 from bp_jax.policy.features import prefill_features
+from bp_jax.decoding import controller as control
 from bp_jax.decoding import verify as verify_rules
 from bp_jax.decoding.sampling import as_sampling, position_keys, sample
 
@@ -282,7 +283,11 @@ def make_batched_ar_loop(graphdef, scan_layers: bool = False, sync_cycles: int =
 def make_batched_spec_loop(graphdef, draft_graphdef, block_size: int, scan_layers: bool = False,
                            ar_fallback: int = 0, ar_fallback_accept: int = 1,
                            forced_drafts: bool = False, verify: str = "exact",
-                           sync_cycles: int = 0, window: int | None = None) -> Callable:
+                           sync_cycles: int = 0, window: int | None = None,
+                           controller: str | None = None,
+                           controller_costs=control.DEFAULT_COSTS,
+                           controller_draft_cost: float = control.DEFAULT_DRAFT_COST
+                           ) -> Callable:
   """spec_loop(state, draft_state, carry, sampling, stop_ids) -> carry: speculative decoding of
   every row of a `slot_carry`, each at its own position, until no row decodes or, with
   `sync_cycles` > 0 (static), after that many cycles.
@@ -311,10 +316,33 @@ def make_batched_spec_loop(graphdef, draft_graphdef, block_size: int, scan_layer
   production loops carry no trace of it.
   `scan_layers`, `window`: as in `make_batched_ar_loop`, for the target and the drafter (a
   cycle needs b slots of room, an AR step one).
+
+  `controller` (static; `controller.CONTROLLERS`, None = "backoff" with `ar_fallback` > 0, else
+  "none"): "none" verifies every draft and ignores `ar_fallback`; "backoff" is the AR fallback
+  above; "confidence" verifies k of the b-1 drafts, k from `controller.verify_buckets(b)`
+  chosen per cycle (one k for the batch) by `controller.choose` with the cost table
+  `controller_costs` / `controller_draft_cost`, and after a cycle whose best rate is below the
+  AR rate the next forward is one AR step (no drafter pass). "fixed:k" (tests) verifies k drafts
+  every cycle through the same machinery. Each bucket is its own verify shape [B, k+1] run as a
+  nested `while_loop` of zero or one trips (a `lax.switch` would copy every cache buffer); a
+  cycle verifying k = 0 drafts still counts as a cycle (its drafter pass was paid).
   """
   b = block_size
   if ar_fallback < 0 or ar_fallback_accept < 0:
     raise ValueError("ar_fallback and ar_fallback_accept must be >= 0")
+  if controller is None:
+    controller = "backoff" if ar_fallback else "none"
+  fixed = control.fixed_k(controller, b)
+  if fixed is None:
+    control.check_controller(controller, "controller")
+  if controller != "backoff":
+    ar_fallback = 0
+  confidence = controller == "confidence"
+  buckets = control.verify_buckets(b) if (confidence or fixed is not None) else None
+  if buckets is not None:
+    costs = control.parse_costs(controller_costs, "controller_costs")
+    cost_K = control.bucket_costs(b, costs, control.check_draft_cost(controller_draft_cost))
+    ar_cost = control.verify_cost(1, costs)
   verify_rules.check_verify_mode(verify, "verify")
   if forced_drafts and verify != "exact":
     raise ValueError("forced drafts are not draws from the drafter: only verify='exact'")
@@ -362,6 +390,38 @@ def make_batched_spec_loop(graphdef, draft_graphdef, block_size: int, scan_layer
       return _commit(c, out, y_Bb, a_B, True, stop_ids, drafter, draft_layers,
                      fallback_after if ar_fallback else None)
 
+    def verify_k(c, k, draft_Bk, draft_logits_BkV):
+      """The carry after the target verifies each row's first k drafts ([B, k+1] tokens)."""
+      parked = _parked(c, _active(c))
+      verify_Bt = jnp.concatenate([c["tok"][:, None], draft_Bk[:, :k]], axis=1)
+      out = model(verify_Bt, c["cache"].with_lengths(parked), layer_ids, layers=layers,
+                  window=window)
+      if k == 0:  # the AR step's own draw at pos + 1 under either verify rule
+        y_Bt, a_B = jax.vmap(lambda tl, key, p: verify_rules.exact_match(
+            tl, draft_Bk[0, :0], sp, key, p))(out.logits, c["seed_keys"], c["pos"])
+      else:
+        y_Bt, a_B = jax.vmap(
+            lambda tl, dl, d, key, p: verify_rules.verify(tl, dl, d, verify, sp, key, p))(
+                out.logits, draft_logits_BkV[:, :k], draft_Bk[:, :k], c["seed_keys"], c["pos"])
+      return _commit(c, out, y_Bt, a_B, True, stop_ids, drafter, draft_layers)
+
+    def controlled_cycle(c):
+      """One cycle verifying the bucket the controller picks (one nested loop per bucket,
+      exactly one of which runs once)."""
+      active = _active(c)
+      draft_Bk, draft_logits_BkV = draft_tokens(c, _parked(c, active))
+      if fixed is not None:
+        idx, draft_next = jnp.int32(buckets.index(fixed)), jnp.bool_(True)
+      else:
+        p_Bk = control.drafted_probs(draft_logits_BkV, draft_Bk)
+        idx, draft_next = control.choose(p_Bk, active, buckets, cost_K, ar_cost)
+      for i, k in enumerate(buckets):
+        run = lambda s, k=k: (jnp.bool_(False), verify_k(s[1], k, draft_Bk, draft_logits_BkV))
+        c = jax.lax.while_loop(lambda s: s[0], run, (idx == i, c))[1]
+      if confidence:  # one AR step (no drafter pass) before the next cycle when not worth it
+        c = dict(c, wait=jnp.where(draft_next, 0, 1) + jnp.zeros_like(c["wait"]))
+      return c
+
     def ar_step(c):
       out = model(c["tok"][:, None], c["cache"].with_lengths(_parked(c, _active(c))),
                   layer_ids, layers=layers, window=window)
@@ -375,8 +435,8 @@ def make_batched_spec_loop(graphdef, draft_graphdef, block_size: int, scan_layer
       return jnp.any(active) & jnp.all(~active | (c["wait"] > 0)) & _fits(c, 1, window)
 
     def body(c):
-      c = spec_cycle(c)
-      if ar_fallback == 0:
+      c = spec_cycle(c) if buckets is None else controlled_cycle(c)
+      if ar_fallback == 0 and not confidence:
         return c
       # The AR steps the rows' poor cycles asked for, as a nested loop (zero trips otherwise):
       # a `lax.cond` between a cycle and a step would copy every cache buffer at every step.
@@ -418,12 +478,17 @@ def make_ar_loop(graphdef, scan_layers: bool = False) -> Callable:
 
 def make_spec_loop(graphdef, draft_graphdef, block_size: int, scan_layers: bool = False,
                    ar_fallback: int = 0, ar_fallback_accept: int = 1,
-                   forced_drafts: bool = False, verify: str = "exact") -> Callable:
+                   forced_drafts: bool = False, verify: str = "exact",
+                   controller: str | None = None, controller_costs=control.DEFAULT_COSTS,
+                   controller_draft_cost: float = control.DEFAULT_DRAFT_COST) -> Callable:
   """spec_loop(state, draft_state, seq, cache, draft_cache, first_tok, n, max_new, sampling,
   seed_key, stop_ids[, forced_seq]) -> LoopOut: one request, `make_batched_spec_loop` (see it
-  for the cycle, the fallback and forced drafts) on a one-row carry; `forced_seq` [1, S]."""
+  for the cycle, the fallback, the controller and forced drafts) on a one-row carry;
+  `forced_seq` [1, S]."""
   batched = make_batched_spec_loop(graphdef, draft_graphdef, block_size, scan_layers,
-                                   ar_fallback, ar_fallback_accept, forced_drafts, verify)
+                                   ar_fallback, ar_fallback_accept, forced_drafts, verify,
+                                   controller=controller, controller_costs=controller_costs,
+                                   controller_draft_cost=controller_draft_cost)
 
   def spec_loop(state, draft_state, seq_1S, cache, draft_cache, first_tok, n, max_new,
                 sampling, seed_key, stop_ids, *forced):

@@ -15,6 +15,7 @@ import time
 import jax
 import jax.numpy as jnp
 
+from bp_jax.decoding import controller as control
 from bp_jax.decoding import loops
 from bp_jax.decoding.compiled import CompiledCache
 
@@ -61,11 +62,21 @@ class LoopPrograms:
   """Builds, caches and warms the jitted functions of one (target, drafter, loop form)."""
 
   def __init__(self, t_graph, d_graph, *, scan_layers: bool, ar_fallback: int,
-               ar_fallback_accept: int, verify: str = "exact"):
+               ar_fallback_accept: int, verify: str = "exact", controller: str = "backoff",
+               controller_costs=control.DEFAULT_COSTS,
+               controller_draft_cost: float = control.DEFAULT_DRAFT_COST):
     self.t_graph, self.d_graph = t_graph, d_graph
     self.verify = verify
     self.scan_layers = bool(scan_layers)
-    self.ar_fallback, self.ar_fallback_accept = int(ar_fallback), int(ar_fallback_accept)
+    # The loop form in effect: `backoff` without fallback steps is the plain loop (`none`),
+    # and only `backoff` takes fallback steps.
+    if controller == "backoff" and int(ar_fallback) == 0:
+      controller = "none"
+    self.controller = controller
+    self.ar_fallback = int(ar_fallback) if controller == "backoff" else 0
+    self.ar_fallback_accept = int(ar_fallback_accept)
+    self.controller_costs = tuple(float(c) for c in controller_costs)
+    self.controller_draft_cost = float(controller_draft_cost)
     self.cache = CompiledCache()
     self.warmup_seconds: dict[tuple, float] = {}  # loop key -> its untimed first run (s)
 
@@ -90,7 +101,8 @@ class LoopPrograms:
     make = lambda: loops.make_spec_loop(self.t_graph, self.d_graph, block_size, self.scan_layers,
                                         self.ar_fallback, self.ar_fallback_accept,
                                         forced_drafts=forced,
-                                        verify="exact" if forced else self.verify)
+                                        verify="exact" if forced else self.verify,
+                                        **self.controller_options())
     return self.cache.get(key, make, args, donate_argnums=(2, 3, 4))
 
   def batched_loop(self, block_size: int, batch: int, sync_cycles: int, window: int | None,
@@ -108,9 +120,14 @@ class LoopPrograms:
     make = lambda: loops.make_batched_spec_loop(
         self.t_graph, self.d_graph, block_size, self.scan_layers, self.ar_fallback,
         self.ar_fallback_accept, forced_drafts=forced, verify="exact" if forced else self.verify,
-        sync_cycles=sync_cycles, window=window)
+        sync_cycles=sync_cycles, window=window, **self.controller_options())
     return self.cache.get(key, make, args, donate_argnums=(2,),
                           out_shardings=_placements_of(args[2]))
+
+  def controller_options(self) -> dict:
+    """The speculative loops' controller keyword arguments (`loops.make_batched_spec_loop`)."""
+    return dict(controller=self.controller, controller_costs=self.controller_costs,
+                controller_draft_cost=self.controller_draft_cost)
 
   def batched_loop_key(self, block_size: int, batch: int, sync_cycles: int,
                        window: int | None, forced: bool = False) -> tuple:

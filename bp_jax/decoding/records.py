@@ -66,7 +66,8 @@ def summarize(records: list[dict], engine, cfg, wall_s: float) -> dict:
   comp = engine.compiled.summary()
   return {
       "mode": cfg.mode, "block_policy": block_policy_of(cfg), "temperature": cfg.temperature,
-      "verify": engine.verify, **sampling_options(cfg),
+      "verify": engine.verify, "controller": engine.controller,
+      **sampling_options(cfg),
       **figures(records), "wall_s": round(wall_s, 3),
       "acceptance_histogram": {str(k): hist[k] for k in sorted(hist)},
       "block_sizes_used": dict(collections.Counter(str(r["block_size"]) for r in records)),
@@ -85,7 +86,8 @@ def _fmt(x, spec: str) -> str:
 
 def print_summary(s: dict) -> None:
   rows = [("mode", s["mode"]), ("block policy", s["block_policy"]),
-          ("block sizes used", s["block_sizes_used"]), ("prompts", s["prompts"]),
+          ("block sizes used", s["block_sizes_used"]),
+          ("verify-length controller", s.get("controller", "-")), ("prompts", s["prompts"]),
           ("new tokens", s["new_tokens"]),
           ("tokens/s (prefill+decode)", s["tokens_per_s"]),
           ("decode tokens/s", s["decode_tokens_per_s"]),

@@ -303,6 +303,9 @@ def labels_stage(cfg: Any) -> None:
 
   bp = cfg.blockpilot
   loop = loop_options(cfg)  # the measured loops' form: cycle costs and labels depend on it
+  if loop["controller"] == "confidence":
+    raise BadInputError("--config.controller=confidence: label sets do not record the "
+                        "controller yet; label with --config.controller=none or backoff")
   sampling = sampling_options(cfg)
   target, drafter, tok, fingerprint = load_models(cfg, "labels")
   sizes = candidate_sizes(bp, drafter.cfg.block_size)

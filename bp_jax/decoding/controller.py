@@ -1,0 +1,145 @@
+"""The per-cycle verify-length controller of the speculative loops (`--config.controller`).
+
+After the drafter proposes a cycle's b-1 tokens (one pass), the controller decides how many of
+them, k, the target verifies, from a small static set of verify buckets (`verify_buckets`: for
+b = 8, k in {0, 1, 3, 7}; k = 0 is a plain AR step over the bonus token). Each k is its own
+verify shape [B, k+1], compiled once inside the loop. Verifying fewer drafts is lossless: the
+target's sample at the first unverified position is the bonus token (and at T > 0 with
+`rejection`, drafts k+1.. are simply not proposed).
+
+Controllers:
+  none        every cycle verifies all b-1 drafts (the paper's loop; `ar_fallback` unused);
+  backoff     as none, plus the AR fallback steps after poor cycles (`--config.ar_fallback`);
+  confidence  the cost rule below, from the drafter's own probabilities (no extra pass).
+
+The confidence rule. Per draft position i, p_i is the drafter's probability of its drafted
+token (softmax of its logits; the argmax's probability under `exact`). Verifying k drafts
+commits, in expectation, E_k = 1 + sum_{j=1..k} prod_{i<=j} p_i tokens and costs
+cost_k = draft_cost + verify_cost(k+1) (the drafter pass, paid already this cycle, plus one
+target forward over k+1 tokens). The cycle verifies the bucket k maximizing E_k / cost_k
+(ties: the smaller k). The next forward skips the drafter (one plain AR step, which still feeds
+the drafter's context) when that best rate is below the AR rate 1 / verify_cost(1). A batch
+verifies one k for all its rows: the k maximizing sum over decoding rows of E_k, divided by
+cost_k (one cost table: relative costs, measured at the batch size of interest), and skips the
+drafter when that rate is below (decoding rows) / verify_cost(1).
+
+Costs (`--config.controller_costs`): relative costs of one target forward over 1, 2, 4, 8, ...
+tokens (powers of two; linear in between, the last segment extended beyond);
+`--config.controller_draft_cost`: one drafter pass, same unit. The defaults were measured on
+the demo on this repository's 2-core CPU (benchmarks/controller_costs.py, README "Verify-length
+controller").
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bp_jax.errors import BadInputError
+
+CONTROLLERS = ("none", "backoff", "confidence")
+FIXED_PREFIX = "fixed:"  # tests only: "fixed:k" verifies k drafts every cycle (a bucket)
+
+# Measured on the demo (b = 8, f32, cache position 300 of 640, this repository's 2-core CPU
+# shared with other jobs; `python benchmarks/controller_costs.py --reps 64 --repeats 5`, fastest
+# of 3 runs per column): a target forward over 1, 2, 4, 8, 16, 32 tokens took 0.460, 0.926,
+# 1.034, 1.189, 1.943, 2.837 ms and one b = 8 drafter pass 0.727 ms; relative to one AR step
+# (on XLA:CPU a 1-token forward takes a cheaper path than 2 tokens, hence the jump).
+DEFAULT_COSTS = (1.0, 2.01, 2.25, 2.58, 4.22, 6.16)
+DEFAULT_DRAFT_COST = 1.58
+
+
+def verify_buckets(block_size: int) -> tuple[int, ...]:
+  """The drafts a cycle of block size b may verify: {0} ∪ {2^j - 1 < b} ∪ {b - 1}."""
+  ks, j = {0, block_size - 1}, 1
+  while 2 ** j - 1 < block_size:
+    ks.add(2 ** j - 1)
+    j += 1
+  return tuple(sorted(ks))
+
+
+def check_controller(name: str, flag: str = "--config.controller") -> str:
+  if name not in CONTROLLERS:
+    raise BadInputError(f"{flag}={name!r} is not one of {list(CONTROLLERS)}")
+  return name
+
+
+def fixed_k(name: str, block_size: int) -> int | None:
+  """The k of the tests' "fixed:k" controller (None for the others); a bucket of `block_size`."""
+  if not name.startswith(FIXED_PREFIX):
+    return None
+  k = int(name[len(FIXED_PREFIX):])
+  if k not in verify_buckets(block_size):
+    raise ValueError(f"controller {name!r}: {k} is not a verify bucket of block size "
+                     f"{block_size} {verify_buckets(block_size)}")
+  return k
+
+
+def parse_costs(text: str | Sequence[float], flag: str = "--config.controller_costs"
+                ) -> tuple[float, ...]:
+  """The cost table: comma-separated positive costs of verifying 1, 2, 4, ... tokens."""
+  try:
+    costs = tuple(float(x) for x in (text.split(",") if isinstance(text, str) else text)
+                  if str(x).strip())
+  except ValueError:
+    raise BadInputError(f"{flag}={text!r}: expected comma-separated numbers") from None
+  if not costs or any(not np.isfinite(c) or c <= 0 for c in costs):
+    raise BadInputError(f"{flag}={text!r}: expected one or more positive costs (of verifying "
+                        "1, 2, 4, 8, ... tokens)")
+  return costs
+
+
+def check_draft_cost(cost: float, flag: str = "--config.controller_draft_cost") -> float:
+  try:
+    cost = float(cost)
+  except (TypeError, ValueError):
+    raise BadInputError(f"{flag}={cost!r}: expected a number >= 0") from None
+  if not np.isfinite(cost) or cost < 0:
+    raise BadInputError(f"{flag}={cost!r}: expected a number >= 0")
+  return cost
+
+
+def verify_cost(tokens: int, costs: Sequence[float]) -> float:
+  """The relative cost of one target forward over `tokens` tokens from the table of 1, 2, 4,
+  ... tokens: linear in between, the last segment extended beyond (a one-entry table: flat)."""
+  xs = [2.0 ** i for i in range(len(costs))]
+  if tokens <= xs[-1] or len(costs) == 1:
+    return float(np.interp(tokens, xs, costs))
+  slope = (costs[-1] - costs[-2]) / (xs[-1] - xs[-2])
+  return float(costs[-1] + slope * (tokens - xs[-1]))
+
+
+def bucket_costs(block_size: int, costs: Sequence[float], draft_cost: float) -> np.ndarray:
+  """[K] cost_k = draft_cost + verify_cost(k + 1) per verify bucket k of `block_size`."""
+  return np.asarray([draft_cost + verify_cost(k + 1, costs) for k in verify_buckets(block_size)],
+                    np.float32)
+
+
+def drafted_probs(draft_logits_BkV: jax.Array, draft_Bk: jax.Array) -> jax.Array:
+  """[B, k] p_i: the drafter's probability (softmax of its logits) of each drafted token."""
+  logp = jax.nn.log_softmax(draft_logits_BkV.astype(jnp.float32), axis=-1)
+  return jnp.exp(jnp.take_along_axis(logp, draft_Bk[..., None], axis=-1)[..., 0])
+
+
+def expected_committed(p_Bk: jax.Array, buckets: Sequence[int]) -> jax.Array:
+  """[B, K] E_k = 1 + sum_{j<=k} prod_{i<=j} p_i for each bucket k (tokens a cycle verifying
+  k drafts commits in expectation, the bonus token included)."""
+  run_Bk = jnp.cumsum(jnp.cumprod(p_Bk, axis=-1), axis=-1)
+  run_Bk1 = jnp.concatenate([jnp.zeros_like(run_Bk[..., :1]), run_Bk], axis=-1)
+  return 1.0 + run_Bk1[..., jnp.asarray(buckets)]
+
+
+def choose(p_Bk: jax.Array, active_B: jax.Array, buckets: Sequence[int],
+           cost_K: jax.Array | np.ndarray, ar_cost: float) -> tuple[jax.Array, jax.Array]:
+  """(index into `buckets` [] int32, draft the next cycle [] bool): the bucket maximizing the
+  decoding rows' summed E_k over cost_k (`bucket_costs`), and whether that rate reaches the
+  AR rate (decoding rows / `ar_cost`)."""
+  E_BK = expected_committed(p_Bk, buckets)
+  total_K = jnp.sum(jnp.where(active_B[:, None], E_BK, 0.0), axis=0)
+  rate_K = total_K / jnp.asarray(cost_K, jnp.float32)
+  idx = jnp.argmax(rate_K).astype(jnp.int32)
+  rows = jnp.sum(active_B).astype(jnp.float32)
+  return idx, rate_K[idx] >= rows / ar_cost

@@ -1,0 +1,230 @@
+"""The per-cycle verify-length controller (`--config.controller`, `decoding/controller.py`).
+
+The decision rule is unit-tested on synthetic confidences against a brute-force reading of the
+cost rule; the loops are tested on `toy_models.zeros_drafter_pair` (a drafter with uniform
+logits that always drafts token 0): every verify bucket, forced with the tests' "fixed:k"
+controller, and the confidence controller give AR's tokens (greedy, and at T > 0 for a seed with
+verify=exact), compile one loop per block size whatever the buckets chosen, hold no copy of a
+cache buffer, and batched rows equal their requests alone.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+
+from bp_jax.decoding import controller as control
+from bp_jax.decoding.block_choice import loop_options
+from bp_jax.decoding.engine import Engine
+from bp_jax.errors import BadInputError
+from compile_counting import BackendCompiles
+from toy_models import zeros_drafter_pair
+
+V, MAX_LEN, BUCKETS, B = 64, 128, (16, 32, 64), 4
+# Flat costs and a free drafter: E_k / cost_k grows with k, so confidence verifies every draft.
+FLAT = dict(controller_costs="1,1,1", controller_draft_cost=0.0)
+
+
+def _requests(num: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:
+  rng = np.random.default_rng(seed)
+  prompts = [rng.integers(1, V - 1, int(rng.integers(2, 50))).tolist() for _ in range(num)]
+  return prompts, [int(rng.integers(1, 40)) for _ in range(num)]
+
+
+@pytest.fixture(scope="module")
+def models():
+  return zeros_drafter_pair(V)
+
+
+def _engine(models, controller: str, batch_size: int = 1, **kw) -> Engine:
+  """An engine whose spec loops use `controller`; "fixed:k" (the tests' hook, not a user
+  setting) is set on the programs before any loop compiles."""
+  target, drafter = models
+  fixed = controller.startswith(control.FIXED_PREFIX)
+  eng = Engine(target, max_len=MAX_LEN, length_buckets=BUCKETS, drafter=drafter,
+               block_sizes=(1, B), batch_size=batch_size,
+               controller="none" if fixed else controller, **kw)
+  if fixed:
+    eng.programs.controller = controller
+  return eng
+
+
+@pytest.fixture(scope="module")
+def ar_outputs(models):
+  eng = _engine(models, "none")
+  prompts, max_news = _requests(5)
+  return [eng.generate(p, max_new_tokens=m).output_ids for p, m in zip(prompts, max_news)]
+
+
+# -- the pure rule ----------------------------------------------------------------------------
+def test_verify_buckets():
+  assert control.verify_buckets(8) == (0, 1, 3, 7)
+  assert control.verify_buckets(4) == (0, 1, 3)
+  assert control.verify_buckets(2) == (0, 1)
+  assert control.verify_buckets(6) == (0, 1, 3, 5)
+  assert control.verify_buckets(16) == (0, 1, 3, 7, 15)
+  assert control.fixed_k("fixed:3", 8) == 3 and control.fixed_k("confidence", 8) is None
+  with pytest.raises(ValueError, match="not a verify bucket"):
+    control.fixed_k("fixed:2", 8)
+
+
+def test_verify_cost_table():
+  costs = (1.0, 1.5, 2.0, 4.0)  # 1, 2, 4, 8 tokens
+  assert control.verify_cost(1, costs) == 1.0 and control.verify_cost(8, costs) == 4.0
+  assert control.verify_cost(3, costs) == pytest.approx(1.75)
+  assert control.verify_cost(16, costs) == pytest.approx(8.0)  # last slope extended
+  assert control.verify_cost(5, (2.0,)) == 2.0
+  np.testing.assert_allclose(control.bucket_costs(8, costs, 0.5), [1.5, 2.0, 2.5, 4.5])
+
+
+def _brute_force(p_Bk, active_B, b, costs, draft_cost):
+  """The cost rule read literally, in numpy."""
+  ks = control.verify_buckets(b)
+  rates = []
+  for k in ks:
+    E = [1 + sum(np.prod(p[:j]) for j in range(1, k + 1)) for p in p_Bk]
+    total = sum(e for e, a in zip(E, active_B) if a)
+    rates.append(total / (draft_cost + control.verify_cost(k + 1, costs)))
+  best = int(np.argmax(rates))
+  return best, rates[best] >= sum(active_B) / control.verify_cost(1, costs)
+
+
+@pytest.mark.parametrize("p_Bk, active_B, costs, draft_cost, want_k, want_draft", [
+    ([[0.99] * 7], [True], (1.0, 1.1, 1.3, 1.7), 0.5, 7, True),    # confident: verify all
+    ([[0.9, 0.05, 0.9, 0.9, 0.9, 0.9, 0.9]], [True], (1.0, 1.1, 1.3, 1.7), 0.5, 1, True),
+    ([[0.9, 0.8, 0.1, 0.9, 0.9, 0.9, 0.9]], [True], (1.0, 1.1, 1.3, 1.7), 0.5, 3, True),
+    ([[0.05] * 7], [True], (1.0, 1.1, 1.3, 1.7), 0.5, 0, False),   # hopeless: AR next
+    ([[0.6] * 7], [True], (1.0, 1.1, 1.3, 1.7), 1.5, 3, False),    # best rate < AR rate
+    ([[0.6] * 7], [True], (1.0, 1.1, 1.3, 1.7), 0.8, 3, True),     # a cheaper drafter pays
+    # A batch: one confident row, one hopeless, one idle (ignored) confident row.
+    ([[0.95] * 7, [0.01] * 7, [0.99] * 7], [True, True, False], (1.0, 1.2, 1.5, 2.5), 0.3,
+     7, True),
+    ([[0.95] * 7, [0.01] * 7, [0.01] * 7], [True, True, True], (1.0, 1.2, 1.5, 2.5), 0.3,
+     3, True),
+    ([[0.01] * 7, [0.99] * 7], [True, False], (1.0, 1.2, 1.5, 2.5), 0.3, 0, False),
+    ([[0.95] * 7, [0.01] * 7, [0.01] * 7], [True, True, True], (1.0, 1.2, 1.5, 2.5), 0.6,
+     7, False),
+])
+def test_choice_follows_the_cost_rule(p_Bk, active_B, costs, draft_cost, want_k, want_draft):
+  b = 8
+  ks = control.verify_buckets(b)
+  idx, draft_next = control.choose(jnp.asarray(p_Bk, jnp.float32), jnp.asarray(active_B), ks,
+                                   control.bucket_costs(b, costs, draft_cost),
+                                   control.verify_cost(1, costs))
+  assert (ks[int(idx)], bool(draft_next)) == (want_k, want_draft)
+  best, draft = _brute_force(p_Bk, active_B, b, costs, draft_cost)
+  assert (ks[best], draft) == (want_k, want_draft)
+
+
+def test_expected_committed_and_drafted_probs():
+  p = jnp.asarray([[0.5, 0.5, 1.0]])
+  np.testing.assert_allclose(control.expected_committed(p, (0, 1, 3)), [[1.0, 1.5, 2.0]])
+  logits = jnp.log(jnp.asarray([[[0.7, 0.2, 0.1], [0.1, 0.3, 0.6]]]))
+  np.testing.assert_allclose(control.drafted_probs(logits, jnp.asarray([[0, 1]])),
+                             [[0.7, 0.3]], rtol=1e-5)
+
+
+# -- the loops --------------------------------------------------------------------------------
+@pytest.mark.parametrize("controller, kw", [("fixed:0", {}), ("fixed:1", {}), ("fixed:3", {}),
+                                            ("confidence", {}), ("confidence", FLAT),
+                                            ("backoff", dict(ar_fallback=4))])
+def test_every_bucket_and_controller_is_lossless(models, ar_outputs, controller, kw):
+  eng = _engine(models, controller, **kw)
+  prompts, max_news = _requests(5)
+  outs = [eng.generate(p, max_new_tokens=m, block_size=B) for p, m in zip(prompts, max_news)]
+  assert [g.output_ids for g in outs] == ar_outputs
+  lengths = [a for g in outs for a, cyc in zip(g.forward_lengths, g.forward_is_cycle) if cyc]
+  if controller.startswith("fixed:"):  # a cycle verifying k drafts commits at most k + 1
+    k = int(controller[6:])
+    assert max(lengths) == k + 1 and all(g.forward_is_cycle[:-1] == [True] * (
+        len(g.forward_is_cycle) - 1) for g in outs)
+  elif controller == "confidence" and not kw:
+    # The drafter is uniform (p = 1/64): it never pays to verify a draft, and after each such
+    # cycle the next forward is an AR step without a drafter pass.
+    assert set(lengths) == {1}
+    assert any(not cyc for g in outs for cyc in g.forward_is_cycle)
+  elif controller == "confidence":
+    assert max(lengths) == B and all(all(g.forward_is_cycle) for g in outs)
+  assert eng.controller == controller  # the loop form in effect (the decode summary's)
+
+
+@pytest.mark.parametrize("controller", ["fixed:1", "confidence"])
+def test_sampled_output_equals_ar_for_a_seed(models, controller):
+  ar = Engine(models[0], max_len=MAX_LEN, length_buckets=BUCKETS)
+  eng = _engine(models, controller, verify="exact", **FLAT)
+  prompts, max_news = _requests(4, seed=1)
+  kw = dict(temperature=1.0, top_k=20)
+  for i, (p, m) in enumerate(zip(prompts, max_news)):
+    want = ar.generate(p, max_new_tokens=m, seed=7 + i, **kw).output_ids
+    assert eng.generate(p, max_new_tokens=m, block_size=B, seed=7 + i, **kw).output_ids == want
+
+
+def test_rejection_with_k0_is_the_ar_draw(models):
+  """Verifying no draft is an AR step under `rejection` too: same tokens as AR for a seed."""
+  ar = Engine(models[0], max_len=MAX_LEN, length_buckets=BUCKETS)
+  eng = _engine(models, "fixed:0", verify="rejection")
+  prompts, max_news = _requests(3, seed=2)
+  for p, m in zip(prompts, max_news):
+    want = ar.generate(p, max_new_tokens=m, seed=3, temperature=1.0).output_ids
+    assert eng.generate(p, max_new_tokens=m, block_size=B, seed=3, temperature=1.0
+                        ).output_ids == want
+
+
+def test_one_loop_per_block_size_and_no_cache_copy(models):
+  eng = _engine(models, "confidence", controller_costs="1,1.3,1.6", controller_draft_cost=0.01)
+  prompts, max_news = _requests(5, seed=3)
+  for p, m in zip(prompts, max_news):
+    eng.generate(p, max_new_tokens=m, block_size=B)
+  with BackendCompiles() as compiles:
+    for p, m in zip(prompts, max_news):
+      eng.generate(p, max_new_tokens=m, block_size=B)
+  assert compiles.n == 0
+  assert eng.compiled.counts["spec_loop"] == 1
+  hlo = eng.compiled._fns[("spec_loop", B)].as_text()
+  # A cache buffer per layer: k [Z, S, H] / v [Z, H, S] (Z = 1 row x 2 kv heads, H = 8), with a
+  # leading layer axis in the scanned form (the drafter's context cache has the same shapes).
+  cache_shape = re.compile(rf"= f32\[([0-9]+,)?2,({MAX_LEN},8|8,{MAX_LEN})\]\{{[0-9,]*\}} copy\(")
+  assert [line.strip()[:120] for line in hlo.splitlines() if cache_shape.search(line)] == []
+  assert re.search(rf"f32\[2,{MAX_LEN},8\]", hlo) and re.search(rf"f32\[2,8,{MAX_LEN}\]", hlo)
+  # The HLO does hold the four verify shapes (k + 1 = 1, 2, 4 tokens) in its nested loops.
+  assert hlo.count(" while(") >= 1 + len(control.verify_buckets(B))
+
+
+@pytest.mark.parametrize("controller, kw", [("confidence", {}), ("confidence", FLAT),
+                                            ("fixed:1", {})])
+def test_batched_rows_equal_their_request_alone(models, controller, kw):
+  one = _engine(models, controller, **kw)
+  many = _engine(models, controller, batch_size=3, sync_cycles=2, **kw)
+  prompts, max_news = _requests(7, seed=4)
+  alone = [one.generate(p, max_new_tokens=m, block_size=B) for p, m in zip(prompts, max_news)]
+  together = many.generate_batch(prompts, max_new_tokens=max_news, block_size=B)
+  assert [g.output_ids for g in together] == [g.output_ids for g in alone]
+  cache_shape = re.compile(rf"= f32\[([0-9]+,)?6,({MAX_LEN},8|8,{MAX_LEN})\]\{{[0-9,]*\}} copy\(")
+  for key, fn in many.compiled._fns.items():
+    if key[0] == "batch_spec_loop":
+      assert [ln for ln in fn.as_text().splitlines() if cache_shape.search(ln)] == []
+
+
+@pytest.mark.parametrize("kw, flag", [
+    (dict(controller="fast"), "--config.controller"),
+    (dict(controller_costs="1,x"), "--config.controller_costs"),
+    (dict(controller_costs="1,-2"), "--config.controller_costs"),
+    (dict(controller_draft_cost=-1), "--config.controller_draft_cost"),
+])
+def test_bad_controller_settings_name_the_flag(models, kw, flag):
+  with pytest.raises(BadInputError, match=re.escape(flag)):
+    Engine(models[0], max_len=MAX_LEN, **kw)
+
+
+def test_loop_options_carry_the_controller():
+  cfg = ml_collections.ConfigDict(dict(controller="confidence", controller_costs="1,2",
+                                       controller_draft_cost=0.5))
+  opts = loop_options(cfg)
+  assert opts["controller"] == "confidence" and opts["controller_costs"] == (1.0, 2.0)
+  assert opts["controller_draft_cost"] == 0.5
+  with pytest.raises(BadInputError, match="--config.controller"):
+    loop_options(ml_collections.ConfigDict(dict(controller="maybe")))
