@@ -61,12 +61,17 @@ def run_order(methods: Sequence[str], repeats: int, seed: int, index: int) -> li
   return order
 
 
-def fastest_of(gens: Sequence[Generation]) -> Generation:
-  """The repeat with the fastest decode (outputs of repeats are identical: checked)."""
+def check_repeats_agree(gens: Sequence[Generation]) -> None:
+  """Repeats of one request must give the same output (decoding is deterministic)."""
   first = gens[0].output_ids
   if any(g.output_ids != first for g in gens[1:]):
     raise RuntimeError("repeats of one request gave different outputs: decoding is not "
                        "deterministic here (please report this)")
+
+
+def fastest_of(gens: Sequence[Generation]) -> Generation:
+  """The repeat with the fastest decode (outputs of repeats are identical: checked)."""
+  check_repeats_agree(gens)
   best = min(gens, key=lambda g: g.decode_s)
   return dataclasses.replace(best, prefill_s=min(g.prefill_s for g in gens))
 

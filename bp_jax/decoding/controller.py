@@ -67,6 +67,15 @@ def check_controller(name: str, flag: str = "--config.controller") -> str:
   return name
 
 
+def loop_form(controller: str | None, ar_fallback: int) -> tuple[str, int]:
+  """(the controller in effect, its AR fallback steps): None reads `backoff`; `backoff` without
+  fallback steps is the plain loop (`none`); only `backoff` takes fallback steps."""
+  controller = controller or "backoff"
+  if controller == "backoff" and int(ar_fallback) == 0:
+    controller = "none"
+  return controller, (int(ar_fallback) if controller == "backoff" else 0)
+
+
 def fixed_k(name: str, block_size: int) -> int | None:
   """The k of the tests' "fixed:k" controller (None for the others); a bucket of `block_size`."""
   if not name.startswith(FIXED_PREFIX):

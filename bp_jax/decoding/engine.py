@@ -24,7 +24,7 @@ from flax import nnx
 from bp_jax.decoding import controller as control
 from bp_jax.decoding import loops as decode_loops
 from bp_jax.decoding.buckets import default_length_buckets, pick_bucket
-from bp_jax.decoding.generation import Generation, clip_forward_lengths, trim_at_stop
+from bp_jax.decoding.generation import Generation, generation_of
 from bp_jax.decoding.policy_binding import check_policy_fits
 from bp_jax.decoding.programs import WARMUP_TOKENS, LoopPrograms, window_for
 from bp_jax.decoding.requests import (RequestChecks, check_batching, check_block_sizes,
@@ -84,15 +84,14 @@ class Engine:
     self._new_caches = lambda batch: (
         target.init_cache(batch, max_len),
         None if drafter is None else drafter.init_cache(batch, max_len))
-    self.cache = target.init_cache(1, max_len)
     self.block_sizes = tuple(sorted(set(int(b) for b in block_sizes)))
     self.drafter = drafter
     if drafter is not None:
       drafter.validate_against_target(target.cfg, "drafter")
       self.d_graph, self.d_state = nnx.split(drafter)
-      self.draft_cache = drafter.init_cache(1, max_len)
     else:
-      self.d_graph = self.d_state = self.draft_cache = None
+      self.d_graph = self.d_state = None
+    self.cache, self.draft_cache = self._new_caches(1)  # the one-request path's own caches
     self.seq = jnp.zeros((1, max_len), jnp.int32)
     self.checks = RequestChecks(max_len, target.cfg.vocab_size, self.block_sizes,
                                 drafter is not None)
@@ -146,12 +145,17 @@ class Engine:
     self.checks.check_request(prompt_len, max_new_tokens, block_size)
 
   # -- compiled pieces ----------------------------------------------------------------------
-  def _prefill_args(self, tokens_1P, n, seed_key, sampling, with_policy: bool) -> tuple:
-    return (self.t_state, self.d_state, tokens_1P, n, self.cache, self.draft_cache, seed_key,
+  def _prefill_args(self, tokens_1P, n, seed_key, sampling, with_policy: bool,
+                    buffers: tuple | None = None) -> tuple:
+    cache, draft_cache = buffers or (self.cache, self.draft_cache)
+    return (self.t_state, self.d_state, tokens_1P, n, cache, draft_cache, seed_key,
             sampling) + ((self.p_state,) if with_policy else ())
 
-  def _prefill(self, tokens_1P, n, seed_key, sampling, with_policy: bool = False):
-    args = self._prefill_args(tokens_1P, n, seed_key, sampling, with_policy)
+  def _prefill(self, tokens_1P, n, seed_key, sampling, with_policy: bool = False,
+               buffers: tuple | None = None):
+    """(compiled prefill, its arguments) into `buffers` (donated; default: the engine's own
+    one-sequence caches)."""
+    args = self._prefill_args(tokens_1P, n, seed_key, sampling, with_policy, buffers)
     fn = self.programs.prefill(args, self.p_graph if with_policy else None, self.policy_key)
     return fn, args
 
@@ -241,25 +245,14 @@ class Engine:
         there; nothing past the last finite position is returned).
     """
     n = len(prompt_ids)
-    learned = isinstance(block_size, str)
     self._check_one(prompt_ids, max_new_tokens, block_size)
     check_sampling(temperature, top_k, top_p, min_p)
-    toks, _ = self.encode_padded(prompt_ids)
     n_arr, sp = jnp.int32(n), sampling_params(temperature, top_k, top_p, min_p)
     seed_key = jax.random.key(seed)
-    fn, args = self._prefill(toks, n_arr, seed_key, sp, with_policy=learned)
-    t0 = time.perf_counter()
-    pre = fn(*args)
-    probs = None
-    if learned:
-      block_size = self.policy_sizes[int(pre.policy_class)]
-    pre.first_tok.block_until_ready()
-    t1 = time.perf_counter()
-    self.cache, self.draft_cache = pre.cache, pre.draft_cache
-    if bool(pre.bad_logits):
-      self.raise_nonfinite(n, "the prefill")
-    if learned:
-      probs = [round(float(p), 6) for p in np.asarray(pre.policy_probs)]
+    req = BatchRequest(0, prompt_ids, max_new_tokens, seed, block_size)
+    pre, block_size, prefill_s, probs = self.stage(req, sp, (self.cache, self.draft_cache))
+    self.cache, self.draft_cache = pre.cache, pre.draft_cache  # before any raise: donated
+    self.check_prefill(pre, n)
     features = ({k: np.asarray(v[0]) for k, v in pre.features.items()} if return_features
                 else None)
     forced = forced_continuation is not None
@@ -280,11 +273,9 @@ class Engine:
     forwards = int(out.forwards)
     if bool(out.bad_logits):
       self.raise_nonfinite(n + n_gen, "a decode step")
-    seq = np.asarray(out.seq[0])
-    ids = trim_at_stop(seq[n:n + n_gen], self.stop_ids, max_new_tokens)
-    lengths = clip_forward_lengths(np.asarray(out.accept_lens[:forwards]).tolist(), len(ids) - 1)
-    is_cycle = [bool(c) for c in np.asarray(out.is_cycle[:len(lengths)])]
-    return Generation(ids, t1 - t0, t3 - t2, block_size, lengths, is_cycle, n, probs, features)
+    return generation_of(out.seq[0], out.accept_lens, out.is_cycle, forwards, n, n_gen,
+                         self.stop_ids, max_new_tokens, block_size, prefill_s, t3 - t2, probs,
+                         features)
 
 
   # -- many requests at once (continuous batching per bucket, `scheduler`) ------------------
@@ -322,10 +313,6 @@ class Engine:
     sp = sampling_params(temperature, top_k, top_p, min_p)
     return Scheduler(self, reqs, sp, forced).run()
 
-  def _init_caches(self, batch: int) -> tuple:
-    """Fresh (target, drafter) caches of `batch` sequences, placed on the mesh's rows."""
-    return tuple(shard_cache(c, self.mesh) for c in self._new_caches(batch))
-
   def slot_carry(self, block_size: int, forced: bool = False) -> dict:
     """A batched carry of `batch_size` empty slots for a bucket (fresh buffers)."""
     cache, draft_cache = self._new_caches(self.batch_size)
@@ -346,27 +333,30 @@ class Engine:
 
   def staging_buffers(self) -> tuple:
     """Fresh one-sequence caches a request is prefilled into before it takes a slot (the
-    scheduler reuses them once the request is in its slot)."""
-    return self._init_caches(1)
+    scheduler reuses them once the request is in its slot), placed on the mesh."""
+    return tuple(shard_cache(c, self.mesh) for c in self._new_caches(1))
 
   def stage(self, req: BatchRequest, sp, buffers: tuple) -> tuple:
-    """Prefills `req` into the staging `buffers`: (PrefillOut, its block size, prefill
-    seconds, the policy's probabilities or None)."""
+    """Prefills `req` into one-sequence `buffers` (donated; the filled ones are
+    `PrefillOut.cache` / `draft_cache`): (PrefillOut, its block size, prefill seconds including
+    the policy and reading its choice back, the policy's probabilities or None). The caller
+    checks `check_prefill` once it holds the filled buffers."""
     learned = isinstance(req.block_size, str)
     toks, _ = self.encode_padded(req.prompt_ids)
-    n = len(req.prompt_ids)
-    args = (self.t_state, self.d_state, toks, jnp.int32(n), buffers[0], buffers[1],
-            jax.random.key(req.seed), sp) + ((self.p_state,) if learned else ())
-    fn = self.programs.prefill(args, self.p_graph if learned else None, self.policy_key)
+    fn, args = self._prefill(toks, jnp.int32(len(req.prompt_ids)), jax.random.key(req.seed), sp,
+                             with_policy=learned, buffers=buffers)
     t0 = time.perf_counter()
     pre = fn(*args)
     block_size = self.policy_sizes[int(pre.policy_class)] if learned else req.block_size
     pre.first_tok.block_until_ready()
     secs = time.perf_counter() - t0
-    if bool(pre.bad_logits):
-      self.raise_nonfinite(n, "the prefill")
     probs = ([round(float(p), 6) for p in np.asarray(pre.policy_probs)] if learned else None)
     return pre, block_size, secs, probs
+
+  def check_prefill(self, pre, n: int) -> None:
+    """Raises the clear error of NaN/inf logits at the prompt's last position."""
+    if bool(pre.bad_logits):
+      self.raise_nonfinite(n, "the prefill")
 
   def insert_program(self, carry: dict, row: int, req: BatchRequest, pre) -> tuple:
     """(compiled insertion, its arguments): calling it returns `carry` (donated) with slot

@@ -87,3 +87,17 @@ class Generation:
   def tokens_per_forward(self) -> float | None:
     f = self.forward_lengths
     return float(np.mean(f)) if f else None
+
+
+def generation_of(seq_S, accept_S, is_cycle_S, forwards: int, n: int, n_gen: int,
+                  stop_ids: Sequence[int], max_new: int, block_size: int, prefill_s: float,
+                  decode_s: float, policy_probs: list[float] | None = None,
+                  features: dict[str, np.ndarray] | None = None) -> Generation:
+  """A request's `Generation` from its loop row: tokens at absolute positions `seq_S` (prompt of
+  n, then n_gen generated), committed tokens and cycle flags per forward (first `forwards`),
+  trimmed at the stop token and max_new_tokens."""
+  ids = trim_at_stop(np.asarray(seq_S)[n:n + n_gen], stop_ids, max_new)
+  lengths = clip_forward_lengths(np.asarray(accept_S[:forwards]).tolist(), len(ids) - 1)
+  is_cycle = [bool(c) for c in np.asarray(is_cycle_S[:len(lengths)])]
+  return Generation(ids, prefill_s, decode_s, block_size, lengths, is_cycle, n, policy_probs,
+                    features)

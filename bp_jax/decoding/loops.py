@@ -134,6 +134,13 @@ def _row_keys(seed_keys_B: jax.Array, pos_BT: jax.Array) -> jax.Array:
   return jax.vmap(position_keys)(seed_keys_B, pos_BT)
 
 
+def _ar_draw(c, out, sp) -> jax.Array:
+  """[B, 1] the target's sample at pos + 1 from a one-token forward: what plain AR decoding
+  commits there (each row's own key)."""
+  keys_B = _row_keys(c["seed_keys"], (c["pos"] + 1)[:, None])[:, 0]
+  return sample(out.logits[:, 0], sp, keys_B)[:, None]
+
+
 def _commit(c, out, y_Bb, a_B, is_cycle: bool, stop_ids, drafter=None, draft_layers=None,
             fallback=None) -> dict:
   """The carry after a target forward that commits y[r, 0..a_r] for every decoding row r (a_r
@@ -268,8 +275,7 @@ def make_batched_ar_loop(graphdef, scan_layers: bool = False, sync_cycles: int =
     def body(c):
       out = model(c["tok"][:, None], c["cache"].with_lengths(_parked(c, _active(c))),
                   layers=layers, window=window)
-      y_B1 = sample(out.logits[:, 0], sp, _row_keys(c["seed_keys"], (c["pos"] + 1)[:, None])[:, 0]
-                    )[:, None]
+      y_B1 = _ar_draw(c, out, sp)
       # Plain AR decoding is speculative decoding with block size 1: each step is a cycle that
       # drafts nothing and commits one token (τ = 1).
       return _commit(c, out, y_B1, jnp.zeros_like(c["pos"]), True, stop_ids)
@@ -330,13 +336,10 @@ def make_batched_spec_loop(graphdef, draft_graphdef, block_size: int, scan_layer
   b = block_size
   if ar_fallback < 0 or ar_fallback_accept < 0:
     raise ValueError("ar_fallback and ar_fallback_accept must be >= 0")
-  if controller is None:
-    controller = "backoff" if ar_fallback else "none"
+  controller, ar_fallback = control.loop_form(controller, ar_fallback)
   fixed = control.fixed_k(controller, b)
   if fixed is None:
     control.check_controller(controller, "controller")
-  if controller != "backoff":
-    ar_fallback = 0
   confidence = controller == "confidence"
   buckets = control.verify_buckets(b) if (confidence or fixed is not None) else None
   if buckets is not None:
@@ -377,33 +380,25 @@ def make_batched_spec_loop(graphdef, draft_graphdef, block_size: int, scan_layer
       wait = jnp.where(poor, jnp.minimum(2 ** jnp.minimum(misses, 30), ar_fallback), 0)
       return dict(misses=misses, wait=wait.astype(jnp.int32))
 
-    def spec_cycle(c):
-      parked = _parked(c, _active(c))
-      draft_Bk, draft_logits_BkV = draft_tokens(c, parked)
-      # Verify each row's whole block in one target forward.
-      verify_Bb = jnp.concatenate([c["tok"][:, None], draft_Bk], axis=1)
-      out = model(verify_Bb, c["cache"].with_lengths(parked), layer_ids, layers=layers,
-                  window=window)
-      y_Bb, a_B = jax.vmap(
-          lambda tl, dl, d, key, p: verify_rules.verify(tl, dl, d, verify, sp, key, p))(
-              out.logits, draft_logits_BkV, draft_Bk, c["seed_keys"], c["pos"])
-      return _commit(c, out, y_Bb, a_B, True, stop_ids, drafter, draft_layers,
-                     fallback_after if ar_fallback else None)
-
-    def verify_k(c, k, draft_Bk, draft_logits_BkV):
-      """The carry after the target verifies each row's first k drafts ([B, k+1] tokens)."""
-      parked = _parked(c, _active(c))
+    def verify_k(c, k, draft_Bk, draft_logits_BkV, fallback=None):
+      """The carry after the target verifies each row's first k drafts ([B, k+1] tokens, one
+      forward) and commits what the `verify` rule keeps."""
       verify_Bt = jnp.concatenate([c["tok"][:, None], draft_Bk[:, :k]], axis=1)
-      out = model(verify_Bt, c["cache"].with_lengths(parked), layer_ids, layers=layers,
-                  window=window)
+      out = model(verify_Bt, c["cache"].with_lengths(_parked(c, _active(c))), layer_ids,
+                  layers=layers, window=window)
       if k == 0:  # the AR step's own draw at pos + 1 under either verify rule
-        y_Bt, a_B = jax.vmap(lambda tl, key, p: verify_rules.exact_match(
-            tl, draft_Bk[0, :0], sp, key, p))(out.logits, c["seed_keys"], c["pos"])
+        y_Bt, a_B = _ar_draw(c, out, sp), jnp.zeros_like(c["pos"])
       else:
         y_Bt, a_B = jax.vmap(
             lambda tl, dl, d, key, p: verify_rules.verify(tl, dl, d, verify, sp, key, p))(
                 out.logits, draft_logits_BkV[:, :k], draft_Bk[:, :k], c["seed_keys"], c["pos"])
-      return _commit(c, out, y_Bt, a_B, True, stop_ids, drafter, draft_layers)
+      return _commit(c, out, y_Bt, a_B, True, stop_ids, drafter, draft_layers, fallback)
+
+    def spec_cycle(c):
+      """The paper's cycle: every row's whole block verified in one target forward."""
+      draft_Bk, draft_logits_BkV = draft_tokens(c, _parked(c, _active(c)))
+      return verify_k(c, b - 1, draft_Bk, draft_logits_BkV,
+                      fallback_after if ar_fallback else None)
 
     def controlled_cycle(c):
       """One cycle verifying the bucket the controller picks (one nested loop per bucket,
@@ -425,10 +420,8 @@ def make_batched_spec_loop(graphdef, draft_graphdef, block_size: int, scan_layer
     def ar_step(c):
       out = model(c["tok"][:, None], c["cache"].with_lengths(_parked(c, _active(c))),
                   layer_ids, layers=layers, window=window)
-      y_B1 = sample(out.logits[:, 0], sp, _row_keys(c["seed_keys"], (c["pos"] + 1)[:, None])[:, 0]
-                    )[:, None]
-      return _commit(c, out, y_B1, jnp.zeros_like(c["pos"]), False, stop_ids, drafter,
-                     draft_layers, lambda c, a: dict(wait=c["wait"] - 1))
+      return _commit(c, out, _ar_draw(c, out, sp), jnp.zeros_like(c["pos"]), False, stop_ids,
+                     drafter, draft_layers, lambda c, a: dict(wait=c["wait"] - 1))
 
     def wants_ar(c):
       active = _active(c)

@@ -68,12 +68,8 @@ class LoopPrograms:
     self.t_graph, self.d_graph = t_graph, d_graph
     self.verify = verify
     self.scan_layers = bool(scan_layers)
-    # The loop form in effect: `backoff` without fallback steps is the plain loop (`none`),
-    # and only `backoff` takes fallback steps.
-    if controller == "backoff" and int(ar_fallback) == 0:
-      controller = "none"
-    self.controller = controller
-    self.ar_fallback = int(ar_fallback) if controller == "backoff" else 0
+    # The loop form in effect (`controller.loop_form`).
+    self.controller, self.ar_fallback = control.loop_form(controller, ar_fallback)
     self.ar_fallback_accept = int(ar_fallback_accept)
     self.controller_costs = tuple(float(c) for c in controller_costs)
     self.controller_draft_cost = float(controller_draft_cost)

@@ -18,7 +18,8 @@ from bp_jax.decoding.block_choice import (BLOCK_POLICIES, BlockChoice, batch_opt
                                           block_policy_of, default_block_sizes, loop_options,
                                           parse_int_list, resolve_block_choice,
                                           sampling_options)
-from bp_jax.decoding.compare import fastest_of, method_choice, method_of, parse_methods, run_order
+from bp_jax.decoding.compare import (check_repeats_agree, fastest_of, method_choice, method_of,
+                                     parse_methods, run_order)
 from bp_jax.decoding.engine import Engine
 from bp_jax.decoding.generation import Generation
 from bp_jax.decoding.records import figures, print_summary, record_of, summarize  # noqa: F401
@@ -199,8 +200,8 @@ def _decode_batched(engine: Engine, cfg, choices: dict, prompts: Sequence[Prompt
         bar.update(1)
   out = {}
   for m, reps in runs.items():
-    for i in range(len(encoded)):  # same check as `fastest_of`: repeats agree
-      fastest_of([rep[i] for rep in reps])
+    for i in range(len(encoded)):
+      check_repeats_agree([rep[i] for rep in reps])
     out[m] = min(reps, key=lambda rep: sum(g.prefill_s + g.decode_s for g in rep))
   return out
 

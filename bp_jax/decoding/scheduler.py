@@ -35,9 +35,8 @@ from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from bp_jax.decoding.generation import Generation, clip_forward_lengths, trim_at_stop
+from bp_jax.decoding.generation import Generation, generation_of
 
 
 @dataclasses.dataclass
@@ -109,6 +108,7 @@ class Scheduler:
       req = self.queue.popleft()
       buffers = self.pool.pop() if self.pool else self.engine.staging_buffers()
       staged = _Staged(req, *self.engine.stage(req, self.sp, buffers))
+      self.engine.check_prefill(staged.pre, len(req.prompt_ids))
       self.ready[staged.block_size].append(staged)
 
   def _insert_ready(self) -> None:
@@ -162,11 +162,9 @@ class Scheduler:
     n, req = len(staged.req.prompt_ids), staged.req
     if bad:
       self.engine.raise_nonfinite(n + n_gen, "a decode step")
-    ids = trim_at_stop(np.asarray(seq)[n:n + n_gen], self.engine.stop_ids, req.max_new_tokens)
-    lengths = clip_forward_lengths(np.asarray(accept[:forwards]).tolist(), len(ids) - 1)
-    cyc = [bool(x) for x in np.asarray(is_cycle[:len(lengths)])]
-    return Generation(ids, staged.prefill_s, staged.decode_s, staged.block_size, lengths, cyc,
-                      n, staged.probs)
+    return generation_of(seq, accept, is_cycle, forwards, n, n_gen, self.engine.stop_ids,
+                         req.max_new_tokens, staged.block_size, staged.prefill_s,
+                         staged.decode_s, staged.probs)
 
   def run(self) -> list[Generation]:
     total = len(self.queue)
