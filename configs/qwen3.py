@@ -35,6 +35,13 @@ def blockpilot_config(**overrides: Any) -> ml_collections.ConfigDict:
   c.max_new_tokens = 128
   c.temperature = 0.0
   c.label_seeds = 1              # decodes per (prompt, size), summed, for labels at T > 0
+  # The cost table that prices `max_throughput` labels (seconds per AR step and per cycle of
+  # each size, medians of many timings; bp_jax/train/cost_table.py): auto = reuse
+  # <workdir>/data/cost_table.json when it was measured on this machine for these models and
+  # loops, else measure it; remeasure; or the path of a cost_table.json to price with.
+  c.cost_table = "auto"
+  c.cost_prompts = 4             # calibration prompts (the first labelling prompts)
+  c.cost_reps = 8                # timed repetitions of every (calibration prompt, size, kind)
   # Policies (stage policy): one per feature type and label rule.
   c.features = "last_logits,last_hidden,pooled_layers,draft_confidence"
   c.rules = "max_tau,max_throughput"

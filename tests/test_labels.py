@@ -57,7 +57,7 @@ def _config(root, workdir: str) -> ml_collections.ConfigDict:
       radius=1, eval_source=str(root / "eval.jsonl"), eval_frac=0.5,
       label_sources=str(root / "extra.jsonl"), corpus_prompts=3, corpus_prompt_tokens=24,
       max_new_tokens=MAX_NEW, hidden_dim=16, steps=20, batch=4, eval_every=5, patience=3,
-      val_frac=0.25)
+      val_frac=0.25, cost_prompts=2, cost_reps=3)
   return cfg
 
 
@@ -235,6 +235,54 @@ def test_labels_datasets(setup, stages_done, capsys):
   assert "[labels] up to date" in capsys.readouterr().out
 
 
+def test_cost_table_prices_the_labels_and_two_labelling_runs_agree(setup, stages_done, tmp_path,
+                                                                  capsys):
+  cfg = stages_done
+  from bp_jax.train import cost_table as costs
+  data = os.path.join(cfg.workdir, "data")
+  table = json.load(open(os.path.join(data, costs.TABLE_FILE)))
+  assert table["key"]["machine"] == costs.machine_fingerprint()
+  assert table["ar_step_s"] > 0 and sorted(table["cycle_s"]) == ["2", "3", "4"]
+  assert sorted(table["fallback_step_s"]) == ["2", "3", "4"]  # the loops take fallback steps
+  ds = open_dataset(data, label_sets.LABELS)
+  assert label_sets.label_set_costs(ds) == table
+  records = list(ds)
+  # Throughput labels are the runs' counts priced by the table, not their own timings.
+  r = records[0]
+  steps = r["forwards"] - r["cycles"]
+  want = [r["forwards"][0] * table["ar_step_s"]] + [
+      r["cycles"][k] * table["cycle_s"][str(b)] + steps[k] * table["fallback_step_s"][str(b)]
+      for k, b in enumerate(SIZES) if b > 1]
+  np.testing.assert_allclose(label_sets.decode_seconds(records, table)[0], want, rtol=1e-9)
+  # A second labelling run on this machine (a fresh workdir with the same models) reuses the
+  # stored table and gives the same labels under both rules.
+  cfg2 = ml_collections.ConfigDict(cfg.to_dict())
+  cfg2.workdir = str(tmp_path / "work2")
+  for part in ("target", "drafter"):
+    shutil.copytree(os.path.join(cfg.workdir, part), os.path.join(cfg2.workdir, part))
+  os.makedirs(os.path.join(cfg2.workdir, "data"))
+  shutil.copy(os.path.join(data, costs.TABLE_FILE), os.path.join(cfg2.workdir, "data"))
+  capsys.readouterr()
+  lab.labels_stage(cfg2)
+  assert "cost table (reused" in capsys.readouterr().out
+  again = list(open_dataset(os.path.join(cfg2.workdir, "data"), label_sets.LABELS))
+  for rule in ("max_tau", "max_throughput"):
+    np.testing.assert_array_equal(
+        label_sets.labels_of(label_sets.label_values(records, rule, table)),
+        label_sets.labels_of(label_sets.label_values(again, rule, table)))
+  # A table measured under another key is measured again; a given table that cannot price a
+  # size is refused, naming the file and the missing size.
+  key = dict(table["key"], target="another model")
+  fresh, how = costs.obtain_table("auto", os.path.join(data, costs.TABLE_FILE), key,
+                                  lambda: {**{k: table[k] for k in table if k != "key"}}, SIZES,
+                                  True)
+  assert how == "measured" and fresh["key"] == key
+  bad = tmp_path / "bad_table.json"
+  bad.write_text(json.dumps({**table, "cycle_s": {"2": 0.001}}))
+  with pytest.raises(BadInputError, match="bad_table.json: no cost for '3'"):
+    costs.obtain_table(str(bad), "", key, dict, SIZES, True)
+
+
 def test_policies_trained_saved_and_shipped(stages_done):
   cfg = stages_done
   summary = json.load(open(os.path.join(cfg.workdir, "policies", "summary.json")))
@@ -367,10 +415,12 @@ def test_oracle_refuses_labels_made_with_other_settings(setup, stages_done, tmp_
   with pytest.raises(BadInputError) as e:
     run_decode.resolve_block_choice(other, 3)
   msg = str(e.value)
-  assert (f"was made with max_new_tokens={MAX_NEW}, temperature=0.0, ar_fallback=2 but this "
-          f"decode uses max_new_tokens={MAX_NEW + 6}, temperature=1.0, ar_fallback=0") in msg
+  # The controller in effect is recorded too: `backoff` with fallback steps, `none` without.
+  assert (f"was made with max_new_tokens={MAX_NEW}, temperature=0.0, ar_fallback=2, "
+          f"controller=backoff but this decode uses max_new_tokens={MAX_NEW + 6}, "
+          "temperature=1.0, ar_fallback=0, controller=none") in msg
   assert (f"decode with --config.max_new_tokens={MAX_NEW} --config.temperature=0.0 "
-          "--config.ar_fallback=2") in msg
+          "--config.ar_fallback=2 --config.controller=backoff") in msg
   assert "--config.blockpilot.max_new_tokens" in msg and "--config.stage=labels" in msg
   with pytest.raises(BadInputError, match=r"made with scan_layers=False"):
     run_decode.resolve_block_choice(_decode_cfg(setup, "", block_policy="oracle",
@@ -388,9 +438,12 @@ def test_oracle_refuses_labels_made_with_other_settings(setup, stages_done, tmp_
                      "with .* relabel it with train.py --config.stage=labels"):
     run_decode.resolve_block_choice(_decode_cfg(setup, "", block_policy="oracle",
                                                 oracle_labels=old, ar_fallback=2), 3)
-  settings = label_sets.label_set_settings(ds)
-  assert lab._holds_settings(os.path.dirname(labels), label_sets.EVAL_LABELS, settings)
-  assert not lab._holds_settings(str(old_data), label_sets.EVAL_LABELS, settings)
+  settings, key = label_sets.label_set_settings(ds), label_sets.label_set_costs(ds)["key"]
+  assert lab._holds_settings(os.path.dirname(labels), label_sets.EVAL_LABELS, settings, key)
+  assert not lab._holds_settings(str(old_data), label_sets.EVAL_LABELS, settings, key)
+  # Nor one priced by a table measured under another key (another machine or models).
+  assert not lab._holds_settings(os.path.dirname(labels), label_sets.EVAL_LABELS, settings,
+                                 {**key, "machine": {}})
 
 
 def test_decode_refuses_the_policys_labelling_prompts(setup, stages_done):

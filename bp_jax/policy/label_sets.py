@@ -16,10 +16,14 @@ schedule: `accept_lens` (every forward's committed tokens) with the parallel `fo
 
 Label rules (ties go to the smaller size):
   max_tau         the size with the highest τ (per speculative cycle);
-  max_throughput  the size with the most committed tokens per second, where a cycle of size b
-                  costs the median over prompts of (loop time / cycles) at size b
-                  (`cycle_costs`); for labels measured with AR fallback steps each prompt's own
-                  measured loop time is used (`decode_seconds`).
+  max_throughput  the size with the most committed tokens per second. A label set made with a
+                  cost table (`bp_jax.train.cost_table`, stored in its metadata under
+                  `cost_table`) prices each run as its deterministic counts times the table:
+                  cycles * seconds per cycle of its size + AR fallback steps * seconds per
+                  step, so two labelling runs on one machine give the same labels. Older sets:
+                  a cycle of size b costs the median over prompts of (loop time / cycles)
+                  (`cycle_costs`), and with AR fallback steps each prompt's own measured loop
+                  time is used (`decode_seconds`).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from bp_jax.policy.mlp import check_label_rule
 
 LABELS, EVAL_LABELS = "policy_labels", "policy_eval_labels"
 SETTINGS_KEY = "decode_settings"  # the label set's metadata entry holding `decode_settings`
+COST_KEY = "cost_table"  # the metadata entry holding the cost table the labels are priced with
 
 # Decode setting -> (decode.py's flag, the labels stage's flag).
 SETTING_FLAGS: dict[str, tuple[str, str]] = {
@@ -49,6 +54,7 @@ SETTING_FLAGS: dict[str, tuple[str, str]] = {
     "top_k": ("--config.top_k", "--config.top_k"),
     "top_p": ("--config.top_p", "--config.top_p"),
     "min_p": ("--config.min_p", "--config.min_p"),
+    "controller": ("--config.controller", "--config.controller"),
 }
 # Settings only sampling reads (ignored when both sides decode greedily), and the value a label
 # set made before they were recorded was measured with.
@@ -60,8 +66,11 @@ def decode_settings(max_new_tokens: int, temperature: float, chat: bool,
                     sampling: Mapping[str, Any] | None = None) -> dict[str, Any]:
   """The settings a label set's measurements depend on; `loop` is `block_choice.loop_options`,
   `sampling` `block_choice.sampling_options` (top_k, top_p, min_p; None = off)."""
+  from bp_jax.decoding.controller import loop_form
+
   sampling = {**SAMPLING_SETTINGS, **(sampling or {})}
-  return {"max_new_tokens": int(max_new_tokens), "temperature": float(temperature),
+  controller, _ = loop_form(loop.get("controller"), int(loop["ar_fallback"]))
+  return {"controller": controller, "max_new_tokens": int(max_new_tokens), "temperature": float(temperature),
           "chat": bool(chat), "scan_layers": bool(loop["scan_layers"]),
           "ar_fallback": int(loop["ar_fallback"]),
           "ar_fallback_accept": int(loop["ar_fallback_accept"]),
@@ -86,16 +95,22 @@ class LabelSetBuilder(tfds_io.OrderedArrayRecordBuilder):
   def __init__(self, *, data_dir: str | os.PathLike, name: str,
                records: Iterator[Mapping[str, Any]], num_sizes: int,
                feature_dims: Mapping[str, int], settings: Mapping[str, Any],
+               cost_table: Mapping[str, Any] | None = None,
                description: str = "", overwrite: bool = False):
     self._records, self._K, self._dims = records, int(num_sizes), dict(feature_dims)
     self._settings = dict(settings)
+    self._cost_table = dict(cost_table) if cost_table else None
     super().__init__(data_dir=data_dir, name=name, description=description, overwrite=overwrite)
 
   def _info(self) -> tfds.core.DatasetInfo:
-    # The base builder's info plus the decode settings, saved as metadata.json with the data.
+    # The base builder's info plus the decode settings (and the cost table the labels are
+    # priced with), saved as metadata.json with the data.
+    meta = {SETTINGS_KEY: self._settings}
+    if self._cost_table:
+      meta[COST_KEY] = self._cost_table
     return tfds.core.DatasetInfo(
         builder=self, description=self.builder_config.description, features=self._features(),
-        disable_shuffling=True, metadata=tfds.core.MetadataDict({SETTINGS_KEY: self._settings}))
+        disable_shuffling=True, metadata=tfds.core.MetadataDict(meta))
 
   def _features(self) -> tfds.features.FeaturesDict:
     K = self._K
@@ -117,16 +132,19 @@ class LabelSetBuilder(tfds_io.OrderedArrayRecordBuilder):
 
 
 def write_label_set(data_dir: str, name: str, records: Sequence[Mapping[str, Any]],
-                    description: str, settings: Mapping[str, Any]) -> tfds_io.Dataset:
+                    description: str, settings: Mapping[str, Any],
+                    cost_table: Mapping[str, Any] | None = None) -> tfds_io.Dataset:
   """Writes (replacing) label dataset `name` from `label_record` dicts, with the
-  `decode_settings` they were measured with, and opens it."""
+  `decode_settings` they were measured with and the cost table that prices them, and opens
+  it."""
   if not records:
     raise BadInputError(f"dataset {name!r}: no labelled prompts to write")
   dims = {k[len("feat_"):]: int(np.size(v)) for k, v in records[0].items()
           if k.startswith("feat_")}
   builder = LabelSetBuilder(data_dir=data_dir, name=name, records=iter(records),
                             num_sizes=len(records[0]["block_sizes"]), feature_dims=dims,
-                            settings=settings, description=description, overwrite=True)
+                            settings=settings, cost_table=cost_table, description=description,
+                            overwrite=True)
   builder.build()
   return tfds_io.open_dataset(data_dir, name)
 
@@ -150,10 +168,25 @@ def label_set_settings(ds: tfds_io.Dataset) -> dict[str, Any] | None:
   return dict(settings) if settings else None
 
 
+def label_set_costs(ds: tfds_io.Dataset) -> dict[str, Any] | None:
+  """The cost table a label set's `max_throughput` labels are priced with (None: a set made
+  before cost tables, priced from its own timings)."""
+  table = dict(ds.info.metadata or {}).get(COST_KEY)
+  return dict(table) if table else None
+
+
+def _setting(d: Mapping[str, Any], name: str) -> Any:
+  """A recorded setting; sets made before `controller` was recorded ran `backoff` with fallback
+  steps and `none` without."""
+  if name == "controller" and name not in d:
+    return "backoff" if d.get("ar_fallback") else "none"
+  return d.get(name, SAMPLING_SETTINGS.get(name))
+
+
 def _differences(have: Mapping[str, Any], want: Mapping[str, Any]) -> list[str]:
   """The settings in which `have` and `want` differ (the accept threshold only matters with AR
   fallback steps)."""
-  get = lambda d, k: d.get(k, SAMPLING_SETTINGS.get(k))
+  get = _setting
   names = [k for k in SETTING_FLAGS if get(have, k) != get(want, k)]
   if not have.get("ar_fallback") and not want.get("ar_fallback"):
     names = [k for k in names if k != "ar_fallback_accept"]
@@ -226,12 +259,31 @@ def cycle_costs(records: Sequence[Mapping[str, Any]]) -> np.ndarray:
   return np.asarray(out)
 
 
+def seconds_per_size(table: Mapping[str, Any], cycles_NK: np.ndarray, steps_NK: np.ndarray,
+                     sizes: Sequence[int]) -> np.ndarray:
+  """[N, K] loop seconds priced by the table: size 1 = its forwards' AR steps; size b > 1 =
+  cycles * cycle_s[b] + fallback steps * fallback_step_s[b]."""
+  out = np.zeros(np.shape(cycles_NK), np.float64)
+  for k, b in enumerate(int(s) for s in sizes):
+    if b == 1:
+      out[:, k] = (cycles_NK[:, k] + steps_NK[:, k]) * float(table["ar_step_s"])
+    else:
+      step = float(table.get("fallback_step_s", {}).get(str(b), table["ar_step_s"]))
+      out[:, k] = cycles_NK[:, k] * float(table["cycle_s"][str(b)]) + steps_NK[:, k] * step
+  return out
+
+
 def decode_seconds(records: Sequence[Mapping[str, Any]],
-                   costs: np.ndarray | None = None) -> np.ndarray:
-  """[N, K] loop seconds per prompt and size for the throughput rule: cycles * the size's
-  cycle cost (`costs`, default `cycle_costs`; without the fallback every target forward is a
-  cycle), or, for labels measured with AR fallback steps, the measured loop time itself (module
-  docstring)."""
+                   costs: np.ndarray | Mapping[str, Any] | None = None) -> np.ndarray:
+  """[N, K] loop seconds per prompt and size for the throughput rule. `costs` a cost table
+  (`label_set_costs`): the runs' counts priced by it (`cost_table.seconds_per_size`).
+  Otherwise cycles * the size's cycle cost (`costs` [K], default `cycle_costs`; without the
+  fallback every target forward is a cycle), or, for labels measured with AR fallback steps,
+  the measured loop time itself (module docstring)."""
+  if isinstance(costs, Mapping):
+    cyc = stack(records, "cycles")
+    return seconds_per_size(costs, cyc, stack(records, "forwards") - cyc,
+                            [int(b) for b in records[0]["block_sizes"]])
   if any(int(r.get("ar_fallback", 0)) > 0 for r in records):
     return stack(records, "decode_s").astype(np.float64)
   costs = cycle_costs(records) if costs is None else np.asarray(costs)
@@ -239,7 +291,7 @@ def decode_seconds(records: Sequence[Mapping[str, Any]],
 
 
 def label_values(records: Sequence[Mapping[str, Any]], rule: str,
-                 costs: np.ndarray | None = None) -> np.ndarray:
+                 costs: np.ndarray | Mapping[str, Any] | None = None) -> np.ndarray:
   """[N, K] what each rule maximises: τ, committed tokens per speculative cycle (max_tau), or
   estimated committed tokens per second (max_throughput: new tokens / `decode_seconds`)."""
   check_label_rule(rule)
@@ -269,6 +321,6 @@ def oracle_table(path: str, rule: str, settings: Mapping[str, Any]
   check_decode_settings(path, ds, settings)
   records = list(ds)
   sizes = tuple(int(b) for b in records[0]["block_sizes"])
-  values = label_values(records, rule)
+  values = label_values(records, rule, label_set_costs(ds))
   best = labels_of(values)
   return {r["text_hash"]: sizes[int(c)] for r, c in zip(records, best)}, sizes

@@ -47,12 +47,14 @@ import numpy as np
 
 from bp_jax.data import tfds_io
 from bp_jax.errors import BadInputError
-from bp_jax.policy.label_sets import (EVAL_LABELS, LABELS, SIZE_FIGURES, cycle_costs, decode_settings,
-                                      label_set_settings, label_values, labels_of, open_label_set,
-                                      stack, usable, write_label_set)
+from bp_jax.policy.label_sets import (EVAL_LABELS, LABELS, SIZE_FIGURES, cycle_costs,
+                                      decode_settings, label_set_costs, label_set_settings,
+                                      label_values, labels_of, open_label_set, stack, usable,
+                                      write_label_set)
 from bp_jax.policy.mlp import LABEL_RULES, prompt_hash
 from bp_jax.policy.features import FEATURE_TYPES, parse_feature_types
 from bp_jax.text.prompts import HUMANEVAL, check_disjoint, load_prompts, split_ids
+from bp_jax.train import cost_table as costs
 from bp_jax.train import workdir as wd
 
 STAMP_DIR = "labels"  # <workdir>/data/labels/bp_jax_stage.json
@@ -243,6 +245,14 @@ def read_label_set(cfg: Any, name: str, stage: str) -> list[dict[str, Any]]:
   return list(open_label_set(os.path.join(wd.data_dir(cfg), name)))
 
 
+def read_label_costs(cfg: Any, name: str, records: Sequence[Mapping[str, Any]]
+                     ) -> Mapping[str, Any] | np.ndarray:
+  """What prices label dataset `name`'s throughput labels: its cost table, or for a set made
+  before cost tables the per-size cycle costs from its own timings (`cycle_costs`)."""
+  table = label_set_costs(open_label_set(os.path.join(wd.data_dir(cfg), name)))
+  return table if table is not None else cycle_costs(records)
+
+
 # ---- the stage -------------------------------------------------------------------------------
 
 
@@ -267,9 +277,10 @@ def load_models(cfg: Any, stage: str) -> tuple[Any, Any, Any, str]:
 
 
 def build_engine(cfg: Any, target: Any, drafter: Any, tok: Any, sizes: Sequence[int],
-                 prompt_lens: Sequence[int], max_new: int):
-  """An engine with the candidate sizes, its loops in decode.py's form (`--config.scan_layers`),
-  so measured cycle costs are the ones decode.py pays; every request is checked first."""
+                 prompt_lens: Sequence[int], max_new: int, **override: Any):
+  """An engine with the candidate sizes, its loops in decode.py's form (`--config.scan_layers`;
+  `override`: loop options replaced), so measured cycle costs are the ones decode.py pays;
+  every request is checked first."""
   from bp_jax.decoding.engine import Engine
   from bp_jax.decoding.block_choice import loop_options, parse_int_list
   from bp_jax.text.tokenizer import stop_token_ids
@@ -277,18 +288,52 @@ def build_engine(cfg: Any, target: Any, drafter: Any, tok: Any, sizes: Sequence[
   engine = Engine(target, max_len=int(cfg.max_len), stop_ids=stop_token_ids(tok),
                   length_buckets=parse_int_list(cfg.get("length_buckets", ""),
                                                 "--config.length_buckets") or None,
-                  drafter=drafter, block_sizes=tuple(sizes), **loop_options(cfg))
+                  drafter=drafter, block_sizes=tuple(sizes),
+                  **{**loop_options(cfg), **override})
   for n in prompt_lens:
     engine.check_request(n, max_new, max(sizes))
   return engine
 
 
-def _holds_settings(data_dir: str, name: str, settings: Mapping[str, Any]) -> bool:
-  """Whether label dataset `name` exists and records the decode settings `settings` (a set made
-  before the settings were recorded is labelled again)."""
+def _holds_settings(data_dir: str, name: str, settings: Mapping[str, Any],
+                    table_key: Mapping[str, Any]) -> bool:
+  """Whether label dataset `name` exists, records the decode settings `settings` and is priced
+  by a cost table measured under `table_key` (a set made before either was recorded is
+  labelled again)."""
   if not tfds_io.dataset_exists(data_dir, name):
     return False
-  return label_set_settings(open_label_set(os.path.join(data_dir, name))) == dict(settings)
+  ds = open_label_set(os.path.join(data_dir, name))
+  table = label_set_costs(ds) or {}
+  return label_set_settings(ds) == dict(settings) and table.get("key") == dict(table_key)
+
+
+def label_cost_table(cfg: Any, engine: Any, target: Any, drafter: Any, tok: Any,
+                     sizes: Sequence[int], key: Mapping[str, Any],
+                     label_ids: Sequence[Sequence[int]], max_new: int,
+                     loop: Mapping[str, Any]) -> tuple[dict, str]:
+  """(this machine's cost table, "reused" | "measured" | "given"): `cost_table` module; measured
+  on the first `cost_prompts` labelling prompts (`--config.blockpilot`)."""
+  from tqdm import tqdm
+
+  bp = cfg.blockpilot
+  n_prompts, reps = int(bp.get("cost_prompts", 4)), int(bp.get("cost_reps", 8))
+  if n_prompts < 1 or reps < 1:
+    raise BadInputError("--config.blockpilot.cost_prompts and cost_reps must be >= 1")
+
+  def measure() -> dict:
+    # Forced drafts are the perfect drafter, not draws: the table's decodes verify with `exact`
+    # (at T = 0 the same computation as `rejection`, whose sampling branch never runs).
+    timing = engine if engine.verify == "exact" else build_engine(
+        cfg, target, drafter, tok, sizes, [len(ids) for ids in label_ids], max_new,
+        verify="exact")
+    bar = lambda it: tqdm(it, desc="cost table", unit="rep", dynamic_ncols=True)
+    return costs.measure_cost_table(timing, list(label_ids)[:n_prompts], sizes,
+                                    new_tokens=max_new, reps=reps,
+                                    with_fallback=loop["ar_fallback"] > 0, progress=bar)
+
+  return costs.obtain_table(str(bp.get("cost_table", "auto") or "auto"),
+                            os.path.join(wd.data_dir(cfg), costs.TABLE_FILE), key, measure,
+                            sizes, loop["ar_fallback"] > 0)
 
 
 def labels_stage(cfg: Any) -> None:
@@ -304,8 +349,9 @@ def labels_stage(cfg: Any) -> None:
   bp = cfg.blockpilot
   loop = loop_options(cfg)  # the measured loops' form: cycle costs and labels depend on it
   if loop["controller"] == "confidence":
-    raise BadInputError("--config.controller=confidence: label sets do not record the "
-                        "controller yet; label with --config.controller=none or backoff")
+    raise BadInputError("--config.controller=confidence: label sets price every cycle as a "
+                        "whole-block verify (the cost table); label with "
+                        "--config.controller=none or backoff")
   sampling = sampling_options(cfg)
   target, drafter, tok, fingerprint = load_models(cfg, "labels")
   sizes = candidate_sizes(bp, drafter.cfg.block_size)
@@ -333,11 +379,14 @@ def labels_stage(cfg: Any) -> None:
           "ar_fallback": [loop["ar_fallback"], loop["ar_fallback_accept"]],
           "sampling": {**sampling, "verify": loop["verify"]},
           "feature_types": list(FEATURE_TYPES),  # every available feature is stored
-          "record_format": 3}  # 3: tau per speculative cycle, forwards, forward_is_cycle
+          "record_format": 4}  # 4: priced by a cost table (3: tau per cycle, forwards)
   settings = decode_settings(max_new, temperature, bool(cfg.get("chat", False)), loop, sampling)
+  key = costs.table_key(fingerprint, want["drafter_fingerprint"], loop, int(cfg.max_len),
+                        str(cfg.get("dtype") or "auto"), sizes, max_new)
   stamp = read_stamp(stamp_dir)
-  if (stamp is not None and all(stamp.get(k) == v for k, v in want.items())
-      and all(_holds_settings(data, name, settings) for name in (LABELS, EVAL_LABELS))):
+  reuse_table = str(bp.get("cost_table", "auto") or "auto") == "auto"
+  if (stamp is not None and all(stamp.get(k) == v for k, v in want.items()) and reuse_table
+      and all(_holds_settings(data, name, settings, key) for name in (LABELS, EVAL_LABELS))):
     print(f"[labels] up to date: {data}/{LABELS}, {data}/{EVAL_LABELS}")
     return
   engine = build_engine(cfg, target, drafter, tok, sizes, [len(v) for v in encoded.values()],
@@ -348,6 +397,9 @@ def labels_stage(cfg: Any) -> None:
   print(f"[labels] {len(label)} labelling + {len(evals)} evaluation prompts x sizes "
         f"{list(sizes)} (T={temperature}, {max_new} new tokens); compiled in "
         f"{time.perf_counter() - t0:.1f} s", flush=True)
+  table, how = label_cost_table(cfg, engine, target, drafter, tok, sizes, key,
+                                [encoded[p.key] for p in label], max_new, loop)
+  print(f"[labels] cost table ({how}, {costs.TABLE_FILE}): {costs.describe(table)}", flush=True)
   counts = {}
   for split, name, prompts in (("label", LABELS, label), ("eval", EVAL_LABELS, evals)):
     records = []
@@ -359,9 +411,9 @@ def labels_stage(cfg: Any) -> None:
                          sampling=sampling)
       records.append(label_record(p, split, len(ids), sizes, m, loop["ar_fallback"]))
     write_label_set(data, name, records, f"{len(records)} {split} prompts decoded at sizes "
-                    f"{list(sizes)} (T={temperature}, {max_new} new tokens)", settings)
-    counts[split] = summarize_labels(records, sizes)
-  write_stamp(stamp_dir, {**want, "counts": counts,
+                    f"{list(sizes)} (T={temperature}, {max_new} new tokens)", settings, table)
+    counts[split] = summarize_labels(records, sizes, table)
+  write_stamp(stamp_dir, {**want, "counts": counts, "cost_table": how,
                           "seconds": round(time.perf_counter() - t0, 1)})
   for split, c in counts.items():
     print(f"[labels] {split}: mean tau by size {c['mean_tau']}; cycle cost (ms) "
@@ -370,10 +422,11 @@ def labels_stage(cfg: Any) -> None:
         f"({time.perf_counter() - t0:.1f} s)")
 
 
-def summarize_labels(records: Sequence[Mapping[str, Any]], sizes: Sequence[int]) -> dict:
+def summarize_labels(records: Sequence[Mapping[str, Any]], sizes: Sequence[int],
+                     table: Mapping[str, Any] | None = None) -> dict:
   """Mean τ per size (over the usable prompts: those with a cycle at every size; a request whose
-  first token is a stop token runs none), cycle cost per size and how often each size is the
-  label, per rule."""
+  first token is a stop token runs none), cycle cost per size (from the labels' own timings)
+  and how often each size is the label, per rule (priced by the cost `table`)."""
   ok = usable(records)
   kept = [r for r, u in zip(records, ok) if u]
   taus = stack(kept, "tau").mean(axis=0) if kept else [float("nan")] * len(sizes)
@@ -383,7 +436,7 @@ def summarize_labels(records: Sequence[Mapping[str, Any]], sizes: Sequence[int])
                            zip(sizes, cycle_costs(records))}, "label_counts": {}}
   if kept:
     for rule in LABEL_RULES:
-      lab = labels_of(label_values(kept, rule))
+      lab = labels_of(label_values(kept, rule, table))
       out["label_counts"][rule] = {str(b): int((lab == k).sum()) for k, b in enumerate(sizes)}
   return out
 

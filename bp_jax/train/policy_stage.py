@@ -141,7 +141,7 @@ def fit_policy(x_train: np.ndarray, y_train: np.ndarray, x_val: np.ndarray | Non
 
 
 def choice_metrics(records: Sequence[Mapping[str, Any]], choice_N: np.ndarray,
-                   costs_K: np.ndarray) -> dict[str, float]:
+                   costs_K: Any) -> dict[str, float]:
   """Figures of the set when prompt i decodes with class `choice_N[i]`, named as decode.py's
   summary names them: `tau` (mean over prompts of each prompt's committed tokens per
   speculative cycle), `tau_pooled_over_cycles`, `tokens_per_forward` (mean over prompts of
@@ -161,7 +161,7 @@ def choice_metrics(records: Sequence[Mapping[str, Any]], choice_N: np.ndarray,
           "est_tokens_per_s": float(new / max(seconds, 1e-12))}
 
 
-def best_static(records: Sequence[Mapping[str, Any]], rule: str, costs_K: np.ndarray) -> int:
+def best_static(records: Sequence[Mapping[str, Any]], rule: str, costs_K: Any) -> int:
   """The class whose size is best for the whole set under `rule` (`choice_metrics`: mean τ
   per speculative cycle over the prompts, or estimated tokens per second)."""
   K = len(records[0]["block_sizes"])
@@ -214,7 +214,7 @@ def policy_stage(cfg: Any) -> None:
           "size are left out")
   records = [r for r, u in zip(records, ok) if u]
   sizes = tuple(int(b) for b in records[0]["block_sizes"])
-  costs = label_sets.cycle_costs(records)
+  costs = lab.read_label_costs(cfg, label_sets.LABELS, records)
   tr, va = split_train_val(records, float(bp.val_frac), int(cfg.seed))
   if len(tr) < 2:
     raise BadInputError(f"only {len(tr)} labelling prompts for training; label more prompts "
@@ -225,7 +225,8 @@ def policy_stage(cfg: Any) -> None:
   provenance = _provenance(cfg, records)
   rec_tr, rec_va = [records[i] for i in tr], [records[i] for i in va]
   summary = {"sizes": list(sizes), "train_prompts": len(tr), "val_prompts": len(va),
-             "cycle_cost_ms": [round(1e3 * c, 4) for c in costs], "policies": {}}
+             "cycle_cost_ms": [round(1e3 * c, 4) for c in label_sets.cycle_costs(records)],
+             "cost_table": costs if isinstance(costs, dict) else None, "policies": {}}
   for rule in rules:
     y = label_sets.labels_of(label_sets.label_values(records, rule, costs))
     static = best_static(rec_tr, rule, costs)

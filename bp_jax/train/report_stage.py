@@ -217,7 +217,8 @@ def report_stage(cfg: Any) -> None:
   mismatches = sum(_schedule(r) != _schedule(runs[f"b={r['block_size']}"][i])
                    for n in policies for i, r in enumerate(runs[f"learned {n}"]))
 
-  label_costs = label_sets.cycle_costs(label_records)
+  label_costs = lab.read_label_costs(cfg, label_sets.LABELS, label_records)
+  eval_costs = lab.read_label_costs(cfg, label_sets.EVAL_LABELS, eval_records)
   ar_tps = rep.method_row("AR", runs["AR"])["tokens_per_s"]
   rows = [rep.method_row("AR (b=1)", runs["AR"], ar_tps)]
   rows += [rep.method_row(f"fixed b={b}", runs[f"b={b}"], ar_tps) for b in sizes if b != 1]
@@ -231,7 +232,7 @@ def report_stage(cfg: Any) -> None:
   derived["random"] = [runs[f"b={random_block_size(sizes, int(bp.random_seed), i)}"][i]
                        for i in range(len(evals))]
   for rule in parse_rules(bp.rules):
-    best = label_sets.labels_of(label_sets.label_values(eval_records, rule))
+    best = label_sets.labels_of(label_sets.label_values(eval_records, rule, eval_costs))
     cls = {r["text_hash"]: int(c) for r, c in zip(eval_records, best)}
     derived[f"oracle ({rule})"] = [runs[f"b={sizes[cls[p.hash]]}"][i]
                                    for i, p in enumerate(evals)]
@@ -269,7 +270,9 @@ def report_stage(cfg: Any) -> None:
             "learned_vs_fixed_forward_mismatches": mismatches,
             "compilations": compiled, "policy_overhead": overhead, "intra_request": analysis,
             "labelling_prompts": len(label_records),
-            "label_cycle_cost_ms": [round(1e3 * c, 4) for c in label_costs]}
+            "label_cycle_cost_ms": [round(1e3 * c, 4)
+                                    for c in label_sets.cycle_costs(label_records)],
+            "cost_table": label_costs if isinstance(label_costs, dict) else None}
   with open(os.path.join(out_dir, "report.json"), "w", encoding="utf-8") as f:
     json.dump(report, f, indent=2, default=float)
   with open(os.path.join(out_dir, "runs.jsonl"), "w", encoding="utf-8") as f:
@@ -338,6 +341,11 @@ def render_markdown(report: Mapping[str, Any]) -> str:
            "τ is committed tokens per speculative cycle (draft + verify; 1 for AR), the "
            "papers' figure; tokens per target forward also count the AR fallback's steps.", "",
            rep.markdown_table(report["rows"]), ""]
+  table = report.get("cost_table")
+  if table:
+    from bp_jax.train.cost_table import describe
+    lines += ["Throughput labels and static sizes are priced by this machine's cost table "
+              f"(medians of repeated timings): {describe(table)}.", ""]
   mm = report.get("learned_vs_fixed_forward_mismatches")
   if mm is not None:
     lines += [f"Learned runs whose target forwards differ from the fixed run at the chosen "
