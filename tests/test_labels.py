@@ -346,6 +346,17 @@ def test_decode_block_policies(setup, stages_done):
   used = {r["block_size"] for r in learned} - {1}  # 1 runs the AR loop
   assert summary["compilations_by_function"].get("spec_loop", 0) == len(used)
   assert summary["compilations_by_function"]["prefill"] <= 3
+  assert summary["policy"]["head"] == "classify"
+  # A value policy: lossless, its decision rule in the summary; at lam = 0 the static size.
+  value_policy = os.path.join(cfg.workdir, "policies", "pooled_layers-max_throughput-value")
+  valued, summary = run_decode.run(_decode_cfg(setup, eval_only, block_policy="learned",
+                                               policy=value_policy))
+  assert [r["output_ids"] for r in valued] == outputs
+  decision = summary["policy"]["decision"]
+  assert summary["policy"]["head"] == "value" and "value ratios" in \
+      summary["policy"]["policy_probs_are"]
+  if decision["lam"] == 0.0:
+    assert {r["block_size"] for r in valued} == {SIZES[decision["static_class"]]}
   oracle, _ = run_decode.run(_decode_cfg(
       setup, eval_only, block_policy="oracle", label_rule="max_tau", ar_fallback=2,
       oracle_labels=os.path.join(cfg.workdir, "data", label_sets.EVAL_LABELS)))
