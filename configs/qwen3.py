@@ -42,9 +42,18 @@ def blockpilot_config(**overrides: Any) -> ml_collections.ConfigDict:
   c.cost_table = "auto"
   c.cost_prompts = 4             # calibration prompts (the first labelling prompts)
   c.cost_reps = 8                # timed repetitions of every (calibration prompt, size, kind)
-  # Policies (stage policy): one per feature type and label rule.
+  # Policies (stage policy): one per head, feature type and label rule.
   c.features = "last_logits,last_hidden,pooled_layers,draft_confidence"
   c.rules = "max_tau,max_throughput"
+  # Heads: classify (argmax of a classifier of the label) and/or value (regressed per-size value
+  # relative to the best static size, shrunk toward it: decodes with the static size unless the
+  # validation prompts show a gain). Both by default, so `ship=auto` can pick either.
+  c.heads = "classify,value"
+  c.value_lams = "0,0.25,0.5,0.75,1"  # shrinkage grid of value policies (0 = static size always)
+  # A lam qualifies when the lower bound of this central bootstrap interval (over validation
+  # prompts) of its gain over the static size is >= 1x; the best qualifying lam is kept.
+  c.value_level = 0.9
+  c.value_reps = 2000            # bootstrap resamples of the validation prompts per lam
   c.hidden_dim = 256
   c.depth = 2                    # hidden layers; layers after the first are residual
   c.residual = True
@@ -56,7 +65,9 @@ def blockpilot_config(**overrides: Any) -> ml_collections.ConfigDict:
   c.eval_every = 10              # steps between validation losses
   c.patience = 15                # validations without improvement before stopping
   c.opt = opt_config(lr=1e-3, warmup_frac=0.05, min_lr_frac=0.1, weight_decay=0.05, clip=1.0)
-  c.ship = "auto"                # copied to <export_dir>/policy: auto | <feature>:<rule> | ""
+  # Copied to <export_dir>/policy: auto (best validation est. tokens/s, either head) |
+  # <feature>:<rule> (classify) | <feature>:<rule>:value | "" (none).
+  c.ship = "auto"
   # Stage report.
   c.report_dir = ""              # "" = <workdir>/report
   c.random_seed = 0              # seed of the random control

@@ -286,8 +286,9 @@ def test_cost_table_prices_the_labels_and_two_labelling_runs_agree(setup, stages
 def test_policies_trained_saved_and_shipped(stages_done):
   cfg = stages_done
   summary = json.load(open(os.path.join(cfg.workdir, "policies", "summary.json")))
-  names = {f"{f}:{r}" for f in ("last_logits", "last_hidden", "pooled_layers", "draft_confidence")
-           for r in ("max_tau", "max_throughput")}
+  names = {f"{f}:{r}{h}" for f in ("last_logits", "last_hidden", "pooled_layers",
+                                    "draft_confidence")
+           for r in ("max_tau", "max_throughput") for h in ("", ":value")}
   assert set(summary["policies"]) == names
   assert summary["train_prompts"] + summary["val_prompts"] == 13 and summary["val_prompts"] >= 2
   records = lab.read_label_set(cfg, label_sets.LABELS, "test")
@@ -300,6 +301,16 @@ def test_policies_trained_saved_and_shipped(stages_done):
     assert info.labelled_hashes == {r["text_hash"] for r in records}
     assert not info.labelled_hashes & {r["text_hash"] for r in evals}
     assert 0.0 <= entry["val_accuracy"] <= 1.0 and entry["steps_run"] <= 20
+    assert policy.arch.head == entry["head"] == ("value" if name.endswith(":value") else
+                                                 "classify")
+    if entry["head"] == "value":  # the decision rule chosen on the validation prompts, stored
+      grid = entry["lam_grid"]
+      assert [g["lam"] for g in grid] == [0.0, 0.25, 0.5, 0.75, 1.0]
+      assert grid[0]["vs_static"] == grid[0]["lo"] == grid[0]["hi"] == 1.0
+      assert entry["lam"] in [g["lam"] for g in grid if g["lo"] >= 1.0]
+      assert policy.decision()["lam"] == entry["lam"] and info.meta["lam_grid"] == grid
+      assert SIZES[policy.decision()["static_class"]] == entry["static_size"]
+      assert entry["val_policy"]["est_tokens_per_s"] >= 0.0
   shipped = os.path.join(cfg.export_dir, "policy")
   assert summary["shipped"][1] == os.path.abspath(shipped)
   _, info = load_policy(shipped)
@@ -317,7 +328,7 @@ def test_report(stages_done):
   # Size 1 is the AR row itself (no second AR run, no "fixed b=1" row).
   assert methods[0] == "AR (b=1)" and [f"fixed b={b}" for b in SIZES[1:]] == methods[1:4]
   assert sum(m.startswith("best static") for m in methods) == 2
-  assert sum(m.startswith("learned ") for m in methods) == 8
+  assert sum(m.startswith("learned ") for m in methods) == 16  # classify and value heads
   assert "random" in methods and sum(m.startswith("oracle") for m in methods) == 2
   for r in rep["rows"]:
     assert r["prompts"] == 4 and r["tokens_per_s"] > 0
@@ -334,10 +345,10 @@ def test_report(stages_done):
   assert len(by_prompt) == 4 and all(len(v) == 1 for v in by_prompt.values())
   assert rep["learned_vs_fixed_forward_mismatches"] == 0
   # Compilations: per length bucket a plain prefill and one per policy architecture (4 feature
-  # types), one AR loop and one loop per size; nothing compiled while decoding.
+  # types x 2 heads), one AR loop and one loop per size; nothing compiled while decoding.
   comp = rep["compilations"]["by_function"]
   assert comp["spec_loop"] == len(SIZES) - 1 and comp["ar_loop"] == 1
-  assert comp["prefill"] % 5 == 0
+  assert comp["prefill"] % 9 == 0
   over = rep["policy_overhead"]
   assert set(over["policies"]) == {m[len("learned "):] for m in methods if m.startswith("learned")}
   assert over["params_qwen3_4b"]["last_logits"] > 10 * over["params_qwen3_4b"]["last_hidden"]
@@ -383,6 +394,17 @@ def test_decode_block_policies(setup, stages_done):
   used = {r["block_size"] for r in learned} - {1}  # 1 runs the AR loop
   assert summary["compilations_by_function"].get("spec_loop", 0) == len(used)
   assert summary["compilations_by_function"]["prefill"] <= 3
+  assert summary["policy"]["head"] == "classify"
+  # A value policy: lossless, its decision rule in the summary; at lam = 0 the static size.
+  value_policy = os.path.join(cfg.workdir, "policies", "pooled_layers-max_throughput-value")
+  valued, summary = run_decode.run(_decode_cfg(setup, eval_only, block_policy="learned",
+                                               policy=value_policy))
+  assert [r["output_ids"] for r in valued] == outputs
+  decision = summary["policy"]["decision"]
+  assert summary["policy"]["head"] == "value" and "value ratios" in \
+      summary["policy"]["policy_probs_are"]
+  if decision["lam"] == 0.0:
+    assert {r["block_size"] for r in valued} == {SIZES[decision["static_class"]]}
   oracle, _ = run_decode.run(_decode_cfg(
       setup, eval_only, block_policy="oracle", label_rule="max_tau", ar_fallback=2,
       oracle_labels=os.path.join(cfg.workdir, "data", label_sets.EVAL_LABELS)))

@@ -229,6 +229,46 @@ def test_same_architecture_policies_share_the_compiled_prefill(engine):
     engine.set_policy(_policy(), SIZES)
 
 
+def _value_policy(seed: int, prior, lam: float, static: int, favour: int | None = None
+                  ) -> BlockPolicy:
+  """A value policy over SIZES on last_hidden; with `favour`, rhat = 1 everywhere except 3 at
+  class `favour` (strong evidence for every input), else random weights."""
+  dims = feature_dims(V, D, len(LAYER_IDS), draft_block_size=3)
+  policy = BlockPolicy(PolicyArch("last_hidden", dims["last_hidden"], 16, 2, len(SIZES),
+                                  head="value"), rngs=nnx.Rngs(seed))
+  if favour is not None:
+    policy.w_out[...] = jnp.zeros_like(policy.w_out[...])
+    policy.b_out[...] = jnp.ones((len(SIZES),)).at[favour].set(3.0)
+  policy.set_decision(np.asarray(prior), lam, static)
+  return policy
+
+
+def test_value_policy_decides_inside_the_prefill(engine):
+  """Through the jitted prefill: an uninformative value policy (lam = 0) decodes every request
+  with the static size and reports the prior as its scores; strong evidence at lam = 1 moves
+  every request; value policies of one architecture share their compiled prefill."""
+  prompts = _prompts(6, seed=9)
+  prior = [0.9, 1.0, 0.8]
+  try:
+    engine.set_policy(_value_policy(5, prior, 0.0, 1), SIZES)
+    for p in prompts:
+      g = engine.generate(p, max_new_tokens=5, block_size=LEARNED)
+      assert g.block_size == SIZES[1]
+      np.testing.assert_allclose(g.policy_probs, prior, atol=1e-6)
+    n = engine.compiled.counts["prefill"]
+    engine.set_policy(_value_policy(6, prior, 1.0, 1, favour=2), SIZES)
+    with BackendCompiles() as compiles:
+      got = [engine.generate(p, max_new_tokens=5, block_size=LEARNED) for p in prompts]
+    assert [g.block_size for g in got] == [SIZES[2]] * len(prompts)
+    assert engine.compiled.counts["prefill"] == n
+    # One bucket loop (size 5) may compile; never a prefill.
+    assert compiles.n <= 1
+    ar = [engine.generate(p, max_new_tokens=5, block_size=1).output_ids for p in prompts]
+    assert [g.output_ids for g in got] == ar
+  finally:
+    engine.set_policy(_policy(), SIZES)
+
+
 def test_policy_misuse_is_refused(models, engine):
   target, drafter = models
   plain = Engine(target, max_len=MAX_LEN, length_buckets=BUCKETS, drafter=drafter,

@@ -339,7 +339,8 @@ class Engine:
   def stage(self, req: BatchRequest, sp, buffers: tuple) -> tuple:
     """Prefills `req` into one-sequence `buffers` (donated; the filled ones are
     `PrefillOut.cache` / `draft_cache`): (PrefillOut, its block size, prefill seconds including
-    the policy and reading its choice back, the policy's probabilities or None). The caller
+    the policy and reading its choice back, the policy's decision scores or None: probabilities
+    of a classify head, shrunk value ratios of a value head, `BlockPolicy.decide`). The caller
     checks `check_prefill` once it holds the filled buffers."""
     learned = isinstance(req.block_size, str)
     toks, _ = self.encode_padded(req.prompt_ids)

@@ -52,7 +52,9 @@ class Generation:
   forward_lengths: list[int]       # committed tokens per target forward in the loop, in order
   forward_is_cycle: list[bool]     # per forward: a cycle (False: an AR step of the fallback)
   prompt_len: int
-  policy_probs: list[float] | None = None  # the policy's class probabilities (block_size=LEARNED)
+  # The policy's decision scores (block_size=LEARNED): class probabilities for a classify head,
+  # shrunk expected value ratios for a value head (`BlockPolicy.decide`).
+  policy_probs: list[float] | None = None
   features: dict[str, np.ndarray] | None = None  # prefill features [F] (return_features=True)
 
   @property

@@ -32,8 +32,10 @@ class PrefillOut(NamedTuple):
   # The block-size policy's inputs (`policy_features.prefill_features`): name -> [1, F] float32;
   # `pooled_layers` and `draft_confidence` only with a drafter.
   features: dict[str, jax.Array] | None = None
-  policy_probs: jax.Array | None = None  # [C] float32 class probabilities (with a policy)
-  policy_class: jax.Array | None = None  # [] int32 argmax class = index of the chosen bucket
+  # [C] float32 the policy's decision scores (`BlockPolicy.decide`): class probabilities for a
+  # classify head, shrunk expected value ratios (not probabilities) for a value head.
+  policy_probs: jax.Array | None = None
+  policy_class: jax.Array | None = None  # [] int32 the chosen class = index of the chosen bucket
   bad_logits: jax.Array | None = None    # [] bool: the last prompt position's logits hold NaN/inf
 
 
@@ -68,8 +70,9 @@ def make_prefill(graphdef, draft_graphdef=None, policy_graphdef=None) -> Callabl
   the prompt's chosen-layer features into the drafter's context cache, all in one jit. The
   policy features come from that same forward. With `policy_graphdef` (a
   `bp_jax.policy.mlp.BlockPolicy`; its parameters arrive as `policy_state`, an argument, so one
-  compilation serves every policy of the same architecture), the policy runs once on its feature
-  and the argmax class is returned: the host then runs that bucket's compiled loop.
+  compilation serves every policy of the same architecture), the policy's decision
+  (`BlockPolicy.decide`) runs once on its feature and its class is returned: the host then runs
+  that bucket's compiled loop.
   """
 
   def prefill(state, draft_state, tokens_1P, n, cache, draft_cache, seed_key, sampling,
@@ -96,8 +99,8 @@ def make_prefill(graphdef, draft_graphdef=None, policy_graphdef=None) -> Callabl
     probs = cls = None
     if policy_graphdef is not None:
       policy = nnx.merge(policy_graphdef, policy_state)
-      probs = jax.nn.softmax(policy(features[policy.arch.feature_type])[0])
-      cls = jnp.argmax(probs).astype(jnp.int32)
+      scores_1C, cls_1 = policy.decide(features[policy.arch.feature_type])
+      probs, cls = scores_1C[0], cls_1[0]
     return PrefillOut(first, out.cache.with_lengths(n[None]), draft_cache, logits_1V,
                       out.final_hidden[:, 0], features, probs, cls, _nonfinite(logits_1V))
 

@@ -293,7 +293,14 @@ def _run(cfg) -> tuple[list[dict], dict]:
   if choice.name == "learned":
     summary["policy"] = {"path": cfg.policy, "feature_type": choice.policy.arch.feature_type,
                          "label_rule": choice.info.label_rule,
-                         "num_params": choice.policy.arch.num_params()}
+                         "num_params": choice.policy.arch.num_params(),
+                         "head": choice.policy.arch.head,
+                         # What each record's `policy_probs` holds (`BlockPolicy.decide`).
+                         "policy_probs_are": ("class probabilities"
+                                              if choice.policy.arch.head == "classify" else
+                                              "shrunk value ratios lam*rhat+(1-lam)*prior"),
+                         **({"decision": choice.policy.decision()}
+                            if choice.policy.arch.head == "value" else {})}
   if others:
     ar_out = [r["output_ids"] for r in per_method["ar"]] if "ar" in per_method else None
     same_tokens = same_tokens_as_ar(engine.verify, cfg.temperature)

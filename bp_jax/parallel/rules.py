@@ -53,6 +53,8 @@ PARAM_AXES: dict[str, tuple[str, ...]] = {
     "w_hid": ("policy_depth", "policy_hidden", "policy_hidden"),
     "b_hid": ("policy_depth", "policy_hidden"),
     "w_out": ("policy_hidden", "policy_classes"), "b_out": ("policy_classes",),
+    # The value head's decision rule: prior [C], lam [], static class [].
+    "value_prior": ("policy_classes",), "value_lam": (), "static_class": (),
     **{name: ("layers", *axes) for name, axes in LAYER_AXES.items()},
 }
 

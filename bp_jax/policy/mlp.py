@@ -3,7 +3,17 @@
   z = (x - mean) * inv_std                        (normalisation statistics stored with the model)
   h = dropout(relu(z @ w_in + b_in))
   h = h + dropout(relu(h @ w_hid[i] + b_hid[i]))   for i < depth - 1 (no `h +` when not residual)
-  logits = h @ w_out + b_out                       (one class per candidate block size)
+  out = h @ w_out + b_out                          (one output per candidate block size)
+
+Two heads read `out` (`PolicyArch.head`):
+  classify  `out` are class logits, trained by cross-entropy on argmax labels; the decision is
+            argmax softmax(out).
+  value     `out` = rhat_k(x), the regressed value of size k relative to the prompt's value at
+            the best static size (r_nk = V_nk / V_n,static); the decision shrinks it toward the
+            labelling set's prior:  scores_k = lam * rhat_k + (1 - lam) * prior_k  and picks
+            argmax scores (ties to the static class). prior, lam and the static class are stored
+            with the weights (`DecisionStat`); prior is maximal at the static class, so lam = 0
+            always picks the static size ("a policy that never loses" without evidence).
 
 The published policy is depth 2 (two hidden layers of 2048, the second residual), ReLU, dropout
 0.2, over the last prompt position's logits. Dropout takes an explicit PRNG key (training only),
@@ -31,11 +41,21 @@ from bp_jax.policy.features import check_feature_type, mlp_param_count
 
 POLICY_KIND = "policy"
 LABEL_RULES = ("max_tau", "max_throughput")
+HEADS = ("classify", "value")
+# Added to the static class's score before the value head's argmax, so that a tie (e.g. lam = 0,
+# or rhat constant across sizes) picks the static size; far below any real ratio difference.
+STATIC_TIE_BONUS = 1e-5
 
 
 def prompt_hash(text: str) -> str:
   """A short SHA-256 of a prompt's text: the identity used to keep label and eval sets apart."""
   return hashlib.sha256(text.encode("utf-8")).hexdigest()[:20]
+
+
+def check_head(head: str, flag: str = "--config.blockpilot.heads") -> str:
+  if head not in HEADS:
+    raise BadInputError(f"{flag}: unknown policy head {head!r}; use one of {list(HEADS)}")
+  return head
 
 
 def check_label_rule(rule: str, flag: str = "--config.blockpilot.rules") -> str:
@@ -54,9 +74,11 @@ class PolicyArch:
   num_classes: int
   residual: bool = True
   dropout: float = 0.2
+  head: str = "classify"  # HEADS: what the outputs mean and how the decision reads them
 
   def __post_init__(self):
     check_feature_type(self.feature_type, "policy feature_type")
+    check_head(self.head, "policy head")
     for name in ("input_dim", "hidden_dim", "depth"):
       if getattr(self, name) < 1:
         raise BadInputError(f"policy {name}={getattr(self, name)} must be >= 1")
@@ -68,10 +90,12 @@ class PolicyArch:
 
   @property
   def signature(self) -> str:
-    """Short name of the architecture, e.g. 'last_hidden-256:64x2r-5-d0.2' (a compile-cache
-    key: every field is in it, so equal signatures mean equal graphs)."""
+    """Short name of the architecture, e.g. 'last_hidden-256:64x2r-5-d0.2' (classify head) or
+    'last_hidden-256:64x2r-5-d0.2-value' (a compile-cache key: every field is in it, so equal
+    signatures mean equal graphs)."""
     return (f"{self.feature_type}-{self.input_dim}:{self.hidden_dim}x{self.depth}"
-            f"{'r' if self.residual else ''}-{self.num_classes}-d{self.dropout:g}")
+            f"{'r' if self.residual else ''}-{self.num_classes}-d{self.dropout:g}"
+            f"{'' if self.head == 'classify' else '-' + self.head}")
 
   def num_params(self) -> int:
     return mlp_param_count(self.input_dim, self.hidden_dim, self.depth, self.num_classes)
@@ -79,6 +103,22 @@ class PolicyArch:
 
 class FeatureStat(nnx.Variable):
   """Input normalisation statistics: stored and loaded with the policy, never trained."""
+
+
+class DecisionStat(nnx.Variable):
+  """The value head's decision rule (prior [C], lam [], static class []): stored and loaded with
+  the policy, never trained (set by the policy stage's lam selection)."""
+
+
+def shrunk_scores(rhat_BC: jax.Array, prior_C: jax.Array, lam: jax.Array) -> jax.Array:
+  """[B, C] the value head's decision scores lam * rhat + (1 - lam) * prior."""
+  return lam * rhat_BC + (1.0 - lam) * prior_C[None, :]
+
+
+def decision_class(scores_BC: jax.Array, static_class: jax.Array) -> jax.Array:
+  """[B] int32 argmax of the scores, ties (within `STATIC_TIE_BONUS`) to `static_class`."""
+  bonus_C = STATIC_TIE_BONUS * jax.nn.one_hot(static_class, scores_BC.shape[-1])
+  return jnp.argmax(scores_BC + bonus_C[None, :], axis=-1).astype(jnp.int32)
 
 
 def _he(key: jax.Array, shape: tuple[int, ...], fan_in: int) -> jax.Array:
@@ -108,7 +148,14 @@ class BlockPolicy(nnx.Module):
       self.w_hid = nnx.Param(scale * _he(rngs.params(), (n_hid, H, H), H))
       self.b_hid = nnx.Param(jnp.zeros((n_hid, H), jnp.float32))
     self.w_out = nnx.Param(0.1 * _he(rngs.params(), (H, C), H))
-    self.b_out = nnx.Param(jnp.zeros((C,), jnp.float32))
+    if arch.head == "value":
+      # Ratios start at 1 (no size better than the static one); the decision starts at lam = 0.
+      self.b_out = nnx.Param(jnp.ones((C,), jnp.float32))
+      self.value_prior = DecisionStat(jnp.ones((C,), jnp.float32))
+      self.value_lam = DecisionStat(jnp.zeros((), jnp.float32))
+      self.static_class = DecisionStat(jnp.zeros((), jnp.int32))
+    else:
+      self.b_out = nnx.Param(jnp.zeros((C,), jnp.float32))
 
   def set_feature_stats(self, mean_F: np.ndarray, std_F: np.ndarray, floor: float = 1e-3) -> None:
     """Sets the normalisation to (x - mean) / max(std, floor * median positive std)."""
@@ -122,8 +169,52 @@ class BlockPolicy(nnx.Module):
     self.feat_mean[...] = jnp.asarray(mean_F)
     self.feat_inv_std[...] = jnp.asarray(1.0 / np.maximum(std_F, floor * ref))
 
+  def set_decision(self, prior_C: np.ndarray, lam: float, static_class: int) -> None:
+    """Sets the value head's decision rule (module docstring). The prior must be maximal at
+    `static_class` (so that lam = 0 picks it) and lam must lie in [0, 1]."""
+    if self.arch.head != "value":
+      raise BadInputError(f"set_decision: a {self.arch.head!r} policy has no decision rule to "
+                          "set (only head='value')")
+    prior_C = np.asarray(prior_C, np.float32)
+    C = self.arch.num_classes
+    if prior_C.shape != (C,) or not np.isfinite(prior_C).all():
+      raise BadInputError(f"decision prior of shape {prior_C.shape} (or not finite) for a policy "
+                          f"with {C} classes")
+    if not 0 <= int(static_class) < C:
+      raise BadInputError(f"static class {static_class} outside [0, {C})")
+    if prior_C.max() > prior_C[int(static_class)]:
+      raise BadInputError(f"decision prior {prior_C.tolist()} is not maximal at the static class "
+                          f"{static_class}")
+    if not 0.0 <= float(lam) <= 1.0:
+      raise BadInputError(f"decision lam={lam} must lie in [0, 1]")
+    self.value_prior[...] = jnp.asarray(prior_C)
+    self.value_lam[...] = jnp.asarray(float(lam), jnp.float32)
+    self.static_class[...] = jnp.asarray(int(static_class), jnp.int32)
+
+  def decision(self) -> dict[str, Any]:
+    """The stored decision rule as plain values ({} for a classify head)."""
+    if self.arch.head != "value":
+      return {}
+    return {"prior": [float(p) for p in np.asarray(self.value_prior[...])],
+            "lam": float(self.value_lam[...]), "static_class": int(self.static_class[...])}
+
+  def decide(self, x_BF: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(scores [B, C] float32, chosen class [B] int32) of feature vectors [B, F], no dropout.
+
+    classify: scores = softmax(logits), the class probabilities, and class = their argmax.
+    value: scores = `shrunk_scores` (expected value relative to the static size, shrunk toward
+    the prior: not probabilities) and class = `decision_class` (ties to the static class).
+    """
+    out_BC = self(x_BF)
+    if self.arch.head == "classify":
+      probs_BC = jax.nn.softmax(out_BC, axis=-1)
+      return probs_BC, jnp.argmax(probs_BC, axis=-1).astype(jnp.int32)
+    scores_BC = shrunk_scores(out_BC, self.value_prior[...], self.value_lam[...])
+    return scores_BC, decision_class(scores_BC, self.static_class[...])
+
   def __call__(self, x_BF: jax.Array, dropout_key: jax.Array | None = None) -> jax.Array:
-    """Class logits [B, C] of feature vectors [B, F]; dropout only when a key is given."""
+    """Outputs [B, C] of feature vectors [B, F] (class logits, or rhat for a value head);
+    dropout only when a key is given."""
     a = self.arch
     keys = [None] * a.depth if dropout_key is None else list(jax.random.split(dropout_key, a.depth))
     z = (x_BF.astype(jnp.float32) - self.feat_mean[...]) * self.feat_inv_std[...]
@@ -171,7 +262,8 @@ def save_policy(out_dir: str, policy: BlockPolicy, *, block_sizes: Sequence[int]
   state = jax.tree.map(np.asarray, nnx.state(policy).to_pure_dict())
   full_meta = {"kind": POLICY_KIND, **(meta or {}),
                "labelled_prompt_hashes": sorted(set(labelled_hashes)),
-               "num_trainable_params": policy.arch.num_params()}
+               "num_trainable_params": policy.arch.num_params(),
+               **({"decision": policy.decision()} if policy.arch.head == "value" else {})}
   return save_checkpoint(out_dir, state, _config_dict(policy, block_sizes, label_rule,
                                                       target_layer_ids), full_meta,
                          overwrite=True)
@@ -185,7 +277,9 @@ def load_policy(ckpt_dir: str) -> tuple[BlockPolicy, PolicyInfo]:
   params, config, meta = load_checkpoint(ckpt_dir, expected_kind=POLICY_KIND)
   where = f"{ckpt_dir}/config.json"
   try:
-    arch = PolicyArch(**{f.name: config[f.name] for f in dataclasses.fields(PolicyArch)})
+    # A checkpoint written before `head` existed holds a classifier.
+    arch = PolicyArch(**{f.name: config[f.name] for f in dataclasses.fields(PolicyArch)
+                         if f.name in config or f.name != "head"})
     sizes = tuple(int(b) for b in config["block_sizes"])
     rule = str(config["label_rule"])
     layer_ids = tuple(int(i) for i in config.get("target_layer_ids", ()))

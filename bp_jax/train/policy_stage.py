@@ -1,17 +1,29 @@
 """The `policy` stage: train BlockPilot block-size policies on the labels (DESIGN §5).
 
-For every feature type in `cfg.blockpilot.features` and label rule in `cfg.blockpilot.rules`,
-an MLP (`bp_jax.policy.mlp.BlockPolicy`) maps the prompt's prefill feature to the class of its label
-(class i = candidate size i). Training data are `policy_labels` only (made by the labels stage);
+For every head in `cfg.blockpilot.heads`, feature type in `cfg.blockpilot.features` and label rule
+in `cfg.blockpilot.rules`, an MLP (`bp_jax.policy.mlp.BlockPolicy`) maps the prompt's prefill
+feature to a block size (class i = candidate size i):
+  classify  the class of the prompt's label (argmax over sizes of the rule's value), trained by
+            cross-entropy;
+  value     each size's value relative to the prompt's value at the best static size
+            (r_nk = V_nk / V_n,static, `relative_values`), trained by regression (Huber loss:
+            quadratic for small errors, linear for the few prompts whose static-size run was
+            very slow and whose ratios are far above 1, which would dominate a squared loss).
+            Its decision shrinks rhat toward the training prompts' mean ratio (`value_prior`):
+            scores = lam * rhat + (1 - lam) * prior; lam is chosen on the validation prompts
+            (`choose_lam`), so without evidence the policy decodes with the static size.
+Training data are `policy_labels` only (made by the labels stage);
 its prompts are split by key into train and validation parts (`val_frac`). Training: AdamW
 (`train.optim`, weight decay), label-smoothed cross-entropy, dropout, mini-batches reshuffled
 each epoch, and early stopping: the validation cross-entropy is measured every `eval_every` steps
 and the parameters of the best one are kept; training stops after `patience` measurements
 without improvement. Input normalisation statistics come from the training part.
 
-Outputs: `<workdir>/policies/<feature>-<rule>/` ("policy" checkpoints) and
+Outputs: `<workdir>/policies/<feature>-<rule>/` and `<feature>-<rule>-value/` ("policy"
+checkpoints; named `<feature>:<rule>` and `<feature>:<rule>:value` in the summary) and
 `<workdir>/policies/summary.json` (accuracies, the majority-class baseline, and the validation
-τ / estimated tokens-per-second of each policy's choices against the best static size). One
+τ / estimated tokens-per-second of each policy's choices against the best static size; for value
+policies the prior, the lam grid and its bootstrap intervals). One
 policy is copied to `<export_dir>/policy` (`ship`): `auto` picks the best validation estimated
 tokens per second.
 """
@@ -34,7 +46,9 @@ from bp_jax.data import epoch_order
 from bp_jax.errors import BadInputError
 from bp_jax.parallel.mesh import make_mesh
 from bp_jax.parallel.rules import shard_batch, shard_state
-from bp_jax.policy.mlp import BlockPolicy, PolicyArch, check_label_rule, save_policy
+from bp_jax.eval.bootstrap import bootstrap_speedup
+from bp_jax.policy.mlp import (BlockPolicy, PolicyArch, check_head, check_label_rule,
+                               decision_class, save_policy, shrunk_scores)
 from bp_jax.policy.features import parse_feature_types
 from bp_jax.text.prompts import check_disjoint, split_ids
 from bp_jax.policy import label_sets
@@ -42,6 +56,8 @@ from bp_jax.train import labels as lab
 from bp_jax.train import workdir as wd
 
 POLICIES_DIR = "policies"
+# The value head's Huber loss is quadratic for |rhat - r| below this and linear above (ratios).
+HUBER_DELTA = 0.25
 
 
 @dataclasses.dataclass
@@ -66,6 +82,16 @@ def _loss_fn(label_smoothing: float):
   return loss_fn
 
 
+def _value_loss_fn(model: BlockPolicy, frozen: Any, batch: Mapping[str, jax.Array],
+                   rng: jax.Array):
+  """Huber loss of the value head's rhat [B, C] against the relative values r [B, C]."""
+  del frozen
+  rhat_BC = model(batch["x"], rng)
+  loss = optax.huber_loss(rhat_BC, batch["y"], delta=HUBER_DELTA).mean()
+  acc = (jnp.argmax(rhat_BC, -1) == jnp.argmax(batch["y"], -1)).astype(jnp.float32).mean()
+  return loss, {"accuracy": acc}
+
+
 @functools.partial(jax.jit, static_argnums=2)
 def _val_metrics(params, rest, graphdef, x_NF, y_N):
   logits = nnx.merge(graphdef, params, rest)(x_NF)
@@ -73,25 +99,41 @@ def _val_metrics(params, rest, graphdef, x_NF, y_N):
   return ce, (jnp.argmax(logits, -1) == y_N).astype(jnp.float32).mean()
 
 
+@functools.partial(jax.jit, static_argnums=2)
+def _val_value_metrics(params, rest, graphdef, x_NF, r_NC):
+  """(Huber loss, agreement of argmax rhat with argmax r) of a value head."""
+  rhat_NC = nnx.merge(graphdef, params, rest)(x_NF)
+  loss = optax.huber_loss(rhat_NC, r_NC, delta=HUBER_DELTA).mean()
+  return loss, (jnp.argmax(rhat_NC, -1) == jnp.argmax(r_NC, -1)).astype(jnp.float32).mean()
+
+
 def predict(policy: BlockPolicy, x_NF: np.ndarray) -> np.ndarray:
-  """[N] argmax classes of feature vectors (no dropout)."""
-  return np.asarray(jnp.argmax(policy(jnp.asarray(x_NF, jnp.float32)), axis=-1))
+  """[N] the policy's decided classes of feature vectors (`BlockPolicy.decide`, no dropout):
+  argmax class of a classifier, the shrunk decision of a value head."""
+  return np.asarray(policy.decide(jnp.asarray(x_NF, jnp.float32))[1])
 
 
 def fit_policy(x_train: np.ndarray, y_train: np.ndarray, x_val: np.ndarray | None,
                y_val: np.ndarray | None, arch: PolicyArch, *, opt_cfg: Any, steps: int,
                batch: int, label_smoothing: float, eval_every: int, patience: int,
                seed: int, mesh=None) -> FitResult:
-  """Trains a policy; with a validation set, early-stops on its cross-entropy (see the module
-  docstring) and returns the best parameters, else the last ones. `mesh` (`--config.mesh`):
-  params placed by the rule table (`bp_jax.parallel.rules`), each batch split over `data`."""
+  """Trains a policy; with a validation set, early-stops on its loss (see the module docstring)
+  and returns the best parameters, else the last ones. `y_*`: [N] int classes for a classify
+  head, [N, C] relative values (`relative_values`) for a value head (whose decision rule is left
+  at lam = 0: see `choose_lam`). `mesh` (`--config.mesh`): params placed by the rule table
+  (`bp_jax.parallel.rules`), each batch split over `data`."""
   from bp_jax.train.loop import make_train_step
   from bp_jax.train.optim import make_optimizer
 
-  x_train, y_train = np.asarray(x_train, np.float32), np.asarray(y_train, np.int32)
+  value = arch.head == "value"
+  y_dtype = np.float32 if value else np.int32
+  x_train, y_train = np.asarray(x_train, np.float32), np.asarray(y_train, y_dtype)
   N = len(x_train)
   if N < 2 or len(y_train) != N:
     raise BadInputError(f"policy training needs at least 2 labelled prompts, got {N}")
+  if value and y_train.shape != (N, arch.num_classes):
+    raise BadInputError(f"value policy targets of shape {y_train.shape}, expected "
+                        f"({N}, {arch.num_classes})")
   if steps < 1 or batch < 1 or eval_every < 1 or patience < 1:
     raise BadInputError("--config.blockpilot: steps, batch, eval_every and patience must be >= 1")
   if not 0.0 <= label_smoothing < 1.0:
@@ -101,7 +143,9 @@ def fit_policy(x_train: np.ndarray, y_train: np.ndarray, x_val: np.ndarray | Non
   policy.set_feature_stats(x_train.mean(axis=0), x_train.std(axis=0))
   graphdef, params, rest = nnx.split(policy, nnx.Param, ...)
   tx, _ = make_optimizer(opt_cfg, steps)
-  step_fn = make_train_step(graphdef, _loss_fn(float(label_smoothing)), tx)
+  loss_fn = _value_loss_fn if value else _loss_fn(float(label_smoothing))
+  val_metrics = _val_value_metrics if value else _val_metrics
+  step_fn = make_train_step(graphdef, loss_fn, tx)
   params = shard_state(jax.tree.map(jnp.array, params), mesh)
   rest = shard_state(rest, mesh)
   opt_state = tx.init(params)
@@ -109,7 +153,7 @@ def fit_policy(x_train: np.ndarray, y_train: np.ndarray, x_val: np.ndarray | Non
   per_epoch = max(1, N // bs)
   has_val = x_val is not None and len(x_val) > 0
   if has_val:
-    xv, yv = jnp.asarray(x_val, jnp.float32), jnp.asarray(y_val, jnp.int32)
+    xv, yv = jnp.asarray(x_val, jnp.float32), jnp.asarray(np.asarray(y_val, y_dtype))
   rng = jax.random.PRNGKey(seed)
   best = (float("inf"), 0, jax.device_get(params))
   history, bad, done = [], 0, 0
@@ -124,7 +168,7 @@ def fit_policy(x_train: np.ndarray, y_train: np.ndarray, x_val: np.ndarray | Non
         jax.random.fold_in(rng, step))
     done = step + 1
     if has_val and (done % eval_every == 0 or done == steps):
-      ce, acc = (float(v) for v in _val_metrics(params, rest, graphdef, xv, yv))
+      ce, acc = (float(v) for v in val_metrics(params, rest, graphdef, xv, yv))
       history.append({"step": done, "loss": float(loss), "val_loss": ce, "val_accuracy": acc})
       if ce < best[0] - 1e-6:
         best, bad = (ce, done, jax.device_get(params)), 0
@@ -170,6 +214,88 @@ def best_static(records: Sequence[Mapping[str, Any]], rule: str, costs_K: Any) -
   return int(np.argmax(scores))
 
 
+# ---- the value head's targets and decision rule -----------------------------------------------
+
+
+def relative_values(values_NK: np.ndarray, static: int) -> np.ndarray:
+  """[N, K] r_nk = V_nk / V_n,static: each size's value relative to the prompt's value at the
+  static class; a prompt with no value at the static size (V <= 0) gets r = 1 everywhere (no
+  evidence either way)."""
+  v_NK = np.asarray(values_NK, np.float64)
+  base_N1 = v_NK[:, static:static + 1]
+  return np.where(base_N1 > 0, v_NK / np.where(base_N1 > 0, base_N1, 1.0), 1.0)
+
+
+def value_prior(r_NK: np.ndarray, static: int) -> np.ndarray:
+  """[K] the decision prior: the mean relative value of each size over the (training) prompts,
+  capped at the static class's mean (1 when every prompt has a value there). The static class is
+  the best on aggregate, so a size whose mean ratio beats it does so only through a few prompts;
+  the cap keeps the prior maximal at the static class, so lam = 0 always picks it."""
+  prior_K = np.asarray(r_NK, np.float64).mean(axis=0)
+  return np.minimum(prior_K, prior_K[static])
+
+
+def rule_totals(records: Sequence[Mapping[str, Any]], rule: str, costs_K: np.ndarray
+                ) -> tuple[np.ndarray, np.ndarray]:
+  """([N, K] numerator, [N, K] denominator) per prompt and size of the figure `rule` maximises
+  over a prompt set, a ratio of sums: new tokens / estimated seconds (`max_throughput`, the
+  `est_tokens_per_s` of `choice_metrics`) or tokens committed in cycles / cycles (`max_tau`, τ
+  pooled over cycles)."""
+  check_label_rule(rule)
+  if rule == "max_throughput":
+    return (label_sets.stack(records, "new_tokens").astype(np.float64),
+            label_sets.decode_seconds(records, costs_K))
+  cycles = label_sets.stack(records, "cycles").astype(np.float64)
+  return label_sets.stack(records, "tau").astype(np.float64) * cycles, cycles
+
+
+def parse_lams(text: str) -> tuple[float, ...]:
+  """The lam grid of `--config.blockpilot.value_lams`: ascending values in [0, 1], 0 included
+  (the static size, always a safe choice)."""
+  try:
+    lams = tuple(sorted({float(t) for t in str(text or "").split(",") if t.strip()}))
+  except ValueError:
+    raise BadInputError(f"--config.blockpilot.value_lams={text!r}: give comma-separated numbers "
+                        "in [0, 1], e.g. 0,0.25,0.5,0.75,1") from None
+  if not lams or lams[0] != 0.0 or lams[-1] > 1.0:
+    raise BadInputError(f"--config.blockpilot.value_lams={text!r}: values must lie in [0, 1] "
+                        "and include 0")
+  return lams
+
+
+def shrunk_choice(rhat_NK: np.ndarray, prior_K: np.ndarray, lam: float, static: int
+                  ) -> np.ndarray:
+  """[N] the value head's decisions for shrinkage `lam` (the rule `BlockPolicy.decide` runs)."""
+  scores = shrunk_scores(jnp.asarray(rhat_NK, jnp.float32), jnp.asarray(prior_K, jnp.float32),
+                         jnp.float32(lam))
+  return np.asarray(decision_class(scores, jnp.int32(static)))
+
+
+def choose_lam(rhat_NK: np.ndarray, prior_K: np.ndarray, static: int, num_NK: np.ndarray,
+               den_NK: np.ndarray, lams: Sequence[float], *, reps: int, level: float,
+               seed: int) -> tuple[float, list[dict]]:
+  """(lam, grid table) for a value head from held-out prompts: for each lam its decisions'
+  figure (sum num / sum den over the prompts at the chosen sizes, `rule_totals`) relative to the
+  static size's, with a paired bootstrap interval over the prompts (`bootstrap_speedup`).
+
+  Chosen: among the lams whose interval's lower bound is >= 1 (the data cannot show them losing
+  to the static size), the best point estimate; ties (within 1e-9) go to the smaller lam. lam = 0
+  decides the static size for every prompt (ratio 1, interval [1, 1]), so it always qualifies.
+  """
+  rows = np.arange(len(rhat_NK))
+  base_num, base_den = num_NK[rows, static], den_NK[rows, static]
+  table, best = [], (1.0, 0.0)
+  for lam in lams:
+    choice_N = shrunk_choice(rhat_NK, prior_K, lam, static)
+    sp = bootstrap_speedup(num_NK[rows, choice_N], den_NK[rows, choice_N], base_num, base_den,
+                           reps=reps, seed=seed, level=level)
+    table.append({"lam": float(lam), "vs_static": sp.ratio, "lo": sp.lo, "hi": sp.hi,
+                  "changed_frac": float((choice_N != static).mean())})
+    if sp.lo >= 1.0 - 1e-12 and sp.ratio > best[0] + 1e-9:
+      best = (sp.ratio, float(lam))
+  return best[1], table
+
+
 # ---- the stage -------------------------------------------------------------------------------
 
 
@@ -180,8 +306,22 @@ def parse_rules(text: str) -> tuple[str, ...]:
   return tuple(check_label_rule(r) for r in rules)
 
 
-def policy_dir(cfg: Any, feature: str, rule: str) -> str:
-  return os.path.join(wd.run_dir(cfg, POLICIES_DIR), f"{feature}-{rule}")
+def parse_heads(text: str) -> tuple[str, ...]:
+  heads = tuple(s.strip() for s in str(text or "").split(",") if s.strip())
+  if not heads:
+    raise BadInputError("--config.blockpilot.heads is empty; give classify and/or value")
+  return tuple(check_head(h) for h in heads)
+
+
+def policy_name(feature: str, rule: str, head: str = "classify") -> str:
+  """The summary's (and `ship`'s) name of a policy: `<feature>:<rule>[:value]`."""
+  return f"{feature}:{rule}" + ("" if head == "classify" else f":{head}")
+
+
+def policy_dir(cfg: Any, feature: str, rule: str, head: str = "classify") -> str:
+  """`<workdir>/policies/<feature>-<rule>[-value]`."""
+  return os.path.join(wd.run_dir(cfg, POLICIES_DIR),
+                      f"{feature}-{rule}" + ("" if head == "classify" else f"-{head}"))
 
 
 def split_train_val(records: Sequence[Mapping[str, Any]], val_frac: float, seed: int
@@ -199,9 +339,10 @@ def split_train_val(records: Sequence[Mapping[str, Any]], val_frac: float, seed:
 
 
 def policy_stage(cfg: Any) -> None:
-  """Trains one policy per feature type and label rule (module docstring)."""
+  """Trains one policy per head, feature type and label rule (module docstring)."""
   bp = cfg.blockpilot
   features, rules = parse_feature_types(bp.features), parse_rules(bp.rules)
+  heads, lams = parse_heads(bp.heads), parse_lams(bp.value_lams)
   records = lab.read_label_set(cfg, label_sets.LABELS, "policy")
   from bp_jax.data import dataset_exists
   if dataset_exists(wd.data_dir(cfg), label_sets.EVAL_LABELS):
@@ -228,45 +369,64 @@ def policy_stage(cfg: Any) -> None:
              "cycle_cost_ms": [round(1e3 * c, 4) for c in label_sets.cycle_costs(records)],
              "cost_table": costs if isinstance(costs, dict) else None, "policies": {}}
   for rule in rules:
-    y = label_sets.labels_of(label_sets.label_values(records, rule, costs))
+    values_NK = label_sets.label_values(records, rule, costs)
+    y = label_sets.labels_of(values_NK)
     static = best_static(rec_tr, rule, costs)
     majority = int(np.bincount(y[tr], minlength=len(sizes)).argmax())
-    for feature in features:
-      name = f"{feature}:{rule}"
-      field = f"feat_{feature}"
-      if field not in records[0]:
-        raise BadInputError(f"dataset {label_sets.LABELS!r} holds no {feature!r} features; rerun the "
-                            "labels stage with a drafter")
-      x = label_sets.stack(records, field).astype(np.float32)
-      arch = PolicyArch(feature, x.shape[1], int(bp.hidden_dim), int(bp.depth), len(sizes),
-                        bool(bp.residual), float(bp.dropout))
-      fit = fit_policy(x[tr], y[tr], x[va] if len(va) else None, y[va] if len(va) else None,
-                       arch, opt_cfg=bp.opt, steps=int(bp.steps), batch=int(bp.batch),
-                       label_smoothing=float(bp.label_smoothing),
-                       eval_every=int(bp.eval_every), patience=int(bp.patience),
-                       seed=int(cfg.seed), mesh=mesh)
-      entry = {"feature": feature, "rule": rule, "num_params": arch.num_params(),
-               "best_step": fit.best_step, "steps_run": fit.steps_run,
-               "train_accuracy": float((predict(fit.policy, x[tr]) == y[tr]).mean()),
-               "majority_class_size": sizes[majority], "static_size": sizes[static]}
-      if len(va):
-        pred = predict(fit.policy, x[va])
-        entry.update(
-            val_loss=fit.val_loss, val_accuracy=float((pred == y[va]).mean()),
-            val_majority_accuracy=float((y[va] == majority).mean()),
-            val_policy=choice_metrics(rec_va, pred, costs),
-            val_static=choice_metrics(rec_va, np.full(len(va), static), costs),
-            val_oracle=choice_metrics(rec_va, y[va], costs),
-            val_chosen={str(b): int((pred == k).sum()) for k, b in enumerate(sizes)})
-      out = save_policy(policy_dir(cfg, feature, rule), fit.policy, block_sizes=sizes,
-                        label_rule=rule, target_layer_ids=layer_ids,
-                        labelled_hashes=labelled, meta={
-                            "made_by": "train.py policy stage", **provenance,
-                            "history": fit.history[-50:], **{k: v for k, v in entry.items()
-                                                             if k.startswith("val_")}})
-      entry["checkpoint"] = out
-      summary["policies"][name] = entry
-      print(_line(name, entry), flush=True)
+    r_NK = relative_values(values_NK, static)
+    prior_K = value_prior(r_NK[tr], static)
+    num_NK, den_NK = rule_totals(records, rule, costs)
+    for head in heads:
+      for feature in features:
+        name = policy_name(feature, rule, head)
+        field = f"feat_{feature}"
+        if field not in records[0]:
+          raise BadInputError(f"dataset {label_sets.LABELS!r} holds no {feature!r} features; "
+                              "rerun the labels stage with a drafter")
+        x = label_sets.stack(records, field).astype(np.float32)
+        arch = PolicyArch(feature, x.shape[1], int(bp.hidden_dim), int(bp.depth), len(sizes),
+                          bool(bp.residual), float(bp.dropout), head)
+        target = r_NK if head == "value" else y
+        fit = fit_policy(x[tr], target[tr], x[va] if len(va) else None,
+                         target[va] if len(va) else None,
+                         arch, opt_cfg=bp.opt, steps=int(bp.steps), batch=int(bp.batch),
+                         label_smoothing=float(bp.label_smoothing),
+                         eval_every=int(bp.eval_every), patience=int(bp.patience),
+                         seed=int(cfg.seed), mesh=mesh)
+        extra = {}
+        if head == "value":
+          lam, grid = 0.0, []
+          if len(va):
+            rhat_va = np.asarray(fit.policy(jnp.asarray(x[va])))
+            lam, grid = choose_lam(rhat_va, prior_K, static, num_NK[va], den_NK[va], lams,
+                                   reps=int(bp.value_reps), level=float(bp.value_level),
+                                   seed=int(cfg.seed))
+          fit.policy.set_decision(prior_K, lam, static)
+          extra = {"lam": lam, "prior": [round(float(p), 6) for p in prior_K],
+                   "lam_grid": grid}
+        entry = {"feature": feature, "rule": rule, "head": head,
+                 "num_params": arch.num_params(),
+                 "best_step": fit.best_step, "steps_run": fit.steps_run,
+                 "train_accuracy": float((predict(fit.policy, x[tr]) == y[tr]).mean()),
+                 "majority_class_size": sizes[majority], "static_size": sizes[static], **extra}
+        if len(va):
+          pred = predict(fit.policy, x[va])
+          entry.update(
+              val_loss=fit.val_loss, val_accuracy=float((pred == y[va]).mean()),
+              val_majority_accuracy=float((y[va] == majority).mean()),
+              val_policy=choice_metrics(rec_va, pred, costs),
+              val_static=choice_metrics(rec_va, np.full(len(va), static), costs),
+              val_oracle=choice_metrics(rec_va, y[va], costs),
+              val_chosen={str(b): int((pred == k).sum()) for k, b in enumerate(sizes)})
+        out = save_policy(policy_dir(cfg, feature, rule, head), fit.policy, block_sizes=sizes,
+                          label_rule=rule, target_layer_ids=layer_ids,
+                          labelled_hashes=labelled, meta={
+                              "made_by": "train.py policy stage", **provenance,
+                              "history": fit.history[-50:], **extra,
+                              **{k: v for k, v in entry.items() if k.startswith("val_")}})
+        entry["checkpoint"] = out
+        summary["policies"][name] = entry
+        print(_line(name, entry), flush=True)
   shipped = _ship(cfg, summary)
   summary["shipped"] = shipped
   os.makedirs(wd.run_dir(cfg, POLICIES_DIR), exist_ok=True)
@@ -304,6 +464,8 @@ def _line(name: str, e: dict) -> str:
           f"{e['val_policy']['tokens_per_forward']:.3f}; est tok/s "
           f"{e['val_policy']['est_tokens_per_s']:.1f} vs "
           f"{e['val_static']['est_tokens_per_s']:.1f}")
+  if "lam" in e:
+    s += f"; lam {e['lam']:g} (prior {e['prior']})"
   return s
 
 

@@ -47,7 +47,8 @@ from bp_jax.train import intra_request as intra
 from bp_jax.policy import label_sets
 from bp_jax.train import labels as lab
 from bp_jax.train import workdir as wd
-from bp_jax.train.policy_stage import best_static, parse_rules, policy_dir
+from bp_jax.train.policy_stage import (best_static, parse_heads, parse_rules, policy_dir,
+                                       policy_name)
 
 # Qwen3-4B with a b16 DFlash drafter (DESIGN §2): vocabulary, hidden size, chosen layers,
 # parameters and the drafter's block size.
@@ -86,13 +87,14 @@ def check_label_settings(cfg: Any, max_new: int, temperature: float) -> None:
 
 def load_policies(cfg: Any, eval_texts: Sequence[str], fingerprint: str,
                   sizes: Sequence[int]) -> dict[str, tuple[Any, Any]]:
-  """{"feature:rule": (policy, info)} for every configured policy, each checked: trained on
-  these labels' sizes and target, and never labelled on an evaluation prompt."""
+  """{`policy_name` ("feature:rule[:value]"): (policy, info)} for every configured policy, each
+  checked: trained on these labels' sizes and target, and never labelled on an evaluation
+  prompt."""
   bp = cfg.blockpilot
   out = {}
-  for rule in parse_rules(bp.rules):
+  for rule, head in [(r, h) for r in parse_rules(bp.rules) for h in parse_heads(bp.heads)]:
     for feature in parse_feature_types(bp.features):
-      path = policy_dir(cfg, feature, rule)
+      path = policy_dir(cfg, feature, rule, head)
       wd.require_checkpoint(path, "policy", "report", "policy")
       policy, info = load_policy(path)
       seen = info.overlap(eval_texts)
@@ -107,7 +109,7 @@ def load_policies(cfg: Any, eval_texts: Sequence[str], fingerprint: str,
         raise BadInputError(f"policy {path} was trained on labels of another target "
                             f"({made_for}, not {fingerprint}): rerun the labels and policy "
                             "stages")
-      out[f"{feature}:{rule}"] = (policy, info)
+      out[policy_name(feature, rule, head)] = (policy, info)
   return out
 
 

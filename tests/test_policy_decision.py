@@ -1,0 +1,255 @@
+"""The value head and its expected-value decision (bp_jax/policy/mlp.py `BlockPolicy.decide`,
+bp_jax/train/policy_stage.py `choose_lam`): an uninformative value policy decodes with the
+static size, strong evidence moves it, the head learns a known rule, checkpoints keep the
+decision rule, and lam chosen on noise gives static-size behaviour."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from bp_jax.errors import BadInputError
+from bp_jax.optim_config import opt_config
+from bp_jax.policy import label_sets
+from bp_jax.policy.mlp import BlockPolicy, PolicyArch, load_policy, save_policy
+from bp_jax.train.policy_stage import (best_static, choice_metrics, choose_lam, fit_policy,
+                                       parse_heads, parse_lams, predict, relative_values,
+                                       rule_totals, shrunk_choice, value_prior)
+
+SIZES = (2, 3, 5, 8)
+LAMS = (0.0, 0.25, 0.5, 0.75, 1.0)
+
+
+def _value_policy(F: int = 6, hidden: int = 8, depth: int = 1, seed: int = 0) -> BlockPolicy:
+  return BlockPolicy(PolicyArch("last_hidden", F, hidden, depth, len(SIZES), head="value"),
+                     rngs=nnx.Rngs(seed))
+
+
+def _x(n: int, F: int = 6, seed: int = 0) -> np.ndarray:
+  return np.random.default_rng(seed).normal(size=(n, F)).astype(np.float32)
+
+
+# ---- the decision rule -----------------------------------------------------------------------
+
+
+def test_classify_decide_is_softmax_and_argmax():
+  policy = BlockPolicy(PolicyArch("last_hidden", 6, 8, 2, len(SIZES)), rngs=nnx.Rngs(1))
+  x = jnp.asarray(_x(20))
+  scores, cls = policy.decide(x)
+  want = np.asarray(jnp.exp(policy(x)) / jnp.exp(policy(x)).sum(-1, keepdims=True))
+  np.testing.assert_allclose(np.asarray(scores), want, rtol=1e-5)
+  np.testing.assert_array_equal(np.asarray(cls), np.argmax(want, -1))
+  assert policy.arch.signature == "last_hidden-6:8x2r-4-d0.2"  # unchanged by the head field
+
+
+def test_uninformative_value_policy_picks_the_static_size():
+  """lam = 0 (random weights), or rhat constant across sizes (any lam): the static class for
+  every input, even where the prior ties another class with the static one."""
+  x = jnp.asarray(_x(64))
+  prior = np.array([0.9, 1.0, 1.0, 0.7])  # class 2 ties the static class 1
+  policy = _value_policy(seed=3)
+  policy.set_decision(prior, 0.0, 1)
+  scores, cls = policy.decide(x)
+  assert np.asarray(cls).tolist() == [1] * 64
+  np.testing.assert_allclose(np.asarray(scores), np.tile(prior, (64, 1)), rtol=1e-6)
+  policy.w_out[...] = jnp.zeros_like(policy.w_out[...])
+  policy.b_out[...] = jnp.full((len(SIZES),), 1.3)
+  for lam in LAMS:
+    policy.set_decision(prior, lam, 1)
+    assert np.asarray(policy.decide(x)[1]).tolist() == [1] * 64, lam
+  policy.set_decision(np.array([1.0, 0.8, 0.8, 1.0]), 1.0, 3)  # another static class
+  assert np.asarray(policy.decide(x)[1]).tolist() == [3] * 64
+
+
+def test_strong_evidence_moves_the_decision():
+  """rhat_j = 1 + 10 * relu(x_0), other sizes 1: inputs with x_0 > 0 pick j at lam = 1 (and
+  at lam = 0.5 where the evidence outweighs the prior's deficit), the rest the static size."""
+  F, j, static = 6, 3, 1
+  policy = _value_policy(F=F, hidden=4, depth=1)
+  w_in = np.zeros((F, 4), np.float32)
+  w_in[0, 0] = 1.0
+  w_out = np.zeros((4, len(SIZES)), np.float32)
+  w_out[0, j] = 10.0
+  policy.w_in[...] = jnp.asarray(w_in)
+  policy.b_in[...] = jnp.zeros((4,))
+  policy.w_out[...] = jnp.asarray(w_out)
+  policy.b_out[...] = jnp.ones((len(SIZES),))
+  x = _x(200, F, seed=5)
+  prior = np.array([0.9, 1.0, 0.95, 0.8])
+  policy.set_decision(prior, 1.0, static)
+  cls = np.asarray(policy.decide(jnp.asarray(x))[1])
+  np.testing.assert_array_equal(cls, np.where(x[:, 0] > 0, j, static))
+  policy.set_decision(prior, 0.5, static)
+  cls = np.asarray(policy.decide(jnp.asarray(x))[1])
+  # 0.5 * (1 + 10 x0) + 0.5 * 0.8 > 1  <=>  x0 > 0.02
+  np.testing.assert_array_equal(cls, np.where(x[:, 0] > 0.02, j, static))
+  # The numpy decision of lam selection is the same rule.
+  rhat = np.asarray(policy(jnp.asarray(x)))
+  np.testing.assert_array_equal(shrunk_choice(rhat, prior, 0.5, static), cls)
+
+
+def test_decision_rule_misuse_is_refused():
+  policy = _value_policy()
+  with pytest.raises(BadInputError, match="not maximal at the static class"):
+    policy.set_decision(np.array([1.0, 1.2, 1.0, 1.0]), 0.5, 0)
+  with pytest.raises(BadInputError, match="lam=1.5"):
+    policy.set_decision(np.ones(4), 1.5, 0)
+  with pytest.raises(BadInputError, match="static class 4"):
+    policy.set_decision(np.ones(4), 0.5, 4)
+  classify = BlockPolicy(PolicyArch("last_hidden", 6, 8, 1, 4), rngs=nnx.Rngs(0))
+  with pytest.raises(BadInputError, match="only head='value'"):
+    classify.set_decision(np.ones(4), 0.5, 0)
+  with pytest.raises(BadInputError, match="unknown policy head 'regress'"):
+    PolicyArch("last_hidden", 6, 8, 1, 4, head="regress")
+  with pytest.raises(BadInputError, match="--config.blockpilot.heads"):
+    parse_heads("classify,ranking")
+  with pytest.raises(BadInputError, match="--config.blockpilot.value_lams"):
+    parse_lams("0.5,1")
+  assert parse_lams("1, 0.5,0") == (0.0, 0.5, 1.0)
+
+
+# ---- checkpoints -----------------------------------------------------------------------------
+
+
+def _save(policy: BlockPolicy, path: str) -> str:
+  return save_policy(path, policy, block_sizes=SIZES, label_rule="max_throughput",
+                     target_layer_ids=(0, 1), labelled_hashes=["abc"])
+
+
+def test_value_checkpoint_round_trip_keeps_the_decision_rule(tmp_path):
+  policy = _value_policy(depth=2)
+  policy.set_feature_stats(np.full(6, 0.5), np.full(6, 2.0))
+  policy.set_decision(np.array([0.8, 0.9, 1.0, 0.6]), 0.75, 2)
+  loaded, info = load_policy(_save(policy, str(tmp_path / "value")))
+  assert loaded.arch == policy.arch and loaded.arch.head == "value"
+  assert loaded.decision() == policy.decision()
+  assert loaded.decision()["lam"] == 0.75 and loaded.decision()["static_class"] == 2
+  x = jnp.asarray(_x(16))
+  for a, b in zip(loaded.decide(x), policy.decide(x)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
+  assert info.meta["decision"]["lam"] == 0.75
+
+
+def test_classify_checkpoint_without_a_head_field_loads_as_classify(tmp_path):
+  """A checkpoint written before the head existed: config.json has no "head"."""
+  policy = BlockPolicy(PolicyArch("last_hidden", 6, 8, 2, len(SIZES)), rngs=nnx.Rngs(2))
+  path = _save(policy, str(tmp_path / "old"))
+  config_path = os.path.join(path, "config.json")
+  config = json.load(open(config_path))
+  assert config.pop("head") == "classify"
+  json.dump(config, open(config_path, "w"))
+  loaded, _ = load_policy(path)
+  assert loaded.arch == policy.arch and loaded.arch.head == "classify"
+  assert loaded.decision() == {}
+  x = jnp.asarray(_x(8))
+  np.testing.assert_allclose(np.asarray(loaded.decide(x)[0]), np.asarray(policy.decide(x)[0]),
+                             rtol=1e-6)
+
+
+# ---- training and lam selection --------------------------------------------------------------
+
+
+def test_value_head_learns_a_known_rule():
+  """Relative values are a known function of 4 of 16 badly scaled features (the static class 1
+  has r = 1 by definition): at lam = 1 the decisions agree with the best size on held-out
+  inputs far more often than the static size does."""
+  rng = np.random.default_rng(0)
+  F, K, static = 16, len(SIZES), 1
+  scales = np.exp(rng.normal(0, 1.5, F)).astype(np.float32)
+  w = np.zeros((F, K), np.float32)
+  w[:4] = rng.normal(size=(4, K))
+  w[:, static] = 0.0
+
+  def data(n):
+    x = rng.normal(size=(n, F)).astype(np.float32)
+    return x * scales - 2.0, (1.0 + 0.3 * np.tanh(x @ w)).astype(np.float32)
+
+  (xt, rt), (xv, rv), (xe, re) = data(3000), data(300), data(1000)
+  arch = PolicyArch("last_hidden", F, 64, 2, K, dropout=0.1, head="value")
+  fit = fit_policy(xt, rt, xv, rv, arch, opt_cfg=opt_config(lr=3e-3, weight_decay=0.01),
+                   steps=800, batch=128, label_smoothing=0.0, eval_every=50, patience=6,
+                   seed=0)
+  rhat = np.asarray(fit.policy(jnp.asarray(xe)))
+  assert np.sqrt(np.mean((rhat - re) ** 2)) < 0.05, fit.history[-1]
+  fit.policy.set_decision(np.ones(K), 1.0, static)
+  agree = float((predict(fit.policy, xe) == np.argmax(re, 1)).mean())
+  assert agree > 0.8, agree
+  assert float((np.argmax(re, 1) == static).mean()) < 0.5
+
+
+def _records(n: int, seed: int) -> tuple[list[dict], np.ndarray]:
+  """Synthetic label records of the paper's loop (every forward a cycle) over SIZES: per prompt
+  the same new tokens at every size, cycles random around a size profile that makes size 5 the
+  best static one; features pure noise. Returns (records, [K] cycle costs)."""
+  rng = np.random.default_rng(seed)
+  costs = np.array([1.0, 1.2, 1.5, 2.2])
+  tau_mean = np.array([1.8, 2.4, 3.2, 4.1])  # tokens/s ~ tau / cost: 1.80, 2.00, 2.13, 1.86
+  records = []
+  for i in range(n):
+    new = int(rng.integers(40, 120))
+    tau = np.clip(tau_mean * np.exp(rng.normal(0, 0.25, len(SIZES))), 1.0, None)
+    cycles = np.maximum(1, np.rint(new / tau)).astype(np.int32)
+    records.append({"key": f"p{i}", "block_sizes": np.asarray(SIZES, np.int32),
+                    "new_tokens": np.full(len(SIZES), new, np.int32), "cycles": cycles,
+                    "forwards": cycles, "tau": (new / cycles).astype(np.float32),
+                    "tokens_per_forward": (new / cycles).astype(np.float32),
+                    "decode_s": (cycles * costs).astype(np.float32),
+                    "feat_last_hidden": rng.normal(size=8).astype(np.float32)})
+  return records, costs
+
+
+@pytest.mark.parametrize("rule", ["max_throughput", "max_tau"])
+def test_lam_chosen_on_noise_features_gives_static_behaviour(rule):
+  """Features carry no information about the values: the value head fits noise, and the lam
+  chosen on the validation prompts decodes (nearly) like the static size: lam = 0, or
+  decisions equal to the static size's on the validation prompts."""
+  records, costs = _records(360, seed=1)
+  tr, va = np.arange(240), np.arange(240, 360)
+  rec_tr = [records[i] for i in tr]
+  values = label_sets.label_values(records, rule, costs)
+  static = best_static(rec_tr, rule, costs)
+  r = relative_values(values, static)
+  prior = value_prior(r[tr], static)
+  assert prior[static] == 1.0 and prior.max() == 1.0
+  x = label_sets.stack(records, "feat_last_hidden").astype(np.float32)
+  arch = PolicyArch("last_hidden", 8, 32, 2, len(SIZES), dropout=0.0, head="value")
+  # Overfit on purpose (no early stopping signal used beyond the best step).
+  fit = fit_policy(x[tr], r[tr], x[va], r[va], arch, opt_cfg=opt_config(lr=3e-3,
+                   weight_decay=0.0), steps=300, batch=64, label_smoothing=0.0, eval_every=300,
+                   patience=1, seed=0)
+  rhat = np.asarray(fit.policy(jnp.asarray(x[va])))
+  assert (shrunk_choice(rhat, prior, 1.0, static) != static).any()  # unshrunk: it wanders
+  num, den = rule_totals(records, rule, costs)
+  lam, grid = choose_lam(rhat, prior, static, num[va], den[va], LAMS, reps=1000, level=0.9,
+                         seed=0)
+  assert [g["lam"] for g in grid] == list(LAMS)
+  assert grid[0] == {"lam": 0.0, "vs_static": 1.0, "lo": 1.0, "hi": 1.0, "changed_frac": 0.0}
+  chosen = shrunk_choice(rhat, prior, lam, static)
+  assert lam == 0.0 or (chosen == static).all(), (lam, grid)
+  # The rule's own figure: est. tokens/s of choice_metrics for the throughput rule.
+  if rule == "max_throughput":
+    rec_va = [records[i] for i in va]
+    for g in grid:
+      pick = shrunk_choice(rhat, prior, g["lam"], static)
+      got = choice_metrics(rec_va, pick, costs)["est_tokens_per_s"]
+      base = choice_metrics(rec_va, np.full(len(va), static), costs)["est_tokens_per_s"]
+      assert got / base == pytest.approx(g["vs_static"], rel=1e-9)
+
+
+def test_lam_selection_takes_real_evidence():
+  """When rhat is the truth (an oracle's values), a lam > 0 is chosen and beats static."""
+  records, costs = _records(200, seed=2)
+  values = label_sets.label_values(records, "max_throughput", costs)
+  static = best_static(records, "max_throughput", costs)
+  r = relative_values(values, static)
+  num, den = rule_totals(records, "max_throughput", costs)
+  lam, grid = choose_lam(r, value_prior(r, static), static, num, den, LAMS, reps=500,
+                         level=0.9, seed=0)
+  assert lam > 0.0
+  best = next(g for g in grid if g["lam"] == lam)
+  assert best["lo"] >= 1.0 and best["vs_static"] > 1.05
