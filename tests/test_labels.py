@@ -270,6 +270,16 @@ def test_cost_table_prices_the_labels_and_two_labelling_runs_agree(setup, stages
     np.testing.assert_array_equal(
         label_sets.labels_of(label_sets.label_values(records, rule, table)),
         label_sets.labels_of(label_sets.label_values(again, rule, table)))
+  # Remeasuring the table re-prices the stored decodes without decoding them again.
+  cfg2.blockpilot.cost_table = "remeasure"
+  capsys.readouterr()
+  lab.labels_stage(cfg2)
+  out = capsys.readouterr().out
+  assert "cost table (measured" in out and "decodes up to date, priced by the new" in out
+  repriced = open_dataset(os.path.join(cfg2.workdir, "data"), label_sets.LABELS)
+  assert label_sets.label_set_costs(repriced) != table
+  np.testing.assert_array_equal(label_sets.stack(list(repriced), "cycles"),
+                                label_sets.stack(again, "cycles"))
   # A table measured under another key is measured again; a given table that cannot price a
   # size is refused, naming the file and the missing size.
   key = dict(table["key"], target="another model")

@@ -206,8 +206,9 @@ class Engine:
     return jnp.asarray(toks), P
 
   def _forced_seq(self, n: int, forced_continuation: Sequence[int]) -> jax.Array:
-    """[1, S] the perfect drafter's tokens at their positions (0 past the continuation)."""
-    forced = np.zeros((1, self.max_len), np.int32)
+    """[1, S] the perfect drafter's tokens at their positions (-1 past the continuation: the
+    drafter's own drafts there)."""
+    forced = np.full((1, self.max_len), -1, np.int32)  # -1: no forced token (the drafter's)
     cont = list(forced_continuation)[:self.max_len - n]
     forced[0, n:n + len(cont)] = cont
     return jnp.asarray(forced)
@@ -323,7 +324,7 @@ class Engine:
     if block_size == 1:
       draft_cache = None
     seq = jnp.zeros((self.batch_size, self.max_len), jnp.int32)
-    forced_seq = jnp.zeros_like(seq) if forced else None
+    forced_seq = jnp.full_like(seq, -1) if forced else None
     carry = decode_loops.slot_carry(seq, cache, draft_cache, forced_seq)
     if self.mesh is None:
       return carry

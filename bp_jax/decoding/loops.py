@@ -320,9 +320,11 @@ def make_batched_spec_loop(graphdef, draft_graphdef, block_size: int, scan_layer
   `carry["is_cycle"]` tells cycles from AR steps (τ counts cycles only).
 
   `forced_drafts` (static; tests and benchmarks): the carry has `forced` [B, S], and each row
-  drafts the tokens stored there at its positions instead of the drafter's argmax: a perfect
-  drafter that still pays the drafter's full compute. It is a separately compiled variant, so
-  production loops carry no trace of it.
+  drafts the tokens stored there at its positions (where >= 0; elsewhere the drafter's own)
+  instead of the drafter's: a perfect drafter that still pays the drafter's full compute (its
+  tokens stay live: overwriting them outright let XLA drop the whole drafter pass as dead code
+  under `exact`). It is a separately compiled variant, so production loops carry no trace of
+  it.
   `scan_layers`, `window`: as in `make_batched_ar_loop`, for the target and the drafter (a
   cycle needs b slots of room, an AR step one).
 
@@ -371,9 +373,11 @@ def make_batched_spec_loop(graphdef, draft_graphdef, block_size: int, scan_layer
       logits_BkV = model.project_to_vocab(h_BbD[:, 1:])
       drafted = jax.vmap(lambda lg, key, p: verify_rules.propose(lg, verify, sp, key, p))(
           logits_BkV, c["seed_keys"], c["pos"])
-      if forced_drafts:
-        drafted = jax.vmap(lambda f, p: jax.lax.dynamic_slice_in_dim(f, p + 1, b - 1))(
+      if forced_drafts:  # the forced token where one is given (>= 0), else the drafter's own:
+        # the drafter's tokens stay live, so XLA cannot drop the drafter pass as dead code
+        forced_Bk = jax.vmap(lambda f, p: jax.lax.dynamic_slice_in_dim(f, p + 1, b - 1))(
             c["forced"], c["pos"])
+        drafted = jnp.where(forced_Bk >= 0, forced_Bk, drafted)
       return drafted.astype(jnp.int32), logits_BkV
 
     def fallback_after(c, a_B):

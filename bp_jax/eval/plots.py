@@ -48,3 +48,23 @@ def line_plot(series: Mapping[str, tuple[Sequence[float], Sequence[float]]], pat
   if len(series) > 1:
     ax.legend()
   return save_figure(fig, path)
+
+
+def interval_bars(values: Mapping[str, tuple[float, float, float]], path: str, ylabel: str,
+                  title: str = "", reference: float | None = 1.0) -> str:
+  """One horizontal bar per name at its value, with its (low, high) interval as an error bar,
+  and a vertical line at `reference` (e.g. 1.0 for a ratio)."""
+  names = list(values)
+  mid = [values[n][0] for n in names]
+  err = [[m - values[n][1] for n, m in zip(names, mid)], [values[n][2] - m for n, m in
+                                                          zip(names, mid)]]
+  fig, ax = plt.subplots(figsize=(7, 0.35 * len(names) + 1.2))
+  ax.barh(range(len(names)), mid, xerr=err, color="#4c72b0", capsize=3)
+  ax.set_yticks(range(len(names)), names)
+  ax.invert_yaxis()
+  if reference is not None:
+    ax.axvline(reference, color="k", lw=0.8)
+  ax.set_xlabel(ylabel)
+  if title:
+    ax.set_title(title)
+  return save_figure(fig, path)

@@ -296,15 +296,16 @@ def build_engine(cfg: Any, target: Any, drafter: Any, tok: Any, sizes: Sequence[
 
 
 def _holds_settings(data_dir: str, name: str, settings: Mapping[str, Any],
-                    table_key: Mapping[str, Any]) -> bool:
-  """Whether label dataset `name` exists, records the decode settings `settings` and is priced
-  by a cost table measured under `table_key` (a set made before either was recorded is
-  labelled again)."""
+                    table_key: Mapping[str, Any] | None = None) -> bool:
+  """Whether label dataset `name` exists, records the decode settings `settings` and (with
+  `table_key`) is priced by a cost table measured under that key (a set made before either was
+  recorded is labelled again)."""
   if not tfds_io.dataset_exists(data_dir, name):
     return False
   ds = open_label_set(os.path.join(data_dir, name))
   table = label_set_costs(ds) or {}
-  return label_set_settings(ds) == dict(settings) and table.get("key") == dict(table_key)
+  return label_set_settings(ds) == dict(settings) and (
+      table_key is None or table.get("key") == dict(table_key))
 
 
 def label_cost_table(cfg: Any, engine: Any, target: Any, drafter: Any, tok: Any,
@@ -385,8 +386,12 @@ def labels_stage(cfg: Any) -> None:
                         str(cfg.get("dtype") or "auto"), sizes, max_new)
   stamp = read_stamp(stamp_dir)
   reuse_table = str(bp.get("cost_table", "auto") or "auto") == "auto"
-  if (stamp is not None and all(stamp.get(k) == v for k, v in want.items()) and reuse_table
-      and all(_holds_settings(data, name, settings, key) for name in (LABELS, EVAL_LABELS))):
+  # The decodes (counts, features) are current when the stamp and settings match; the cost
+  # table that prices them may still change (another machine's, or remeasured).
+  decoded = (stamp is not None and all(stamp.get(k) == v for k, v in want.items())
+             and all(_holds_settings(data, name, settings) for name in (LABELS, EVAL_LABELS)))
+  if decoded and reuse_table and all(_holds_settings(data, name, settings, key)
+                                     for name in (LABELS, EVAL_LABELS)):
     print(f"[labels] up to date: {data}/{LABELS}, {data}/{EVAL_LABELS}")
     return
   engine = build_engine(cfg, target, drafter, tok, sizes, [len(v) for v in encoded.values()],
@@ -402,14 +407,15 @@ def labels_stage(cfg: Any) -> None:
   print(f"[labels] cost table ({how}, {costs.TABLE_FILE}): {costs.describe(table)}", flush=True)
   counts = {}
   for split, name, prompts in (("label", LABELS, label), ("eval", EVAL_LABELS, evals)):
-    records = []
-    for i, p in enumerate(tqdm(prompts, desc=f"labels {split}", unit="prompt",
-                               dynamic_ncols=True)):
-      ids = encoded[p.key]
-      m = measure_prompt(engine, ids, sizes, max_new_tokens=max_new, temperature=temperature,
-                         seed=int(cfg.seed) + i, num_seeds=seeds, order_seed=i,
-                         sampling=sampling)
-      records.append(label_record(p, split, len(ids), sizes, m, loop["ar_fallback"]))
+    if decoded:  # only the prices changed: the same records, priced by the new table
+      records = list(open_label_set(os.path.join(data, name)))
+      print(f"[labels] {name}: decodes up to date, priced by the new cost table", flush=True)
+    else:
+      records = [label_record(p, split, len(encoded[p.key]), sizes, measure_prompt(
+          engine, encoded[p.key], sizes, max_new_tokens=max_new, temperature=temperature,
+          seed=int(cfg.seed) + i, num_seeds=seeds, order_seed=i, sampling=sampling),
+          loop["ar_fallback"]) for i, p in enumerate(tqdm(
+              prompts, desc=f"labels {split}", unit="prompt", dynamic_ncols=True))]
     write_label_set(data, name, records, f"{len(records)} {split} prompts decoded at sizes "
                     f"{list(sizes)} (T={temperature}, {max_new} new tokens)", settings, table)
     counts[split] = summarize_labels(records, sizes, table)
