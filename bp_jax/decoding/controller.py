@@ -17,8 +17,12 @@ token (softmax of its logits; the argmax's probability under `exact`). Verifying
 commits, in expectation, E_k = 1 + sum_{j=1..k} prod_{i<=j} p_i tokens and costs
 cost_k = draft_cost + verify_cost(k+1) (the drafter pass, paid already this cycle, plus one
 target forward over k+1 tokens). The cycle verifies the bucket k maximizing E_k / cost_k
-(ties: the smaller k). The next forward skips the drafter (one plain AR step, which still feeds
-the drafter's context) when that best rate is below the AR rate 1 / verify_cost(1). A batch
+(ties: the smaller k). When that best rate is below the AR rate 1 / verify_cost(1) the cycle is
+a miss, and the next forwards skip the drafter: plain AR steps (which still feed the drafter's
+context), 2, 4, 8, ... for consecutive misses, at most `--config.ar_fallback` (0: 16), as
+`backoff` does after poor cycles; a cycle worth drafting resets the count. With
+`--config.controller_poor_miss`, a cycle that verified more than `ar_fallback_accept` drafts
+and accepted at most that many is a miss too. A batch
 verifies one k for all its rows: the k maximizing sum over decoding rows of E_k, divided by
 cost_k (one cost table: relative costs, measured at the batch size of interest), and skips the
 drafter when that rate is below (decoding rows) / verify_cost(1).
@@ -41,6 +45,8 @@ import numpy as np
 from bp_jax.errors import BadInputError
 
 CONTROLLERS = ("none", "backoff", "confidence")
+# confidence with ar_fallback = 0: the longest run of AR steps its declined cycles back off to.
+DEFAULT_SKIP_CAP = 16
 FIXED_PREFIX = "fixed:"  # tests only: "fixed:k" verifies k drafts every cycle (a bucket)
 
 # Measured on the demo (b = 8, f32, cache position 300 of 640, this repository's 2-core CPU
@@ -68,12 +74,21 @@ def check_controller(name: str, flag: str = "--config.controller") -> str:
 
 
 def loop_form(controller: str | None, ar_fallback: int) -> tuple[str, int]:
-  """(the controller in effect, its AR fallback steps): None reads `backoff`; `backoff` without
-  fallback steps is the plain loop (`none`); only `backoff` takes fallback steps."""
+  """(the controller in effect, the most AR steps in one run of them): None reads `backoff`;
+  `backoff` without fallback steps is the plain loop (`none`), which takes none; `confidence`
+  backs its skipped drafter passes off up to `ar_fallback` steps (0: `DEFAULT_SKIP_CAP`)."""
   controller = controller or "backoff"
   if controller == "backoff" and int(ar_fallback) == 0:
     controller = "none"
+  if controller == "confidence":
+    return controller, int(ar_fallback) or DEFAULT_SKIP_CAP
   return controller, (int(ar_fallback) if controller == "backoff" else 0)
+
+
+def backoff_steps(misses_B: jax.Array, cap: int) -> jax.Array:
+  """[B] int32 AR steps to take after `misses_B` consecutive misses (>= 1): 2, 4, 8, ... at
+  most `cap` (the schedule of `backoff`'s poor cycles and of `confidence`'s declined ones)."""
+  return jnp.minimum(2 ** jnp.minimum(misses_B, 30), cap).astype(jnp.int32)
 
 
 def fixed_k(name: str, block_size: int) -> int | None:
