@@ -138,6 +138,9 @@ def get_config() -> ml_collections.ConfigDict:
   # confidence: also count a cycle that verified more than ar_fallback_accept drafts and
   # accepted at most that many as a declined one (backs off into AR steps as backoff does).
   c.controller_poor_miss = False
+  # confidence: a JSON file of the drafter's acceptance rate per bin of its probability p
+  # (benchmarks/controller_calibration.py --out writes one) used instead of the raw p; '' = p.
+  c.controller_calibration = ""
   c.report = ""              # folder for PNG plots (acceptance-length histogram)
   # Comparisons in one run: every prompt is also decoded by each method listed (ar, b<k> for a
   # fixed block size k, learned, random), all interleaved per request in a shuffled order,

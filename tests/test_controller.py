@@ -227,6 +227,38 @@ def test_poor_cycles_count_as_misses_when_asked(models, ar_outputs, poor_miss):
   assert (ar_steps > 0) == poor_miss
 
 
+def test_calibration_fit_lookup_and_file(tmp_path):
+  # Bins of width 0.5: 3 drafts at p < 0.5 (1 accepted), 1 at p >= 0.5 (accepted).
+  rates = control.fit_calibration(np.asarray([0.1, 0.2, 0.3, 0.9]), np.asarray([1, 0, 0, 1]), 2,
+                                  prior=2.0)
+  assert rates == pytest.approx(((1 + 2 * 0.25) / 5, (1 + 2 * 0.75) / 3), abs=1e-4)
+  assert control.fit_calibration(np.asarray([0.1]), np.asarray([1]), 4)[3] == 0.875  # empty bin
+  p = jnp.asarray([[0.0, 0.25, 0.5, 0.75, 1.0]])
+  np.testing.assert_allclose(control.calibrated(p, (0.2, 0.6)), [[0.2, 0.2, 0.4, 0.6, 0.6]],
+                             rtol=1e-6)
+  assert control.calibrated(p, None) is p
+  path = tmp_path / "calibration.json"
+  path.write_text('{"rates": [0.1, 0.5, 0.9]}')
+  assert control.load_calibration(str(path)) == (0.1, 0.5, 0.9)
+  assert control.load_calibration("") is None
+  for text in ('{"rates": [0.1, 1.5]}', '{"rates": []}', '{"bins": []}', "not json"):
+    path.write_text(text)
+    with pytest.raises(BadInputError, match="--config.controller_calibration"):
+      control.load_calibration(str(path))
+
+
+@pytest.mark.parametrize("calibration, want_k", [(None, 0), ((1.0, 1.0), B - 1)])
+def test_calibration_replaces_the_drafters_probabilities(models, ar_outputs, calibration,
+                                                         want_k):
+  """The uniform drafter's p = 1/64 never pays; a table saying every draft is accepted makes the
+  controller verify all of them (the default costs). Lossless either way."""
+  eng = _engine(models, "confidence", controller_calibration=calibration)
+  prompts, max_news = _requests(5)
+  outs = [eng.generate(p, max_new_tokens=m, block_size=B) for p, m in zip(prompts, max_news)]
+  assert [g.output_ids for g in outs] == ar_outputs
+  assert {k for g in outs for k in g.verified_drafts} == {want_k}
+
+
 @pytest.mark.parametrize("controller", ["fixed:1", "confidence"])
 def test_sampled_output_equals_ar_for_a_seed(models, controller):
   ar = Engine(models[0], max_len=MAX_LEN, length_buckets=BUCKETS)
@@ -295,11 +327,18 @@ def test_bad_controller_settings_name_the_flag(models, kw, flag):
     Engine(models[0], max_len=MAX_LEN, **kw)
 
 
-def test_loop_options_carry_the_controller():
+def test_loop_options_carry_the_controller(tmp_path):
+  path = tmp_path / "calibration.json"
+  path.write_text('{"rates": [0.2, 0.8]}')
   cfg = ml_collections.ConfigDict(dict(controller="confidence", controller_costs="1,2",
-                                       controller_draft_cost=0.5))
+                                       controller_draft_cost=0.5, ar_fallback=8,
+                                       controller_poor_miss=True,
+                                       controller_calibration=str(path)))
   opts = loop_options(cfg)
   assert opts["controller"] == "confidence" and opts["controller_costs"] == (1.0, 2.0)
-  assert opts["controller_draft_cost"] == 0.5
+  assert opts["controller_draft_cost"] == 0.5 and opts["ar_fallback"] == 8
+  assert opts["controller_poor_miss"] and opts["controller_calibration"] == (0.2, 0.8)
+  assert loop_options(ml_collections.ConfigDict(dict(controller="none", ar_fallback=8))
+                      )["ar_fallback"] == 0
   with pytest.raises(BadInputError, match="--config.controller"):
     loop_options(ml_collections.ConfigDict(dict(controller="maybe")))

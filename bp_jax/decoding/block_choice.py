@@ -110,8 +110,9 @@ def random_candidates(cfg, drafter_block_size: int | None) -> tuple[int, ...]:
 def loop_options(cfg) -> dict[str, Any]:
   """The decode loops' form set by a config, as `Engine` keyword arguments: `scan_layers`,
   `ar_fallback`, `ar_fallback_accept`, `verify`, `controller`, `controller_costs`,
-  `controller_draft_cost`, `controller_poor_miss` (configs/qwen3.py; checked, a bad value names
-  its flag)."""
+  `controller_draft_cost`, `controller_poor_miss`, `controller_calibration` (the rates of the
+  JSON file at that path, None for '') (configs/qwen3.py; checked, a bad value names its
+  flag)."""
   from bp_jax.decoding import controller as control
   from bp_jax.decoding.verify import check_verify_mode
   controller = control.check_controller(str(cfg.get("controller", "backoff")))
@@ -127,7 +128,9 @@ def loop_options(cfg) -> dict[str, Any]:
               cfg.get("controller_costs", ",".join(map(str, control.DEFAULT_COSTS)))),
           "controller_draft_cost": control.check_draft_cost(
               cfg.get("controller_draft_cost", control.DEFAULT_DRAFT_COST)),
-          "controller_poor_miss": bool(cfg.get("controller_poor_miss", False))}
+          "controller_poor_miss": bool(cfg.get("controller_poor_miss", False)),
+          "controller_calibration": control.load_calibration(
+              str(cfg.get("controller_calibration", "") or ""))}
 
 
 def batch_options(cfg) -> dict[str, Any]:

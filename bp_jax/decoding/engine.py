@@ -59,7 +59,8 @@ class Engine:
                controller: str = "backoff",
                controller_costs: str | Sequence[float] = control.DEFAULT_COSTS,
                controller_draft_cost: float = control.DEFAULT_DRAFT_COST,
-               controller_poor_miss: bool = False):
+               controller_poor_miss: bool = False,
+               controller_calibration: Sequence[float] | None = None):
     if max_len > target.cfg.max_position_embeddings:
       raise BadInputError(f"--config.max_len={max_len} exceeds the model's "
                           f"max_position_embeddings={target.cfg.max_position_embeddings}")
@@ -71,6 +72,8 @@ class Engine:
     control.check_controller(controller)
     controller_costs = control.parse_costs(controller_costs)
     controller_draft_cost = control.check_draft_cost(controller_draft_cost)
+    if controller_calibration is not None:
+      controller_calibration = control.check_calibration(controller_calibration)
     check_batching(batch_size, sync_cycles)
     self.batch_size, self.sync_cycles = int(batch_size), int(sync_cycles)
     self.cfg = target.cfg
@@ -101,7 +104,8 @@ class Engine:
                                  verify=verify, controller=controller,
                                  controller_costs=controller_costs,
                                  controller_draft_cost=controller_draft_cost,
-                                 controller_poor_miss=controller_poor_miss)
+                                 controller_poor_miss=controller_poor_miss,
+                                 controller_calibration=controller_calibration)
     self.p_graph = self.p_state = self.policy_key = None
     self.policy_sizes: tuple[int, ...] = ()
     self.mesh = mesh  # a jax.sharding.Mesh (`bp_jax.parallel.mesh.make_mesh`) or None

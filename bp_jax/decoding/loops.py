@@ -300,7 +300,9 @@ def make_batched_spec_loop(graphdef, draft_graphdef, block_size: int, scan_layer
                            controller: str | None = None,
                            controller_costs=control.DEFAULT_COSTS,
                            controller_draft_cost: float = control.DEFAULT_DRAFT_COST,
-                           controller_poor_miss: bool = False) -> Callable:
+                           controller_poor_miss: bool = False,
+                           controller_calibration: tuple[float, ...] | None = None
+                           ) -> Callable:
   """spec_loop(state, draft_state, carry, sampling, stop_ids) -> carry: speculative decoding of
   every row of a `slot_carry`, each at its own position, until no row decodes or, with
   `sync_cycles` > 0 (static), after that many cycles.
@@ -340,7 +342,9 @@ def make_batched_spec_loop(graphdef, draft_graphdef, block_size: int, scan_layer
   miss (with `controller_poor_miss`, also one that verified more than `ar_fallback_accept`
   drafts and accepted at most that many), and after it the rows take AR steps without drafter
   passes, 2, 4, ... for consecutive misses, at most `ar_fallback` (`controller.loop_form`: 16
-  when 0), the count reset by a cycle that is no miss. "fixed:k" (tests) verifies k drafts
+  when 0), the count reset by a cycle that is no miss; `controller_calibration` (acceptance
+  rates per p bin, `controller.calibrated`) replaces the drafter's p_i in the rule.
+  "fixed:k" (tests) verifies k drafts
   every cycle through the same machinery. Each bucket is its own verify shape [B, k+1] run as a
   nested `while_loop` of zero or one trips (a `lax.switch` would copy every cache buffer); a
   cycle verifying k = 0 drafts still counts as a cycle (its drafter pass was paid).
@@ -434,7 +438,8 @@ def make_batched_spec_loop(graphdef, draft_graphdef, block_size: int, scan_layer
       if fixed is not None:
         idx, draft_next = jnp.int32(buckets.index(fixed)), jnp.bool_(True)
       else:
-        p_Bk = control.drafted_probs(draft_logits_BkV, draft_Bk)
+        p_Bk = control.calibrated(control.drafted_probs(draft_logits_BkV, draft_Bk),
+                                  controller_calibration)
         idx, draft_next = control.choose(p_Bk, active, buckets, cost_K, ar_cost)
       for i, k in enumerate(buckets):
         after = skip_after(draft_next, k) if confidence else None
@@ -500,7 +505,8 @@ def make_spec_loop(graphdef, draft_graphdef, block_size: int, scan_layers: bool 
                    forced_drafts: bool = False, verify: str = "exact",
                    controller: str | None = None, controller_costs=control.DEFAULT_COSTS,
                    controller_draft_cost: float = control.DEFAULT_DRAFT_COST,
-                   controller_poor_miss: bool = False) -> Callable:
+                   controller_poor_miss: bool = False,
+                   controller_calibration: tuple[float, ...] | None = None) -> Callable:
   """spec_loop(state, draft_state, seq, cache, draft_cache, first_tok, n, max_new, sampling,
   seed_key, stop_ids[, forced_seq]) -> LoopOut: one request, `make_batched_spec_loop` (see it
   for the cycle, the fallback, the controller and forced drafts) on a one-row carry;
@@ -509,7 +515,8 @@ def make_spec_loop(graphdef, draft_graphdef, block_size: int, scan_layers: bool 
                                    ar_fallback, ar_fallback_accept, forced_drafts, verify,
                                    controller=controller, controller_costs=controller_costs,
                                    controller_draft_cost=controller_draft_cost,
-                                   controller_poor_miss=controller_poor_miss)
+                                   controller_poor_miss=controller_poor_miss,
+                                   controller_calibration=controller_calibration)
 
   def spec_loop(state, draft_state, seq_1S, cache, draft_cache, first_tok, n, max_new,
                 sampling, seed_key, stop_ids, *forced):
