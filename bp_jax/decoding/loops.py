@@ -148,9 +148,9 @@ def _commit(c, out, y_Bb, a_B, is_cycle: bool, verified: int, stop_ids, drafter=
             draft_layers=None, fallback=None) -> dict:
   """The carry after a target forward that commits y[r, 0..a_r] for every decoding row r (a_r
   drafts accepted). `is_cycle` and `verified` (static) are that forward's records: a cycle or
-  not, and k + 1 when it verified k drafts after a drafter pass (0: no drafter pass). A row that is not decoding commits nothing and writes nothing; a forward
-  with NaN/inf logits at a committed position commits nothing there and stops that row
-  (`bad`)."""
+  not, and k + 1 when it verified k drafts after a drafter pass (0: no drafter pass). A row
+  that is not decoding commits nothing and writes nothing; a forward with NaN/inf logits at a
+  committed position commits nothing there and stops that row (`bad`)."""
   B, S = c["seq"].shape
   active = _active(c)
   pos = c["pos"]
@@ -343,11 +343,11 @@ def make_batched_spec_loop(graphdef, draft_graphdef, block_size: int, scan_layer
   drafts and accepted at most that many), and after it the rows take AR steps without drafter
   passes, 2, 4, ... for consecutive misses, at most `ar_fallback` (`controller.loop_form`: 16
   when 0), the count reset by a cycle that is no miss; `controller_calibration` (acceptance
-  rates per p bin, `controller.calibrated`) replaces the drafter's p_i in the rule.
-  "fixed:k" (tests) verifies k drafts
-  every cycle through the same machinery. Each bucket is its own verify shape [B, k+1] run as a
-  nested `while_loop` of zero or one trips (a `lax.switch` would copy every cache buffer); a
-  cycle verifying k = 0 drafts still counts as a cycle (its drafter pass was paid).
+  rates per p bin, `controller.calibrated`) replaces the drafter's p_i in the rule. "fixed:k"
+  (tests) verifies k drafts every cycle through the same machinery. Each bucket is its own
+  verify shape [B, k+1] run as a nested `while_loop` of zero or one trips (a `lax.switch` would
+  copy every cache buffer); a cycle verifying k = 0 drafts still counts as a cycle (its drafter
+  pass was paid).
   """
   b = block_size
   if ar_fallback < 0 or ar_fallback_accept < 0:

@@ -112,6 +112,7 @@ def print_summary(s: dict) -> None:
           ("decode tokens/s", s["decode_tokens_per_s"]),
           ("tau (tokens per spec. cycle)", _fmt(s["tau"], ".3f")),
           ("tokens per target forward", _fmt(s["tokens_per_forward"], ".3f")),
+          ("drafts verified per drafter pass", _fmt(s.get("mean_verified_drafts"), ".3f")),
           ("compilations", f"{s['compilations']} {s['compilations_by_function']}"),
           ("compile time (s)", f"{s['compile_s']} ({s['compile_cache_hits']} of "
                                f"{s['compilations']} loaded from the compile cache)"),

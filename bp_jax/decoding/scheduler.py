@@ -164,8 +164,8 @@ class Scheduler:
     if bad:
       self.engine.raise_nonfinite(n + n_gen, "a decode step")
     return generation_of(seq, accept, is_cycle, verified, forwards, n, n_gen,
-                         self.engine.stop_ids, req.max_new_tokens, staged.block_size, staged.prefill_s,
-                         staged.decode_s, staged.probs)
+                         self.engine.stop_ids, req.max_new_tokens, staged.block_size,
+                         staged.prefill_s, staged.decode_s, staged.probs)
 
   def run(self) -> list[Generation]:
     total = len(self.queue)
