@@ -36,6 +36,10 @@ def get_config() -> ml_collections.ConfigDict:
   # --config.controller=confidence (verify 0, 1, 3 or 7 drafts per cycle by the drafter's
   # confidence and the cost table of configs/qwen3.py) or none (the paper's loop).
   c.controller = "backoff"
+  # confidence only: the drafter's p is underconfident (p 0.65 -> 83% accepted); this table of
+  # acceptance per p bin was fitted on 48 HumanEval labelling-half prompts (HumanEval/134 on,
+  # benchmarks/controller_calibration.py --skip 24 --num_prompts 48) and replaces p in the rule.
+  c.controller_calibration = "demo/controller_calibration.json"
   # BlockPilot: the shipped policy picks each request's block size from its prefill. Without
   # demo/policy, decode.py says so and decodes with block_size. HumanEval prompts the policy was
   # labelled on are skipped (never evaluate on them).

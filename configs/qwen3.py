@@ -144,7 +144,8 @@ def get_config() -> ml_collections.ConfigDict:
   # ar_fallback unused) | backoff (none plus the AR fallback above; with ar_fallback = 0 it is
   # none) | confidence (verify k in {0, 1, 3, 7, ..., b-1} drafts per cycle, the k maximizing
   # expected committed tokens / cost from the drafter's probabilities, and skip the next
-  # drafter pass when drafting does not pay; ar_fallback unused). Lossless either way.
+  # drafter pass when drafting does not pay: 2, 4, ... AR steps for consecutive declined cycles,
+  # at most ar_fallback, 16 when 0). Lossless either way.
   c.controller = "backoff"
   # confidence: relative costs of one target forward over 1, 2, 4, 8, 16, 32 tokens (linear in
   # between) and of one drafter pass, same unit; defaults measured on the demo on a 2-core CPU
@@ -152,6 +153,12 @@ def get_config() -> ml_collections.ConfigDict:
   # hardware with it).
   c.controller_costs = "1.0,2.01,2.25,2.58,4.22,6.16"
   c.controller_draft_cost = 1.58
+  # confidence: also count a cycle that verified more than ar_fallback_accept drafts and
+  # accepted at most that many as a declined one (backs off into AR steps as backoff does).
+  c.controller_poor_miss = False
+  # confidence: a JSON file of the drafter's acceptance rate per bin of its probability p
+  # (benchmarks/controller_calibration.py --out writes one) used instead of the raw p; '' = p.
+  c.controller_calibration = ""
   c.report = ""              # folder for PNG plots (acceptance-length histogram)
   # Comparisons in one run: every prompt is also decoded by each method listed (ar, b<k> for a
   # fixed block size k, learned, random), all interleaved per request in a shuffled order,

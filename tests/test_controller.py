@@ -20,6 +20,7 @@ import pytest
 from bp_jax.decoding import controller as control
 from bp_jax.decoding.block_choice import loop_options
 from bp_jax.decoding.engine import Engine
+from bp_jax.decoding.generation import forward_cost_units
 from bp_jax.errors import BadInputError
 from compile_counting import BackendCompiles
 from toy_models import zeros_drafter_pair
@@ -152,6 +153,112 @@ def test_every_bucket_and_controller_is_lossless(models, ar_outputs, controller,
   assert eng.controller == controller  # the loop form in effect (the decode summary's)
 
 
+def _drafter_runs(verified: list[int]) -> list[int]:
+  """The lengths of the runs of forwards without a drafter pass (verified 0) that follow each
+  drafter pass (verified > 0), the last one cut by the request's end included."""
+  runs = []
+  for v in verified:
+    if v > 0:
+      runs.append(0)
+    elif runs:
+      runs[-1] += 1
+  return runs
+
+
+@pytest.mark.parametrize("controller, kw, want", [
+    ("fixed:0", {}, 1), ("fixed:1", {}, 2), ("fixed:3", {}, 4),
+    ("backoff", dict(ar_fallback=4), B), ("none", {}, B)])
+def test_each_forward_records_what_it_verified(models, controller, kw, want):
+  """k + 1 for a cycle verifying k drafts (its target forward's tokens), 0 for an AR step; the
+  cost in AR steps follows: one drafter pass per cycle plus each forward's verify cost."""
+  eng = _engine(models, controller, **kw)
+  prompts, max_news = _requests(4, seed=5)
+  for p, m in zip(prompts, max_news):
+    g = eng.generate(p, max_new_tokens=m, block_size=B)
+    assert len(g.forward_verified) == len(g.forward_lengths) == len(g.forward_is_cycle)
+    assert g.forward_verified == [want if cyc else 0 for cyc in g.forward_is_cycle]
+    assert g.drafter_passes == g.cycles and g.verified_drafts == [want - 1] * g.cycles
+    costs, draft_cost = (1.0, 1.5, 2.0), 0.75
+    assert forward_cost_units(g.forward_verified, costs, draft_cost) == pytest.approx(
+        g.cycles * (draft_cost + control.verify_cost(want, costs)) + g.ar_steps)
+  ar = eng.generate(prompts[0], max_new_tokens=max_news[0], block_size=1)
+  assert ar.forward_verified == [0] * ar.target_forwards and ar.drafter_passes == 0
+  assert forward_cost_units(ar.forward_verified, (1.0, 3.0), 9.0) == ar.target_forwards
+
+
+def test_forward_cost_units():
+  costs = (1.0, 2.0, 2.5, 3.0)  # 1, 2, 4, 8 tokens
+  assert forward_cost_units([], costs, 1.5) == 0.0
+  assert forward_cost_units([0, 0, 0], costs, 1.5) == 3.0  # AR steps: no drafter pass
+  # A cycle verifying 7 drafts (8 tokens), one verifying 0 (1 token), one AR step.
+  assert forward_cost_units([8, 1, 0], costs, 1.5) == pytest.approx((1.5 + 3.0) + (1.5 + 1) + 1)
+  assert forward_cost_units([3], costs, 0.0) == pytest.approx(2.25)  # interpolated
+
+
+@pytest.mark.parametrize("ar_fallback, want_runs", [(1, [1] * 8), (4, [2, 4, 4, 4]),
+                                                    (0, [2, 4, 8, 16])])
+def test_declined_cycles_back_off(models, ar_fallback, want_runs):
+  """The uniform drafter is never worth verifying: every cycle is declined, and the AR steps
+  between drafter passes grow 2, 4, ... up to ar_fallback (16 when 0); ar_fallback = 1 is one
+  step per declined cycle. Outputs stay AR's."""
+  eng = _engine(models, "confidence", ar_fallback=ar_fallback)
+  assert eng.ar_fallback == (ar_fallback or control.DEFAULT_SKIP_CAP)
+  ar = _engine(models, "none")
+  prompt = _requests(1, seed=6)[0][0]
+  g = eng.generate(prompt, max_new_tokens=60, block_size=B)
+  assert g.output_ids == ar.generate(prompt, max_new_tokens=60, block_size=1).output_ids
+  assert set(g.verified_drafts) == {0}
+  runs = _drafter_runs(g.forward_verified)
+  assert runs[:len(want_runs)] == want_runs
+  assert g.drafter_passes == len(runs) and g.drafter_passes < g.target_forwards
+
+
+@pytest.mark.parametrize("poor_miss", [False, True])
+def test_poor_cycles_count_as_misses_when_asked(models, ar_outputs, poor_miss):
+  """With flat costs and a free drafter the controller always verifies every draft, and the
+  zeros drafter's drafts are (nearly) always rejected: only with `controller_poor_miss` do such
+  cycles back off into AR steps. Lossless either way."""
+  eng = _engine(models, "confidence", ar_fallback=4, controller_poor_miss=poor_miss, **FLAT)
+  prompts, max_news = _requests(5)
+  outs = [eng.generate(p, max_new_tokens=m, block_size=B) for p, m in zip(prompts, max_news)]
+  assert [g.output_ids for g in outs] == ar_outputs
+  assert all(set(g.verified_drafts) == {B - 1} for g in outs)
+  ar_steps = sum(g.ar_steps for g in outs)
+  assert (ar_steps > 0) == poor_miss
+
+
+def test_calibration_fit_lookup_and_file(tmp_path):
+  # Bins of width 0.5: 3 drafts at p < 0.5 (1 accepted), 1 at p >= 0.5 (accepted).
+  rates = control.fit_calibration(np.asarray([0.1, 0.2, 0.3, 0.9]), np.asarray([1, 0, 0, 1]), 2,
+                                  prior=2.0)
+  assert rates == pytest.approx(((1 + 2 * 0.25) / 5, (1 + 2 * 0.75) / 3), abs=1e-4)
+  assert control.fit_calibration(np.asarray([0.1]), np.asarray([1]), 4)[3] == 0.875  # empty bin
+  p = jnp.asarray([[0.0, 0.25, 0.5, 0.75, 1.0]])
+  np.testing.assert_allclose(control.calibrated(p, (0.2, 0.6)), [[0.2, 0.2, 0.4, 0.6, 0.6]],
+                             rtol=1e-6)
+  assert control.calibrated(p, None) is p
+  path = tmp_path / "calibration.json"
+  path.write_text('{"rates": [0.1, 0.5, 0.9]}')
+  assert control.load_calibration(str(path)) == (0.1, 0.5, 0.9)
+  assert control.load_calibration("") is None
+  for text in ('{"rates": [0.1, 1.5]}', '{"rates": []}', '{"bins": []}', "not json"):
+    path.write_text(text)
+    with pytest.raises(BadInputError, match="--config.controller_calibration"):
+      control.load_calibration(str(path))
+
+
+@pytest.mark.parametrize("calibration, want_k", [(None, 0), ((1.0, 1.0), B - 1)])
+def test_calibration_replaces_the_drafters_probabilities(models, ar_outputs, calibration,
+                                                         want_k):
+  """The uniform drafter's p = 1/64 never pays; a table saying every draft is accepted makes the
+  controller verify all of them (the default costs). Lossless either way."""
+  eng = _engine(models, "confidence", controller_calibration=calibration)
+  prompts, max_news = _requests(5)
+  outs = [eng.generate(p, max_new_tokens=m, block_size=B) for p, m in zip(prompts, max_news)]
+  assert [g.output_ids for g in outs] == ar_outputs
+  assert {k for g in outs for k in g.verified_drafts} == {want_k}
+
+
 @pytest.mark.parametrize("controller", ["fixed:1", "confidence"])
 def test_sampled_output_equals_ar_for_a_seed(models, controller):
   ar = Engine(models[0], max_len=MAX_LEN, length_buckets=BUCKETS)
@@ -220,11 +327,18 @@ def test_bad_controller_settings_name_the_flag(models, kw, flag):
     Engine(models[0], max_len=MAX_LEN, **kw)
 
 
-def test_loop_options_carry_the_controller():
+def test_loop_options_carry_the_controller(tmp_path):
+  path = tmp_path / "calibration.json"
+  path.write_text('{"rates": [0.2, 0.8]}')
   cfg = ml_collections.ConfigDict(dict(controller="confidence", controller_costs="1,2",
-                                       controller_draft_cost=0.5))
+                                       controller_draft_cost=0.5, ar_fallback=8,
+                                       controller_poor_miss=True,
+                                       controller_calibration=str(path)))
   opts = loop_options(cfg)
   assert opts["controller"] == "confidence" and opts["controller_costs"] == (1.0, 2.0)
-  assert opts["controller_draft_cost"] == 0.5
+  assert opts["controller_draft_cost"] == 0.5 and opts["ar_fallback"] == 8
+  assert opts["controller_poor_miss"] and opts["controller_calibration"] == (0.2, 0.8)
+  assert loop_options(ml_collections.ConfigDict(dict(controller="none", ar_fallback=8))
+                      )["ar_fallback"] == 0
   with pytest.raises(BadInputError, match="--config.controller"):
     loop_options(ml_collections.ConfigDict(dict(controller="maybe")))

@@ -148,7 +148,7 @@ def test_records_count_ids_the_tokenizer_cannot_decode():
 
   from bp_jax.decoding.generation import Generation
   from bp_jax.text.prompts import Prompt
-  g = Generation([3, 12, 15, 4], 0.0, 0.0, 1, [1, 1, 1], [True] * 3, 5)
+  g = Generation([3, 12, 15, 4], 0.0, 0.0, 1, [1, 1, 1], [True] * 3, [0] * 3, 5)
   rec = run_decode.record_of(0, Prompt("x", "text"), g, Tok())
   assert rec["ids_beyond_tokenizer"] == 2
 

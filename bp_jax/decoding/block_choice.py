@@ -110,20 +110,27 @@ def random_candidates(cfg, drafter_block_size: int | None) -> tuple[int, ...]:
 def loop_options(cfg) -> dict[str, Any]:
   """The decode loops' form set by a config, as `Engine` keyword arguments: `scan_layers`,
   `ar_fallback`, `ar_fallback_accept`, `verify`, `controller`, `controller_costs`,
-  `controller_draft_cost` (configs/qwen3.py; checked, a bad value names its flag)."""
+  `controller_draft_cost`, `controller_poor_miss`, `controller_calibration` (the rates of the
+  JSON file at that path, None for '') (configs/qwen3.py; checked, a bad value names its
+  flag)."""
   from bp_jax.decoding import controller as control
   from bp_jax.decoding.verify import check_verify_mode
   controller = control.check_controller(str(cfg.get("controller", "backoff")))
-  # Only `backoff` takes fallback steps (what label sets record as the loop's form).
+  # `backoff` takes fallback steps, `confidence` backs its declined cycles off up to as many
+  # (what label sets record as the loop's form); `none` takes none.
   return {"scan_layers": bool(cfg.get("scan_layers", False)),
-          "ar_fallback": int(cfg.get("ar_fallback", 0)) if controller == "backoff" else 0,
+          "ar_fallback": (int(cfg.get("ar_fallback", 0))
+                          if controller in ("backoff", "confidence") else 0),
           "ar_fallback_accept": int(cfg.get("ar_fallback_accept", 1)),
           "verify": check_verify_mode(str(cfg.get("verify", "exact"))),
           "controller": controller,
           "controller_costs": control.parse_costs(
               cfg.get("controller_costs", ",".join(map(str, control.DEFAULT_COSTS)))),
           "controller_draft_cost": control.check_draft_cost(
-              cfg.get("controller_draft_cost", control.DEFAULT_DRAFT_COST))}
+              cfg.get("controller_draft_cost", control.DEFAULT_DRAFT_COST)),
+          "controller_poor_miss": bool(cfg.get("controller_poor_miss", False)),
+          "controller_calibration": control.load_calibration(
+              str(cfg.get("controller_calibration", "") or ""))}
 
 
 def batch_options(cfg) -> dict[str, Any]:

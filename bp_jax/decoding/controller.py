@@ -17,11 +17,20 @@ token (softmax of its logits; the argmax's probability under `exact`). Verifying
 commits, in expectation, E_k = 1 + sum_{j=1..k} prod_{i<=j} p_i tokens and costs
 cost_k = draft_cost + verify_cost(k+1) (the drafter pass, paid already this cycle, plus one
 target forward over k+1 tokens). The cycle verifies the bucket k maximizing E_k / cost_k
-(ties: the smaller k). The next forward skips the drafter (one plain AR step, which still feeds
-the drafter's context) when that best rate is below the AR rate 1 / verify_cost(1). A batch
+(ties: the smaller k). When that best rate is below the AR rate 1 / verify_cost(1) the cycle is
+a miss, and the next forwards skip the drafter: plain AR steps (which still feed the drafter's
+context), 2, 4, 8, ... for consecutive misses, at most `--config.ar_fallback` (0: 16), as
+`backoff` does after poor cycles; a cycle worth drafting resets the count. With
+`--config.controller_poor_miss`, a cycle that verified more than `ar_fallback_accept` drafts
+and accepted at most that many is a miss too. A batch
 verifies one k for all its rows: the k maximizing sum over decoding rows of E_k, divided by
 cost_k (one cost table: relative costs, measured at the batch size of interest), and skips the
 drafter when that rate is below (decoding rows) / verify_cost(1).
+
+Calibration (`--config.controller_calibration`, '' = raw p): a JSON file whose "rates" list
+gives the empirical conditional acceptance rate of drafts in equal-width bins of p over [0, 1]
+(`benchmarks/controller_calibration.py` fits it); inside the loop p_i is replaced by the rates
+interpolated linearly between bin centres (a constant table, no extra pass).
 
 Costs (`--config.controller_costs`): relative costs of one target forward over 1, 2, 4, 8, ...
 tokens (powers of two; linear in between, the last segment extended beyond);
@@ -32,6 +41,7 @@ controller").
 
 from __future__ import annotations
 
+import json
 from typing import Sequence
 
 import jax
@@ -41,6 +51,8 @@ import numpy as np
 from bp_jax.errors import BadInputError
 
 CONTROLLERS = ("none", "backoff", "confidence")
+# confidence with ar_fallback = 0: the longest run of AR steps its declined cycles back off to.
+DEFAULT_SKIP_CAP = 16
 FIXED_PREFIX = "fixed:"  # tests only: "fixed:k" verifies k drafts every cycle (a bucket)
 
 # Measured on the demo (b = 8, f32, cache position 300 of 640, this repository's 2-core CPU
@@ -68,12 +80,21 @@ def check_controller(name: str, flag: str = "--config.controller") -> str:
 
 
 def loop_form(controller: str | None, ar_fallback: int) -> tuple[str, int]:
-  """(the controller in effect, its AR fallback steps): None reads `backoff`; `backoff` without
-  fallback steps is the plain loop (`none`); only `backoff` takes fallback steps."""
+  """(the controller in effect, the most AR steps in one run of them): None reads `backoff`;
+  `backoff` without fallback steps is the plain loop (`none`), which takes none; `confidence`
+  backs its skipped drafter passes off up to `ar_fallback` steps (0: `DEFAULT_SKIP_CAP`)."""
   controller = controller or "backoff"
   if controller == "backoff" and int(ar_fallback) == 0:
     controller = "none"
+  if controller == "confidence":
+    return controller, int(ar_fallback) or DEFAULT_SKIP_CAP
   return controller, (int(ar_fallback) if controller == "backoff" else 0)
+
+
+def backoff_steps(misses_B: jax.Array, cap: int) -> jax.Array:
+  """[B] int32 AR steps to take after `misses_B` consecutive misses (>= 1): 2, 4, 8, ... at
+  most `cap` (the schedule of `backoff`'s poor cycles and of `confidence`'s declined ones)."""
+  return jnp.minimum(2 ** jnp.minimum(misses_B, 30), cap).astype(jnp.int32)
 
 
 def fixed_k(name: str, block_size: int) -> int | None:
@@ -125,6 +146,53 @@ def bucket_costs(block_size: int, costs: Sequence[float], draft_cost: float) -> 
   """[K] cost_k = draft_cost + verify_cost(k + 1) per verify bucket k of `block_size`."""
   return np.asarray([draft_cost + verify_cost(k + 1, costs) for k in verify_buckets(block_size)],
                     np.float32)
+
+
+def fit_calibration(p_N: np.ndarray, accepted_N: np.ndarray, bins: int,
+                    prior: float = 2.0) -> tuple[float, ...]:
+  """Per equal-width bin of p over [0, 1], the acceptance rate of the drafts in it, shrunk
+  toward the bin's centre by `prior` pseudo-drafts (an empty bin reads its centre)."""
+  p_N, accepted_N = np.asarray(p_N, np.float64), np.asarray(accepted_N, np.float64)
+  idx = np.clip((p_N * bins).astype(int), 0, bins - 1)
+  n = np.bincount(idx, minlength=bins)
+  hits = np.bincount(idx, weights=accepted_N, minlength=bins)
+  centres = (np.arange(bins) + 0.5) / bins
+  return tuple(round(float(r), 4) for r in (hits + prior * centres) / (n + prior))
+
+
+def check_calibration(rates: Sequence[float], flag: str = "--config.controller_calibration"
+                      ) -> tuple[float, ...]:
+  """Acceptance rates per bin: one or more numbers in [0, 1]."""
+  try:
+    rates = tuple(float(r) for r in rates)
+  except (TypeError, ValueError):
+    raise BadInputError(f"{flag}: 'rates' must be a list of numbers in [0, 1]") from None
+  if not rates or any(not 0.0 <= r <= 1.0 for r in rates):
+    raise BadInputError(f"{flag}: 'rates' must be one or more numbers in [0, 1], got {rates}")
+  return rates
+
+
+def load_calibration(path: str, flag: str = "--config.controller_calibration"
+                     ) -> tuple[float, ...] | None:
+  """The acceptance rates per p bin of a calibration JSON file ('' = none: raw p)."""
+  if not path:
+    return None
+  try:
+    with open(path) as f:
+      rates = json.load(f)["rates"]
+  except (OSError, ValueError, KeyError, TypeError) as e:
+    raise BadInputError(f"{flag}={path!r}: not a calibration JSON with a 'rates' list "
+                        f"(benchmarks/controller_calibration.py writes one): {e}") from None
+  return check_calibration(rates, flag)
+
+
+def calibrated(p_Bk: jax.Array, rates: Sequence[float] | None) -> jax.Array:
+  """[B, k] P(accept) per draft: `rates` (per equal-width bin of p) interpolated linearly
+  between bin centres; p itself without a table."""
+  if rates is None:
+    return p_Bk
+  centres = (np.arange(len(rates)) + 0.5) / len(rates)
+  return jnp.interp(p_Bk, jnp.asarray(centres, jnp.float32), jnp.asarray(rates, jnp.float32))
 
 
 def drafted_probs(draft_logits_BkV: jax.Array, draft_Bk: jax.Array) -> jax.Array:

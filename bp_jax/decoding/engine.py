@@ -58,7 +58,9 @@ class Engine:
                batch_size: int = 1, sync_cycles: int = 16, mesh=None,
                controller: str = "backoff",
                controller_costs: str | Sequence[float] = control.DEFAULT_COSTS,
-               controller_draft_cost: float = control.DEFAULT_DRAFT_COST):
+               controller_draft_cost: float = control.DEFAULT_DRAFT_COST,
+               controller_poor_miss: bool = False,
+               controller_calibration: Sequence[float] | None = None):
     if max_len > target.cfg.max_position_embeddings:
       raise BadInputError(f"--config.max_len={max_len} exceeds the model's "
                           f"max_position_embeddings={target.cfg.max_position_embeddings}")
@@ -70,6 +72,8 @@ class Engine:
     control.check_controller(controller)
     controller_costs = control.parse_costs(controller_costs)
     controller_draft_cost = control.check_draft_cost(controller_draft_cost)
+    if controller_calibration is not None:
+      controller_calibration = control.check_calibration(controller_calibration)
     check_batching(batch_size, sync_cycles)
     self.batch_size, self.sync_cycles = int(batch_size), int(sync_cycles)
     self.cfg = target.cfg
@@ -99,7 +103,9 @@ class Engine:
                                  ar_fallback=ar_fallback, ar_fallback_accept=ar_fallback_accept,
                                  verify=verify, controller=controller,
                                  controller_costs=controller_costs,
-                                 controller_draft_cost=controller_draft_cost)
+                                 controller_draft_cost=controller_draft_cost,
+                                 controller_poor_miss=controller_poor_miss,
+                                 controller_calibration=controller_calibration)
     self.p_graph = self.p_state = self.policy_key = None
     self.policy_sizes: tuple[int, ...] = ()
     self.mesh = mesh  # a jax.sharding.Mesh (`bp_jax.parallel.mesh.make_mesh`) or None
@@ -274,9 +280,9 @@ class Engine:
     forwards = int(out.forwards)
     if bool(out.bad_logits):
       self.raise_nonfinite(n + n_gen, "a decode step")
-    return generation_of(out.seq[0], out.accept_lens, out.is_cycle, forwards, n, n_gen,
-                         self.stop_ids, max_new_tokens, block_size, prefill_s, t3 - t2, probs,
-                         features)
+    return generation_of(out.seq[0], out.accept_lens, out.is_cycle, out.verified, forwards, n,
+                         n_gen, self.stop_ids, max_new_tokens, block_size, prefill_s, t3 - t2,
+                         probs, features)
 
 
   # -- many requests at once (continuous batching per bucket, `scheduler`) ------------------

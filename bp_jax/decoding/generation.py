@@ -7,6 +7,9 @@ Figures, one meaning each:
                         each commits one token, τ = 1.
   `tokens_per_forward`  committed tokens per target forward in the loop, cycles and AR steps
                         together (the prefill's forward and its first token are not counted).
+  `forward_verified`    per target forward, k + 1 when it verified k drafts after a drafter
+                        pass, 0 when no drafter pass preceded it (plain AR loop, AR steps);
+                        `forward_cost_units` prices a request's loop from it.
 Both count only tokens that are kept: the last forward's tokens past the first stop token or
 past `max_new_tokens` are not counted (`clip_forward_lengths`).
 """
@@ -17,6 +20,8 @@ import dataclasses
 from typing import Sequence
 
 import numpy as np
+
+from bp_jax.decoding.controller import verify_cost
 
 
 def trim_at_stop(ids: Sequence[int], stop_ids: Sequence[int], max_new: int) -> list[int]:
@@ -51,6 +56,7 @@ class Generation:
   block_size: int
   forward_lengths: list[int]       # committed tokens per target forward in the loop, in order
   forward_is_cycle: list[bool]     # per forward: a cycle (False: an AR step of the fallback)
+  forward_verified: list[int]      # per forward: k + 1 after a drafter pass verifying k, else 0
   prompt_len: int
   # The policy's decision scores (block_size=LEARNED): class probabilities for a classify head,
   # shrunk expected value ratios for a value head (`BlockPolicy.decide`).
@@ -90,16 +96,42 @@ class Generation:
     f = self.forward_lengths
     return float(np.mean(f)) if f else None
 
+  @property
+  def drafter_passes(self) -> int:
+    """Drafter passes in the loop: one per forward that verified drafts (k + 1 > 0)."""
+    return sum(v > 0 for v in self.forward_verified)
 
-def generation_of(seq_S, accept_S, is_cycle_S, forwards: int, n: int, n_gen: int,
+  @property
+  def verified_drafts(self) -> list[int]:
+    """Drafts verified (k) per forward that followed a drafter pass, in order."""
+    return [v - 1 for v in self.forward_verified if v > 0]
+
+  @property
+  def mean_verified_drafts(self) -> float | None:
+    """Mean k over the forwards that followed a drafter pass; None without one."""
+    k = self.verified_drafts
+    return float(np.mean(k)) if k else None
+
+
+def forward_cost_units(verified: Sequence[int], costs: Sequence[float],
+                       draft_cost: float) -> float:
+  """A loop's estimated cost in AR steps (`controller.verify_cost` units) from its per-forward
+  `forward_verified` record: each forward over max(v, 1) tokens, plus `draft_cost` per forward
+  that followed a drafter pass (v > 0). E.g. a plain AR request costs one unit per forward."""
+  return float(sum(verify_cost(max(int(v), 1), costs) + (draft_cost if v > 0 else 0.0)
+                   for v in verified))
+
+
+def generation_of(seq_S, accept_S, is_cycle_S, verified_S, forwards: int, n: int, n_gen: int,
                   stop_ids: Sequence[int], max_new: int, block_size: int, prefill_s: float,
                   decode_s: float, policy_probs: list[float] | None = None,
                   features: dict[str, np.ndarray] | None = None) -> Generation:
   """A request's `Generation` from its loop row: tokens at absolute positions `seq_S` (prompt of
-  n, then n_gen generated), committed tokens and cycle flags per forward (first `forwards`),
-  trimmed at the stop token and max_new_tokens."""
+  n, then n_gen generated), committed tokens, cycle flags and verified tokens per forward (first
+  `forwards`), trimmed at the stop token and max_new_tokens."""
   ids = trim_at_stop(np.asarray(seq_S)[n:n + n_gen], stop_ids, max_new)
   lengths = clip_forward_lengths(np.asarray(accept_S[:forwards]).tolist(), len(ids) - 1)
   is_cycle = [bool(c) for c in np.asarray(is_cycle_S[:len(lengths)])]
-  return Generation(ids, prefill_s, decode_s, block_size, lengths, is_cycle, n, policy_probs,
-                    features)
+  verified = [int(v) for v in np.asarray(verified_S[:len(lengths)])]
+  return Generation(ids, prefill_s, decode_s, block_size, lengths, is_cycle, verified, n,
+                    policy_probs, features)

@@ -44,6 +44,9 @@ class LoopOut(NamedTuple):
   n_gen: jax.Array           # [] generated tokens (may overshoot max_new by < block size)
   accept_lens: jax.Array     # [S] committed tokens per target forward (first `forwards` valid)
   is_cycle: jax.Array        # [S] bool: that forward verified drafts (False: a plain AR step)
+  # [S] int32 per forward: k + 1 for a target forward over k + 1 tokens after a drafter pass (a
+  # cycle verifying k drafts), 0 for a forward without a drafter pass (AR loop, AR steps).
+  verified: jax.Array
   forwards: jax.Array        # [] target forwards in the loop (speculative cycles + AR steps)
   bad_logits: jax.Array      # [] bool: a forward produced NaN/inf logits (the loop stopped)
   cache: KVCache
@@ -144,12 +147,13 @@ def _ar_draw(c, out, sp) -> jax.Array:
   return sample(out.logits[:, 0], sp, keys_B)[:, None]
 
 
-def _commit(c, out, y_Bb, a_B, is_cycle: bool, stop_ids, drafter=None, draft_layers=None,
-            fallback=None) -> dict:
+def _commit(c, out, y_Bb, a_B, is_cycle: bool, verified: int, stop_ids, drafter=None,
+            draft_layers=None, fallback=None) -> dict:
   """The carry after a target forward that commits y[r, 0..a_r] for every decoding row r (a_r
-  drafts accepted). A row that is not decoding commits nothing and writes nothing; a forward
-  with NaN/inf logits at a committed position commits nothing there and stops that row
-  (`bad`)."""
+  drafts accepted). `is_cycle` and `verified` (static) are that forward's records: a cycle or
+  not, and k + 1 when it verified k drafts after a drafter pass (0: no drafter pass). A row
+  that is not decoding commits nothing and writes nothing; a forward with NaN/inf logits at a
+  committed position commits nothing there and stops that row (`bad`)."""
   B, S = c["seq"].shape
   active = _active(c)
   pos = c["pos"]
@@ -172,6 +176,7 @@ def _commit(c, out, y_Bb, a_B, is_cycle: bool, stop_ids, drafter=None, draft_lay
              bad=c["bad"] | bad,
              accept=c["accept"].at[rows, fwd_at].set(a_B + 1, mode="drop"),
              is_cycle=c["is_cycle"].at[rows, fwd_at].set(is_cycle, mode="drop"),
+             verified=c["verified"].at[rows, fwd_at].set(verified, mode="drop"),
              forwards=c["forwards"] + kept.astype(jnp.int32))
   if drafter is not None:
     draft_cache = drafter.add_context(out.layer_hiddens,
@@ -204,6 +209,7 @@ def slot_carry(seq_BS: jax.Array, cache: KVCache, draft_cache: KVCache | None,
   c = dict(seq=seq_BS, cache=cache, pos=zeros(), tok=zeros(), n_gen=zeros() + 1,
            max_new=zeros(), done=jnp.zeros((B,), jnp.bool_), bad=jnp.zeros((B,), jnp.bool_),
            accept=jnp.zeros((B, S), jnp.int32), is_cycle=jnp.zeros((B, S), jnp.bool_),
+           verified=jnp.zeros((B, S), jnp.int32),
            forwards=zeros(), misses=zeros(), wait=zeros(),
            seed_keys=jax.random.split(jax.random.key(0), B))
   if draft_cache is not None:
@@ -225,6 +231,7 @@ def start_row(c: dict, row, first_tok, n, max_new, seed_key, stop_ids,
              bad=c["bad"].at[row].set(False),
              accept=c["accept"].at[row].set(jnp.zeros((S,), jnp.int32)),
              is_cycle=c["is_cycle"].at[row].set(jnp.zeros((S,), jnp.bool_)),
+             verified=c["verified"].at[row].set(jnp.zeros((S,), jnp.int32)),
              forwards=c["forwards"].at[row].set(0), misses=c["misses"].at[row].set(0),
              wait=c["wait"].at[row].set(0), seed_keys=c["seed_keys"].at[row].set(seed_key))
   if forced_S is not None:
@@ -281,7 +288,7 @@ def make_batched_ar_loop(graphdef, scan_layers: bool = False, sync_cycles: int =
       y_B1 = _ar_draw(c, out, sp)
       # Plain AR decoding is speculative decoding with block size 1: each step is a cycle that
       # drafts nothing and commits one token (τ = 1).
-      return _commit(c, out, y_B1, jnp.zeros_like(c["pos"]), True, stop_ids)
+      return _commit(c, out, y_B1, jnp.zeros_like(c["pos"]), True, 0, stop_ids)
 
     c = dict(c, cache=_loop_cache(c["cache"], scan_layers))
     return _run(lambda c: jnp.any(_active(c)) & _fits(c, 1, window), body, c, sync_cycles)
@@ -295,7 +302,9 @@ def make_batched_spec_loop(graphdef, draft_graphdef, block_size: int, scan_layer
                            sync_cycles: int = 0, window: int | None = None,
                            controller: str | None = None,
                            controller_costs=control.DEFAULT_COSTS,
-                           controller_draft_cost: float = control.DEFAULT_DRAFT_COST
+                           controller_draft_cost: float = control.DEFAULT_DRAFT_COST,
+                           controller_poor_miss: bool = False,
+                           controller_calibration: tuple[float, ...] | None = None
                            ) -> Callable:
   """spec_loop(state, draft_state, carry, sampling, stop_ids) -> carry: speculative decoding of
   every row of a `slot_carry`, each at its own position, until no row decodes or, with
@@ -317,7 +326,9 @@ def make_batched_spec_loop(graphdef, draft_graphdef, block_size: int, scan_layer
   AR step is one target forward over `tok` whose chosen-layer features still become drafter
   context, so the next cycle drafts from the full context. Every token is still the target's
   own sample at its position (same keys), so the output is unchanged; only the time differs.
-  `carry["is_cycle"]` tells cycles from AR steps (τ counts cycles only).
+  `carry["is_cycle"]` tells cycles from AR steps (τ counts cycles only); `carry["verified"]`
+  records per forward k + 1 for a forward verifying k drafts after a drafter pass, 0 for one
+  without a drafter pass (the AR steps).
 
   `forced_drafts` (static; tests and benchmarks): the carry has `forced` [B, S], and each row
   drafts the tokens stored there at its positions (where >= 0; elsewhere the drafter's own)
@@ -332,11 +343,16 @@ def make_batched_spec_loop(graphdef, draft_graphdef, block_size: int, scan_layer
   "none"): "none" verifies every draft and ignores `ar_fallback`; "backoff" is the AR fallback
   above; "confidence" verifies k of the b-1 drafts, k from `controller.verify_buckets(b)`
   chosen per cycle (one k for the batch) by `controller.choose` with the cost table
-  `controller_costs` / `controller_draft_cost`, and after a cycle whose best rate is below the
-  AR rate the next forward is one AR step (no drafter pass). "fixed:k" (tests) verifies k drafts
-  every cycle through the same machinery. Each bucket is its own verify shape [B, k+1] run as a
-  nested `while_loop` of zero or one trips (a `lax.switch` would copy every cache buffer); a
-  cycle verifying k = 0 drafts still counts as a cycle (its drafter pass was paid).
+  `controller_costs` / `controller_draft_cost`; a cycle whose best rate is below the AR rate is a
+  miss (with `controller_poor_miss`, also one that verified more than `ar_fallback_accept`
+  drafts and accepted at most that many), and after it the rows take AR steps without drafter
+  passes, 2, 4, ... for consecutive misses, at most `ar_fallback` (`controller.loop_form`: 16
+  when 0), the count reset by a cycle that is no miss; `controller_calibration` (acceptance
+  rates per p bin, `controller.calibrated`) replaces the drafter's p_i in the rule. "fixed:k"
+  (tests) verifies k drafts every cycle through the same machinery. Each bucket is its own
+  verify shape [B, k+1] run as a nested `while_loop` of zero or one trips (a `lax.switch` would
+  copy every cache buffer); a cycle verifying k = 0 drafts still counts as a cycle (its drafter
+  pass was paid).
   """
   b = block_size
   if ar_fallback < 0 or ar_fallback_accept < 0:
@@ -384,8 +400,22 @@ def make_batched_spec_loop(graphdef, draft_graphdef, block_size: int, scan_layer
       """Each row's poor-cycle count and the AR steps it asks for after this cycle."""
       poor = a_B <= ar_fallback_accept
       misses = jnp.where(poor, c["misses"] + 1, 0)
-      wait = jnp.where(poor, jnp.minimum(2 ** jnp.minimum(misses, 30), ar_fallback), 0)
-      return dict(misses=misses, wait=wait.astype(jnp.int32))
+      return dict(misses=misses,
+                  wait=jnp.where(poor, control.backoff_steps(misses, ar_fallback), 0))
+
+    def skip_after(draft_next, k: int):
+      """The `fallback` of a confidence cycle verifying k drafts: each row's consecutive misses
+      (the controller declined to draft next, or with `controller_poor_miss` the cycle verified
+      more than `ar_fallback_accept` drafts and accepted at most that many) and the AR steps
+      without drafter passes it asks for."""
+      def after(c, a_B):
+        miss = ~draft_next | jnp.zeros_like(a_B, jnp.bool_)
+        if controller_poor_miss and k > ar_fallback_accept:
+          miss = miss | (a_B <= ar_fallback_accept)
+        misses = jnp.where(miss, c["misses"] + 1, 0)
+        return dict(misses=misses,
+                    wait=jnp.where(miss, control.backoff_steps(misses, ar_fallback), 0))
+      return after
 
     def verify_k(c, k, draft_Bk, draft_logits_BkV, fallback=None):
       """The carry after the target verifies each row's first k drafts ([B, k+1] tokens, one
@@ -399,7 +429,7 @@ def make_batched_spec_loop(graphdef, draft_graphdef, block_size: int, scan_layer
         y_Bt, a_B = jax.vmap(
             lambda tl, dl, d, key, p: verify_rules.verify(tl, dl, d, verify, sp, key, p))(
                 out.logits, draft_logits_BkV[:, :k], draft_Bk[:, :k], c["seed_keys"], c["pos"])
-      return _commit(c, out, y_Bt, a_B, True, stop_ids, drafter, draft_layers, fallback)
+      return _commit(c, out, y_Bt, a_B, True, k + 1, stop_ids, drafter, draft_layers, fallback)
 
     def spec_cycle(c):
       """The paper's cycle: every row's whole block verified in one target forward."""
@@ -415,20 +445,21 @@ def make_batched_spec_loop(graphdef, draft_graphdef, block_size: int, scan_layer
       if fixed is not None:
         idx, draft_next = jnp.int32(buckets.index(fixed)), jnp.bool_(True)
       else:
-        p_Bk = control.drafted_probs(draft_logits_BkV, draft_Bk)
+        p_Bk = control.calibrated(control.drafted_probs(draft_logits_BkV, draft_Bk),
+                                  controller_calibration)
         idx, draft_next = control.choose(p_Bk, active, buckets, cost_K, ar_cost)
       for i, k in enumerate(buckets):
-        run = lambda s, k=k: (jnp.bool_(False), verify_k(s[1], k, draft_Bk, draft_logits_BkV))
+        after = skip_after(draft_next, k) if confidence else None
+        run = lambda s, k=k, after=after: (
+            jnp.bool_(False), verify_k(s[1], k, draft_Bk, draft_logits_BkV, after))
         c = jax.lax.while_loop(lambda s: s[0], run, (idx == i, c))[1]
-      if confidence:  # one AR step (no drafter pass) before the next cycle when not worth it
-        c = dict(c, wait=jnp.where(draft_next, 0, 1) + jnp.zeros_like(c["wait"]))
       return c
 
     def ar_step(c):
       out = model(c["tok"][:, None], c["cache"].with_lengths(_parked(c, _active(c))),
                   layer_ids, layers=layers, window=window)
-      return _commit(c, out, _ar_draw(c, out, sp), jnp.zeros_like(c["pos"]), False, stop_ids,
-                     drafter, draft_layers, lambda c, a: dict(wait=c["wait"] - 1))
+      return _commit(c, out, _ar_draw(c, out, sp), jnp.zeros_like(c["pos"]), False, 0,
+                     stop_ids, drafter, draft_layers, lambda c, a: dict(wait=c["wait"] - 1))
 
     def wants_ar(c):
       active = _active(c)
@@ -451,8 +482,8 @@ def make_batched_spec_loop(graphdef, draft_graphdef, block_size: int, scan_layer
 
 def _single(c: dict) -> LoopOut:
   """The LoopOut of a one-row carry (stacked caches, as callers outside the loops expect)."""
-  return LoopOut(c["seq"], c["n_gen"][0], c["accept"][0], c["is_cycle"][0], c["forwards"][0],
-                 c["bad"][0], c["cache"].stacked(),
+  return LoopOut(c["seq"], c["n_gen"][0], c["accept"][0], c["is_cycle"][0], c["verified"][0],
+                 c["forwards"][0], c["bad"][0], c["cache"].stacked(),
                  c["draft_cache"].stacked() if "draft_cache" in c else None)
 
 
@@ -480,7 +511,9 @@ def make_spec_loop(graphdef, draft_graphdef, block_size: int, scan_layers: bool 
                    ar_fallback: int = 0, ar_fallback_accept: int = 1,
                    forced_drafts: bool = False, verify: str = "exact",
                    controller: str | None = None, controller_costs=control.DEFAULT_COSTS,
-                   controller_draft_cost: float = control.DEFAULT_DRAFT_COST) -> Callable:
+                   controller_draft_cost: float = control.DEFAULT_DRAFT_COST,
+                   controller_poor_miss: bool = False,
+                   controller_calibration: tuple[float, ...] | None = None) -> Callable:
   """spec_loop(state, draft_state, seq, cache, draft_cache, first_tok, n, max_new, sampling,
   seed_key, stop_ids[, forced_seq]) -> LoopOut: one request, `make_batched_spec_loop` (see it
   for the cycle, the fallback, the controller and forced drafts) on a one-row carry;
@@ -488,7 +521,9 @@ def make_spec_loop(graphdef, draft_graphdef, block_size: int, scan_layers: bool 
   batched = make_batched_spec_loop(graphdef, draft_graphdef, block_size, scan_layers,
                                    ar_fallback, ar_fallback_accept, forced_drafts, verify,
                                    controller=controller, controller_costs=controller_costs,
-                                   controller_draft_cost=controller_draft_cost)
+                                   controller_draft_cost=controller_draft_cost,
+                                   controller_poor_miss=controller_poor_miss,
+                                   controller_calibration=controller_calibration)
 
   def spec_loop(state, draft_state, seq_1S, cache, draft_cache, first_tok, n, max_new,
                 sampling, seed_key, stop_ids, *forced):

@@ -64,7 +64,9 @@ class LoopPrograms:
   def __init__(self, t_graph, d_graph, *, scan_layers: bool, ar_fallback: int,
                ar_fallback_accept: int, verify: str = "exact", controller: str = "backoff",
                controller_costs=control.DEFAULT_COSTS,
-               controller_draft_cost: float = control.DEFAULT_DRAFT_COST):
+               controller_draft_cost: float = control.DEFAULT_DRAFT_COST,
+               controller_poor_miss: bool = False,
+               controller_calibration: tuple[float, ...] | None = None):
     self.t_graph, self.d_graph = t_graph, d_graph
     self.verify = verify
     self.scan_layers = bool(scan_layers)
@@ -73,6 +75,9 @@ class LoopPrograms:
     self.ar_fallback_accept = int(ar_fallback_accept)
     self.controller_costs = tuple(float(c) for c in controller_costs)
     self.controller_draft_cost = float(controller_draft_cost)
+    self.controller_poor_miss = bool(controller_poor_miss)
+    self.controller_calibration = (None if controller_calibration is None
+                                   else tuple(float(r) for r in controller_calibration))
     self.cache = CompiledCache()
     self.warmup_seconds: dict[tuple, float] = {}  # loop key -> its untimed first run (s)
 
@@ -123,7 +128,9 @@ class LoopPrograms:
   def controller_options(self) -> dict:
     """The speculative loops' controller keyword arguments (`loops.make_batched_spec_loop`)."""
     return dict(controller=self.controller, controller_costs=self.controller_costs,
-                controller_draft_cost=self.controller_draft_cost)
+                controller_draft_cost=self.controller_draft_cost,
+                controller_poor_miss=self.controller_poor_miss,
+                controller_calibration=self.controller_calibration)
 
   def batched_loop_key(self, block_size: int, batch: int, sync_cycles: int,
                        window: int | None, forced: bool = False) -> tuple:

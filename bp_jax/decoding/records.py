@@ -16,8 +16,11 @@ from bp_jax.text.tokenizer import tokenizer_size
 
 def record_of(i: int, prompt, g: Generation, tok, block_policy: str = "fixed") -> dict:
   """One output line. `acceptance_lengths`: committed tokens per speculative cycle (τ's terms);
-  `forward_lengths` / `forward_is_cycle`: every target forward of the loop in order, AR steps of
-  the fallback included; `ids_beyond_tokenizer`: generated ids the tokenizer cannot decode."""
+  `forward_lengths` / `forward_is_cycle` / `forward_verified`: every target forward of the loop
+  in order, AR steps of the fallback included (`forward_verified`: k + 1 after a drafter pass
+  whose k drafts it verified, 0 without one); `verified_histogram`: drafts verified (k) -> how
+  many forwards after a drafter pass verified that many; `mean_verified_drafts`: their mean k;
+  `ids_beyond_tokenizer`: generated ids the tokenizer cannot decode."""
   limit = tokenizer_size(tok)
   return {"id": prompt.id, "index": i, "prompt": prompt.text, "prompt_tokens": g.prompt_len,
           "output_ids": g.output_ids, "text": tok.decode(g.output_ids, skip_special_tokens=False),
@@ -25,12 +28,22 @@ def record_of(i: int, prompt, g: Generation, tok, block_policy: str = "fixed") -
           "decode_s": round(g.decode_s, 6), "block_size": g.block_size,
           "block_policy": block_policy, "policy_probs": g.policy_probs,
           "acceptance_lengths": g.acceptance_lengths, "forward_lengths": g.forward_lengths,
-          "forward_is_cycle": g.forward_is_cycle, "cycles": g.cycles, "ar_steps": g.ar_steps,
+          "forward_is_cycle": g.forward_is_cycle, "forward_verified": g.forward_verified,
+          "cycles": g.cycles, "ar_steps": g.ar_steps, "drafter_passes": g.drafter_passes,
+          "mean_verified_drafts": (None if g.mean_verified_drafts is None
+                                   else round(g.mean_verified_drafts, 4)),
+          "verified_histogram": verified_histogram(g.verified_drafts),
           "target_forwards": g.target_forwards,
           "tau": None if g.tau is None else round(g.tau, 4),
           "tokens_per_forward": (None if g.tokens_per_forward is None
                                  else round(g.tokens_per_forward, 4)),
           "ids_beyond_tokenizer": sum(t >= limit for t in g.output_ids)}
+
+
+def verified_histogram(verified_drafts) -> dict[str, int]:
+  """Drafts verified (k, as a string key) -> count, in increasing k."""
+  hist = collections.Counter(int(k) for k in verified_drafts)
+  return {str(k): hist[k] for k in sorted(hist)}
 
 
 def _mean_of(records: list[dict], field: str) -> float | None:
@@ -43,11 +56,13 @@ def figures(records: list[dict]) -> dict:
   `tau`: mean over requests of each request's committed tokens per speculative cycle (the
   paper's τ, averaged per request as the DFlash benchmark does); `tau_pooled_over_cycles`: the
   mean over all cycles of all requests; `tokens_per_forward`: mean over requests of committed
-  tokens per target forward (cycles and fallback AR steps together)."""
+  tokens per target forward (cycles and fallback AR steps together); `mean_verified_drafts`:
+  mean over all drafter passes of all requests of the drafts their forward verified."""
   new = sum(r["new_tokens"] for r in records)
   prefill = sum(r["prefill_s"] for r in records)
   decode = sum(r["decode_s"] for r in records)
   accepts = [a for r in records for a in r["acceptance_lengths"]]
+  verified = [v - 1 for r in records for v in r.get("forward_verified", []) if v > 0]
   return {"prompts": len(records), "new_tokens": new,
           "tokens_per_s": round(new / max(prefill + decode, 1e-9), 3),
           "decode_tokens_per_s": round(new / max(decode, 1e-9), 3),
@@ -56,7 +71,9 @@ def figures(records: list[dict]) -> dict:
           "tau_pooled_over_cycles": round(float(np.mean(accepts)), 4) if accepts else None,
           "tokens_per_forward": _mean_of(records, "tokens_per_forward"),
           "cycles": sum(r["cycles"] for r in records),
-          "ar_steps": sum(r["ar_steps"] for r in records)}
+          "ar_steps": sum(r["ar_steps"] for r in records),
+          "drafter_passes": len(verified),
+          "mean_verified_drafts": round(float(np.mean(verified)), 4) if verified else None}
 
 
 def summarize(records: list[dict], engine, cfg, wall_s: float) -> dict:
@@ -70,6 +87,8 @@ def summarize(records: list[dict], engine, cfg, wall_s: float) -> dict:
       **sampling_options(cfg),
       **figures(records), "wall_s": round(wall_s, 3),
       "acceptance_histogram": {str(k): hist[k] for k in sorted(hist)},
+      "verified_histogram": verified_histogram(
+          v - 1 for r in records for v in r.get("forward_verified", []) if v > 0),
       "block_sizes_used": dict(collections.Counter(str(r["block_size"]) for r in records)),
       "ids_beyond_tokenizer": sum(r["ids_beyond_tokenizer"] for r in records),
       "compilations": comp["compilations"], "compilations_by_function": comp["by_function"],
@@ -93,6 +112,7 @@ def print_summary(s: dict) -> None:
           ("decode tokens/s", s["decode_tokens_per_s"]),
           ("tau (tokens per spec. cycle)", _fmt(s["tau"], ".3f")),
           ("tokens per target forward", _fmt(s["tokens_per_forward"], ".3f")),
+          ("drafts verified per drafter pass", _fmt(s.get("mean_verified_drafts"), ".3f")),
           ("compilations", f"{s['compilations']} {s['compilations_by_function']}"),
           ("compile time (s)", f"{s['compile_s']} ({s['compile_cache_hits']} of "
                                f"{s['compilations']} loaded from the compile cache)"),

@@ -151,20 +151,21 @@ class Scheduler:
     for i, staged in enumerate(bucket.rows):
       if staged is None or not (done[i] or n_gen[i] >= max_new[i]):
         continue
-      seq, accept, is_cycle, forwards, bad = jax.device_get(
-          (c["seq"][i], c["accept"][i], c["is_cycle"][i], c["forwards"][i], c["bad"][i]))
-      self.results[staged.req.index] = self._generation(staged, seq, accept, is_cycle,
+      seq, accept, is_cycle, verified, forwards, bad = jax.device_get(
+          (c["seq"][i], c["accept"][i], c["is_cycle"][i], c["verified"][i], c["forwards"][i],
+           c["bad"][i]))
+      self.results[staged.req.index] = self._generation(staged, seq, accept, is_cycle, verified,
                                                         int(forwards), int(n_gen[i]), bool(bad))
       bucket.rows[i] = None
 
-  def _generation(self, staged: _Staged, seq, accept, is_cycle, forwards: int, n_gen: int,
-                  bad: bool) -> Generation:
+  def _generation(self, staged: _Staged, seq, accept, is_cycle, verified, forwards: int,
+                  n_gen: int, bad: bool) -> Generation:
     n, req = len(staged.req.prompt_ids), staged.req
     if bad:
       self.engine.raise_nonfinite(n + n_gen, "a decode step")
-    return generation_of(seq, accept, is_cycle, forwards, n, n_gen, self.engine.stop_ids,
-                         req.max_new_tokens, staged.block_size, staged.prefill_s,
-                         staged.decode_s, staged.probs)
+    return generation_of(seq, accept, is_cycle, verified, forwards, n, n_gen,
+                         self.engine.stop_ids, req.max_new_tokens, staged.block_size,
+                         staged.prefill_s, staged.decode_s, staged.probs)
 
   def run(self) -> list[Generation]:
     total = len(self.queue)

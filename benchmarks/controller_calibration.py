@@ -1,0 +1,150 @@
+"""How well the drafter's probability of its drafted token predicts acceptance (the confidence
+controller's p_i, `controller.drafted_probs`), at T = 0 with verify=exact.
+
+For each prompt the target decodes greedily (plain AR); then at every generated position t the
+drafter drafts b-1 tokens after seq[t] from the target features of positions < t, as a cycle
+starting there would. Draft i is accepted, given drafts 1..i-1 were, when it equals seq[t+i] (the
+target's own greedy token there). Pairs (p_i, accepted) are pooled into equal-width bins of p;
+the table printed (and written to --out as JSON) gives per bin the count, the mean p and the
+empirical conditional acceptance rate, and per draft position the same means. A well calibrated
+drafter has acceptance ~ mean p in every bin. The JSON's "rates" (`controller.fit_calibration`)
+is what `--config.controller_calibration` reads.
+
+Prompts: the HumanEval labelling half of configs/demo.py's split, skipping its first --skip
+(those `benchmarks/controllers.py` measures on by default). Example:
+
+  python benchmarks/controller_calibration.py --skip 24 --num_prompts 48 --out /tmp/calib
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from absl import app, flags  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from bp_jax.decoding import controller as control  # noqa: E402
+from bp_jax.decoding.engine import Engine  # noqa: E402
+from bp_jax.errors import BadInputError  # noqa: E402
+
+flags.DEFINE_string("target", "demo/target", "target checkpoint folder")
+flags.DEFINE_string("drafter", "demo/drafter", "drafter checkpoint folder")
+flags.DEFINE_string("dtype", "float32", "compute dtype")
+flags.DEFINE_integer("max_len", 640, "cache slots (the demo's max_len)")
+flags.DEFINE_integer("skip", 24, "labelling-half prompts skipped first (the controllers' set)")
+flags.DEFINE_integer("num_prompts", 48, "labelling-half prompts used after the skipped ones")
+flags.DEFINE_integer("max_new_tokens", 128, "greedy tokens per prompt")
+flags.DEFINE_integer("block_size", 8, "drafter block size (b-1 drafts per position)")
+flags.DEFINE_integer("bins", 10, "equal-width bins of p over [0, 1]")
+flags.DEFINE_string("out", "", "folder for calibration.json (empty: print only)")
+FLAGS = flags.FLAGS
+
+
+def conditional_pairs(p_Tk: np.ndarray, hit_Tk: np.ndarray) -> tuple[np.ndarray, np.ndarray,
+                                                                     np.ndarray]:
+  """(p, accepted, draft position i, each [N]) of the drafts whose predecessors in their block
+  were all accepted: the events the controller's E_k multiplies."""
+  reached_Tk = np.cumprod(np.concatenate([np.ones_like(hit_Tk[:, :1]), hit_Tk[:, :-1]], 1), 1)
+  keep = reached_Tk.astype(bool)
+  pos_Tk = np.broadcast_to(np.arange(1, p_Tk.shape[1] + 1), p_Tk.shape)
+  return p_Tk[keep], hit_Tk[keep].astype(bool), pos_Tk[keep]
+
+
+def reliability(p_N: np.ndarray, hit_N: np.ndarray, bins: int) -> list[dict]:
+  """Per equal-width bin of p: count, mean p, empirical acceptance rate."""
+  idx = np.clip((p_N * bins).astype(int), 0, bins - 1)
+  rows = []
+  for j in range(bins):
+    sel = idx == j
+    n = int(sel.sum())
+    rows.append({"bin": [j / bins, (j + 1) / bins], "count": n,
+                 "mean_p": round(float(p_N[sel].mean()), 4) if n else None,
+                 "accept_rate": round(float(hit_N[sel].mean()), 4) if n else None})
+  return rows
+
+
+def main(_):
+  from configs import demo
+  from bp_jax.text.tokenizer import encode_prompt, load_tokenizer, stop_token_ids
+  from bp_jax.train.labels import prompt_sets
+  from bp_jax.weights.loading import load_drafter, load_target
+  if FLAGS.bins < 1 or FLAGS.block_size < 2:
+    raise BadInputError("--bins must be >= 1 and --block_size >= 2")
+  target = load_target(FLAGS.target, FLAGS.dtype)
+  drafter = load_drafter(FLAGS.drafter, target.cfg, FLAGS.dtype)
+  tok = load_tokenizer(FLAGS.target)
+  cfg = demo.get_config()
+  label, _ = prompt_sets(cfg, tok)
+  label = [p for p in label if p.source == str(cfg.blockpilot.eval_source)]
+  prompts = label[FLAGS.skip:FLAGS.skip + FLAGS.num_prompts]
+  eng = Engine(target, max_len=FLAGS.max_len, stop_ids=stop_token_ids(tok))
+  t_graph, t_state = nnx.split(target)
+  d_graph, d_state = nnx.split(drafter)
+  b, mask_id = FLAGS.block_size, drafter.cfg.mask_token_id
+
+  @jax.jit
+  def context(t_state, d_state, tokens_1S):
+    """The drafter's context cache over every position of the sequence."""
+    model, dr = nnx.merge(t_graph, t_state), nnx.merge(d_graph, d_state)
+    zero = jnp.zeros((1,), jnp.int32)
+    out = model(tokens_1S, target.init_cache(1, FLAGS.max_len).with_lengths(zero),
+                dr.cfg.target_layer_ids)
+    return dr.add_context(out.layer_hiddens, dr.init_cache(1, FLAGS.max_len).with_lengths(zero))
+
+  @jax.jit
+  def draft_at(t_state, d_state, draft_cache, tok, t):
+    """(b-1 greedy drafts, their probabilities) of a cycle starting at position t."""
+    model, dr = nnx.merge(t_graph, t_state), nnx.merge(d_graph, d_state)
+    block_1b = jnp.full((1, b), mask_id, jnp.int32).at[0, 0].set(tok)
+    h = dr.draft(model.embed_tokens(block_1b), draft_cache.with_lengths(t[None]))
+    logits_1kV = model.project_to_vocab(h[:, 1:])
+    drafts_1k = jnp.argmax(logits_1kV, -1).astype(jnp.int32)
+    return drafts_1k[0], control.drafted_probs(logits_1kV, drafts_1k)[0]
+
+  p_rows, hit_rows = [], []
+  for i, prompt in enumerate(prompts):
+    ids = encode_prompt(tok, prompt.text, False)
+    gen = eng.generate(ids, max_new_tokens=FLAGS.max_new_tokens, block_size=1).output_ids
+    seq = ids + gen
+    n = len(ids)
+    tokens = jnp.zeros((1, FLAGS.max_len), jnp.int32).at[0, :len(seq)].set(jnp.asarray(seq))
+    dcache = context(t_state, d_state, tokens)
+    for t in range(n, len(seq) - b + 1):  # positions with b-1 known target tokens after them
+      drafts, p = jax.device_get(draft_at(t_state, d_state, dcache, jnp.int32(seq[t]),
+                                          jnp.int32(t)))
+      p_rows.append(p)
+      hit_rows.append(drafts == np.asarray(seq[t + 1:t + b]))
+    print(f"  {i + 1}/{len(prompts)} {prompt.key}: {len(gen)} tokens", flush=True)
+  p_N, hit_N, pos_N = conditional_pairs(np.asarray(p_rows), np.asarray(hit_rows))
+  table = reliability(p_N, hit_N, FLAGS.bins)
+  by_pos = [{"position": int(i), "count": int((pos_N == i).sum()),
+             "mean_p": round(float(p_N[pos_N == i].mean()), 4),
+             "accept_rate": round(float(hit_N[pos_N == i].mean()), 4)}
+            for i in sorted(set(pos_N.tolist()))]
+  print(f"\n  {len(p_N)} conditional drafts from {len(prompts)} prompts "
+        f"(overall mean p {p_N.mean():.3f}, acceptance {hit_N.mean():.3f})")
+  print(f"  {'p bin':<12}{'count':>8}{'mean p':>8}{'accept':>8}")
+  for r in table:
+    print(f"  {r['bin'][0]:.1f}-{r['bin'][1]:.1f}    {r['count']:>8}"
+          f"{r['mean_p'] if r['mean_p'] is not None else '-':>8}"
+          f"{r['accept_rate'] if r['accept_rate'] is not None else '-':>8}")
+  print(f"  {'position':<12}{'count':>8}{'mean p':>8}{'accept':>8}")
+  for r in by_pos:
+    print(f"  {r['position']:<12}{r['count']:>8}{r['mean_p']:>8}{r['accept_rate']:>8}")
+  if FLAGS.out:
+    os.makedirs(FLAGS.out, exist_ok=True)
+    with open(os.path.join(FLAGS.out, "calibration.json"), "w") as f:
+      json.dump({"rates": control.fit_calibration(p_N, hit_N, FLAGS.bins),
+                 "prompts": [p.key for p in prompts], "block_size": b, "bins": table,
+                 "positions": by_pos}, f, indent=1)
+
+
+if __name__ == "__main__":
+  app.run(main)

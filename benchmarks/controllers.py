@@ -1,0 +1,183 @@
+"""Compares the speculative loop's verify-length controllers in one process, interleaved.
+
+Every prompt is decoded by every method, `--repeats` times each, the methods' order alternating
+from prompt to prompt (forward, then reversed); the fastest decode of each (method, prompt) is
+kept. On a shared CPU only the relative figures of one run mean anything.
+
+Methods (`--methods`, comma-separated):
+  ar                plain AR decoding with the target (block size 1);
+  none              every cycle verifies all b-1 drafts (the paper's loop);
+  backoff           none plus the AR fallback (2, 4, ... <= --ar_fallback steps after poor cycles);
+  confidence_1step  the confidence controller as first shipped: one AR step after each declined
+                    cycle (confidence with ar_fallback = 1);
+  confidence        declined cycles back off 2, 4, ... <= --ar_fallback AR steps;
+  confidence_poor   confidence, and a cycle verifying > ar_fallback_accept drafts that accepted
+                    <= ar_fallback_accept counts as declined too (controller_poor_miss);
+  confidence_cal    confidence with the acceptance calibration at --calibration;
+  confidence_cal_poor  both.
+
+Prompts: by default the labelling half of HumanEval under configs/demo.py's split (not the
+evaluation half the README's figures use). Example:
+
+  python benchmarks/controllers.py --num_prompts 24 --repeats 3 --out /tmp/controllers
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+from absl import app, flags  # noqa: E402
+
+from bp_jax.decoding import controller as control  # noqa: E402
+from bp_jax.decoding.compare import check_repeats_agree  # noqa: E402
+from bp_jax.decoding.engine import Engine  # noqa: E402
+from bp_jax.decoding.generation import Generation, forward_cost_units  # noqa: E402
+from bp_jax.errors import BadInputError  # noqa: E402
+
+METHODS = ("ar", "none", "backoff", "confidence_1step", "confidence", "confidence_poor",
+           "confidence_cal", "confidence_cal_poor")
+
+flags.DEFINE_string("target", "demo/target", "target checkpoint folder")
+flags.DEFINE_string("drafter", "demo/drafter", "drafter checkpoint folder")
+flags.DEFINE_string("dtype", "float32", "compute dtype")
+flags.DEFINE_integer("max_len", 640, "cache slots (the demo's max_len)")
+flags.DEFINE_string("half", "label", "HumanEval half of configs/demo.py's split: label | eval")
+flags.DEFINE_integer("num_prompts", 24, "first N prompts of that half (0 = all)")
+flags.DEFINE_integer("repeats", 3, "decodes per (method, prompt); the fastest is kept")
+flags.DEFINE_integer("max_new_tokens", 128, "new tokens per request (T = 0)")
+flags.DEFINE_integer("block_size", 8, "block size of the speculative methods")
+flags.DEFINE_integer("ar_fallback", 16, "most AR steps in a row of backoff and confidence*")
+flags.DEFINE_integer("ar_fallback_accept", 1, "a cycle accepting <= this many drafts is poor")
+flags.DEFINE_string("methods", ",".join(METHODS[:6]), f"comma-separated, of {list(METHODS)}")
+flags.DEFINE_string("calibration", "", "confidence_cal*: calibration JSON "
+                    "(benchmarks/controller_calibration.py --out)")
+flags.DEFINE_string("out", "", "folder for controllers.json (empty: print only)")
+FLAGS = flags.FLAGS
+
+
+def parse_methods(text: str) -> list[str]:
+  methods = [m.strip() for m in text.split(",") if m.strip()]
+  bad = [m for m in methods if m not in METHODS]
+  if bad or not methods:
+    raise BadInputError(f"--methods={text!r}: give comma-separated methods of {list(METHODS)}")
+  return list(dict.fromkeys(["ar"] + methods))  # AR is the reference
+
+
+def engine_options(method: str) -> dict:
+  """The `Engine` keyword arguments of a method (its loop form)."""
+  fb = dict(ar_fallback_accept=FLAGS.ar_fallback_accept)
+  cal = dict(controller="confidence", ar_fallback=FLAGS.ar_fallback,
+             controller_calibration=control.load_calibration(FLAGS.calibration, "--calibration"),
+             **fb) if "_cal" in method else {}
+  return {"ar": dict(controller="none"), "none": dict(controller="none"),
+          "backoff": dict(controller="backoff", ar_fallback=FLAGS.ar_fallback, **fb),
+          "confidence_1step": dict(controller="confidence", ar_fallback=1, **fb),
+          "confidence": dict(controller="confidence", ar_fallback=FLAGS.ar_fallback, **fb),
+          "confidence_poor": dict(controller="confidence", ar_fallback=FLAGS.ar_fallback,
+                                  controller_poor_miss=True, **fb),
+          "confidence_cal": cal, "confidence_cal_poor": dict(cal, controller_poor_miss=True)
+          }[method]
+
+
+def method_order(methods: list[str], index: int) -> list[str]:
+  """The methods in the order prompt `index` runs them: forward on even prompts, reversed on
+  odd ones."""
+  return methods if index % 2 == 0 else methods[::-1]
+
+
+def prompt_set(tok) -> list[tuple[str, list[int]]]:
+  """(key, token ids) of the chosen HumanEval half (configs/demo.py's split), the first
+  --num_prompts."""
+  from configs import demo
+  from bp_jax.text.tokenizer import encode_prompt
+  from bp_jax.train.labels import prompt_sets
+  cfg = demo.get_config()
+  if FLAGS.half not in ("label", "eval"):
+    raise BadInputError(f"--half={FLAGS.half!r}: give label or eval")
+  label, evals = prompt_sets(cfg, tok)
+  source = str(cfg.blockpilot.eval_source)
+  chosen = [p for p in (label if FLAGS.half == "label" else evals) if p.source == source]
+  chosen = chosen[:FLAGS.num_prompts] if FLAGS.num_prompts > 0 else chosen
+  return [(p.key, encode_prompt(tok, p.text, False)) for p in chosen]
+
+
+def method_figures(gens: list[Generation], ar_gens: list[Generation]) -> dict:
+  """Throughput and acceptance figures of one method's fastest decodes."""
+  new = sum(g.new_tokens for g in gens)
+  decode_s = sum(g.decode_s for g in gens)
+  cycles = [a for g in gens for a in g.acceptance_lengths]
+  lengths = [a for g in gens for a in g.forward_lengths]
+  verified = [k for g in gens for k in g.verified_drafts]
+  units = sum(forward_cost_units(g.forward_verified, control.DEFAULT_COSTS,
+                                 control.DEFAULT_DRAFT_COST) for g in gens)
+  return {"new_tokens": new, "decode_s": round(decode_s, 4),
+          "decode_tokens_per_s": round(new / max(decode_s, 1e-9), 2),
+          "tau_per_cycle": round(float(np.mean(cycles)), 4) if cycles else None,
+          "tokens_per_forward": round(float(np.mean(lengths)), 4) if lengths else None,
+          "mean_verified_drafts": round(float(np.mean(verified)), 4) if verified else None,
+          "drafter_passes": len(verified), "target_forwards": len(lengths),
+          "cycles": sum(g.cycles for g in gens), "ar_steps": sum(g.ar_steps for g in gens),
+          # The cost table's estimate of this decode in AR steps per committed token.
+          "est_cost_per_token": round(units / max(sum(lengths), 1), 4),
+          "identical_to_ar": sum(g.output_ids == a.output_ids for g, a in zip(gens, ar_gens))}
+
+
+def main(_):
+  from bp_jax.text.tokenizer import load_tokenizer, stop_token_ids
+  from bp_jax.weights.loading import load_drafter, load_target
+  methods = parse_methods(FLAGS.methods)
+  if FLAGS.repeats < 1 or FLAGS.max_new_tokens < 1 or FLAGS.block_size < 2:
+    raise BadInputError("--repeats and --max_new_tokens must be >= 1, --block_size >= 2")
+  target = load_target(FLAGS.target, FLAGS.dtype)
+  drafter = load_drafter(FLAGS.drafter, target.cfg, FLAGS.dtype)
+  tok = load_tokenizer(FLAGS.target)
+  prompts = prompt_set(tok)
+  engines = {m: Engine(target, max_len=FLAGS.max_len, stop_ids=stop_token_ids(tok),
+                       drafter=drafter, block_sizes=(FLAGS.block_size,), **engine_options(m))
+             for m in methods}
+  size = {m: 1 if m == "ar" else FLAGS.block_size for m in methods}
+  best: dict[str, list[Generation]] = {m: [] for m in methods}
+  for i, (key, ids) in enumerate(prompts):
+    runs: dict[str, list[Generation]] = {m: [] for m in methods}
+    for _ in range(FLAGS.repeats):
+      for m in method_order(methods, i):
+        runs[m].append(engines[m].generate(ids, max_new_tokens=FLAGS.max_new_tokens,
+                                           block_size=size[m]))
+    for m in methods:
+      check_repeats_agree(runs[m])
+      best[m].append(min(runs[m], key=lambda g: g.decode_s))
+    print(f"  {i + 1}/{len(prompts)} {key}", flush=True)
+  rows = {m: method_figures(best[m], best["ar"]) for m in methods}
+  ar_rate = rows["ar"]["decode_tokens_per_s"]
+  for r in rows.values():
+    r["speedup_vs_ar"] = round(r["decode_tokens_per_s"] / ar_rate, 3)
+  print(f"\n  {len(prompts)} HumanEval {FLAGS.half}-half prompts, T=0, "
+        f"{FLAGS.max_new_tokens} new tokens, b={FLAGS.block_size}, fastest of {FLAGS.repeats}, "
+        "interleaved (alternating order)")
+  print(f"  {'method':<17}{'tok/s':>9}{'vs AR':>7}{'tau/cycle':>10}{'tok/fwd':>8}"
+        f"{'k mean':>7}{'drafts':>7}{'AR steps':>9}{'est cost/tok':>13}{'same as AR':>11}")
+  fmt = lambda x, s: "-" if x is None else format(x, s)
+  for m, r in rows.items():
+    print(f"  {m:<17}{r['decode_tokens_per_s']:>9,.0f}{r['speedup_vs_ar']:>6.2f}x"
+          f"{fmt(r['tau_per_cycle'], '.2f'):>10}{fmt(r['tokens_per_forward'], '.2f'):>8}"
+          f"{fmt(r['mean_verified_drafts'], '.2f'):>7}{r['drafter_passes']:>7}"
+          f"{r['ar_steps']:>9}{r['est_cost_per_token']:>13.3f}"
+          f"{r['identical_to_ar']:>8}/{len(prompts)}")
+  if FLAGS.out:
+    os.makedirs(FLAGS.out, exist_ok=True)
+    report = {"prompts": [k for k, _ in prompts], "half": FLAGS.half,
+              "repeats": FLAGS.repeats, "max_new_tokens": FLAGS.max_new_tokens,
+              "block_size": FLAGS.block_size, "ar_fallback": FLAGS.ar_fallback,
+              "ar_fallback_accept": FLAGS.ar_fallback_accept, "methods": rows}
+    with open(os.path.join(FLAGS.out, "controllers.json"), "w") as f:
+      json.dump(report, f, indent=1)
+    print(f"  wrote {os.path.join(FLAGS.out, 'controllers.json')}")
+
+
+if __name__ == "__main__":
+  app.run(main)
