@@ -47,6 +47,7 @@ from absl import app, flags  # noqa: E402
 from demo_prompts import heldout_prompts  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+from bp_jax.decoding.controller import load_calibration  # noqa: E402
 from bp_jax.decoding.engine import LEARNED, Engine  # noqa: E402
 from bp_jax.eval.bootstrap import bootstrap_speedup  # noqa: E402
 from bp_jax.eval.plots import interval_bars  # noqa: E402
@@ -66,7 +67,12 @@ flags.DEFINE_integer("static_size", 0, "The best static size chosen on the label
                      "(0 = the value policy's static size, else 8).")
 flags.DEFINE_string("cost_table", "runs/demo/data/cost_table.json", "Cost table of the labels "
                     "stage (prices the per-cycle oracle); '' = no oracle.")
-flags.DEFINE_integer("ar_fallback", 16, "Most AR steps of the back-off after poor cycles.")
+flags.DEFINE_integer("ar_fallback", 16, "Most AR steps of the back-off after poor cycles (and "
+                     "after the confidence controller's declined cycles).")
+flags.DEFINE_string("calibration", "demo/controller_calibration.json", "The confidence "
+                    "controller's calibration table ('' = the drafter's raw probabilities).")
+flags.DEFINE_bool("poor_miss", True, "Confidence: a cycle accepting <= 1 of more verified "
+                  "drafts counts as declined too (--config.controller_poor_miss).")
 flags.DEFINE_integer("num_prompts", 0, "Held-out prompts decoded (0 = all 82).")
 flags.DEFINE_integer("max_new_tokens", 128, "New tokens per prompt.")
 flags.DEFINE_integer("max_len", 640, "KV cache slots per request.")
@@ -87,8 +93,8 @@ def parse_method(text: str, sizes: list[int], policies: dict) -> tuple[str, obje
     raise app.UsageError(f"--methods: {text!r}: controller must be one of {CONTROLLERS}")
   if size in ("learned", "value"):
     if size not in policies:
-      raise app.UsageError(f"--methods: {text!r} needs --{'policy' if size == 'learned' else "
-                           "'value_policy'}")
+      flag = "--policy" if size == "learned" else "--value_policy"
+      raise app.UsageError(f"--methods: {text!r} needs {flag}")
     return controller, size
   if not size.isdigit() or int(size) < 2:
     raise app.UsageError(f"--methods: {text!r}: size must be a block size >= 2, learned or "
@@ -140,7 +146,8 @@ def main(_):
   buckets = sorted({1, *sizes, *(b for _, info in policies.values() for b in info.block_sizes)})
   engines = {c: Engine(target, max_len=FLAGS.max_len, stop_ids=stop_token_ids(tok),
                        drafter=drafter, block_sizes=tuple(buckets), ar_fallback=FLAGS.ar_fallback,
-                       controller=c, verify="exact")
+                       controller=c, verify="exact", controller_poor_miss=FLAGS.poor_miss,
+                       controller_calibration=load_calibration(FLAGS.calibration))
              for c in sorted({c for c, _ in parsed.values()})}
 
   def decode(method: str, ids):
@@ -227,6 +234,7 @@ def main(_):
           "prompts": len(prompts), "repeats": FLAGS.repeats, "sizes": sizes,
           "static_size": static, "best_fixed_in_hindsight": hindsight,
           "ar_fallback": FLAGS.ar_fallback, "max_new_tokens": FLAGS.max_new_tokens,
+          "calibration": FLAGS.calibration, "poor_miss": FLAGS.poor_miss,
           "compile_and_warm_s": round(compile_s, 1),
           "policy": FLAGS.policy, "value_policy": FLAGS.value_policy,
           "per_cycle_oracle": oracle, "oracle_gain_over_static_est": oracle_gain,
