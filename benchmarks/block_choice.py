@@ -71,6 +71,10 @@ flags.DEFINE_integer("ar_fallback", 16, "Most AR steps of the back-off after poo
                      "after the confidence controller's declined cycles).")
 flags.DEFINE_string("calibration", "demo/controller_calibration.json", "The confidence "
                     "controller's calibration table ('' = the drafter's raw probabilities).")
+flags.DEFINE_string("controller_costs", "", "Confidence: relative costs of target forwards over "
+                    "1, 2, 4, ... tokens ('' = the library's defaults, controller.DEFAULT_COSTS).")
+flags.DEFINE_float("controller_draft_cost", -1.0, "Confidence: one drafter pass in AR steps "
+                   "(< 0 = the library's default).")
 flags.DEFINE_bool("poor_miss", True, "Confidence: a cycle accepting <= 1 of more verified "
                   "drafts counts as declined too (--config.controller_poor_miss).")
 flags.DEFINE_integer("num_prompts", 0, "Held-out prompts decoded (0 = all 82).")
@@ -128,6 +132,16 @@ def per_cycle_oracle(target, drafter, prompts, outputs, sizes, table, engine
   return intra.summarize(analyses), analyses
 
 
+def controller_costs() -> dict:
+  """The confidence controller's cost flags as Engine keyword arguments (only those given)."""
+  out = {}
+  if FLAGS.controller_costs:
+    out["controller_costs"] = FLAGS.controller_costs
+  if FLAGS.controller_draft_cost >= 0:
+    out["controller_draft_cost"] = FLAGS.controller_draft_cost
+  return out
+
+
 def main(_):
   target = load_target(FLAGS.target, "float32")
   drafter = load_drafter(FLAGS.drafter, target.cfg, "float32")
@@ -147,7 +161,8 @@ def main(_):
   engines = {c: Engine(target, max_len=FLAGS.max_len, stop_ids=stop_token_ids(tok),
                        drafter=drafter, block_sizes=tuple(buckets), ar_fallback=FLAGS.ar_fallback,
                        controller=c, verify="exact", controller_poor_miss=FLAGS.poor_miss,
-                       controller_calibration=load_calibration(FLAGS.calibration))
+                       controller_calibration=load_calibration(FLAGS.calibration),
+                       **controller_costs())
              for c in sorted({c for c, _ in parsed.values()})}
 
   def decode(method: str, ids):
@@ -235,6 +250,8 @@ def main(_):
           "static_size": static, "best_fixed_in_hindsight": hindsight,
           "ar_fallback": FLAGS.ar_fallback, "max_new_tokens": FLAGS.max_new_tokens,
           "calibration": FLAGS.calibration, "poor_miss": FLAGS.poor_miss,
+          "controller_costs": FLAGS.controller_costs or "default",
+          "controller_draft_cost": FLAGS.controller_draft_cost,
           "compile_and_warm_s": round(compile_s, 1),
           "policy": FLAGS.policy, "value_policy": FLAGS.value_policy,
           "per_cycle_oracle": oracle, "oracle_gain_over_static_est": oracle_gain,

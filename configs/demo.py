@@ -143,6 +143,6 @@ def get_config() -> ml_collections.ConfigDict:
   # evaluation), plus windows of the LM's training files as extra labelling prompts; candidate
   # sizes DRAFT_BLOCK_SIZE +- 3 = 5..11; 128 new tokens at T=0 (set temperature=1.0 and
   # label_seeds for T=1 labels).
-  c.blockpilot = qwen3.blockpilot_config(corpus_prompts=256, corpus_prompt_tokens=128,
+  c.blockpilot = qwen3.blockpilot_config(corpus_prompts=512, corpus_prompt_tokens=128,
                                          hidden_dim=256, depth=2)
   return c
