@@ -17,9 +17,9 @@ from bp_jax.errors import BadInputError
 from bp_jax.optim_config import opt_config
 from bp_jax.policy import label_sets
 from bp_jax.policy.mlp import BlockPolicy, PolicyArch, load_policy, save_policy
-from bp_jax.train.policy_stage import (best_static, choice_metrics, choose_lam, fit_policy,
-                                       parse_heads, parse_lams, predict, relative_values,
-                                       rule_totals, shrunk_choice, value_prior)
+from bp_jax.train.policy_stage import (best_static, choice_metrics, choose_lam, crossfit_choice,
+                                       fit_policy, parse_heads, parse_lams, predict,
+                                       relative_values, rule_totals, shrunk_choice, value_prior)
 
 SIZES = (2, 3, 5, 8)
 LAMS = (0.0, 0.25, 0.5, 0.75, 1.0)
@@ -253,3 +253,24 @@ def test_lam_selection_takes_real_evidence():
   assert lam > 0.0
   best = next(g for g in grid if g["lam"] == lam)
   assert best["lo"] >= 1.0 and best["vs_static"] > 1.05
+
+
+def test_crossfit_decisions_use_lam_chosen_on_the_other_prompts():
+  """Cross-fitting: with rhat the truth, each half's decisions follow the evidence of the other
+  half (not static); with rhat pure noise they stay static (no lam qualifies on either half);
+  fewer than 4 prompts: static."""
+  records, costs = _records(200, seed=2)
+  values = label_sets.label_values(records, "max_throughput", costs)
+  static = best_static(records, "max_throughput", costs)
+  r = relative_values(values, static)
+  num, den = rule_totals(records, "max_throughput", costs)
+  prior = value_prior(r, static)
+  kw = dict(reps=300, level=0.9, seed=0)
+  cf = crossfit_choice(r, prior, static, num, den, LAMS, **kw)
+  assert (cf != static).mean() > 0.3
+  m_cf = choice_metrics(records, cf, costs)["est_tokens_per_s"]
+  m_static = choice_metrics(records, np.full(len(records), static), costs)["est_tokens_per_s"]
+  assert m_cf > 1.05 * m_static
+  noise = np.random.default_rng(0).normal(1.0, 0.3, r.shape)
+  assert (crossfit_choice(noise, prior, static, num, den, LAMS, **kw) == static).mean() > 0.9
+  assert (crossfit_choice(r[:3], prior, static, num[:3], den[:3], LAMS, **kw) == static).all()
