@@ -396,12 +396,16 @@ def make_batched_spec_loop(graphdef, draft_graphdef, block_size: int, scan_layer
         drafted = jnp.where(forced_Bk >= 0, forced_Bk, drafted)
       return drafted.astype(jnp.int32), logits_BkV
 
-    def fallback_after(c, a_B):
-      """Each row's poor-cycle count and the AR steps it asks for after this cycle."""
-      poor = a_B <= ar_fallback_accept
-      misses = jnp.where(poor, c["misses"] + 1, 0)
+    def backed_off(c, miss_B):
+      """Each row's consecutive misses after this cycle and the AR steps it asks for (the
+      back-off schedule; a cycle that is no miss resets both)."""
+      misses = jnp.where(miss_B, c["misses"] + 1, 0)
       return dict(misses=misses,
-                  wait=jnp.where(poor, control.backoff_steps(misses, ar_fallback), 0))
+                  wait=jnp.where(miss_B, control.backoff_steps(misses, ar_fallback), 0))
+
+    def fallback_after(c, a_B):
+      """`backoff`: a cycle accepting at most `ar_fallback_accept` drafts is a miss."""
+      return backed_off(c, a_B <= ar_fallback_accept)
 
     def skip_after(draft_next, k: int):
       """The `fallback` of a confidence cycle verifying k drafts: each row's consecutive misses
@@ -412,9 +416,7 @@ def make_batched_spec_loop(graphdef, draft_graphdef, block_size: int, scan_layer
         miss = ~draft_next | jnp.zeros_like(a_B, jnp.bool_)
         if controller_poor_miss and k > ar_fallback_accept:
           miss = miss | (a_B <= ar_fallback_accept)
-        misses = jnp.where(miss, c["misses"] + 1, 0)
-        return dict(misses=misses,
-                    wait=jnp.where(miss, control.backoff_steps(misses, ar_fallback), 0))
+        return backed_off(c, miss)
       return after
 
     def verify_k(c, k, draft_Bk, draft_logits_BkV, fallback=None):

@@ -70,8 +70,9 @@ def decode_settings(max_new_tokens: int, temperature: float, chat: bool,
 
   sampling = {**SAMPLING_SETTINGS, **(sampling or {})}
   controller, _ = loop_form(loop.get("controller"), int(loop["ar_fallback"]))
-  return {"controller": controller, "max_new_tokens": int(max_new_tokens), "temperature": float(temperature),
-          "chat": bool(chat), "scan_layers": bool(loop["scan_layers"]),
+  return {"controller": controller, "max_new_tokens": int(max_new_tokens),
+          "temperature": float(temperature), "chat": bool(chat),
+          "scan_layers": bool(loop["scan_layers"]),
           "ar_fallback": int(loop["ar_fallback"]),
           "ar_fallback_accept": int(loop["ar_fallback_accept"]),
           "verify": str(loop.get("verify", "exact")), "top_k": int(sampling["top_k"]),
@@ -276,7 +277,7 @@ def seconds_per_size(table: Mapping[str, Any], cycles_NK: np.ndarray, steps_NK: 
 def decode_seconds(records: Sequence[Mapping[str, Any]],
                    costs: np.ndarray | Mapping[str, Any] | None = None) -> np.ndarray:
   """[N, K] loop seconds per prompt and size for the throughput rule. `costs` a cost table
-  (`label_set_costs`): the runs' counts priced by it (`cost_table.seconds_per_size`).
+  (`label_set_costs`): the runs' counts priced by it (`seconds_per_size`).
   Otherwise cycles * the size's cycle cost (`costs` [K], default `cycle_costs`; without the
   fallback every target forward is a cycle), or, for labels measured with AR fallback steps,
   the measured loop time itself (module docstring)."""

@@ -105,15 +105,15 @@ def measure_cost_table(engine: Any, prompts: Sequence[Sequence[int]], sizes: Seq
   jobs += [("cycle", b, i) for b in spec for i in range(len(prompts))]
   if with_fallback:
     jobs += [("fallback", b, i) for b in spec for i in range(len(prompts))]
+  forced = {"ar": [None] * len(prompts), "cycle": conts,
+            "fallback": [_wrong(c, engine.cfg.vocab_size) for c in conts]}
   for kind, b, i in jobs:  # compile every variant before anything is timed
-    forced = {"ar": None, "cycle": conts[i], "fallback": _wrong(conts[i], engine.cfg.vocab_size)}
-    gen(prompts[i], b, forced[kind])
+    gen(prompts[i], b, forced[kind][i])
   runs: dict[tuple[str, int, int], list[Any]] = {j: [] for j in jobs}
   for r in progress(range(reps)):
     shift = (r * 7) % len(jobs)
     for kind, b, i in jobs[shift:] + jobs[:shift]:
-      forced = {"ar": None, "cycle": conts[i], "fallback": _wrong(conts[i], engine.cfg.vocab_size)}
-      runs[(kind, b, i)].append(gen(prompts[i], b, forced[kind]))
+      runs[(kind, b, i)].append(gen(prompts[i], b, forced[kind][i]))
   per_ar = [g.decode_s / g.target_forwards for (k, _, _), gs in runs.items() if k == "ar"
             for g in gs if g.target_forwards]
   ar_step, ar_spread = _median_iqr(per_ar)

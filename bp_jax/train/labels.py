@@ -295,17 +295,23 @@ def build_engine(cfg: Any, target: Any, drafter: Any, tok: Any, sizes: Sequence[
   return engine
 
 
+def _made_with(data_dir: str, name: str) -> tuple[dict | None, dict | None] | None:
+  """(decode settings, cost-table key) label dataset `name` records (None where it records
+  none: an older set), or None when it does not exist."""
+  if not tfds_io.dataset_exists(data_dir, name):
+    return None
+  ds = open_label_set(os.path.join(data_dir, name))
+  return label_set_settings(ds), (label_set_costs(ds) or {}).get("key")
+
+
 def _holds_settings(data_dir: str, name: str, settings: Mapping[str, Any],
                     table_key: Mapping[str, Any] | None = None) -> bool:
   """Whether label dataset `name` exists, records the decode settings `settings` and (with
   `table_key`) is priced by a cost table measured under that key (a set made before either was
   recorded is labelled again)."""
-  if not tfds_io.dataset_exists(data_dir, name):
-    return False
-  ds = open_label_set(os.path.join(data_dir, name))
-  table = label_set_costs(ds) or {}
-  return label_set_settings(ds) == dict(settings) and (
-      table_key is None or table.get("key") == dict(table_key))
+  made = _made_with(data_dir, name)
+  return made is not None and made[0] == dict(settings) and (
+      table_key is None or made[1] == dict(table_key))
 
 
 def label_cost_table(cfg: Any, engine: Any, target: Any, drafter: Any, tok: Any,
@@ -388,10 +394,10 @@ def labels_stage(cfg: Any) -> None:
   reuse_table = str(bp.get("cost_table", "auto") or "auto") == "auto"
   # The decodes (counts, features) are current when the stamp and settings match; the cost
   # table that prices them may still change (another machine's, or remeasured).
+  made = [_made_with(data, name) for name in (LABELS, EVAL_LABELS)]
   decoded = (stamp is not None and all(stamp.get(k) == v for k, v in want.items())
-             and all(_holds_settings(data, name, settings) for name in (LABELS, EVAL_LABELS)))
-  if decoded and reuse_table and all(_holds_settings(data, name, settings, key)
-                                     for name in (LABELS, EVAL_LABELS)):
+             and all(m is not None and m[0] == settings for m in made))
+  if decoded and reuse_table and all(m[1] == key for m in made):
     print(f"[labels] up to date: {data}/{LABELS}, {data}/{EVAL_LABELS}")
     return
   engine = build_engine(cfg, target, drafter, tok, sizes, [len(v) for v in encoded.values()],
