@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import collections
 import json
+import os
+import platform
 import time
 
+import jax
 from absl import app, flags
 
 flags.DEFINE_integer("num_prompts", 40, "Held-out HumanEval prompts to decode.")
@@ -31,8 +34,8 @@ def main(argv):
   from bp_jax.decoding.engine import Engine
   from bp_jax.text.tokenizer import load_tokenizer
   from bp_jax.weights.loading import load_drafter, load_target
-  target = load_target("demo/target")
-  drafter = load_drafter("demo/drafter", target.cfg)
+  target = load_target("demo/target", "float32")
+  drafter = load_drafter("demo/drafter", target.cfg, "float32")
   tok = load_tokenizer("demo/target")
   engine = Engine(target, max_len=512 + FLAGS.max_new_tokens + BLOCK, drafter=drafter,
                   block_sizes=(BLOCK,), controller="none", verify="exact")
@@ -42,13 +45,15 @@ def main(argv):
     g = engine.generate(ids, max_new_tokens=FLAGS.max_new_tokens, block_size=BLOCK)
     counts.update(a - 1 for a in g.acceptance_lengths[:-1])
   hist = [counts[i] for i in range(BLOCK)]
-  out = {"what": f"accepted drafts per cycle (0..{BLOCK - 1}): demo/target + demo/drafter, "
-                 f"b={BLOCK}, T=0, verify=exact, no fallback, {FLAGS.num_prompts} HumanEval "
+  out = {"what": f"accepted drafts per cycle (0..{BLOCK - 1}): demo/target + demo/drafter "
+                 f"(float32), b={BLOCK}, T=0, verify=exact, no fallback, {FLAGS.num_prompts} HumanEval "
                  f"held-out prompts, {FLAGS.max_new_tokens} new tokens, each request's last "
                  "cycle dropped",
          "command": "python -m benchmarks.acceptance_profile "
                     f"--num_prompts {FLAGS.num_prompts} --max_new_tokens {FLAGS.max_new_tokens}",
-         "date": time.strftime("%Y-%m-%d"), "counts": hist, "cycles": sum(hist),
+         "date": time.strftime("%Y-%m-%d"),
+         "machine": f"{platform.machine()}, {os.cpu_count()} cores, jax {jax.default_backend()}",
+         "counts": hist, "cycles": sum(hist),
          "tau": round(sum((i + 1) * c for i, c in enumerate(hist)) / sum(hist), 3)}
   with open(FLAGS.out, "w") as f:
     json.dump(out, f, indent=1)
