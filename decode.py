@@ -22,7 +22,7 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   logging.set_verbosity(logging.WARNING)
-  from bp_jax.decoding import run_decode
+  from bp_jax.decode_job import run as run_decode
   cfg = _CONFIG.value
   try:
     _, summary = run_decode.run(cfg)

@@ -34,7 +34,7 @@ import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 from bp_jax.decoding import controller as control  # noqa: E402
-from bp_jax.decoding.compare import check_repeats_agree  # noqa: E402
+from bp_jax.decode_job.compare import check_repeats_agree  # noqa: E402
 from bp_jax.decoding.engine import Engine  # noqa: E402
 from bp_jax.decoding.generation import Generation, forward_cost_units  # noqa: E402
 from bp_jax.errors import BadInputError  # noqa: E402

@@ -35,7 +35,7 @@ from bp_jax.weights.loading import load_drafter, load_target  # noqa: E402
 from bp_jax.eval.plots import acceptance_histogram, line_plot  # noqa: E402
 from bp_jax.eval.report import acceptance_figures  # noqa: E402
 from bp_jax.text.prompts import load_prompts  # noqa: E402
-from bp_jax.decoding.block_choice import default_block_sizes  # noqa: E402
+from bp_jax.decode_job.block_choice import default_block_sizes  # noqa: E402
 from bp_jax.text.tokenizer import encode_prompt, load_tokenizer, stop_token_ids  # noqa: E402
 
 flags.DEFINE_string("target", "demo/target", "Target checkpoint folder.")

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from bp_jax.decoding import controller as control
-from bp_jax.decoding.block_choice import loop_options
+from bp_jax.decode_job.block_choice import loop_options
 from bp_jax.decoding.engine import Engine
 from bp_jax.decoding.generation import forward_cost_units
 from bp_jax.errors import BadInputError

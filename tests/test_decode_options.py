@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 
-from bp_jax.decoding import run_decode
+from bp_jax.decode_job import run as run_decode
 from bp_jax.decoding.engine import Engine
 from bp_jax.errors import BadInputError
 from configs import demo
@@ -156,7 +156,7 @@ def test_records_count_ids_the_tokenizer_cannot_decode():
 def test_fingerprints_are_of_the_stored_weights_whatever_the_dtype(cfg):
   """The drafter records its target's fingerprint over the stored (bfloat16) weights; loading the
   target as float16 rounds them, yet the check compares the stored weights: no false refusal."""
-  from bp_jax.decoding import provenance
+  from bp_jax.weights import provenance
   from bp_jax.weights.checkpoint_io import read_checkpoint_meta
   from bp_jax.weights.loading import load_target
 

@@ -404,7 +404,7 @@ def _decode_config(ckpts, **fields):
 def test_decode_block_size_outside_the_bucket_list_becomes_a_bucket(ckpts):
   """--config.block_size need not be among --config.block_sizes: it is added as a bucket (and
   compiled once); it stays lossless. It fails only where it cannot work: past max_len."""
-  from bp_jax.decoding import run_decode
+  from bp_jax.decode_job import run as run_decode
   p = ckpts["p"]
   records, summary = run_decode.run(_decode_config(
       ckpts, block_size=12, block_sizes="2,4,6", compare="ar", output=p("out", "b12.jsonl")))
@@ -420,7 +420,7 @@ def test_decode_block_size_outside_the_bucket_list_becomes_a_bucket(ckpts):
 
 def test_decode_request_over_the_cache(ckpts):
   """Every prompt is checked before decoding starts; the message names the prompt and flag."""
-  from bp_jax.decoding import run_decode
+  from bp_jax.decode_job import run as run_decode
   with pytest.raises(BadInputError) as err:
     run_decode.run(_decode_config(ckpts, max_len=64))
   msg = str(err.value)

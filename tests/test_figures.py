@@ -13,7 +13,7 @@ from bp_jax.decoding.engine import Engine
 from toy_models import zeros_drafter_pair
 from bp_jax.errors import BadInputError
 from bp_jax.eval import report as rep
-from bp_jax.policy import label_sets
+from bp_jax.data import label_sets
 from bp_jax.train import labels as lab
 from bp_jax.train import policy_stage as ps
 from bp_jax.train.report_stage import _run_record

@@ -24,7 +24,7 @@ from bp_jax.errors import BadInputError
 from bp_jax.models.nnx_utils import module_params
 from bp_jax.policy.mlp import load_policy, prompt_hash
 from bp_jax.models.qwen3 import Qwen3
-from bp_jax.policy import label_sets
+from bp_jax.data import label_sets
 from bp_jax.train import labels as lab
 from bp_jax.train import policy_stage as ps
 from bp_jax.train.draft import drafter_config, export_drafter
@@ -197,7 +197,7 @@ def test_labels_datasets(setup, stages_done, capsys):
     np.testing.assert_allclose(r["tau"], [p[f].mean() for p, f in zip(parts, flags)], rtol=1e-6)
     np.testing.assert_allclose(r["tokens_per_forward"], r["committed"] / fwd, rtol=1e-6)
   # Each label set records the settings it was measured with: the loops' form with AR fallback.
-  from bp_jax.decoding.block_choice import loop_options
+  from bp_jax.decode_job.block_choice import loop_options
   made = label_sets.label_set_settings(evals)
   assert made == label_sets.label_set_settings(label)
   assert made == label_sets.decode_settings(MAX_NEW, 0.0, False, loop_options(cfg))
@@ -387,7 +387,7 @@ def _decode_cfg(setup, prompts: str, **kw) -> ml_collections.ConfigDict:
 
 
 def test_decode_block_policies(setup, stages_done):
-  from bp_jax.decoding import run_decode
+  from bp_jax.decode_job import run as run_decode
   cfg = stages_done
   _, evals = lab.prompt_sets(cfg, setup["tok"])
   eval_only = _jsonl(setup["root"] / "eval_only.jsonl", [(p.key, p.text) for p in evals])
@@ -430,7 +430,7 @@ def test_decode_block_policies(setup, stages_done):
 
 
 def test_oracle_refuses_labels_made_with_other_settings(setup, stages_done, tmp_path):
-  from bp_jax.decoding import run_decode
+  from bp_jax.decode_job import run as run_decode
   cfg = stages_done
   labels = os.path.join(cfg.workdir, "data", label_sets.EVAL_LABELS)
   same = _decode_cfg(setup, "", block_policy="oracle", oracle_labels=labels, ar_fallback=2)
@@ -479,7 +479,7 @@ def test_oracle_refuses_labels_made_with_other_settings(setup, stages_done, tmp_
 
 
 def test_decode_refuses_the_policys_labelling_prompts(setup, stages_done):
-  from bp_jax.decoding import run_decode
+  from bp_jax.decode_job import run as run_decode
   cfg = stages_done
   policy = os.path.join(cfg.workdir, "policies", "last_hidden-max_tau")
   source = str(setup["root"] / "eval.jsonl")  # both halves: labelling and evaluation prompts
@@ -497,7 +497,7 @@ def test_decode_refuses_the_policys_labelling_prompts(setup, stages_done):
 
 
 def test_missing_policy_falls_back_or_fails(setup, stages_done, capsys):
-  from bp_jax.decoding import run_decode
+  from bp_jax.decode_job import run as run_decode
   cfg = stages_done
   _, evals = lab.prompt_sets(cfg, setup["tok"])
   eval_only = _jsonl(setup["root"] / "eval_only2.jsonl", [(p.key, p.text) for p in evals[:1]])

@@ -15,7 +15,7 @@ from flax import nnx
 
 from bp_jax.errors import BadInputError
 from bp_jax.optim_config import opt_config
-from bp_jax.policy import label_sets
+from bp_jax.data import label_sets
 from bp_jax.policy.mlp import BlockPolicy, PolicyArch, load_policy, save_policy
 from bp_jax.train.policy_stage import (best_static, choice_metrics, choose_lam, crossfit_choice,
                                        fit_policy, parse_heads, parse_lams, predict,

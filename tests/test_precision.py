@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from bp_jax.decoding import run_decode
+from bp_jax.decode_job import run as run_decode
 from bp_jax.decoding.engine import Engine
 from bp_jax.errors import BadInputError
 from bp_jax.models.precision import (MATMUL_PRECISIONS, check_matmul_precision, matmul_precision,

@@ -47,7 +47,7 @@ import numpy as np
 
 from bp_jax.data import tfds_io
 from bp_jax.errors import BadInputError
-from bp_jax.policy.label_sets import (EVAL_LABELS, LABELS, SIZE_FIGURES, cycle_costs,
+from bp_jax.data.label_sets import (EVAL_LABELS, LABELS, SIZE_FIGURES, cycle_costs,
                                       decode_settings, label_set_costs, label_set_settings,
                                       label_values, labels_of, open_label_set, stack, usable,
                                       write_label_set)
@@ -149,7 +149,7 @@ def check_no_overlap(label: Sequence[LabelPrompt], evals: Sequence[LabelPrompt])
 def candidate_sizes(bp: Any, drafter_block_size: int) -> tuple[int, ...]:
   """`bp.candidates`, or the drafter's training size +- `bp.radius` (sizes >= 2), plus 1 (plain
   AR decoding) with `bp.include_ar`; ascending."""
-  from bp_jax.decoding.block_choice import parse_int_list
+  from bp_jax.decode_job.block_choice import parse_int_list
 
   sizes = parse_int_list(bp.candidates, "--config.blockpilot.candidates")
   if not sizes:
@@ -282,7 +282,7 @@ def build_engine(cfg: Any, target: Any, drafter: Any, tok: Any, sizes: Sequence[
   `override`: loop options replaced), so measured cycle costs are the ones decode.py pays;
   every request is checked first."""
   from bp_jax.decoding.engine import Engine
-  from bp_jax.decoding.block_choice import loop_options, parse_int_list
+  from bp_jax.decode_job.block_choice import loop_options, parse_int_list
   from bp_jax.text.tokenizer import stop_token_ids
 
   engine = Engine(target, max_len=int(cfg.max_len), stop_ids=stop_token_ids(tok),
@@ -350,7 +350,7 @@ def labels_stage(cfg: Any) -> None:
   """
   from tqdm import tqdm
 
-  from bp_jax.decoding.block_choice import loop_options, sampling_options
+  from bp_jax.decode_job.block_choice import loop_options, sampling_options
   from bp_jax.train.regenerate import model_fingerprint, read_stamp, write_stamp
 
   bp = cfg.blockpilot

@@ -51,7 +51,7 @@ from bp_jax.policy.mlp import (BlockPolicy, PolicyArch, check_head, check_label_
                                decision_class, save_policy, shrunk_scores)
 from bp_jax.policy.features import parse_feature_types
 from bp_jax.text.prompts import check_disjoint, split_ids
-from bp_jax.policy import label_sets
+from bp_jax.data import label_sets
 from bp_jax.train import labels as lab
 from bp_jax.train import workdir as wd
 

@@ -38,13 +38,13 @@ import numpy as np
 from flax import nnx
 
 from bp_jax.eval import report as rep
-from bp_jax.decoding.block_choice import sampling_options
+from bp_jax.decode_job.block_choice import sampling_options
 from bp_jax.decoding.engine import LEARNED
 from bp_jax.errors import BadInputError
 from bp_jax.policy.mlp import load_policy, random_block_size
 from bp_jax.policy.features import FEATURE_TYPES, feature_dims, parse_feature_types, policy_costs
 from bp_jax.train import intra_request as intra
-from bp_jax.policy import label_sets
+from bp_jax.data import label_sets
 from bp_jax.train import labels as lab
 from bp_jax.train import workdir as wd
 from bp_jax.train.policy_stage import (best_static, parse_heads, parse_rules, policy_dir,
@@ -76,7 +76,7 @@ def _schedule(run: Mapping[str, Any]) -> list[tuple[int, bool]]:
 def check_label_settings(cfg: Any, max_new: int, temperature: float) -> None:
   """Refuses label sets measured with other decode settings than this report's runs (another
   loop form, e.g. with or without the AR fallback, gives other labels and cycle costs)."""
-  from bp_jax.decoding.block_choice import loop_options
+  from bp_jax.decode_job.block_choice import loop_options
 
   want = label_sets.decode_settings(max_new, temperature, bool(cfg.get("chat", False)),
                                     loop_options(cfg), sampling_options(cfg))

@@ -10,7 +10,7 @@ import os
 import random
 from typing import Sequence
 
-from bp_jax.decoding.block_choice import BlockChoice, learned_choice, random_candidates
+from bp_jax.decode_job.block_choice import BlockChoice, learned_choice, random_candidates
 from bp_jax.decoding.generation import Generation
 from bp_jax.errors import BadInputError
 

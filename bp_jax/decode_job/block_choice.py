@@ -82,7 +82,7 @@ def resolve_block_choice(cfg, drafter_block_size: int | None) -> BlockChoice:
   if name == "learned":
     return learned_choice(cfg, fixed)
   if name == "oracle":
-    from bp_jax.policy.label_sets import decode_settings, oracle_table
+    from bp_jax.data.label_sets import decode_settings, oracle_table
     settings = decode_settings(cfg.max_new_tokens, cfg.temperature, cfg.get("chat", False),
                                loop_options(cfg), sampling_options(cfg))
     table, sizes = oracle_table(cfg.oracle_labels, cfg.get("label_rule", "max_tau"), settings)

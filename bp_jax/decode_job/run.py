@@ -14,15 +14,15 @@ from typing import Any, Sequence
 
 from tqdm import tqdm
 
-from bp_jax.decoding.block_choice import (BLOCK_POLICIES, BlockChoice, batch_options,
+from bp_jax.decode_job.block_choice import (BLOCK_POLICIES, BlockChoice, batch_options,
                                           block_policy_of, default_block_sizes, loop_options,
                                           parse_int_list, resolve_block_choice,
                                           sampling_options)
-from bp_jax.decoding.compare import (check_repeats_agree, fastest_of, method_choice, method_of,
+from bp_jax.decode_job.compare import (check_repeats_agree, fastest_of, method_choice, method_of,
                                      parse_methods, run_order)
 from bp_jax.decoding.engine import Engine
 from bp_jax.decoding.generation import Generation
-from bp_jax.decoding.records import figures, print_summary, record_of, summarize  # noqa: F401
+from bp_jax.decode_job.records import figures, print_summary, record_of, summarize  # noqa: F401
 from bp_jax.decoding.requests import check_block_sizes, check_sampling
 from bp_jax.decoding.verify import same_tokens_as_ar
 from bp_jax.errors import BadInputError
@@ -88,7 +88,7 @@ def build_engine(cfg, extra_sizes: Sequence[int] = ()) -> tuple[Engine, Any, Any
   are `--config.block_sizes` (or the drafter's size +- 4), `--config.block_size` and
   `extra_sizes`. A drafter trained for another target is refused (`provenance`). Returns
   (engine, tokenizer, the run's `provenance.Fingerprints`)."""
-  from bp_jax.decoding import provenance
+  from bp_jax.weights import provenance
   from bp_jax.weights.checkpoint_io import read_checkpoint_meta
 
   mesh = make_mesh(str(cfg.get("mesh", "") or ""))
@@ -153,7 +153,7 @@ def select_prompts(cfg, choice: BlockChoice) -> list[Prompt]:
 
 def _bind_policy(engine: Engine, choice: "BlockChoice", cfg, prints) -> None:
   """Binds a learned choice's policy to the engine, checking it was made for these models."""
-  from bp_jax.decoding import provenance
+  from bp_jax.weights import provenance
 
   if choice.info.target_layer_ids and engine.drafter is not None and (
       tuple(engine.drafter.cfg.target_layer_ids) != choice.info.target_layer_ids):

@@ -7,7 +7,7 @@ import collections
 
 import numpy as np
 
-from bp_jax.decoding.block_choice import block_policy_of, sampling_options
+from bp_jax.decode_job.block_choice import block_policy_of, sampling_options
 from bp_jax.decoding.generation import Generation
 from bp_jax.decoding.verify import same_tokens_as_ar
 from bp_jax.eval.resources import peak_rss_mb
