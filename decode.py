@@ -11,8 +11,10 @@ import sys
 from absl import app, logging
 from ml_collections import config_flags
 
+from bp_jax import cli
 from bp_jax.errors import BadInputError
 
+cli.check_config_fields("configs/demo.py")
 _CONFIG = config_flags.DEFINE_config_file(
     "config", "configs/demo.py", "Decoding config file; override any field with "
     "--config.<field>=value (see the file for the fields).")
@@ -33,4 +35,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main, __doc__, "configs/demo.py")

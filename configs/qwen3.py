@@ -82,6 +82,9 @@ def get_config() -> ml_collections.ConfigDict:
   # Checkpoints (converted by convert_weights.py or written by train.py).
   c.target = ""              # converted target checkpoint folder
   c.drafter = ""             # converted DFlash drafter folder (mode=spec)
+  # At T > 0, decode with this drafter instead (one distilled on sampled responses accepts more
+  # drafts under rejection sampling); "" = --config.drafter at every temperature.
+  c.drafter_sampling = ""
   c.policy = ""              # block-size policy checkpoint (block_policy=learned)
   c.tokenizer = ""           # tokenizer folder; empty = the target checkpoint's own files
   c.dtype = "auto"           # auto (as stored) | float32 | bfloat16 | float16

@@ -255,3 +255,21 @@ def test_cli_error_during_conversion_is_the_last_line_of_stderr(narrower_mlp_run
 def test_cli_unknown_dtype_names_the_flag(run_cli, single_hf_dir, tmp_path):
   line = _convert_fails(run_cli, single_hf_dir, tmp_path, "--dtype", "float8")
   assert "--dtype='float8'" in line and "bfloat16" in line
+
+
+def test_export_honours_dtype_and_refuses_flags_it_would_ignore(run_cli, single_hf_dir,
+                                                               tmp_path):
+  """--to_hf --dtype float32 writes float32 tensors (the flag was ignored on export), and a
+  conversion-only flag given with --to_hf is refused, naming it."""
+  convert_from_hf(single_hf_dir, str(tmp_path / "ckpt"), dtype="bfloat16", show_progress=False)
+  res = run_cli("convert_weights.py", "--to_hf", "--ckpt_dir", tmp_path / "ckpt", "--out_dir",
+                tmp_path / "f32", "--dtype", "float32")
+  assert res.rc == 0, res.stderr
+  with open(tmp_path / "f32" / "model.safetensors", "rb") as f:  # safetensors' own header
+    header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+  dtypes = {v["dtype"] for k, v in header.items() if k != "__metadata__"}
+  assert dtypes == {"F32"}, dtypes
+  assert json.load(open(tmp_path / "f32" / "config.json"))["torch_dtype"] == "float32"
+  res = run_cli("convert_weights.py", "--to_hf", "--ckpt_dir", tmp_path / "ckpt", "--out_dir",
+                tmp_path / "x", "--tokenizer", "qwen3-offline")
+  assert res.rc != 0 and "--tokenizer" in res.stderr.strip().splitlines()[-1]

@@ -87,6 +87,11 @@ def test_decode_ar_matches_transformers_greedy_generate(converted, run_cli, tmp_
   assert summary["tokens_per_s"] > 0
   assert summary["compilations"] == 3  # prefill per bucket used (2) + the AR loop (1)
   assert summary["compilations_by_function"] == {"prefill": 2, "ar_loop": 1}
+  # Printed to a pipe: completions without terminal codes, and no line that only applies to
+  # speculative decoding.
+  assert "--- short" in res.stdout and "\033[" not in res.stdout
+  for line in ("verify-length controller", "tau (tokens per spec. cycle)", "block policy"):
+    assert line not in res.stdout, line
 
 
 def _decode_fails(run_cli, ckpt, prompts, tmp_path, *extra: str) -> str:

@@ -104,15 +104,21 @@ def _fmt(x, spec: str) -> str:
 
 
 def print_summary(s: dict) -> None:
-  rows = [("mode", s["mode"]), ("block policy", s["block_policy"]),
-          ("block sizes used", s["block_sizes_used"]),
-          ("verify-length controller", s.get("controller", "-")), ("prompts", s["prompts"]),
+  """The summary's lines that apply to the run (a plain AR run has no block size, controller,
+  drafter or τ)."""
+  spec = s["mode"] == "spec"
+  rows = [("mode", s["mode"]),
+          *([("block policy", s["block_policy"]), ("block sizes used", s["block_sizes_used"]),
+             ("verify-length controller", s.get("controller", "-"))] if spec else []),
+          *([("drafter", s["drafter"])] if spec and s.get("drafter") else []),
+          ("prompts", s["prompts"]),
           ("new tokens", s["new_tokens"]),
           ("tokens/s (prefill+decode)", s["tokens_per_s"]),
           ("decode tokens/s", s["decode_tokens_per_s"]),
-          ("tau (tokens per spec. cycle)", _fmt(s["tau"], ".3f")),
-          ("tokens per target forward", _fmt(s["tokens_per_forward"], ".3f")),
-          ("drafts verified per drafter pass", _fmt(s.get("mean_verified_drafts"), ".3f")),
+          *([("tau (tokens per spec. cycle)", _fmt(s["tau"], ".3f")),
+             ("tokens per target forward", _fmt(s["tokens_per_forward"], ".3f")),
+             ("drafts verified per drafter pass", _fmt(s.get("mean_verified_drafts"), ".3f"))]
+            if spec else []),
           ("compilations", f"{s['compilations']} {s['compilations_by_function']}"),
           ("compile time (s)", f"{s['compile_s']} ({s['compile_cache_hits']} of "
                                f"{s['compilations']} loaded from the compile cache)"),

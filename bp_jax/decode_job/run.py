@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from typing import Any, Sequence
 
@@ -62,7 +63,7 @@ def validate(cfg) -> None:
                         f"{list(LABELLED_PROMPTS)}")
   if not cfg.target:
     raise BadInputError("--config.target is empty: give a converted target checkpoint folder")
-  if cfg.mode == "spec" and not cfg.drafter:
+  if cfg.mode == "spec" and not drafter_path(cfg):
     raise BadInputError("--config.mode=spec needs --config.drafter (a converted DFlash drafter)")
   check_sampling(cfg.temperature)
   sampling_options(cfg)
@@ -76,6 +77,13 @@ def validate(cfg) -> None:
     raise BadInputError(f"--config.repeats={cfg.repeats} must be >= 1")
   parse_methods(cfg.get("compare", ""))
   precision_of(cfg)
+
+
+def drafter_path(cfg) -> str:
+  """The drafter this run decodes with: at T > 0 the sampling drafter
+  (--config.drafter_sampling) when the config names one, else --config.drafter."""
+  sampling = str(cfg.get("drafter_sampling", "") or "")
+  return sampling if float(cfg.temperature) > 0 and sampling else str(cfg.drafter or "")
 
 
 def needs_drafter(cfg) -> bool:
@@ -97,15 +105,16 @@ def build_engine(cfg, extra_sizes: Sequence[int] = ()) -> tuple[Engine, Any, Any
   drafter = None
   block_sizes = parse_int_list(cfg.block_sizes, "--config.block_sizes")
   if needs_drafter(cfg):
-    if not cfg.drafter:
+    if not drafter_path(cfg):
       raise BadInputError("--config.compare lists speculative methods: they need "
                           "--config.drafter (a converted DFlash drafter)")
-    drafter = load_drafter(cfg.drafter, target.cfg, cfg.dtype, mesh=mesh)
-  prints = provenance.Fingerprints(target, cfg.target, drafter, cfg.drafter)
+    drafter = load_drafter(drafter_path(cfg), target.cfg, cfg.dtype, mesh=mesh)
+  prints = provenance.Fingerprints(target, cfg.target, drafter, drafter_path(cfg))
   if drafter is not None:
-    _, meta = read_checkpoint_meta(cfg.drafter, expected_kind="dflash")
+    _, meta = read_checkpoint_meta(drafter_path(cfg), expected_kind="dflash")
     if meta.get("target_fingerprint"):
-      provenance.check_drafter_made_for(meta, cfg.drafter, prints.get("target"), cfg.target,
+      provenance.check_drafter_made_for(meta, drafter_path(cfg), prints.get("target"),
+                                        cfg.target,
                                         bool(cfg.get("allow_foreign_drafter", False)))
     block_sizes = block_sizes or default_block_sizes(drafter.cfg.block_size)
     block_sizes = tuple(block_sizes) + (cfg.block_size,)  # any size can be a bucket
@@ -118,11 +127,24 @@ def build_engine(cfg, extra_sizes: Sequence[int] = ()) -> tuple[Engine, Any, Any
 
 
 def _drafter_block_size(cfg) -> int | None:
-  if not needs_drafter(cfg) or not cfg.drafter:
+  path = drafter_path(cfg)
+  if not needs_drafter(cfg) or not path:
     return None
   from bp_jax.models.config import DFlashConfig, read_config_json
-  return DFlashConfig.from_hf_dict(read_config_json(cfg.drafter),
-                                   f"{cfg.drafter}/config.json").block_size
+  return DFlashConfig.from_hf_dict(read_config_json(path), f"{path}/config.json").block_size
+
+
+def prompt_tail(text: str, limit: int = 300) -> str:
+  """The end of a prompt to show before its completion: whole when it has at most `limit`
+  characters, else from the first line start within the last `limit` characters (the last line
+  whole when it alone is longer), after a line saying how many lines were left out."""
+  if len(text) <= limit:
+    return text
+  cut = text.find("\n", len(text) - limit - 1)
+  start = text.rfind("\n", 0, len(text) - 1) + 1 if cut < 0 else cut + 1
+  if start <= 0:
+    return text
+  return f"[... {text.count(chr(10), 0, start)} earlier prompt lines]\n" + text[start:]
 
 
 def select_prompts(cfg, choice: BlockChoice) -> list[Prompt]:
@@ -158,7 +180,7 @@ def _bind_policy(engine: Engine, choice: "BlockChoice", cfg, prints) -> None:
   if choice.info.target_layer_ids and engine.drafter is not None and (
       tuple(engine.drafter.cfg.target_layer_ids) != choice.info.target_layer_ids):
     raise BadInputError(f"{cfg.policy}: the policy was trained on features of target layers "
-                        f"{list(choice.info.target_layer_ids)} but the drafter {cfg.drafter} "
+                        f"{list(choice.info.target_layer_ids)} but the drafter {drafter_path(cfg)} "
                         f"uses {list(engine.drafter.cfg.target_layer_ids)}")
   labels = choice.info.meta.get("labels") or {}
   if labels.get("target_fingerprint") or labels.get("drafter_fingerprint"):
@@ -287,6 +309,10 @@ def _run(cfg) -> tuple[list[dict], dict]:
   summary.update(batch_size=engine.batch_size, sync_cycles=engine.sync_cycles,
                  mesh=describe(engine.mesh))
   summary["compile_cache"] = cache_dir
+  if engine.drafter is not None:
+    summary["drafter"] = drafter_path(cfg) + (
+        " (the sampling drafter, --config.drafter_sampling, at T > 0)"
+        if drafter_path(cfg) != cfg.drafter else "")
   summary["matmul_precision"] = precision_of(cfg)
   if choice.name != "fixed":
     summary["candidate_block_sizes"] = list(choice.sizes)
@@ -329,8 +355,9 @@ def _run(cfg) -> tuple[list[dict], dict]:
       from bp_jax.eval.report import size_distribution_plot
       size_distribution_plot({choice.name: [r["block_size"] for r in records]}, choice.sizes,
                              os.path.join(cfg.report, "chosen_sizes.png"))
+  bold, plain = ("\033[1m", "\033[0m") if sys.stdout.isatty() else ("", "")
   for r in records[:cfg.show]:
     tau = "-" if r["tau"] is None else f"{r['tau']:.2f}"
-    print(f"--- {r['id']} ({r['new_tokens']} tokens, tau {tau})\n{r['prompt'][-300:]}"
-          f"\033[1m{r['text']}\033[0m")
+    print(f"--- {r['id']} ({r['new_tokens']} tokens, tau {tau})\n{prompt_tail(r['prompt'])}"
+          f"{bold}{r['text']}{plain}")
   return records, summary

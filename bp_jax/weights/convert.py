@@ -92,8 +92,9 @@ def convert_from_hf(hf_dir: str, out_dir: str, dtype: str | None = None, overwri
 
 
 def export_to_hf(ckpt_dir: str, out_dir: str, overwrite: bool = False,
-                 max_shard_bytes: int = 5 * 10**9) -> str:
-  """Writes a bp_jax checkpoint in the Hugging Face / z-lab layout (atomically)."""
+                 max_shard_bytes: int = 5 * 10**9, dtype: str | None = None) -> str:
+  """Writes a bp_jax checkpoint in the Hugging Face / z-lab layout (atomically); `dtype`
+  ('float32', 'bfloat16', 'float16'; None or 'auto' = as stored) casts every tensor."""
   _remove_leftovers(out_dir)
   if os.path.isdir(out_dir) and os.listdir(out_dir) and not overwrite:
     raise BadInputError(f"--out_dir={out_dir} is not empty; pass --overwrite to replace it")
@@ -110,11 +111,17 @@ def export_to_hf(ckpt_dir: str, out_dir: str, overwrite: bool = False,
   params, _, _ = load_checkpoint(ckpt_dir, expected_kind=kind)
   to_hf = hf_mapping.drafter_params_to_hf if kind == "dflash" else hf_mapping.target_params_to_hf
   items = to_hf(params)
+  cast = parse_dtype(dtype, "--dtype")
+  stored = str(meta.get("dtype", "float32"))
+  if cast is not None:
+    np_dtype = np.dtype(cast)
+    items = ((name, array.astype(np_dtype)) for name, array in items)
+    stored = np_dtype.name
   out_abs = os.path.abspath(out_dir)
   tmp = make_partial_dir(out_abs, "tmp")
   try:
     hf_cfg = cfg.to_hf_dict()
-    hf_cfg["torch_dtype"] = hf_cfg["dtype"] = str(meta.get("dtype", "float32"))
+    hf_cfg["torch_dtype"] = hf_cfg["dtype"] = stored
     with open(os.path.join(tmp, "config.json"), "w") as f:
       json.dump(hf_cfg, f, indent=2)
     write_hf_checkpoint(tmp, items, max_shard_bytes=max_shard_bytes)
