@@ -1,5 +1,5 @@
 """How often bfloat16 speculative decoding leaves AR's greedy output, and whether every place it
-does is a near-tie of the target's two best logits (README "Exactness").
+does is a near-tie of the target's two best logits (docs/design.md §12).
 
   python benchmarks/bf16_agreement.py                        # bf16 and f32, 82 held-out prompts
   python benchmarks/bf16_agreement.py --num_prompts 10 --dtypes bfloat16

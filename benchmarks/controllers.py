@@ -17,7 +17,7 @@ Methods (`--methods`, comma-separated):
   confidence_cal_poor  both.
 
 Prompts: by default the labelling half of HumanEval under configs/demo.py's split (not the
-evaluation half the README's figures use). Example:
+evaluation half docs/results/controller.md uses). Example:
 
   python benchmarks/controllers.py --num_prompts 24 --repeats 3 --out /tmp/controllers
 """

@@ -118,7 +118,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.draft = ml_collections.ConfigDict()
   c.draft.num_layers = 2
   c.draft.block_size = DRAFT_BLOCK_SIZE
-  c.draft.gamma = 4.0               # loss weight exp(-(k-1)/gamma) (DESIGN §6: 4 for b=8)
+  c.draft.gamma = 4.0               # loss weight exp(-(k-1)/gamma) (docs/design.md §6: 4 for b=8)
   c.draft.anchors_per_seq = 32      # anchor blocks sampled per sequence per step
   c.draft.batch = 8
   c.draft.steps = 1500              # ~6 epochs of the regenerated responses
@@ -135,7 +135,7 @@ def get_config() -> ml_collections.ConfigDict:
   # Target layers whose hidden states feed the drafter: a shallow one and the deepest allowed.
   # Never the last layer (3): transformers' `hidden_states` hands drafters that layer after the
   # final norm, bp_jax before it, so an exported drafter would see other features elsewhere
-  # (DESIGN §1); DFlash's own formula, layers 1..L-3, repeats layer 1 on a 4-layer target.
+  # (docs/design.md §1); DFlash's own formula, layers 1..L-3, repeats layer 1 on a 4-layer target.
   c.draft.target_layer_ids = (1, 2)
   c.draft.export_dtype = "bfloat16"
   c.draft.ship_name = "drafter"     # copied to <export_dir>/<ship_name>

@@ -116,7 +116,7 @@ def get_config() -> ml_collections.ConfigDict:
   # Many requests at once: up to batch_size requests decode together in one compiled loop per
   # block-size bucket (1 = one request at a time, the plain loop); the loop returns to the host
   # every sync_cycles cycles so that finished requests free their slots for queued ones
-  # (continuous batching; 0 = a batch runs until all its requests finish). README "Batching".
+  # (continuous batching; 0 = a batch runs until all its requests finish). docs/design.md §9.
   c.batch_size = 1
   c.sync_cycles = 16
   c.seed = 0

@@ -1,4 +1,4 @@
-"""What reduced precision guarantees (README "Exactness"): in float32 speculative greedy output is
+"""What reduced precision guarantees (docs/design.md §12): in float32 speculative greedy output is
 token-identical to AR; in bfloat16 it may leave AR's only at a near-tie of the target's logits.
 
 One tiny random Qwen3 (4 layers, D=128, V=512, weights scaled up so its logits are far from

@@ -1,4 +1,4 @@
-"""DFlash drafter (bp_jax/models/dflash.py) against a plain-PyTorch statement of DESIGN §2."""
+"""DFlash drafter (models/dflash.py) against a plain-PyTorch statement of docs/design.md §2."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ CFG = DFlashConfig.from_hf_dict(DRAFTER_HF, "tiny-dflash/config.json")
 N_FEAT = len(CFG.target_layer_ids)
 
 
-# ---- PyTorch re-statement of DESIGN §2 (float64, one sequence, no cache) -----------------------
+# ---- PyTorch re-statement of docs/design.md §2 (float64, one sequence, no cache) ----
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
   return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w

@@ -87,9 +87,9 @@ def test_logits_and_hidden_states_match_transformers_float32(variant):
 
 
 def test_drafter_features_are_transformers_hidden_states_except_the_last_layer():
-  """DESIGN §1 "Trap", pinned: the drafter's feature for target layer j (the target forward's
-  `layer_hiddens`) is transformers' `hidden_states[j + 1]` for every j < L-1, but for j = L-1
-  transformers' entry is the last layer's output after the final norm. Transformers-based
+  """docs/design.md §1 (the last layer), pinned: the drafter's feature for target layer j
+  (the target forward's `layer_hiddens`) is transformers' `hidden_states[j + 1]` for every
+  j < L-1, but for j = L-1 transformers' entry is the last layer's output after the final norm. Transformers-based
   DFlash code reading layer L-1 would see other features than bp_jax, which is why drafter
   conversion and training refuse layer L-1."""
   L = 4

@@ -1,4 +1,4 @@
-"""Mesh sharding (DESIGN §9): the `--config.mesh` flag, the logical-axis rule table, KV-cache
+"""Sharding (docs/design.md §9): the `--config.mesh` flag, the logical-axis rule table, KV-cache
 placement; and, on 8 simulated CPU devices (`sharding_checks.py`, one subprocess), that sharded
 decoding is token-identical to one device with unchanged compile counts, that checkpoints
 restore onto their shardings, and that data-parallel drafter and policy steps match the

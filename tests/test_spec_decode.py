@@ -1,4 +1,4 @@
-"""Speculative decoding is lossless at T=0 (DESIGN §3), compiles once per bucket (§4), and
+"""Speculative decoding is lossless at T=0 (docs/design.md §3), compiles once per bucket (§4), and
 rejects bad requests with clear messages.
 
 One tiny target (from transformers, so that greedy references come from an independent

@@ -1,4 +1,4 @@
-"""Speculative decoding at T=1 samples from the target's own distribution (DESIGN §3).
+"""Speculative decoding at T=1 samples from the target's own distribution (docs/design.md §3).
 
 A tiny target over a 16-token vocabulary; the exact distribution of the first three generated
 tokens is enumerated with transformers (float64, every prefix), and the empirical distribution of

@@ -35,7 +35,8 @@ def default_block_sizes(train_block_size: int, radius: int = 4) -> tuple[int, ..
   return tuple(range(max(2, train_block_size - radius), train_block_size + radius + 1))
 
 
-POLICY_RADIUS = 3  # candidates of the random control by default: training size +- 3 (DESIGN §5)
+# Candidates of the random control by default: training size +- 3 (docs/design.md §5).
+POLICY_RADIUS = 3
 
 
 @dataclasses.dataclass

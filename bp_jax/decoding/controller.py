@@ -35,8 +35,8 @@ interpolated linearly between bin centres (a constant table, no extra pass).
 Costs (`--config.controller_costs`): relative costs of one target forward over 1, 2, 4, 8, ...
 tokens (powers of two; linear in between, the last segment extended beyond);
 `--config.controller_draft_cost`: one drafter pass, same unit. The defaults were measured on
-the demo on this repository's 2-core CPU (benchmarks/controller_costs.py, README "Verify-length
-controller").
+the demo on this repository's 2-core CPU (benchmarks/controller_costs.py,
+docs/results/controller.md).
 """
 
 from __future__ import annotations

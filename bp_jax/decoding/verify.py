@@ -1,4 +1,5 @@
-"""How a speculative cycle proposes its drafts and decides which the target keeps (DESIGN §3).
+"""How a speculative cycle proposes its drafts and decides which the target keeps
+(docs/design.md §3, §11).
 
 Both rules are lossless: every committed token is distributed exactly as the target's processed
 distribution (`sampling.processed_logits`) given the committed prefix; at T = 0 both are the

@@ -1,5 +1,5 @@
 """Where reduced-precision speculative output leaves AR's, and whether each such place is a
-near-tie (README "Exactness", benchmarks/bf16_agreement.py, tests/test_bf16_exactness.py).
+near-tie (docs/design.md §12, benchmarks/bf16_agreement.py, tests/test_bf16_exactness.py).
 
 At T = 0 a speculative cycle commits the argmax of the target's logits from the verify pass
 (b tokens in one forward) where AR decoding takes the argmax of a 1-token step: the same

@@ -75,7 +75,7 @@ class Qwen3Config:
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
-  """DFlash's default choice of target layers when a config does not list them (DESIGN §2)."""
+  """DFlash's default target layers when a config does not list them (docs/design.md §2)."""
   L, n = num_target_layers, num_draft_layers
   if n == 1:
     return (L // 2,)

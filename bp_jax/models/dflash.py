@@ -1,4 +1,5 @@
-"""DFlash block-diffusion drafter in Flax NNX (DESIGN §2); draft layers stacked, run by `lax.scan`.
+"""DFlash block-diffusion drafter in Flax NNX (docs/design.md §2); draft layers stacked,
+run by `lax.scan`.
 
 Parameters (Linear weights stored `[in, out]`; the tree of `hf_mapping.drafter_params_from_hf`):
   layers.<name> [L, ...] for name in `layers.LAYER_PARAM_NAMES`; fc [n*D, D]; hidden_norm [D];
@@ -192,7 +193,7 @@ def validate_drafter_for_target(cfg: DFlashConfig, target_cfg: Qwen3Config, sour
 
 def refuse_last_layer_features(target_layer_ids: Sequence[int], num_target_layers: int,
                                what: str) -> None:
-  """Refuses a drafter that reads the target's last layer (DESIGN §1, "Trap").
+  """Refuses a drafter that reads the target's last layer (docs/design.md §1, "Trap").
 
   bp_jax feeds the drafter each chosen layer's output before the final norm; transformers'
   `output_hidden_states[-1]`, which transformers-based DFlash code reads for the last layer, is

@@ -4,7 +4,7 @@ train.py's entry points.
 JAX's default lets a float32 matmul on TPU run as bf16 passes and on recent NVIDIA GPUs as TF32
 (about 10 bits of mantissa), so float32 runs there would not be the exact computation they are on
 CPU. `highest` (the configs' default) asks for full float32 everywhere: then speculative output
-is token-identical to AR decoding on every backend (README "Exactness"). `high` and `default`
+is token-identical to AR decoding on every backend (docs/design.md §12). `high` and `default`
 trade that for speed. bfloat16 / float16 weights compute in their own dtype whatever this says.
 """
 

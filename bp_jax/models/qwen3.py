@@ -1,4 +1,4 @@
-"""Dense Qwen3 decoder in Flax NNX (DESIGN §1), layers stacked and run with `lax.scan`.
+"""Dense Qwen3 decoder in Flax NNX (docs/design.md §1), layers stacked and run with `lax.scan`.
 
 Parameters (Linear weights stored `[in, out]`, layer weights with a leading layer axis L):
   embed [V, D]; layers.<name> [L, ...] for name in `layers.LAYER_PARAM_NAMES`;

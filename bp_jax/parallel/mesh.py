@@ -1,4 +1,4 @@
-"""`--config.mesh=data:D,model:M`: a named device mesh (DESIGN §9).
+"""`--config.mesh=data:D,model:M`: a named device mesh (docs/design.md §9).
 
 The text lists `axis:size` pairs, comma-separated, in any order; an axis left out has size 1,
 so the mesh always has both axes `data` (batch rows, KV-cache rows) and `model` (heads, MLP

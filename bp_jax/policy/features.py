@@ -1,4 +1,5 @@
-"""The block-size policy's input features, read from the prefill that already ran (DESIGN §5).
+"""The block-size policy's input features, read from the prefill that ran
+(docs/design.md §5).
 
 Four feature types, all computed inside the prefill jit from the target's one forward over the
 padded prompt (no extra target pass); each is a float32 vector per request:

@@ -1,4 +1,5 @@
-"""The `draft` stage: train a DFlash drafter against the frozen target (DESIGN §6), then export it.
+"""The `draft` stage: train a DFlash drafter against the frozen target
+(docs/design.md §6), then export it.
 
 Inputs: `<workdir>/target` (stage lm) and the datasets `regen_train` / `regen_val` (stage
 regenerate, made by that same target). The drafter takes its sizes from the target (hidden,
@@ -353,7 +354,7 @@ def draft_loss_of(d: Any) -> obj.DraftLoss:
 def draft_stage(cfg: Any) -> None:
   """Trains the drafter on regen_train, validates on regen_val, exports `<workdir>/drafter`.
 
-  Fields of `cfg.draft`: num_layers, block_size, gamma (0 = DESIGN §6 default for the block
+  Fields of `cfg.draft`: num_layers, block_size, gamma (0 = docs/design.md §6 default for the block
   size), anchors_per_seq, batch, steps, opt, target_layer_ids (empty = default), export_dtype;
   optional: seq_len (default: the longest sequence), eval_every (default steps // 4),
   eval_batches (0 = all of regen_val), checkpoint_every (default 100), log_every (default 10),

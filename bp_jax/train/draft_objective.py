@@ -1,4 +1,4 @@
-"""The DFlash drafter training objective (DESIGN §6): pure, jit-friendly pieces.
+"""The DFlash drafter training objective (docs/design.md §6): pure, jit-friendly pieces.
 
 One training example is a sequence `tokens[0:length]` whose positions `prompt_len..length-1` are
 the target's own (regenerated) response. For every sequence we sample up to A anchor positions;
@@ -8,9 +8,9 @@ anchor `p` starts a block of b positions at absolute positions `p .. p+b-1`:
   labels        [tokens[p], tokens[p+1], ..., tokens[p+b-1]]   (position k predicts p+k)
   context       the target's chosen-layer features of positions 0 .. p-1 (strictly before p)
 
-which is exactly one draft step of the decoder (DESIGN §3) with the bonus token `tokens[p]` at
-position p and the committed prefix `tokens[:p]` as context. All A blocks of a sequence are trained
-in one drafter pass: the queries are the A*b block positions, the keys/values are
+which is exactly one draft step of the decoder (docs/design.md §3) with the bonus token
+`tokens[p]` at position p and the committed prefix `tokens[:p]` as context. All A blocks of a
+sequence are trained in one drafter pass: the queries are the A*b block positions, the keys/values are
 [context of every position ; all blocks], and a mask makes every block see only the context before
 its own anchor and its own block (bidirectionally), never another block.
 
@@ -37,7 +37,7 @@ from bp_jax.models.dflash import DFlashDrafter
 DRAFT_LOSSES = ("ce", "kl", "tvd", "mix")
 CE_LABELS = ("data", "argmax")
 
-# Published decay constants: gamma 7 for b = 16, 5 for b = 10, 4 for b = 8 (DESIGN §6).
+# Published decay constants: gamma 7 for b = 16, 5 for b = 10, 4 for b = 8 (docs/design.md §6).
 _GAMMA_POINTS = ((8, 4.0), (10, 5.0), (16, 7.0))
 
 

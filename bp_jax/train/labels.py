@@ -1,4 +1,4 @@
-"""The `labels` stage: BlockPilot's oracle labels (DESIGN §5).
+"""The `labels` stage: BlockPilot's oracle labels (docs/design.md §5).
 
 Every prompt of the labelling set (and, separately, of the evaluation set) is decoded once per
 candidate block size with the trained target and drafter (`<workdir>/target`, `<workdir>/drafter`).

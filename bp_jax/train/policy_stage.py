@@ -1,4 +1,4 @@
-"""The `policy` stage: train BlockPilot block-size policies on the labels (DESIGN §5).
+"""The `policy` stage: train BlockPilot block-size policies on the labels (docs/design.md §5).
 
 For every head in `cfg.blockpilot.heads`, feature type in `cfg.blockpilot.features` and label rule
 in `cfg.blockpilot.rules`, an MLP (`bp_jax.policy.mlp.BlockPolicy`) maps the prompt's prefill

@@ -1,4 +1,4 @@
-"""The `regenerate` stage: self-distillation data for the drafter (DESIGN §6).
+"""The `regenerate` stage: self-distillation data for the drafter (docs/design.md §6).
 
 The trained target (`<workdir>/target`) decodes every training prompt with our own engine
 (`bp_jax.decoding.engine.Engine`, plain AR, greedy or at `temperature`), and each prompt + response is

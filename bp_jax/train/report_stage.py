@@ -50,7 +50,7 @@ from bp_jax.train import workdir as wd
 from bp_jax.train.policy_stage import (best_static, parse_heads, parse_rules, policy_dir,
                                        policy_name)
 
-# Qwen3-4B with a b16 DFlash drafter (DESIGN §2): vocabulary, hidden size, chosen layers,
+# Qwen3-4B with a b16 DFlash drafter (docs/design.md §2): vocabulary, hidden size, chosen layers,
 # parameters and the drafter's block size.
 QWEN3_4B = {"vocab_size": 151936, "hidden_size": 2560, "num_layers": 5, "params": 4.02e9,
             "block_size": 16}
