@@ -20,8 +20,9 @@ import time
 import jax
 from absl import app, flags
 
-flags.DEFINE_integer("num_prompts", 40, "Held-out HumanEval prompts to decode.")
-flags.DEFINE_integer("max_new_tokens", 128, "New tokens per prompt.")
+from benchmarks import common
+
+common.define_flags("max_new_tokens", num_prompts=40)
 flags.DEFINE_string("out", "benchmarks/data/demo_acceptance_b16.json", "Where to write it.")
 FLAGS = flags.FLAGS
 

@@ -1,8 +1,8 @@
 """Batched decoding on the demo: tokens/s and memory for batch sizes B x (AR, speculative b,
 learned block size), on the held-out HumanEval prompts (the BlockPilot evaluation half).
 
-  python benchmarks/batch_decode.py                       # B = 1, 4, 16; 32 prompts
-  python benchmarks/batch_decode.py --batch_sizes 1,8 --methods ar --num_prompts 16
+  python -m benchmarks.batch_decode                       # B = 1, 4, 16; 32 prompts
+  python -m benchmarks.batch_decode --batch_sizes 1,8 --methods ar --num_prompts 16
 
 In one process, on the same prompts and weights (T = 0): every (B, method) decodes all prompts
 `--repeats` times, the (B, method) pairs in a shuffled order per repeat, and the repeat with the
@@ -27,32 +27,26 @@ import random
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import jax
+from absl import app, flags
+from tqdm import tqdm
 
-import jax  # noqa: E402
-from absl import app, flags  # noqa: E402
-from demo_prompts import heldout_prompts  # noqa: E402
-from tqdm import tqdm  # noqa: E402
+from benchmarks import common
+from benchmarks.demo_prompts import heldout_prompts
+from bp_jax.decoding.engine import LEARNED, Engine
+from bp_jax.eval.plots import line_plot
+from bp_jax.eval.resources import peak_rss_mb
+from bp_jax.policy.mlp import load_policy
+from bp_jax.text.tokenizer import load_tokenizer, stop_token_ids
+from bp_jax.weights.loading import load_drafter, load_target
 
-from bp_jax.decoding.engine import LEARNED, Engine  # noqa: E402
-from bp_jax.eval.plots import line_plot  # noqa: E402
-from bp_jax.eval.resources import peak_rss_mb  # noqa: E402
-from bp_jax.policy.mlp import load_policy  # noqa: E402
-from bp_jax.text.tokenizer import load_tokenizer, stop_token_ids  # noqa: E402
-from bp_jax.weights.loading import load_drafter, load_target  # noqa: E402
-
-flags.DEFINE_string("target", "demo/target", "Target checkpoint folder.")
-flags.DEFINE_string("drafter", "demo/drafter", "DFlash drafter folder.")
+common.define_flags("target", "drafter", "block_size", "max_new_tokens", "max_len", "repeats",
+                    num_prompts=32)
 flags.DEFINE_string("policy", "demo/policy", "Block-size policy folder (method 'learned').")
 flags.DEFINE_string("batch_sizes", "1,4,16", "Comma-separated batch sizes B.")
 flags.DEFINE_string("methods", "ar,spec,learned", "Methods: ar, spec (fixed --block_size), "
                     "learned (the policy's size per request).")
-flags.DEFINE_integer("block_size", 8, "Block size of method 'spec'.")
 flags.DEFINE_integer("sync_cycles", 16, "Cycles between the host's slot refills (B > 1).")
-flags.DEFINE_integer("num_prompts", 32, "Held-out prompts decoded (0 = all 82).")
-flags.DEFINE_integer("max_new_tokens", 128, "New tokens per prompt.")
-flags.DEFINE_integer("max_len", 640, "KV cache slots per request.")
-flags.DEFINE_integer("repeats", 2, "Timed passes per (B, method); the fastest is kept.")
 flags.DEFINE_string("out", "out/batch_decode", "Output folder (JSON, Markdown, PNG).")
 FLAGS = flags.FLAGS
 
@@ -133,7 +127,7 @@ def main(_):
   meta = {"device": jax.devices()[0].device_kind, "cpu_count": os.cpu_count(),
           "block_size": FLAGS.block_size, "sync_cycles": FLAGS.sync_cycles,
           "max_new_tokens": FLAGS.max_new_tokens, "repeats": FLAGS.repeats,
-          "command": "python benchmarks/batch_decode.py " + " ".join(sys.argv[1:])}
+          "command": "python -m benchmarks.batch_decode " + " ".join(sys.argv[1:])}
   with open(os.path.join(FLAGS.out, "batch_decode.json"), "w") as f:
     json.dump({"meta": meta, "rows": rows}, f, indent=2)
   cols = ("batch_size", "method", "tokens_per_s", "tokens_per_s_vs_first_batch_size",

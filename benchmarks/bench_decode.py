@@ -1,7 +1,7 @@
 """Benchmark: our AR decode, our speculative decode per block size, and transformers' generate,
 in one run on the same random weights and prompts (CPU).
 
-  python benchmarks/bench_decode.py --sizes tiny,100m --out out/bench_decode.json
+  python -m benchmarks.bench_decode --sizes tiny,100m --out out/bench_decode.json
 
 For each model size it reports tokens/s of transformers `generate` (greedy, torch CPU), of our
 AR loop, and per block size b: spec decoding with a random drafter (tau ~ 1: the cost of
@@ -21,26 +21,25 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+import transformers
+from absl import app, flags
+from flax import nnx
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-import transformers  # noqa: E402
-from absl import app, flags  # noqa: E402
-from flax import nnx  # noqa: E402
-
-from bp_jax.models.config import DFlashConfig, Qwen3Config  # noqa: E402
-from bp_jax.models.dflash import DFlashDrafter  # noqa: E402
-from bp_jax.decoding.engine import Engine  # noqa: E402
-from bp_jax.weights.loading import load_target  # noqa: E402
+from benchmarks import common
+from bp_jax.models.config import DFlashConfig, Qwen3Config
+from bp_jax.models.dflash import DFlashDrafter
+from bp_jax.decoding.engine import Engine
+from bp_jax.weights.loading import load_target
 
 flags.DEFINE_list("sizes", ["tiny", "100m"], "Model sizes to run (tiny, 100m).")
 flags.DEFINE_list("block_sizes", ["2", "4", "8", "16"], "Speculative block sizes to measure.")
 flags.DEFINE_integer("prompts", 3, "Number of random prompts.")
 flags.DEFINE_integer("prompt_len", 64, "Prompt length in tokens.")
-flags.DEFINE_integer("max_new_tokens", 128, "New tokens per prompt.")
+common.define_flags("max_new_tokens")
 flags.DEFINE_integer("draft_layers", 2, "Layers of the random drafter.")
 flags.DEFINE_bool("hf", True, "Also time transformers' generate.")
 flags.DEFINE_string("out", "out/bench_decode.json", "Where to write the JSON results.")

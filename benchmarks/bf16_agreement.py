@@ -1,8 +1,8 @@
 """How often bfloat16 speculative decoding leaves AR's greedy output, and whether every place it
 does is a near-tie of the target's two best logits (docs/design.md §12).
 
-  python benchmarks/bf16_agreement.py                        # bf16 and f32, 82 held-out prompts
-  python benchmarks/bf16_agreement.py --num_prompts 10 --dtypes bfloat16
+  python -m benchmarks.bf16_agreement                        # bf16 and f32, 82 held-out prompts
+  python -m benchmarks.bf16_agreement --num_prompts 10 --dtypes bfloat16
 
 Per dtype (--dtypes), on the demo's held-out HumanEval prompts (the BlockPilot evaluation half,
 as benchmarks/sampling_modes.py) and with matmuls at --matmul_precision: every prompt is decoded
@@ -24,30 +24,24 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import jax
+import numpy as np
+from absl import app, flags
+from tqdm import tqdm
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-from absl import app, flags  # noqa: E402
-from demo_prompts import heldout_prompts  # noqa: E402
-from tqdm import tqdm  # noqa: E402
+from benchmarks import common
+from benchmarks.demo_prompts import heldout_prompts
+from bp_jax.decoding.engine import Engine
+from bp_jax.eval import exactness as ex
+from bp_jax.models.precision import MATMUL_PRECISIONS, matmul_precision
+from bp_jax.text.tokenizer import load_tokenizer, stop_token_ids
+from bp_jax.weights.loading import load_drafter, load_target
 
-from bp_jax.decoding.engine import Engine  # noqa: E402
-from bp_jax.eval import exactness as ex  # noqa: E402
-from bp_jax.models.precision import MATMUL_PRECISIONS, matmul_precision  # noqa: E402
-from bp_jax.text.tokenizer import load_tokenizer, stop_token_ids  # noqa: E402
-from bp_jax.weights.loading import load_drafter, load_target  # noqa: E402
-
-flags.DEFINE_string("target", "demo/target", "Target checkpoint folder.")
-flags.DEFINE_string("drafter", "demo/drafter", "DFlash drafter checkpoint folder.")
+common.define_flags("target", "drafter", "block_size", "num_prompts", "max_new_tokens", "max_len")
 flags.DEFINE_string("dtypes", "bfloat16,float32", "Comma-separated dtypes the weights are loaded "
                     "in (--config.dtype values); each is measured on its own.")
 flags.DEFINE_enum("matmul_precision", "highest", list(MATMUL_PRECISIONS),
                   "JAX's matmul precision (--config.matmul_precision).")
-flags.DEFINE_integer("block_size", 8, "Block size of the speculative runs.")
-flags.DEFINE_integer("num_prompts", 0, "Held-out prompts used (0 = all of the evaluation half).")
-flags.DEFINE_integer("max_new_tokens", 128, "New tokens per prompt.")
-flags.DEFINE_integer("max_len", 640, "KV cache slots.")
 flags.DEFINE_float("tolerance_k", ex.GAP_TOLERANCE_K, "K of the near-tie tolerance "
                    "K * eps_bf16 * max|logits| at a divergence.")
 flags.DEFINE_bool("logit_stats", True, "Also replay every prompt (not only divergent ones) to "

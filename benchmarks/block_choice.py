@@ -2,8 +2,8 @@
 back-off, learned per-request policies, the verify-length controller alone and with a policy,
 against our own AR decode, and the per-cycle oracle (an upper bound, by replay).
 
-  python benchmarks/block_choice.py                          # all 82 held-out prompts, 3 repeats
-  python benchmarks/block_choice.py --num_prompts 16 --repeats 2 --sizes 8
+  python -m benchmarks.block_choice                          # all 82 held-out prompts, 3 repeats
+  python -m benchmarks.block_choice --num_prompts 16 --repeats 2 --sizes 8
 
 In one process, on the same weights and prompts (the BlockPilot evaluation half of HumanEval,
 never labelled on), T = 0, 128 new tokens: for every prompt and repeat, every method decodes it
@@ -39,24 +39,22 @@ import random
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import jax
+import numpy as np
+from absl import app, flags
+from tqdm import tqdm
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-from absl import app, flags  # noqa: E402
-from demo_prompts import heldout_prompts  # noqa: E402
-from tqdm import tqdm  # noqa: E402
+from benchmarks import common
+from benchmarks.demo_prompts import heldout_prompts
+from bp_jax.decoding.controller import load_calibration
+from bp_jax.decoding.engine import LEARNED, Engine
+from bp_jax.eval.bootstrap import bootstrap_speedup
+from bp_jax.eval.plots import interval_bars
+from bp_jax.policy.mlp import load_policy
+from bp_jax.text.tokenizer import load_tokenizer, stop_token_ids
+from bp_jax.weights.loading import load_drafter, load_target
 
-from bp_jax.decoding.controller import load_calibration  # noqa: E402
-from bp_jax.decoding.engine import LEARNED, Engine  # noqa: E402
-from bp_jax.eval.bootstrap import bootstrap_speedup  # noqa: E402
-from bp_jax.eval.plots import interval_bars  # noqa: E402
-from bp_jax.policy.mlp import load_policy  # noqa: E402
-from bp_jax.text.tokenizer import load_tokenizer, stop_token_ids  # noqa: E402
-from bp_jax.weights.loading import load_drafter, load_target  # noqa: E402
-
-flags.DEFINE_string("target", "demo/target", "Target checkpoint folder.")
-flags.DEFINE_string("drafter", "demo/drafter", "DFlash drafter folder.")
+common.define_flags("target", "drafter", "num_prompts", "max_new_tokens", "max_len", repeats=3)
 flags.DEFINE_string("policy", "demo/policy", "Classifier block-size policy (size `learned`).")
 flags.DEFINE_string("value_policy", "", "Value-head block-size policy (size `value`); '' = none.")
 flags.DEFINE_string("methods", "", "Comma-separated controller/size methods; '' = AR, every "
@@ -77,10 +75,6 @@ flags.DEFINE_float("controller_draft_cost", -1.0, "Confidence: one drafter pass 
                    "(< 0 = the library's default).")
 flags.DEFINE_bool("poor_miss", True, "Confidence: a cycle accepting <= 1 of more verified "
                   "drafts counts as declined too (--config.controller_poor_miss).")
-flags.DEFINE_integer("num_prompts", 0, "Held-out prompts decoded (0 = all 82).")
-flags.DEFINE_integer("max_new_tokens", 128, "New tokens per prompt.")
-flags.DEFINE_integer("max_len", 640, "KV cache slots per request.")
-flags.DEFINE_integer("repeats", 3, "Timed decodes per (method, prompt); the fastest is kept.")
 flags.DEFINE_integer("seed", 0, "Seed of the method order and the bootstrap.")
 flags.DEFINE_string("out", "out/block_choice", "Output folder (JSON, Markdown, PNG).")
 FLAGS = flags.FLAGS
@@ -255,7 +249,7 @@ def main(_):
           "compile_and_warm_s": round(compile_s, 1),
           "policy": FLAGS.policy, "value_policy": FLAGS.value_policy,
           "per_cycle_oracle": oracle, "oracle_gain_over_static_est": oracle_gain,
-          "command": "python benchmarks/block_choice.py " + " ".join(sys.argv[1:])}
+          "command": "python -m benchmarks.block_choice " + " ".join(sys.argv[1:])}
   os.makedirs(FLAGS.out, exist_ok=True)
   with open(os.path.join(FLAGS.out, "block_choice.json"), "w", encoding="utf-8") as f:
     json.dump({"meta": meta, "rows": rows}, f, indent=2)

@@ -13,35 +13,29 @@ is what `--config.controller_calibration` reads.
 Prompts: the HumanEval labelling half of configs/demo.py's split, skipping its first --skip
 (those `benchmarks/controllers.py` measures on by default). Example:
 
-  python benchmarks/controller_calibration.py --skip 24 --num_prompts 48 --out /tmp/calib
+  python -m benchmarks.controller_calibration --skip 24 --num_prompts 48 --out /tmp/calib
 """
 
 from __future__ import annotations
 
 import json
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from absl import app, flags  # noqa: E402
-from flax import nnx  # noqa: E402
+from flax import nnx
 
-from bp_jax.decoding import controller as control  # noqa: E402
-from bp_jax.decoding.engine import Engine  # noqa: E402
-from bp_jax.errors import BadInputError  # noqa: E402
+from benchmarks import common
+from bp_jax.decoding import controller as control
+from bp_jax.decoding.engine import Engine
+from bp_jax.errors import BadInputError
 
-flags.DEFINE_string("target", "demo/target", "target checkpoint folder")
-flags.DEFINE_string("drafter", "demo/drafter", "drafter checkpoint folder")
-flags.DEFINE_string("dtype", "float32", "compute dtype")
-flags.DEFINE_integer("max_len", 640, "cache slots (the demo's max_len)")
+common.define_flags("target", "drafter", "dtype", "max_len", "max_new_tokens", "block_size",
+                    num_prompts=48)
 flags.DEFINE_integer("skip", 24, "labelling-half prompts skipped first (the controllers' set)")
-flags.DEFINE_integer("num_prompts", 48, "labelling-half prompts used after the skipped ones")
-flags.DEFINE_integer("max_new_tokens", 128, "greedy tokens per prompt")
-flags.DEFINE_integer("block_size", 8, "drafter block size (b-1 drafts per position)")
 flags.DEFINE_integer("bins", 10, "equal-width bins of p over [0, 1]")
 flags.DEFINE_string("out", "", "folder for calibration.json (empty: print only)")
 FLAGS = flags.FLAGS

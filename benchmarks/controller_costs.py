@@ -7,34 +7,27 @@ slots read up to position `pos`).
 Each forward runs `reps` times inside one jitted `fori_loop` (dispatch amortised); the fastest
 of `repeats` runs is kept. Example (the defaults of configs/qwen3.py):
 
-  python benchmarks/controller_costs.py --target demo/target --drafter demo/drafter
+  python -m benchmarks.controller_costs --target demo/target --drafter demo/drafter
 """
 
 from __future__ import annotations
 
 import json
-import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax
+import jax.numpy as jnp
+from absl import app, flags
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from absl import app, flags  # noqa: E402
-from flax import nnx  # noqa: E402
+from flax import nnx
 
-from bp_jax.weights.loading import load_drafter, load_target  # noqa: E402
+from benchmarks import common
+from bp_jax.weights.loading import load_drafter, load_target
 
-flags.DEFINE_string("target", "demo/target", "target checkpoint folder")
-flags.DEFINE_string("drafter", "demo/drafter", "drafter checkpoint folder")
-flags.DEFINE_string("dtype", "float32", "compute dtype")
-flags.DEFINE_integer("max_len", 640, "cache slots (the demo's max_len)")
+common.define_flags("target", "drafter", "dtype", "max_len", "block_size", repeats=5)
 flags.DEFINE_integer("pos", 300, "cache position of the measured forwards (prompt + generated)")
-flags.DEFINE_integer("block_size", 8, "drafter block size of the measured drafter pass")
 flags.DEFINE_string("tokens", "1,2,4,8,16,32", "verify lengths (powers of two from 1)")
 flags.DEFINE_integer("reps", 64, "forwards per timed call")
-flags.DEFINE_integer("repeats", 5, "timed calls per forward (fastest kept)")
 FLAGS = flags.FLAGS
 
 

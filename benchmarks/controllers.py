@@ -19,38 +19,30 @@ Methods (`--methods`, comma-separated):
 Prompts: by default the labelling half of HumanEval under configs/demo.py's split (not the
 evaluation half docs/results/controller.md uses). Example:
 
-  python benchmarks/controllers.py --num_prompts 24 --repeats 3 --out /tmp/controllers
+  python -m benchmarks.controllers --num_prompts 24 --repeats 3 --out /tmp/controllers
 """
 
 from __future__ import annotations
 
 import json
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import numpy as np
+from absl import app, flags
 
-import numpy as np  # noqa: E402
-from absl import app, flags  # noqa: E402
-
-from bp_jax.decoding import controller as control  # noqa: E402
-from bp_jax.decode_job.compare import check_repeats_agree  # noqa: E402
-from bp_jax.decoding.engine import Engine  # noqa: E402
-from bp_jax.decoding.generation import Generation, forward_cost_units  # noqa: E402
-from bp_jax.errors import BadInputError  # noqa: E402
+from benchmarks import common
+from bp_jax.decoding import controller as control
+from bp_jax.decode_job.compare import check_repeats_agree
+from bp_jax.decoding.engine import Engine
+from bp_jax.decoding.generation import Generation, forward_cost_units
+from bp_jax.errors import BadInputError
 
 METHODS = ("ar", "none", "backoff", "confidence_1step", "confidence", "confidence_poor",
            "confidence_cal", "confidence_cal_poor")
 
-flags.DEFINE_string("target", "demo/target", "target checkpoint folder")
-flags.DEFINE_string("drafter", "demo/drafter", "drafter checkpoint folder")
-flags.DEFINE_string("dtype", "float32", "compute dtype")
-flags.DEFINE_integer("max_len", 640, "cache slots (the demo's max_len)")
+common.define_flags("target", "drafter", "dtype", "max_len", "max_new_tokens", "block_size",
+                    num_prompts=24, repeats=3)
 flags.DEFINE_string("half", "label", "HumanEval half of configs/demo.py's split: label | eval")
-flags.DEFINE_integer("num_prompts", 24, "first N prompts of that half (0 = all)")
-flags.DEFINE_integer("repeats", 3, "decodes per (method, prompt); the fastest is kept")
-flags.DEFINE_integer("max_new_tokens", 128, "new tokens per request (T = 0)")
-flags.DEFINE_integer("block_size", 8, "block size of the speculative methods")
 flags.DEFINE_integer("ar_fallback", 16, "most AR steps in a row of backoff and confidence*")
 flags.DEFINE_integer("ar_fallback_accept", 1, "a cycle accepting <= this many drafts is poor")
 flags.DEFINE_string("methods", ",".join(METHODS[:6]), f"comma-separated, of {list(METHODS)}")

@@ -1,7 +1,7 @@
 """Drafter quality of a target + DFlash drafter on a prompt set (the demo's quality bar, issue 4).
 
-  python benchmarks/drafter_quality.py                       # the shipped demo on HumanEval
-  python benchmarks/drafter_quality.py --num_prompts 40 --out out/drafter_quality
+  python -m benchmarks.drafter_quality                       # the shipped demo on HumanEval
+  python -m benchmarks.drafter_quality --num_prompts 40 --out out/drafter_quality
 
 In one process, on the same prompts and weights (128 new tokens each by default):
   * our AR decode at T=0 (the baseline of every speedup);
@@ -22,29 +22,24 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from absl import app, flags
 
-from absl import app, flags  # noqa: E402
-from tqdm import tqdm  # noqa: E402
+from tqdm import tqdm
 
-from bp_jax.decoding.engine import Engine  # noqa: E402
-from bp_jax.weights.loading import load_drafter, load_target  # noqa: E402
-from bp_jax.eval.plots import acceptance_histogram, line_plot  # noqa: E402
-from bp_jax.eval.report import acceptance_figures  # noqa: E402
-from bp_jax.text.prompts import load_prompts  # noqa: E402
-from bp_jax.decode_job.block_choice import default_block_sizes  # noqa: E402
-from bp_jax.text.tokenizer import encode_prompt, load_tokenizer, stop_token_ids  # noqa: E402
+from benchmarks import common
+from bp_jax.decoding.engine import Engine
+from bp_jax.weights.loading import load_drafter, load_target
+from bp_jax.eval.plots import acceptance_histogram, line_plot
+from bp_jax.eval.report import acceptance_figures
+from bp_jax.text.prompts import load_prompts
+from bp_jax.decode_job.block_choice import default_block_sizes
+from bp_jax.text.tokenizer import encode_prompt, load_tokenizer, stop_token_ids
 
-flags.DEFINE_string("target", "demo/target", "Target checkpoint folder.")
-flags.DEFINE_string("drafter", "demo/drafter", "DFlash drafter checkpoint folder.")
+common.define_flags("target", "drafter", "num_prompts", "max_new_tokens", max_len=1024)
 flags.DEFINE_string("prompts", "humaneval", "Prompt source (JSONL path, humaneval, pysrc:<dir>).")
-flags.DEFINE_integer("num_prompts", 0, "Prompts for the main comparison (0 = all).")
 flags.DEFINE_integer("sweep_prompts", 40, "Prompts for the per-block-size sweeps (0 = all).")
-flags.DEFINE_integer("max_new_tokens", 128, "New tokens per prompt.")
-flags.DEFINE_integer("max_len", 1024, "KV cache slots.")
 flags.DEFINE_integer("seed", 0, "Sampling seed of prompt i is seed + i (T=1 sweep).")
 flags.DEFINE_string("out", "out/drafter_quality", "Output folder (JSON and PNGs).")
 flags.DEFINE_integer("ar_fallback", 16, "AR steps after poor cycles, at most (the demo's "

@@ -17,11 +17,10 @@ import time
 
 from absl import app, flags
 
+from benchmarks import common
+
 flags.DEFINE_list("max_lens", ["640", "2048"], "Cache sizes to compare (the first is the base).")
-flags.DEFINE_integer("num_prompts", 12, "Held-out HumanEval prompts.")
-flags.DEFINE_integer("max_new_tokens", 128, "New tokens per prompt.")
-flags.DEFINE_integer("block_size", 8, "Block size of the speculative decode.")
-flags.DEFINE_integer("repeats", 2, "Timed passes (after one warm-up pass).")
+common.define_flags("max_new_tokens", "block_size", "repeats", num_prompts=12)
 flags.DEFINE_string("out", "", "Optional JSON output path.")
 FLAGS = flags.FLAGS
 

@@ -1,8 +1,8 @@
 """Speculative decoding at T > 0: `exact` vs `rejection` verify, for one or more drafters, on the
 demo's held-out HumanEval prompts (the BlockPilot evaluation half, never labelled on).
 
-  python benchmarks/sampling_modes.py                   # both shipped demo drafters, 82 prompts
-  python benchmarks/sampling_modes.py --num_prompts 20 --temperatures 1.0 --repeats 1
+  python -m benchmarks.sampling_modes                   # both shipped demo drafters, 82 prompts
+  python -m benchmarks.sampling_modes --num_prompts 20 --temperatures 1.0 --repeats 1
 
 In one process, on the same prompts, weights and seeds (prompt i: seed + i):
   * per temperature (--temperatures, plus T=0 as a check): our AR decode and, for every
@@ -23,38 +23,32 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from absl import app, flags  # noqa: E402
-from demo_prompts import heldout_prompts  # noqa: E402
-from tqdm import tqdm  # noqa: E402
+from tqdm import tqdm
 
-from bp_jax.decoding.engine import Engine  # noqa: E402
-from bp_jax.decoding.sampling import processed_logits, sampling_params  # noqa: E402
-from bp_jax.eval.plots import line_plot  # noqa: E402
-from bp_jax.eval.report import acceptance_figures  # noqa: E402
-from bp_jax.text.tokenizer import load_tokenizer, stop_token_ids  # noqa: E402
-from bp_jax.train import draft_objective as obj  # noqa: E402
-from bp_jax.weights.loading import load_drafter, load_target  # noqa: E402
+from benchmarks import common
+from benchmarks.demo_prompts import heldout_prompts
+from bp_jax.decoding.engine import Engine
+from bp_jax.decoding.sampling import processed_logits, sampling_params
+from bp_jax.eval.plots import line_plot
+from bp_jax.eval.report import acceptance_figures
+from bp_jax.text.tokenizer import load_tokenizer, stop_token_ids
+from bp_jax.train import draft_objective as obj
+from bp_jax.weights.loading import load_drafter, load_target
 
-flags.DEFINE_string("target", "demo/target", "Target checkpoint folder.")
+common.define_flags("target", "block_size", "num_prompts", "max_new_tokens", "max_len", "repeats")
 flags.DEFINE_string("drafters", "ce=demo/drafter,mix=demo/drafter_sampling",
                     "Comma-separated drafter folders, each optionally named: name=folder.")
 flags.DEFINE_string("modes", "exact,rejection", "Verify modes to compare (--config.verify).")
 flags.DEFINE_string("temperatures", "0.6,1.0", "Temperatures > 0 to compare at (T=0 is run "
                     "too, as a losslessness check).")
-flags.DEFINE_integer("block_size", 8, "Block size of the speculative runs.")
 flags.DEFINE_integer("ar_fallback", 0, "AR fallback steps after poor cycles (0 = the paper's "
                      "loop).")
-flags.DEFINE_integer("num_prompts", 0, "Held-out prompts used (0 = all of the evaluation half).")
-flags.DEFINE_integer("max_new_tokens", 128, "New tokens per prompt.")
-flags.DEFINE_integer("max_len", 640, "KV cache slots.")
-flags.DEFINE_integer("repeats", 2, "Timed runs per (prompt, method); the fastest is kept.")
 flags.DEFINE_integer("seed", 0, "Seed of prompt i is seed + i.")
 flags.DEFINE_string("out", "out/sampling_modes", "Output folder (JSON, Markdown, PNG).")
 FLAGS = flags.FLAGS
