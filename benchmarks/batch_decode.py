@@ -35,6 +35,7 @@ from demo_prompts import heldout_prompts  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from bp_jax.decoding.engine import LEARNED, Engine  # noqa: E402
+from bp_jax.decoding.options import BatchOptions, ShapeOptions  # noqa: E402
 from bp_jax.eval.plots import line_plot  # noqa: E402
 from bp_jax.eval.resources import peak_rss_mb  # noqa: E402
 from bp_jax.policy.mlp import load_policy  # noqa: E402
@@ -59,7 +60,7 @@ FLAGS = flags.FLAGS
 
 def _slot_mb(engine: Engine, block_size: int) -> float:
   carry = jax.eval_shape(lambda: engine.slot_carry(block_size))
-  caches = [carry["cache"]] + ([carry["draft_cache"]] if "draft_cache" in carry else [])
+  caches = [carry.cache] + ([carry.draft_cache] if carry.draft_cache is not None else [])
   return sum(x.size * x.dtype.itemsize for c in caches for x in jax.tree.leaves(c)) / 2**20
 
 
@@ -86,10 +87,11 @@ def main(_):
     policy, info = load_policy(FLAGS.policy)
     sizes_of_policy = tuple(info.block_sizes)
   buckets = tuple(sorted({1, FLAGS.block_size} | set(sizes_of_policy or ())))
-  engines = {B: Engine(target, max_len=FLAGS.max_len, stop_ids=stop_token_ids(tok),
-                       drafter=drafter, block_sizes=buckets, batch_size=B,
-                       sync_cycles=FLAGS.sync_cycles, policy=policy,
-                       policy_sizes=sizes_of_policy or ()) for B in sizes}
+  engines = {B: Engine(target, stop_ids=stop_token_ids(tok), drafter=drafter, policy=policy,
+                       policy_sizes=sizes_of_policy or (),
+                       shapes=ShapeOptions(max_len=FLAGS.max_len, block_sizes=buckets),
+                       batching=BatchOptions(batch_size=B, sync_cycles=FLAGS.sync_cycles))
+             for B in sizes}
   size_of = {"ar": 1, "spec": FLAGS.block_size, "learned": LEARNED}
   # Compile and warm every (B, method) on two prompts (untimed).
   for B, eng in tqdm(engines.items(), desc="compiling"):

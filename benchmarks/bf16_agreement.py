@@ -33,6 +33,7 @@ from demo_prompts import heldout_prompts  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from bp_jax.decoding.engine import Engine  # noqa: E402
+from bp_jax.decoding.options import LoopOptions, ShapeOptions  # noqa: E402
 from bp_jax.eval import exactness as ex  # noqa: E402
 from bp_jax.models.precision import MATMUL_PRECISIONS, matmul_precision  # noqa: E402
 from bp_jax.text.tokenizer import load_tokenizer, stop_token_ids  # noqa: E402
@@ -61,8 +62,9 @@ def measure(dtype: str, prompts, tok) -> dict:
   target = load_target(FLAGS.target, dtype)
   drafter = load_drafter(FLAGS.drafter, target.cfg, dtype)
   b = FLAGS.block_size
-  eng = Engine(target, max_len=FLAGS.max_len, stop_ids=stop_token_ids(tok), drafter=drafter,
-               block_sizes=(b,), verify="exact", ar_fallback=0)
+  eng = Engine(target, stop_ids=stop_token_ids(tok), drafter=drafter,
+               shapes=ShapeOptions(max_len=FLAGS.max_len, block_sizes=(b,)),
+               loop=LoopOptions(verify="exact", ar_fallback=0))
   replay = ex.ForwardReplay(eng)
   divs, rel_diffs, abs_diffs, identical, t0 = [], [], [], 0, time.perf_counter()
   agree = [0, 0]  # replayed argmaxes equal to the committed tokens, rows compared

@@ -32,6 +32,7 @@ from flax import nnx  # noqa: E402
 
 from bp_jax.decoding import controller as control  # noqa: E402
 from bp_jax.decoding.engine import Engine  # noqa: E402
+from bp_jax.decoding.options import ShapeOptions  # noqa: E402
 from bp_jax.errors import BadInputError  # noqa: E402
 
 flags.DEFINE_string("target", "demo/target", "target checkpoint folder")
@@ -84,7 +85,7 @@ def main(_):
   label, _ = prompt_sets(cfg, tok)
   label = [p for p in label if p.source == str(cfg.blockpilot.eval_source)]
   prompts = label[FLAGS.skip:FLAGS.skip + FLAGS.num_prompts]
-  eng = Engine(target, max_len=FLAGS.max_len, stop_ids=stop_token_ids(tok))
+  eng = Engine(target, stop_ids=stop_token_ids(tok), shapes=ShapeOptions(max_len=FLAGS.max_len))
   t_graph, t_state = nnx.split(target)
   d_graph, d_state = nnx.split(drafter)
   b, mask_id = FLAGS.block_size, drafter.cfg.mask_token_id

@@ -36,6 +36,7 @@ from absl import app, flags  # noqa: E402
 from bp_jax.decoding import controller as control  # noqa: E402
 from bp_jax.decoding.compare import check_repeats_agree  # noqa: E402
 from bp_jax.decoding.engine import Engine  # noqa: E402
+from bp_jax.decoding.options import LoopOptions, ShapeOptions  # noqa: E402
 from bp_jax.decoding.generation import Generation, forward_cost_units  # noqa: E402
 from bp_jax.errors import BadInputError  # noqa: E402
 
@@ -69,7 +70,7 @@ def parse_methods(text: str) -> list[str]:
 
 
 def engine_options(method: str) -> dict:
-  """The `Engine` keyword arguments of a method (its loop form)."""
+  """The `LoopOptions` fields of a method (its loop form)."""
   fb = dict(ar_fallback_accept=FLAGS.ar_fallback_accept)
   cal = dict(controller="confidence", ar_fallback=FLAGS.ar_fallback,
              controller_calibration=control.load_calibration(FLAGS.calibration, "--calibration"),
@@ -137,8 +138,9 @@ def main(_):
   drafter = load_drafter(FLAGS.drafter, target.cfg, FLAGS.dtype)
   tok = load_tokenizer(FLAGS.target)
   prompts = prompt_set(tok)
-  engines = {m: Engine(target, max_len=FLAGS.max_len, stop_ids=stop_token_ids(tok),
-                       drafter=drafter, block_sizes=(FLAGS.block_size,), **engine_options(m))
+  engines = {m: Engine(target, stop_ids=stop_token_ids(tok), drafter=drafter,
+                       shapes=ShapeOptions(max_len=FLAGS.max_len, block_sizes=(FLAGS.block_size,)),
+                       loop=LoopOptions(**engine_options(m)))
              for m in methods}
   size = {m: 1 if m == "ar" else FLAGS.block_size for m in methods}
   best: dict[str, list[Generation]] = {m: [] for m in methods}

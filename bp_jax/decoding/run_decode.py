@@ -21,11 +21,12 @@ from bp_jax.decoding.block_choice import (BLOCK_POLICIES, BlockChoice, batch_opt
 from bp_jax.decoding.compare import (check_repeats_agree, fastest_of, method_choice, method_of,
                                      parse_methods, run_order)
 from bp_jax.decoding.engine import Engine
+from bp_jax.decoding.options import OPTION_NAMES, BatchOptions, LoopOptions, ShapeOptions
 from bp_jax.decoding.generation import Generation
 from bp_jax.decoding.records import figures, print_summary, record_of, summarize  # noqa: F401
 from bp_jax.decoding.requests import check_block_sizes, check_sampling
 from bp_jax.decoding.verify import same_tokens_as_ar
-from bp_jax.errors import BadInputError
+from bp_jax.errors import BadInputError, named_as_flags
 from bp_jax.models.precision import matmul_precision, precision_of
 from bp_jax.text.prompts import Prompt, load_prompts
 from bp_jax.text.tokenizer import encode_prompt, load_tokenizer, stop_token_ids, tokenizer_size
@@ -110,10 +111,13 @@ def build_engine(cfg, extra_sizes: Sequence[int] = ()) -> tuple[Engine, Any, Any
     block_sizes = block_sizes or default_block_sizes(drafter.cfg.block_size)
     block_sizes = tuple(block_sizes) + (cfg.block_size,)  # any size can be a bucket
   sizes = tuple(sorted(set(block_sizes or (cfg.block_size,)) | {b for b in extra_sizes if b > 1}))
-  engine = Engine(target, max_len=cfg.max_len, stop_ids=stop_token_ids(tok),
-                  length_buckets=parse_int_list(cfg.length_buckets, "--config.length_buckets")
-                  or None, drafter=drafter, block_sizes=sizes, mesh=mesh, **loop_options(cfg),
-                  **batch_options(cfg))
+  buckets = parse_int_list(cfg.length_buckets, "--config.length_buckets") or None
+  with named_as_flags(OPTION_NAMES):  # the library names its parameters, decode.py its flags
+    engine = Engine(target, stop_ids=stop_token_ids(tok), drafter=drafter, mesh=mesh,
+                    shapes=ShapeOptions(max_len=cfg.max_len, length_buckets=buckets,
+                                        block_sizes=sizes),
+                    loop=LoopOptions(**loop_options(cfg)),
+                    batching=BatchOptions(**batch_options(cfg)))
   return engine, tok, prints
 
 
