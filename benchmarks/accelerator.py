@@ -61,6 +61,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from bp_jax.decoding.engine import Engine  # noqa: E402
+from bp_jax.decoding.options import BatchOptions, LoopOptions, ShapeOptions  # noqa: E402
 from bp_jax.models.config import DFlashConfig, Qwen3Config, default_target_layer_ids  # noqa: E402
 from bp_jax.models.dflash import DFlashDrafter  # noqa: E402
 from bp_jax.models.qwen3 import Qwen3  # noqa: E402
@@ -389,10 +390,13 @@ def run_size(name: str, opts: Options, profile_probs: np.ndarray, log: Callable)
   n_batch = max(max(opts.batch_sizes), max(opts.hf_batch_sizes or (1,)), opts.prompts)
   prompts = rng.integers(0, V, (n_batch, P)).astype(np.int32)
   sizes = (1,) + tuple(opts.block_sizes)
-  one = Engine(target, max_len=max_len, drafter=drafter, block_sizes=sizes,
-               length_buckets=(P,), controller="none", verify="exact")
-  batched = {B: Engine(target, max_len=max_len, block_sizes=(1,), length_buckets=(P,),
-                       batch_size=B, sync_cycles=0) for B in opts.batch_sizes if B > 1}
+  one = Engine(target, drafter=drafter,
+               shapes=ShapeOptions(max_len=max_len, block_sizes=sizes, length_buckets=(P,)),
+               loop=LoopOptions(controller="none", verify="exact"))
+  batched = {B: Engine(target, shapes=ShapeOptions(max_len=max_len, block_sizes=(1,),
+                                                   length_buckets=(P,)),
+                       batching=BatchOptions(batch_size=B, sync_cycles=0))
+             for B in opts.batch_sizes if B > 1}
   hf = HFPeer(shape, opts.seed) if opts.hf_batch_sizes else None
   log(f"[{name}] built in {build_s:.1f} s: target {param_bytes(target) / 2**30:.2f} GiB, "
       f"drafter {param_bytes(drafter) / 2**30:.2f} GiB (bf16)")

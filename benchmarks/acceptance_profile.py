@@ -33,13 +33,16 @@ def main(argv):
   del argv
   from benchmarks.demo_prompts import heldout_prompts
   from bp_jax.decoding.engine import Engine
+  from bp_jax.decoding.options import LoopOptions, ShapeOptions
   from bp_jax.text.tokenizer import load_tokenizer
   from bp_jax.weights.loading import load_drafter, load_target
   target = load_target("demo/target", "float32")
   drafter = load_drafter("demo/drafter", target.cfg, "float32")
   tok = load_tokenizer("demo/target")
-  engine = Engine(target, max_len=512 + FLAGS.max_new_tokens + BLOCK, drafter=drafter,
-                  block_sizes=(BLOCK,), controller="none", verify="exact")
+  engine = Engine(target, drafter=drafter,
+                  shapes=ShapeOptions(max_len=512 + FLAGS.max_new_tokens + BLOCK,
+                                      block_sizes=(BLOCK,)),
+                  loop=LoopOptions(controller="none", verify="exact"))
   counts = collections.Counter()
   t0 = time.perf_counter()
   for _, ids in heldout_prompts(tok, FLAGS.num_prompts):

@@ -34,6 +34,7 @@ from tqdm import tqdm
 from benchmarks import common
 from benchmarks.demo_prompts import heldout_prompts
 from bp_jax.decoding.engine import LEARNED, Engine
+from bp_jax.decoding.options import BatchOptions, ShapeOptions
 from bp_jax.eval.plots import line_plot
 from bp_jax.eval.resources import peak_rss_mb
 from bp_jax.policy.mlp import load_policy
@@ -53,7 +54,7 @@ FLAGS = flags.FLAGS
 
 def _slot_mb(engine: Engine, block_size: int) -> float:
   carry = jax.eval_shape(lambda: engine.slot_carry(block_size))
-  caches = [carry["cache"]] + ([carry["draft_cache"]] if "draft_cache" in carry else [])
+  caches = [carry.cache] + ([carry.draft_cache] if carry.draft_cache is not None else [])
   return sum(x.size * x.dtype.itemsize for c in caches for x in jax.tree.leaves(c)) / 2**20
 
 
@@ -80,10 +81,11 @@ def main(_):
     policy, info = load_policy(FLAGS.policy)
     sizes_of_policy = tuple(info.block_sizes)
   buckets = tuple(sorted({1, FLAGS.block_size} | set(sizes_of_policy or ())))
-  engines = {B: Engine(target, max_len=FLAGS.max_len, stop_ids=stop_token_ids(tok),
-                       drafter=drafter, block_sizes=buckets, batch_size=B,
-                       sync_cycles=FLAGS.sync_cycles, policy=policy,
-                       policy_sizes=sizes_of_policy or ()) for B in sizes}
+  engines = {B: Engine(target, stop_ids=stop_token_ids(tok), drafter=drafter, policy=policy,
+                       policy_sizes=sizes_of_policy or (),
+                       shapes=ShapeOptions(max_len=FLAGS.max_len, block_sizes=buckets),
+                       batching=BatchOptions(batch_size=B, sync_cycles=FLAGS.sync_cycles))
+             for B in sizes}
   size_of = {"ar": 1, "spec": FLAGS.block_size, "learned": LEARNED}
   # Compile and warm every (B, method) on two prompts (untimed).
   for B, eng in tqdm(engines.items(), desc="compiling"):

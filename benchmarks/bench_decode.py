@@ -33,6 +33,7 @@ from benchmarks import common
 from bp_jax.models.config import DFlashConfig, Qwen3Config
 from bp_jax.models.dflash import DFlashDrafter
 from bp_jax.decoding.engine import Engine
+from bp_jax.decoding.options import ShapeOptions
 from bp_jax.weights.loading import load_target
 
 flags.DEFINE_list("sizes", ["tiny", "100m"], "Model sizes to run (tiny, 100m).")
@@ -154,7 +155,8 @@ def bench_size(size: str, tmp: str) -> dict:
   drafter = DFlashDrafter(dcfg, rngs=nnx.Rngs(1))
   block_sizes = [int(b) for b in FLAGS.block_sizes]
   max_len = FLAGS.prompt_len + FLAGS.max_new_tokens + max(block_sizes) + 16
-  engine = Engine(target, max_len=max_len, drafter=drafter, block_sizes=block_sizes)
+  engine = Engine(target, drafter=drafter,
+                  shapes=ShapeOptions(max_len=max_len, block_sizes=block_sizes))
   rs = np.random.RandomState(0)
   prompts = [rs.randint(2, c.vocab_size - 1, FLAGS.prompt_len).tolist()
              for _ in range(FLAGS.prompts)]

@@ -32,6 +32,7 @@ from tqdm import tqdm
 from benchmarks import common
 from benchmarks.demo_prompts import heldout_prompts
 from bp_jax.decoding.engine import Engine
+from bp_jax.decoding.options import LoopOptions, ShapeOptions
 from bp_jax.eval import exactness as ex
 from bp_jax.models.precision import MATMUL_PRECISIONS, matmul_precision
 from bp_jax.text.tokenizer import load_tokenizer, stop_token_ids
@@ -55,8 +56,9 @@ def measure(dtype: str, prompts, tok) -> dict:
   target = load_target(FLAGS.target, dtype)
   drafter = load_drafter(FLAGS.drafter, target.cfg, dtype)
   b = FLAGS.block_size
-  eng = Engine(target, max_len=FLAGS.max_len, stop_ids=stop_token_ids(tok), drafter=drafter,
-               block_sizes=(b,), verify="exact", ar_fallback=0)
+  eng = Engine(target, stop_ids=stop_token_ids(tok), drafter=drafter,
+               shapes=ShapeOptions(max_len=FLAGS.max_len, block_sizes=(b,)),
+               loop=LoopOptions(verify="exact", ar_fallback=0))
   replay = ex.ForwardReplay(eng)
   divs, rel_diffs, abs_diffs, identical, t0 = [], [], [], 0, time.perf_counter()
   agree = [0, 0]  # replayed argmaxes equal to the committed tokens, rows compared

@@ -48,6 +48,7 @@ from benchmarks import common
 from benchmarks.demo_prompts import heldout_prompts
 from bp_jax.decoding.controller import load_calibration
 from bp_jax.decoding.engine import LEARNED, Engine
+from bp_jax.decoding.options import LoopOptions, ShapeOptions
 from bp_jax.eval.bootstrap import bootstrap_speedup
 from bp_jax.eval.plots import interval_bars
 from bp_jax.policy.mlp import load_policy
@@ -127,7 +128,7 @@ def per_cycle_oracle(target, drafter, prompts, outputs, sizes, table, engine
 
 
 def controller_costs() -> dict:
-  """The confidence controller's cost flags as Engine keyword arguments (only those given)."""
+  """The confidence controller's cost flags as `LoopOptions` fields (only those given)."""
   out = {}
   if FLAGS.controller_costs:
     out["controller_costs"] = FLAGS.controller_costs
@@ -152,11 +153,12 @@ def main(_):
                          default_methods(sizes, policies)) if m]
   parsed = {m: parse_method(m, sizes, policies) for m in methods}
   buckets = sorted({1, *sizes, *(b for _, info in policies.values() for b in info.block_sizes)})
-  engines = {c: Engine(target, max_len=FLAGS.max_len, stop_ids=stop_token_ids(tok),
-                       drafter=drafter, block_sizes=tuple(buckets), ar_fallback=FLAGS.ar_fallback,
-                       controller=c, verify="exact", controller_poor_miss=FLAGS.poor_miss,
-                       controller_calibration=load_calibration(FLAGS.calibration),
-                       **controller_costs())
+  engines = {c: Engine(target, stop_ids=stop_token_ids(tok), drafter=drafter,
+                       shapes=ShapeOptions(max_len=FLAGS.max_len, block_sizes=tuple(buckets)),
+                       loop=LoopOptions(verify="exact", controller=c,
+                                        controller_poor_miss=FLAGS.poor_miss,
+                                        controller_calibration=load_calibration(FLAGS.calibration),
+                                        ar_fallback=FLAGS.ar_fallback, **controller_costs()))
              for c in sorted({c for c, _ in parsed.values()})}
 
   def decode(method: str, ids):

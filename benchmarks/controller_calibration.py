@@ -31,6 +31,7 @@ from flax import nnx
 from benchmarks import common
 from bp_jax.decoding import controller as control
 from bp_jax.decoding.engine import Engine
+from bp_jax.decoding.options import ShapeOptions
 from bp_jax.errors import BadInputError
 
 common.define_flags("target", "drafter", "dtype", "max_len", "max_new_tokens", "block_size",
@@ -78,7 +79,7 @@ def main(_):
   label, _ = prompt_sets(cfg, tok)
   label = [p for p in label if p.source == str(cfg.blockpilot.eval_source)]
   prompts = label[FLAGS.skip:FLAGS.skip + FLAGS.num_prompts]
-  eng = Engine(target, max_len=FLAGS.max_len, stop_ids=stop_token_ids(tok))
+  eng = Engine(target, stop_ids=stop_token_ids(tok), shapes=ShapeOptions(max_len=FLAGS.max_len))
   t_graph, t_state = nnx.split(target)
   d_graph, d_state = nnx.split(drafter)
   b, mask_id = FLAGS.block_size, drafter.cfg.mask_token_id

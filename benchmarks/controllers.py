@@ -35,6 +35,7 @@ from bp_jax.decoding import controller as control
 from bp_jax.decode_job.compare import check_repeats_agree
 from bp_jax.decoding.engine import Engine
 from bp_jax.decoding.generation import Generation, forward_cost_units
+from bp_jax.decoding.options import LoopOptions, ShapeOptions
 from bp_jax.errors import BadInputError
 
 METHODS = ("ar", "none", "backoff", "confidence_1step", "confidence", "confidence_poor",
@@ -61,7 +62,7 @@ def parse_methods(text: str) -> list[str]:
 
 
 def engine_options(method: str) -> dict:
-  """The `Engine` keyword arguments of a method (its loop form)."""
+  """The `LoopOptions` fields of a method (its loop form)."""
   fb = dict(ar_fallback_accept=FLAGS.ar_fallback_accept)
   cal = dict(controller="confidence", ar_fallback=FLAGS.ar_fallback,
              controller_calibration=control.load_calibration(FLAGS.calibration, "--calibration"),
@@ -129,8 +130,9 @@ def main(_):
   drafter = load_drafter(FLAGS.drafter, target.cfg, FLAGS.dtype)
   tok = load_tokenizer(FLAGS.target)
   prompts = prompt_set(tok)
-  engines = {m: Engine(target, max_len=FLAGS.max_len, stop_ids=stop_token_ids(tok),
-                       drafter=drafter, block_sizes=(FLAGS.block_size,), **engine_options(m))
+  engines = {m: Engine(target, stop_ids=stop_token_ids(tok), drafter=drafter,
+                       shapes=ShapeOptions(max_len=FLAGS.max_len, block_sizes=(FLAGS.block_size,)),
+                       loop=LoopOptions(**engine_options(m)))
              for m in methods}
   size = {m: 1 if m == "ar" else FLAGS.block_size for m in methods}
   best: dict[str, list[Generation]] = {m: [] for m in methods}

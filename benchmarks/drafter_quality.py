@@ -35,6 +35,7 @@ from bp_jax.eval.plots import acceptance_histogram, line_plot
 from bp_jax.eval.report import acceptance_figures
 from bp_jax.text.prompts import load_prompts
 from bp_jax.decode_job.block_choice import default_block_sizes
+from bp_jax.decoding.options import LoopOptions, ShapeOptions
 from bp_jax.text.tokenizer import encode_prompt, load_tokenizer, stop_token_ids
 
 common.define_flags("target", "drafter", "num_prompts", "max_new_tokens", max_len=1024)
@@ -71,10 +72,11 @@ def main(argv):
   sweep = default_block_sizes(b)
   # The paper's loop (AR, every spec size, the sweeps) and, on the same weights, the demo's loop
   # with AR fallback steps at b.
-  engine = Engine(target, max_len=FLAGS.max_len, stop_ids=stop_token_ids(tok), drafter=drafter,
-                  block_sizes=(1,) + sweep)
-  fallback = (Engine(target, max_len=FLAGS.max_len, stop_ids=stop_token_ids(tok),
-                     drafter=drafter, block_sizes=(b,), ar_fallback=FLAGS.ar_fallback)
+  engine = Engine(target, stop_ids=stop_token_ids(tok), drafter=drafter,
+                  shapes=ShapeOptions(max_len=FLAGS.max_len, block_sizes=(1,) + sweep))
+  fallback = (Engine(target, stop_ids=stop_token_ids(tok), drafter=drafter,
+                     shapes=ShapeOptions(max_len=FLAGS.max_len, block_sizes=(b,)),
+                     loop=LoopOptions(ar_fallback=FLAGS.ar_fallback))
               if FLAGS.ar_fallback else None)
   prompts = load_prompts(FLAGS.prompts, FLAGS.num_prompts or None)
   encoded = [encode_prompt(tok, p.text, False) for p in prompts]

@@ -29,6 +29,7 @@ def main(argv):
   del argv
   from benchmarks.demo_prompts import heldout_prompts
   from bp_jax.decoding.engine import Engine
+  from bp_jax.decoding.options import LoopOptions, ShapeOptions
   from bp_jax.eval.bootstrap import bootstrap_ratio_ci
   from bp_jax.text.tokenizer import load_tokenizer
   from bp_jax.weights.loading import load_drafter, load_target
@@ -37,8 +38,9 @@ def main(argv):
   tok = load_tokenizer("demo/target")
   lens = [int(m) for m in FLAGS.max_lens]
   b = FLAGS.block_size
-  engines = {m: Engine(target, max_len=m, drafter=drafter, block_sizes=(b,), controller="none",
-                       verify="exact", length_buckets=(512,)) for m in lens}
+  engines = {m: Engine(target, drafter=drafter,
+                       shapes=ShapeOptions(max_len=m, block_sizes=(b,), length_buckets=(512,)),
+                       loop=LoopOptions(controller="none", verify="exact")) for m in lens}
   prompts = [ids for _, ids in heldout_prompts(tok, FLAGS.num_prompts)]
   secs = {(m, k): [0.0] * len(prompts) for m in lens for k in ("ar", "spec")}
   counts, outputs = {}, {}

@@ -35,6 +35,7 @@ from benchmarks import common
 from benchmarks.demo_prompts import heldout_prompts
 from bp_jax.decoding.engine import Engine
 from bp_jax.decoding.sampling import processed_logits, sampling_params
+from bp_jax.decoding.options import LoopOptions, ShapeOptions
 from bp_jax.eval.plots import line_plot
 from bp_jax.eval.report import acceptance_figures
 from bp_jax.text.tokenizer import load_tokenizer, stop_token_ids
@@ -114,9 +115,9 @@ def main(argv):
   temps = [float(t) for t in FLAGS.temperatures.split(",") if t]
   drafters = {name: load_drafter(path, target.cfg, "float32")
               for name, path in _drafter_paths(FLAGS.drafters).items()}
-  engines = {(name, mode): Engine(target, max_len=FLAGS.max_len, stop_ids=stop_token_ids(tok),
-                                  drafter=d, block_sizes=(b,), verify=mode,
-                                  ar_fallback=FLAGS.ar_fallback)
+  engines = {(name, mode): Engine(target, stop_ids=stop_token_ids(tok), drafter=d,
+                                  shapes=ShapeOptions(max_len=FLAGS.max_len, block_sizes=(b,)),
+                                  loop=LoopOptions(verify=mode, ar_fallback=FLAGS.ar_fallback))
              for name, d in drafters.items() for mode in modes}
   ar_engine = next(iter(engines.values()))
   prompts = heldout_prompts(tok, FLAGS.num_prompts)

@@ -2,10 +2,10 @@
 
 The small public API, for notebooks and scripts:
 
-  from bp_jax import load_target, load_drafter, load_policy, load_tokenizer, Engine
+  from bp_jax import load_target, load_drafter, load_tokenizer, Engine, ShapeOptions
   target = load_target("ckpt/qwen3-4b")
   drafter = load_drafter("ckpt/dflash-4b", target.cfg)
-  engine = Engine(target, drafter=drafter, max_len=2048, block_sizes=(16,))
+  engine = Engine(target, drafter=drafter, shapes=ShapeOptions(max_len=2048, block_sizes=(16,)))
   out = engine.generate(prompt_ids, max_new_tokens=256, block_size=16)  # a Generation
 
 Sub-packages by role: models/ (the networks), weights/ (checkpoints and conversion), decoding/
@@ -33,6 +33,9 @@ _EXPORTS = {
     "Engine": "bp_jax.decoding.engine",
     "Generation": "bp_jax.decoding.generation",
     "LEARNED": "bp_jax.decoding.engine",
+    "ShapeOptions": "bp_jax.decoding.options",
+    "LoopOptions": "bp_jax.decoding.options",
+    "BatchOptions": "bp_jax.decoding.options",
     "BlockPolicy": "bp_jax.policy.mlp",
     "load_policy": "bp_jax.policy.mlp",
     "BadInputError": "bp_jax.errors",

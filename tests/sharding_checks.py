@@ -24,6 +24,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from bp_jax.decoding.engine import Engine  # noqa: E402
+from bp_jax.decoding.options import BatchOptions, ShapeOptions  # noqa: E402
 from bp_jax.errors import BadInputError  # noqa: E402
 from bp_jax.models.config import DFlashConfig, Qwen3Config  # noqa: E402
 from bp_jax.models.dflash import DFlashDrafter  # noqa: E402
@@ -61,8 +62,8 @@ def spec_of(x) -> list:
 
 
 def decode_all(target, drafter, mesh, spec_decode: bool) -> dict:
-  eng = Engine(target, max_len=64, length_buckets=(32,), drafter=drafter, block_sizes=(1, 4),
-               mesh=mesh)
+  eng = Engine(target, drafter=drafter, mesh=mesh,
+               shapes=ShapeOptions(max_len=64, length_buckets=(32,), block_sizes=(1, 4)))
   out = {"ar": [eng.generate(p, max_new_tokens=MAX_NEW).output_ids for p in PROMPTS]}
   if spec_decode:
     gens = [eng.generate(p, max_new_tokens=MAX_NEW, block_size=4) for p in PROMPTS]
@@ -70,21 +71,23 @@ def decode_all(target, drafter, mesh, spec_decode: bool) -> dict:
     out["spec_lengths"] = [g.forward_lengths for g in gens]
   out["compiled"] = eng.compiled.summary()["by_function"]
   # Batched decoding: 8 slots, so the rows divide data:8 and data:4.
-  many = Engine(target, max_len=64, length_buckets=(32,), drafter=drafter, block_sizes=(1, 4),
-                mesh=mesh, batch_size=8, sync_cycles=3)
+  many = Engine(target, drafter=drafter, mesh=mesh,
+                shapes=ShapeOptions(max_len=64, length_buckets=(32,), block_sizes=(1, 4)),
+                batching=BatchOptions(batch_size=8, sync_cycles=3))
   prompts = list(PROMPTS) + [[(3 * i + j) % (V - 2) + 1 for j in range(5 + i)] for i in range(7)]
   max_news = [MAX_NEW - 2 * i for i in range(len(prompts))]
   for b, name in ((1, "batch_ar"), (4, "batch_spec")):
     out[name] = [g.output_ids for g in many.generate_batch(prompts, max_new_tokens=max_news,
                                                            block_size=b)]
-  out["batch_alone"] = [eng.generate(p, max_new_tokens=m).output_ids
-                        for p, m in zip(prompts, max_news)]
+  if mesh is None:  # the reference every mesh's batches are compared with, decoded once
+    out["batch_alone"] = [eng.generate(p, max_new_tokens=m).output_ids
+                          for p, m in zip(prompts, max_news)]
   out["batch_compiled"] = many.compiled.summary()["by_function"]
   if mesh is not None:
     carry = many.slot_carry(4)
-    out["batch_seq"] = spec_of(carry["seq"])
-    out["batch_cache_k"] = spec_of(carry["cache"].k[0] if carry["cache"].is_per_layer
-                                   else carry["cache"].k)
+    out["batch_seq"] = spec_of(carry.seq_BS)
+    out["batch_cache_k"] = spec_of(carry.cache.k[0] if carry.cache.is_per_layer
+                                   else carry.cache.k)
     out["t_q_proj"] = spec_of(eng.t_state["layers"]["q_proj"][...])
     out["d_k_proj"] = spec_of(eng.d_state["layers"]["k_proj"][...])
     out["cache_k"] = spec_of(eng.cache.k)

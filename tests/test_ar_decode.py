@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from bp_jax.decoding.engine import Engine
+from bp_jax.decoding.options import ShapeOptions
 from bp_jax.errors import BadInputError
 from hf_fixtures import jax_qwen3_from_torch, make_hf_qwen3
 
@@ -34,7 +35,7 @@ def _hf_greedy(hf, prompt: list[int], n: int, eos=None) -> list[int]:
 
 @pytest.fixture(scope="module")
 def engine(tiny_pair):
-  return Engine(tiny_pair[1], max_len=MAX_LEN, length_buckets=BUCKETS)
+  return Engine(tiny_pair[1], shapes=ShapeOptions(max_len=MAX_LEN, length_buckets=BUCKETS))
 
 
 def test_greedy_decoding_matches_transformers_generate(tiny_pair, engine):
@@ -102,7 +103,7 @@ def _chi_square(counts: np.ndarray, probs: np.ndarray) -> float:
 
 def test_first_token_distribution_at_temperature_1_matches_softmax(small_vocab):
   hf, model = small_vocab
-  engine = Engine(model, max_len=16, length_buckets=(8,))
+  engine = Engine(model, shapes=ShapeOptions(max_len=16, length_buckets=(8,)))
   prompt = [3, 1, 4, 1, 5]
   with torch.no_grad():
     logits = hf(torch.tensor([prompt])).logits[0, -1].double().numpy()
@@ -130,7 +131,7 @@ def test_generation_stops_after_the_first_stop_token_like_transformers(small_voc
   # A stop token whose first occurrence is not at the start of the output.
   stop = next(t for i, t in enumerate(free) if i >= 2 and t not in free[:i])
   first = free.index(stop)
-  engine = Engine(model, max_len=32, length_buckets=(8,), stop_ids=[stop])
+  engine = Engine(model, stop_ids=[stop], shapes=ShapeOptions(max_len=32, length_buckets=(8,)))
   g = engine.generate(prompt, max_new_tokens=12)
   assert g.output_ids == free[:first + 1]
   assert g.output_ids == _hf_greedy(hf, prompt, 12, eos=[stop])

@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import re
 
+import ml_collections
 import numpy as np
 import pytest
 from flax import nnx
 
+from bp_jax.decode_job.block_choice import batch_options
 from bp_jax.decoding.engine import LEARNED, Engine
+from bp_jax.decoding.options import BatchOptions, LoopOptions, ShapeOptions
 from bp_jax.errors import BadInputError
 from bp_jax.policy.features import feature_dims
 from bp_jax.policy.mlp import BlockPolicy, PolicyArch
@@ -44,7 +47,7 @@ def stop_id(models):
   requested outputs of `_requests(11)` while absent from at least 3 (rows stop at different
   times, some at their max_new_tokens)."""
   target, drafter = models
-  eng = Engine(target, max_len=MAX_LEN, length_buckets=BUCKETS)
+  eng = Engine(target, shapes=ShapeOptions(max_len=MAX_LEN, length_buckets=BUCKETS))
   prompts, max_news = _requests(11)
   outs = [eng.generate(p, max_new_tokens=m).output_ids for p, m in zip(prompts, max_news)]
   best, best_inside = None, -1
@@ -56,10 +59,14 @@ def stop_id(models):
   return best
 
 
-def _engine(models, stop_id, batch_size: int, **kw) -> Engine:
+def _engine(models, stop_id, batch_size: int, sync_cycles: int = 16, policy=None,
+            policy_sizes=(), **loop) -> Engine:
   target, drafter = models
-  return Engine(target, max_len=MAX_LEN, stop_ids=[stop_id], length_buckets=BUCKETS,
-                drafter=drafter, block_sizes=SIZES, batch_size=batch_size, **kw)
+  return Engine(target, stop_ids=[stop_id], drafter=drafter,
+                shapes=ShapeOptions(max_len=MAX_LEN, length_buckets=BUCKETS, block_sizes=SIZES),
+                loop=LoopOptions(**loop),
+                batching=BatchOptions(batch_size=batch_size, sync_cycles=sync_cycles),
+                policy=policy, policy_sizes=policy_sizes)
 
 
 @pytest.fixture(scope="module")
@@ -202,10 +209,14 @@ def test_batched_loops_update_the_caches_in_place(models, stop_id):
 @pytest.mark.parametrize("kw, flag", [(dict(batch_size=0), "--config.batch_size"),
                                       (dict(batch_size=2.5), "--config.batch_size"),
                                       (dict(sync_cycles=-1), "--config.sync_cycles")])
-def test_bad_batch_settings_name_the_flag(models, kw, flag):
+def test_bad_batch_settings_name_the_parameter_and_the_flag(models, kw, flag):
+  """The library names its parameter, the command line (`batch_options`) the flag."""
   target, _ = models
+  param = flag.removeprefix("--config.")
+  with pytest.raises(BadInputError, match=rf"(?<![\w.-]){re.escape(param)}="):
+    Engine(target, shapes=ShapeOptions(max_len=MAX_LEN), batching=BatchOptions(**kw))
   with pytest.raises(BadInputError, match=re.escape(flag)):
-    Engine(target, max_len=MAX_LEN, **kw)
+    batch_options(ml_collections.ConfigDict(kw))
 
 
 def test_bad_batch_requests_are_refused_before_decoding(batched):
@@ -226,10 +237,13 @@ def test_attention_windows_follow_the_rows_and_change_nothing(models, stop_id, s
   assert window_for(100, 4, 2, 320) == 128 and window_for(121, 4, 2, 320) == 256
   assert window_for(100, 4, 0, 320) is None and window_for(260, 4, 2, 320) is None
   target, drafter = models
-  long = Engine(target, max_len=256, stop_ids=[stop_id], length_buckets=BUCKETS,
-                drafter=drafter, block_sizes=SIZES, batch_size=3, sync_cycles=2, ar_fallback=4)
-  long_single = Engine(target, max_len=256, stop_ids=[stop_id], length_buckets=BUCKETS,
-                       drafter=drafter, block_sizes=SIZES, ar_fallback=4)
+  long = Engine(target, stop_ids=[stop_id], drafter=drafter,
+                shapes=ShapeOptions(max_len=256, length_buckets=BUCKETS, block_sizes=SIZES),
+                loop=LoopOptions(ar_fallback=4),
+                batching=BatchOptions(batch_size=3, sync_cycles=2))
+  long_single = Engine(target, stop_ids=[stop_id], drafter=drafter,
+                       shapes=ShapeOptions(max_len=256, length_buckets=BUCKETS, block_sizes=SIZES),
+                       loop=LoopOptions(ar_fallback=4))
   prompts, _ = _requests(5, seed=10)
   max_news = [150, 90, 120, 60, 140]
   for b in (1, 4):

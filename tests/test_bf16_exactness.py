@@ -27,6 +27,7 @@ import pytest
 from flax import nnx
 
 from bp_jax.decoding.engine import Engine
+from bp_jax.decoding.options import LoopOptions, ShapeOptions
 from bp_jax.eval import exactness as ex
 from bp_jax.models.config import DFlashConfig, Qwen3Config
 from bp_jax.models.dflash import DFlashDrafter
@@ -67,8 +68,9 @@ def decode_runs(t_params, d_params) -> dict:
     target = module_from_params(lambda: Qwen3(CFG, dtype=dt, rngs=nnx.Rngs(0)), t_params, dt)
     drafter = module_from_params(lambda: DFlashDrafter(DCFG, dtype=dt, rngs=nnx.Rngs(0)),
                                  d_params, dt)
-    eng = Engine(target, max_len=128, drafter=drafter, block_sizes=(B,), length_buckets=(64,),
-                 verify="exact")
+    eng = Engine(target, drafter=drafter,
+                 shapes=ShapeOptions(max_len=128, length_buckets=(64,), block_sizes=(B,)),
+                 loop=LoopOptions(verify="exact"))
     replay, rows = ex.ForwardReplay(eng), []
     for ids in PROMPTS:
       ar = eng.generate(ids, max_new_tokens=MAX_NEW, block_size=1)

@@ -20,6 +20,7 @@ import pytest
 from bp_jax.decoding import controller as control
 from bp_jax.decode_job.block_choice import loop_options
 from bp_jax.decoding.engine import Engine
+from bp_jax.decoding.options import BatchOptions, LoopOptions, ShapeOptions
 from bp_jax.decoding.generation import forward_cost_units
 from bp_jax.errors import BadInputError
 from compile_counting import BackendCompiles
@@ -41,17 +42,15 @@ def models():
   return zeros_drafter_pair(V)
 
 
-def _engine(models, controller: str, batch_size: int = 1, **kw) -> Engine:
-  """An engine whose spec loops use `controller`; "fixed:k" (the tests' hook, not a user
-  setting) is set on the programs before any loop compiles."""
+def _engine(models, controller: str, batch_size: int = 1, sync_cycles: int = 16,
+            **loop) -> Engine:
+  """An engine whose spec loops use `controller` (also the tests' "fixed:k", which the command
+  line refuses); `loop`: further `LoopOptions` fields."""
   target, drafter = models
-  fixed = controller.startswith(control.FIXED_PREFIX)
-  eng = Engine(target, max_len=MAX_LEN, length_buckets=BUCKETS, drafter=drafter,
-               block_sizes=(1, B), batch_size=batch_size,
-               controller="none" if fixed else controller, **kw)
-  if fixed:
-    eng.programs.controller = controller
-  return eng
+  return Engine(target, drafter=drafter,
+                shapes=ShapeOptions(max_len=MAX_LEN, length_buckets=BUCKETS, block_sizes=(1, B)),
+                loop=LoopOptions(controller=controller, **loop),
+                batching=BatchOptions(batch_size=batch_size, sync_cycles=sync_cycles))
 
 
 @pytest.fixture(scope="module")
@@ -261,7 +260,7 @@ def test_calibration_replaces_the_drafters_probabilities(models, ar_outputs, cal
 
 @pytest.mark.parametrize("controller", ["fixed:1", "confidence"])
 def test_sampled_output_equals_ar_for_a_seed(models, controller):
-  ar = Engine(models[0], max_len=MAX_LEN, length_buckets=BUCKETS)
+  ar = Engine(models[0], shapes=ShapeOptions(max_len=MAX_LEN, length_buckets=BUCKETS))
   eng = _engine(models, controller, verify="exact", **FLAT)
   prompts, max_news = _requests(4, seed=1)
   kw = dict(temperature=1.0, top_k=20)
@@ -272,7 +271,7 @@ def test_sampled_output_equals_ar_for_a_seed(models, controller):
 
 def test_rejection_with_k0_is_the_ar_draw(models):
   """Verifying no draft is an AR step under `rejection` too: same tokens as AR for a seed."""
-  ar = Engine(models[0], max_len=MAX_LEN, length_buckets=BUCKETS)
+  ar = Engine(models[0], shapes=ShapeOptions(max_len=MAX_LEN, length_buckets=BUCKETS))
   eng = _engine(models, "fixed:0", verify="rejection")
   prompts, max_news = _requests(3, seed=2)
   for p, m in zip(prompts, max_news):
@@ -322,9 +321,13 @@ def test_batched_rows_equal_their_request_alone(models, controller, kw):
     (dict(controller_costs="1,-2"), "--config.controller_costs"),
     (dict(controller_draft_cost=-1), "--config.controller_draft_cost"),
 ])
-def test_bad_controller_settings_name_the_flag(models, kw, flag):
+def test_bad_controller_settings_name_the_parameter_and_the_flag(models, kw, flag):
+  """The library names its parameter, the command line (`loop_options`) the flag."""
+  param = flag.removeprefix("--config.")
+  with pytest.raises(BadInputError, match=rf"(?<![\w.-]){re.escape(param)}="):
+    Engine(models[0], shapes=ShapeOptions(max_len=MAX_LEN), loop=LoopOptions(**kw))
   with pytest.raises(BadInputError, match=re.escape(flag)):
-    Engine(models[0], max_len=MAX_LEN, **kw)
+    loop_options(ml_collections.ConfigDict(kw))
 
 
 def test_loop_options_carry_the_controller(tmp_path):

@@ -134,8 +134,9 @@ def test_regenerate_round_trip_and_draft_stage(setup, capsys):
 
   # The exported drafter decodes losslessly with the engine (spec output == AR output).
   from bp_jax.decoding.engine import Engine
-  engine = Engine(loaded_target, max_len=64, drafter=drafter, block_sizes=(BLOCK,),
-                  length_buckets=(16,))
+  from bp_jax.decoding.options import ShapeOptions
+  engine = Engine(loaded_target, drafter=drafter,
+                  shapes=ShapeOptions(max_len=64, length_buckets=(16,), block_sizes=(BLOCK,)))
   prompt = train[0]["tokens"][:PROMPT_TOKENS].tolist()
   ar = engine.generate(prompt, max_new_tokens=16, block_size=1)
   spec = engine.generate(prompt, max_new_tokens=16, block_size=BLOCK)

@@ -29,6 +29,7 @@ from bp_jax.weights.checkpoint_io import load_checkpoint, save_checkpoint
 from bp_jax.models.config import DFlashConfig
 from bp_jax.weights.convert import convert_from_hf, export_to_hf
 from bp_jax.decoding.engine import Engine
+from bp_jax.decoding.options import ShapeOptions
 from bp_jax.errors import BadInputError
 from bp_jax.weights.loading import load_drafter, load_target
 from hf_fixtures import make_dflash_state_dict, make_hf_qwen3, save_hf_qwen3
@@ -304,7 +305,7 @@ def test_loading_a_mismatched_drafter_for_decoding_fails(ckpts, tmp_path, name, 
   assert all(w in str(err.value) for w in words) and ck in str(err.value), str(err.value)
   drafter = load_drafter(ck)  # no target given: no check
   with pytest.raises(BadInputError) as err:
-    Engine(target, max_len=64, length_buckets=(32,), drafter=drafter)
+    Engine(target, drafter=drafter, shapes=ShapeOptions(max_len=64, length_buckets=(32,)))
   assert all(w in str(err.value) for w in words), str(err.value)
 
 

@@ -1,10 +1,12 @@
 """The engine's jobs kept apart and its answers to bad numbers: NaN/inf logits stop a request
 with a clear error; compile time and the loops' first runs are measured apart; the perfect-
 drafter path of tests is a separate program, absent from production loops; block sizes < 1 are
-refused before anything is compiled."""
+refused before anything is compiled; the options are checked, hashable compile keys and the loop
+state's fields have the shapes their names say."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import jax
@@ -14,7 +16,9 @@ import pytest
 
 from bp_jax.decoding import compiled as compiled_lib
 from bp_jax.decoding.engine import Engine
-from bp_jax.errors import BadInputError
+from bp_jax.decoding import controller as control
+from bp_jax.decoding.options import OPTION_NAMES, BatchOptions, LoopOptions, ShapeOptions
+from bp_jax.errors import BadInputError, named_as_flags
 from bp_jax.models.config import DFlashConfig
 from hf_fixtures import (jax_drafter_from_state_dict, jax_qwen3_from_torch, make_dflash_state_dict,
                          make_hf_qwen3)
@@ -36,8 +40,9 @@ def models():
 
 
 def _engine(target, drafter=None, **kw):
-  return Engine(target, max_len=MAX_LEN, length_buckets=(16,), drafter=drafter,
-                block_sizes=(4,), **kw)
+  return Engine(target, drafter=drafter,
+                shapes=ShapeOptions(max_len=MAX_LEN, length_buckets=(16,), block_sizes=(4,)),
+                loop=LoopOptions(**kw))
 
 
 def _poison_embedding(target, token: int):
@@ -76,7 +81,7 @@ def test_nan_in_the_prompt_fails_in_the_prefill(models):
 def test_block_sizes_below_one_are_refused_up_front(models, sizes):
   target, drafter = models
   with pytest.raises(BadInputError, match="block sizes must be integers >= 1"):
-    Engine(target, max_len=MAX_LEN, drafter=drafter, block_sizes=sizes)
+    Engine(target, drafter=drafter, shapes=ShapeOptions(max_len=MAX_LEN, block_sizes=sizes))
   with pytest.raises(BadInputError, match=">= 1"):
     _engine(target, drafter).generate(PROMPT, max_new_tokens=4, block_size=sizes[-1])
 
@@ -138,3 +143,46 @@ def test_generation_figures_have_one_meaning(models):
   assert g.ar_steps > 0  # the random drafter falls back: AR steps are not cycles
   ar = eng.generate(PROMPT, max_new_tokens=9, block_size=1)
   assert ar.tau == 1.0 and ar.ar_steps == 0 and ar.cycles == 8
+
+
+def test_loop_options_are_checked_hashable_compile_keys():
+  a = LoopOptions(controller="confidence", controller_costs="1,2")
+  b = LoopOptions(controller="confidence", controller_costs=(1.0, 2.0))
+  assert a == b and hash(a) == hash(b) and len({a, b}) == 1
+  assert a.in_effect().ar_fallback == control.DEFAULT_SKIP_CAP
+  assert LoopOptions(ar_fallback=0).in_effect().controller == "none"
+  assert LoopOptions(ar_fallback=3).in_effect() == LoopOptions(ar_fallback=3)
+  assert a.for_loop(4).key() == ("spec_loop", 4)
+  assert a.for_loop(4, forced=True).key(3) == ("batch_spec_loop_forced", 4, 3, 0, "all")
+  assert LoopOptions(verify="rejection").for_loop(4, forced=True).verify == "exact"
+  assert a.for_loop(1, sync_cycles=2, window=128).key(3) == ("batch_ar_loop", 1, 3, 2, 128)
+  with pytest.raises(BadInputError, match="ar_fallback_accept=-1"):
+    LoopOptions(ar_fallback_accept=-1)
+  with pytest.raises(BadInputError, match="only verify='exact'"):
+    LoopOptions(verify="rejection", forced_drafts=True)
+  with pytest.raises(BadInputError, match="length bucket 64 exceeds max_len=32"):
+    ShapeOptions(max_len=32, length_buckets=(64,))
+  # At the command line the same errors name the flags.
+  with pytest.raises(BadInputError, match=r"exceeds --config\.max_len=32"):
+    with named_as_flags(OPTION_NAMES):
+      ShapeOptions(max_len=32, length_buckets=(64,))
+
+
+def test_loop_state_fields_have_the_shapes_their_names_say(models):
+  """`LoopState` (and its records): a field named `x_BS` is [batch, max_len], `x_B` [batch]."""
+  target, drafter = models
+  eng = Engine(target, drafter=drafter, shapes=ShapeOptions(max_len=MAX_LEN, block_sizes=(4,)),
+               batching=BatchOptions(batch_size=3))
+  state = eng.slot_carry(4, forced=True)
+  named = {f.name: getattr(state, f.name) for f in dataclasses.fields(state)}
+  named.update({f.name: getattr(state.records, f.name)
+                for f in dataclasses.fields(state.records)})
+  shapes = {"_BS": (3, MAX_LEN), "_B": (3,)}
+  checked = 0
+  for name, value in named.items():
+    suffix = "_" + name.rsplit("_", 1)[-1]
+    if suffix in shapes:
+      assert value.shape == shapes[suffix], name
+      checked += 1
+  assert checked == 15
+  assert state.draft_cache is not None and eng.slot_carry(1).draft_cache is None

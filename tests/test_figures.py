@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from bp_jax.decoding.engine import Engine
+from bp_jax.decoding.options import LoopOptions, ShapeOptions
 from toy_models import zeros_drafter_pair
 from bp_jax.errors import BadInputError
 from bp_jax.eval import report as rep
@@ -30,8 +31,9 @@ def engine():
   (its final norm is zero): cycles accept runs of 0s of every length, and poor cycles, after
   which the AR fallback steps, are common."""
   target, drafter = zeros_drafter_pair(V)
-  return Engine(target, max_len=96, length_buckets=(32, 64, 96), drafter=drafter,
-                block_sizes=SIZES, **FALLBACK)
+  return Engine(target, drafter=drafter,
+                shapes=ShapeOptions(max_len=96, length_buckets=(32, 64, 96), block_sizes=SIZES),
+                loop=LoopOptions(**FALLBACK))
 
 
 def _prompts(n: int, seed: int = 0) -> list[list[int]]:

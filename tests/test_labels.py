@@ -205,13 +205,16 @@ def test_labels_datasets(setup, stages_done, capsys):
   # The stored measurements and features are the engine's: one prompt re-decoded here in the
   # loop form and with the settings the label set records.
   from bp_jax.decoding.engine import Engine
+  from bp_jax.decoding.options import LoopOptions, ShapeOptions
   from bp_jax.weights.loading import load_drafter, load_target
   target = load_target(os.path.join(cfg.workdir, "target"))
   drafter = load_drafter(os.path.join(cfg.workdir, "drafter"), target.cfg)
   prompt = lab.prompt_sets(cfg, setup["tok"])[1][0]
   ids = lab.encode(prompt, setup["tok"], made["chat"])
-  engine = Engine(target, max_len=128, stop_ids=[0], drafter=drafter, block_sizes=SIZES,
-                  **{k: made[k] for k in ("scan_layers", "ar_fallback", "ar_fallback_accept")})
+  engine = Engine(target, stop_ids=[0], drafter=drafter,
+                  shapes=ShapeOptions(max_len=128, block_sizes=SIZES),
+                  loop=LoopOptions(**{k: made[k] for k in ("scan_layers", "ar_fallback",
+                                                           "ar_fallback_accept")}))
   rec = next(r for r in evals if r["key"] == prompt.key)
   accepts = np.split(rec["accept_lens"], np.cumsum(rec["forwards"])[:-1])
   flags = np.split(rec["forward_is_cycle"], np.cumsum(rec["forwards"])[:-1])

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from bp_jax.decoding.engine import Engine
+from bp_jax.decoding.options import LoopOptions, ShapeOptions
 from toy_models import zeros_drafter_pair
 from bp_jax.train import intra_request as intra
 
@@ -30,8 +31,9 @@ def _replayed_runs(models, seed: int, **loop):
   """(output, replayed acceptance of size b, block size b, the engine's Generation at b) for 6
   random prompts: every size's real decode next to the teacher-forced replay."""
   target, drafter = models
-  engine = Engine(target, max_len=96, length_buckets=(32, 64, 96), drafter=drafter,
-                  block_sizes=SIZES, **loop)
+  engine = Engine(target, drafter=drafter,
+                  shapes=ShapeOptions(max_len=96, length_buckets=(32, 64, 96), block_sizes=SIZES),
+                  loop=LoopOptions(**loop))
   rng = np.random.default_rng(seed)
   for _ in range(6):
     prompt = rng.integers(1, V - 1, int(rng.integers(3, 30))).tolist()

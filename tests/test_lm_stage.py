@@ -13,6 +13,7 @@ from flax import nnx
 
 from bp_jax.weights.checkpoint_io import load_checkpoint
 from bp_jax.decoding.engine import Engine
+from bp_jax.decoding.options import ShapeOptions
 from bp_jax.errors import BadInputError
 from bp_jax.weights.loading import load_target
 from bp_jax.models.nnx_utils import module_params
@@ -122,7 +123,7 @@ def test_exported_target_equals_trained_params_and_decodes(trained):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
   # Engine's greedy AR decode == a greedy loop over full causal forwards of the loaded target.
   prompt = [5, 17, 42, 9]
-  engine = Engine(target, max_len=64, stop_ids=[])
+  engine = Engine(target, stop_ids=[], shapes=ShapeOptions(max_len=64))
   out = engine.generate(prompt, max_new_tokens=6)
   seq = np.zeros((1, len(prompt) + 6), np.int32)  # one shape: later slots are masked out
   seq[0, :len(prompt)] = prompt

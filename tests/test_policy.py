@@ -18,6 +18,7 @@ from bp_jax.decoding import loops as decode_loops
 from bp_jax.models.config import DFlashConfig, Qwen3Config
 from bp_jax.models.dflash import DFlashDrafter
 from bp_jax.decoding.engine import LEARNED, Engine
+from bp_jax.decoding.options import ShapeOptions
 from bp_jax.errors import BadInputError
 from bp_jax.policy.mlp import (BlockPolicy, PolicyArch, load_policy, prompt_hash, random_block_size,
                            save_policy)
@@ -73,8 +74,9 @@ def models():
 @pytest.fixture(scope="module")
 def engine(models):
   target, drafter = models
-  return Engine(target, max_len=MAX_LEN, length_buckets=BUCKETS, drafter=drafter,
-                block_sizes=(2, 3, 4, 5), policy=_policy(), policy_sizes=SIZES)
+  return Engine(target, drafter=drafter, policy=_policy(), policy_sizes=SIZES,
+                shapes=ShapeOptions(max_len=MAX_LEN, length_buckets=BUCKETS,
+                                    block_sizes=(2, 3, 4, 5)))
 
 
 # ---- features ------------------------------------------------------------------------------
@@ -271,8 +273,8 @@ def test_value_policy_decides_inside_the_prefill(engine):
 
 def test_policy_misuse_is_refused(models, engine):
   target, drafter = models
-  plain = Engine(target, max_len=MAX_LEN, length_buckets=BUCKETS, drafter=drafter,
-                 block_sizes=SIZES)
+  plain = Engine(target, drafter=drafter,
+                 shapes=ShapeOptions(max_len=MAX_LEN, length_buckets=BUCKETS, block_sizes=SIZES))
   with pytest.raises(BadInputError, match="needs a block-size policy"):
     plain.generate([1, 2, 3], max_new_tokens=3, block_size=LEARNED)
   with pytest.raises(BadInputError, match="not one of the configured buckets"):
@@ -282,7 +284,7 @@ def test_policy_misuse_is_refused(models, engine):
   wrong = BlockPolicy(PolicyArch("last_hidden", D + 1, 8, 1, 3), rngs=nnx.Rngs(0))
   with pytest.raises(BadInputError, match="trained for another model"):
     plain.set_policy(wrong, SIZES)
-  no_drafter = Engine(target, max_len=MAX_LEN, length_buckets=BUCKETS)
+  no_drafter = Engine(target, shapes=ShapeOptions(max_len=MAX_LEN, length_buckets=BUCKETS))
   with pytest.raises(BadInputError, match="needs the drafter"):
     no_drafter.set_policy(_policy("pooled_layers"), (1, 1, 1))
   with pytest.raises(BadInputError, match="integer bucket or 'learned'"):

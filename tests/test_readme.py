@@ -32,8 +32,8 @@ def test_the_python_api_example_runs_on_the_demo(monkeypatch):
     exec(compile(code, "README.md", "exec"), scope)
   out = scope["out"]
   assert out.new_tokens > 0 and out.tau is not None and "(tau " in printed.getvalue()
-  from bp_jax import Engine, encode_prompt
-  plain = Engine(scope["target"], max_len=640, block_sizes=(1,)).generate(
+  from bp_jax import Engine, ShapeOptions, encode_prompt
+  plain = Engine(scope["target"], shapes=ShapeOptions(max_len=640, block_sizes=(1,))).generate(
       encode_prompt(scope["tokenizer"], "def fibonacci(n):", False), max_new_tokens=64,
       block_size=1)
   assert out.output_ids == plain.output_ids

@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import pytest
 from flax import nnx
 
 from bp_jax.decoding import loops, verify
+from bp_jax.decode_job.block_choice import loop_options
 from bp_jax.decoding.engine import Engine
+from bp_jax.decoding.options import LoopOptions, ShapeOptions
 from bp_jax.decoding.sampling import processed_logits, sampling_params
 from bp_jax.errors import BadInputError
 from sampling_stats import (PROMPT, V, chi_square, counts_of, exact_joint, reference_probs,
@@ -144,7 +147,7 @@ def _pipeline(models, mode: str):
   t_graph, t_state = nnx.split(target)
   d_graph, d_state = nnx.split(drafter)
   prefill = loops.make_prefill(t_graph, d_graph)
-  spec = loops.make_spec_loop(t_graph, d_graph, B, verify=mode)
+  spec = loops.make_spec_loop(t_graph, d_graph, LoopOptions(block_size=B, verify=mode))
   n = len(PROMPT)
   toks = jnp.zeros((1, 8), jnp.int32).at[0, :n].set(jnp.asarray(PROMPT))
   cache, dcache = target.init_cache(1, MAX_LEN), drafter.init_cache(1, MAX_LEN)
@@ -192,8 +195,9 @@ def test_speculative_loop_without_residual_fails(models, monkeypatch):
 
 def test_rejection_engine_greedy_equals_ar_and_is_reproducible(models):
   _, target, drafter = models
-  eng = Engine(target, max_len=40, length_buckets=(8,), drafter=drafter, block_sizes=(3, 5),
-               verify="rejection")
+  eng = Engine(target, drafter=drafter,
+               shapes=ShapeOptions(max_len=40, length_buckets=(8,), block_sizes=(3, 5)),
+               loop=LoopOptions(verify="rejection"))
   rng = np.random.default_rng(1)
   for case in range(6):
     prompt = rng.integers(0, V, int(rng.integers(1, 9))).tolist()
@@ -211,9 +215,13 @@ def test_rejection_engine_greedy_equals_ar_and_is_reproducible(models):
     (dict(verify="argmax"), "--config.verify"),
 ])
 def test_engine_refuses_an_unknown_verify_mode(models, kw, flag):
+  """The library names its parameter, the command line (`loop_options`) the flag."""
   _, target, drafter = models
+  with pytest.raises(BadInputError, match=rf"(?<![\w.-]){flag.removeprefix('--config.')}="):
+    Engine(target, drafter=drafter, shapes=ShapeOptions(max_len=40, block_sizes=(3,)),
+           loop=LoopOptions(**kw))
   with pytest.raises(BadInputError, match=flag):
-    Engine(target, max_len=40, drafter=drafter, block_sizes=(3,), **kw)
+    loop_options(ml_collections.ConfigDict(kw))
 
 
 @pytest.mark.parametrize("kw, flag", [
@@ -223,6 +231,6 @@ def test_engine_refuses_an_unknown_verify_mode(models, kw, flag):
 ])
 def test_engine_refuses_bad_sampling_settings(models, kw, flag):
   _, target, _ = models
-  eng = Engine(target, max_len=40, length_buckets=(8,))
+  eng = Engine(target, shapes=ShapeOptions(max_len=40, length_buckets=(8,)))
   with pytest.raises(BadInputError, match=flag):
     eng.generate([1, 2], max_new_tokens=4, **kw)

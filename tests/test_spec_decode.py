@@ -23,6 +23,7 @@ import torch
 
 from bp_jax.models.config import DFlashConfig
 from bp_jax.decoding.engine import Engine
+from bp_jax.decoding.options import LoopOptions, ShapeOptions
 from bp_jax.errors import BadInputError
 from compile_counting import BackendCompiles
 from hf_fixtures import (jax_drafter_from_state_dict, jax_qwen3_from_torch, make_dflash_state_dict,
@@ -161,8 +162,9 @@ def reference(models):
 def engine(models, reference):
   _, target, drafter = models
   stop = reference[2]
-  return Engine(target, max_len=MAX_LEN, stop_ids=[stop], length_buckets=LENGTH_BUCKETS,
-                drafter=drafter, block_sizes=BLOCK_SIZES)
+  return Engine(target, stop_ids=[stop], drafter=drafter,
+                shapes=ShapeOptions(max_len=MAX_LEN, length_buckets=LENGTH_BUCKETS,
+                                    block_sizes=BLOCK_SIZES))
 
 
 @pytest.fixture(scope="module")
@@ -294,8 +296,10 @@ def test_scanned_layers_decode_the_same_tokens(models, reference, ar_outputs):
   default unrolled loops, for AR and spec."""
   _, target, drafter = models
   prompts, _, stop = reference
-  scanned = Engine(target, max_len=MAX_LEN, stop_ids=[stop], length_buckets=LENGTH_BUCKETS,
-                   drafter=drafter, block_sizes=(4,), scan_layers=True)
+  scanned = Engine(target, stop_ids=[stop], drafter=drafter,
+                   shapes=ShapeOptions(max_len=MAX_LEN, length_buckets=LENGTH_BUCKETS,
+                                       block_sizes=(4,)),
+                   loop=LoopOptions(scan_layers=True))
   for i in range(4):
     for b in (1, 4):
       out = scanned.generate(prompts[i], max_new_tokens=MAX_NEWS[i], block_size=b).output_ids
@@ -305,8 +309,10 @@ def test_scanned_layers_decode_the_same_tokens(models, reference, ar_outputs):
 @pytest.fixture(scope="module")
 def fallback_engine(models, reference):
   _, target, drafter = models
-  return Engine(target, max_len=MAX_LEN, stop_ids=[reference[2]], length_buckets=LENGTH_BUCKETS,
-                drafter=drafter, block_sizes=(4, 8), ar_fallback=4, ar_fallback_accept=1)
+  return Engine(target, stop_ids=[reference[2]], drafter=drafter,
+                shapes=ShapeOptions(max_len=MAX_LEN, length_buckets=LENGTH_BUCKETS,
+                                    block_sizes=(4, 8)),
+                loop=LoopOptions(ar_fallback=4, ar_fallback_accept=1))
 
 
 @pytest.mark.parametrize("b", (4, 8))
@@ -350,7 +356,9 @@ def test_ar_fallback_samples_like_ar(fallback_engine, engine, reference):
 def test_ar_fallback_settings_are_checked(models):
   _, target, drafter = models
   with pytest.raises(BadInputError, match="ar_fallback"):
-    Engine(target, max_len=MAX_LEN, drafter=drafter, block_sizes=(4,), ar_fallback=-1)
+    Engine(target, drafter=drafter,
+           shapes=ShapeOptions(max_len=MAX_LEN, block_sizes=(4,)),
+           loop=LoopOptions(ar_fallback=-1))
 
 
 def test_each_bucket_compiles_once(engine, reference):
@@ -382,7 +390,8 @@ def test_each_bucket_compiles_once(engine, reference):
 
 def test_precompile_compiles_every_requested_bucket(models, reference):
   _, target, drafter = models
-  eng = Engine(target, max_len=64, length_buckets=(8, 24), drafter=drafter, block_sizes=(3, 5))
+  eng = Engine(target, drafter=drafter,
+               shapes=ShapeOptions(max_len=64, length_buckets=(8, 24), block_sizes=(3, 5)))
   summary = eng.precompile([3])
   assert summary["by_function"] == {"prefill": 2, "spec_loop": 1}
   assert summary["compilations"] == 3
@@ -422,7 +431,7 @@ def test_request_over_the_cache_names_max_len(engine):
 
 def test_spec_without_drafter_is_refused(models):
   _, target, _ = models
-  eng = Engine(target, max_len=32, length_buckets=(16,))
+  eng = Engine(target, shapes=ShapeOptions(max_len=32, length_buckets=(16,)))
   with pytest.raises(BadInputError, match="needs a drafter"):
     eng.generate([1, 2], max_new_tokens=3, block_size=4)
 
@@ -447,8 +456,9 @@ def test_first_use_of_a_loop_is_warmed_untimed_and_leaves_the_request_intact(mod
   run (`Engine._warm_loop`); the request still decodes the AR output, and only once per size."""
   _, target, drafter = models
   prompts, _, stop = reference
-  fresh = Engine(target, max_len=MAX_LEN, stop_ids=[stop], length_buckets=LENGTH_BUCKETS,
-                 drafter=drafter, block_sizes=(4,))
+  fresh = Engine(target, stop_ids=[stop], drafter=drafter,
+                 shapes=ShapeOptions(max_len=MAX_LEN, length_buckets=LENGTH_BUCKETS,
+                                     block_sizes=(4,)))
   for i in range(3):
     for b in (1, 4):
       assert fresh.generate(prompts[i], max_new_tokens=MAX_NEWS[i],

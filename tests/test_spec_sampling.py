@@ -23,6 +23,7 @@ from flax import nnx
 
 from bp_jax.decoding import verify as decode_verify
 from bp_jax.decoding.engine import Engine
+from bp_jax.decoding.options import ShapeOptions
 from sampling_stats import MASK, PROMPT, V, chi_square, counts_of, exact_joint, tiny_models
 
 B = 4              # block size of the statistical tests
@@ -57,7 +58,8 @@ def greedy(models):
 
 def _make_engine(models) -> Engine:
   _, target, drafter = models
-  return Engine(target, max_len=MAX_LEN, length_buckets=(8,), drafter=drafter, block_sizes=(B,))
+  return Engine(target, drafter=drafter,
+                shapes=ShapeOptions(max_len=MAX_LEN, length_buckets=(8,), block_sizes=(B,)))
 
 
 @pytest.fixture(scope="module")

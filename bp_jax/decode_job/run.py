@@ -22,11 +22,12 @@ from bp_jax.decode_job.block_choice import (BLOCK_POLICIES, BlockChoice, batch_o
 from bp_jax.decode_job.compare import (check_repeats_agree, fastest_of, method_choice, method_of,
                                      parse_methods, run_order)
 from bp_jax.decoding.engine import Engine
+from bp_jax.decoding.options import OPTION_NAMES, BatchOptions, LoopOptions, ShapeOptions
 from bp_jax.decoding.generation import Generation
 from bp_jax.decode_job.records import figures, print_summary, record_of, summarize  # noqa: F401
 from bp_jax.decoding.requests import check_block_sizes, check_sampling
 from bp_jax.decoding.verify import same_tokens_as_ar
-from bp_jax.errors import BadInputError
+from bp_jax.errors import BadInputError, named_as_flags
 from bp_jax.models.precision import matmul_precision, precision_of
 from bp_jax.text.prompts import Prompt, load_prompts
 from bp_jax.text.tokenizer import encode_prompt, load_tokenizer, stop_token_ids, tokenizer_size
@@ -119,10 +120,13 @@ def build_engine(cfg, extra_sizes: Sequence[int] = ()) -> tuple[Engine, Any, Any
     block_sizes = block_sizes or default_block_sizes(drafter.cfg.block_size)
     block_sizes = tuple(block_sizes) + (cfg.block_size,)  # any size can be a bucket
   sizes = tuple(sorted(set(block_sizes or (cfg.block_size,)) | {b for b in extra_sizes if b > 1}))
-  engine = Engine(target, max_len=cfg.max_len, stop_ids=stop_token_ids(tok),
-                  length_buckets=parse_int_list(cfg.length_buckets, "--config.length_buckets")
-                  or None, drafter=drafter, block_sizes=sizes, mesh=mesh, **loop_options(cfg),
-                  **batch_options(cfg))
+  buckets = parse_int_list(cfg.length_buckets, "--config.length_buckets") or None
+  with named_as_flags(OPTION_NAMES):  # the library names its parameters, decode.py its flags
+    engine = Engine(target, stop_ids=stop_token_ids(tok), drafter=drafter, mesh=mesh,
+                    shapes=ShapeOptions(max_len=cfg.max_len, length_buckets=buckets,
+                                        block_sizes=sizes),
+                    loop=LoopOptions(**loop_options(cfg)),
+                    batching=BatchOptions(**batch_options(cfg)))
   return engine, tok, prints
 
 
@@ -193,11 +197,14 @@ def _bind_policy(engine: Engine, choice: "BlockChoice", cfg, prints) -> None:
     raise BadInputError(f"{cfg.policy}: {e}") from None
 
 
-def _precompile(engine: Engine, cfg, choices: Sequence["BlockChoice"]) -> None:
+def _precompile(engine: Engine, choices: Sequence["BlockChoice"],
+                request_lengths: Sequence[int]) -> None:
+  """Compiles the programs the run's requests (prompt + max_new_tokens each) will use."""
   sizes = sorted({b for c in choices for b in ((c.fixed,) if c.name == "fixed" else c.sizes)})
   learned = any(c.name == "learned" for c in choices)
   comp = engine.precompile(sizes, policy=learned,
-                           plain_prefill=any(c.name != "learned" for c in choices))
+                           plain_prefill=any(c.name != "learned" for c in choices),
+                           request_lengths=request_lengths)
   for key, secs in comp["per_key_s"].items():
     print(f"  compiled {key}: {secs:.2f} s")
 
@@ -257,8 +264,6 @@ def _run(cfg) -> tuple[list[dict], dict]:
   for c in choices.values():
     if c.name == "fixed":
       engine.check_block_size(c.fixed)
-  if cfg.precompile:
-    _precompile(engine, cfg, list(choices.values()))
   if tokenizer_size(tok) < engine.cfg.vocab_size:
     print(f"note: the tokenizer decodes {tokenizer_size(tok)} ids but the model emits "
           f"{engine.cfg.vocab_size}: records count generated ids it cannot decode "
@@ -271,6 +276,9 @@ def _run(cfg) -> tuple[list[dict], dict]:
       engine.check_request(len(ids), cfg.max_new_tokens, largest)
     except BadInputError as e:
       raise BadInputError(f"prompt {p.id!r}: {e}") from None
+  if cfg.precompile:
+    _precompile(engine, list(choices.values()),
+                [len(ids) + cfg.max_new_tokens for ids in encoded])
   repeats = int(cfg.get("repeats", 1))
   sampling = sampling_options(cfg)
   os.makedirs(os.path.dirname(os.path.abspath(cfg.output)), exist_ok=True)

@@ -21,23 +21,22 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from bp_jax.decoding import controller as control
 from bp_jax.decoding import loops as decode_loops
 from bp_jax.decoding.buckets import default_length_buckets, pick_bucket
 from bp_jax.decoding.generation import Generation, generation_of
+from bp_jax.decoding.options import BatchOptions, LoopOptions, ShapeOptions
 from bp_jax.decoding.policy_binding import check_policy_fits
-from bp_jax.decoding.programs import WARMUP_TOKENS, LoopPrograms, window_for
-from bp_jax.decoding.requests import (RequestChecks, check_batching, check_block_sizes,
-                                     check_sampling)
-from bp_jax.decoding.scheduler import BatchRequest, Scheduler
+from bp_jax.decoding.programs import (WARMUP_TOKENS, LoopPrograms, request_window,
+                                     window_for)
+from bp_jax.decoding.requests import RequestChecks, check_sampling
 from bp_jax.decoding.sampling import sampling_params
-from bp_jax.decoding.verify import check_verify_mode
+from bp_jax.decoding.scheduler import BatchRequest, Scheduler
+from bp_jax.decoding.state import LoopState
 from bp_jax.errors import BadInputError
 from bp_jax.models.qwen3 import Qwen3
 from bp_jax.parallel.rules import replicated, shard_batch, shard_cache, shard_state
 
 LEARNED = "learned"  # `generate(block_size=LEARNED)`: the policy chooses the bucket
-DEFAULT_BLOCK_SIZES = tuple(range(2, 33))
 
 
 class Engine:
@@ -50,45 +49,30 @@ class Engine:
   (`forced_continuation`: a separately compiled loop variant, absent from production loops).
   """
 
-  def __init__(self, target: Qwen3, *, max_len: int, stop_ids: Sequence[int] = (),
-               length_buckets: Sequence[int] | None = None, drafter=None,
-               block_sizes: Sequence[int] = DEFAULT_BLOCK_SIZES, policy=None,
-               policy_sizes: Sequence[int] = (), scan_layers: bool = False,
-               ar_fallback: int = 0, ar_fallback_accept: int = 1, verify: str = "exact",
-               batch_size: int = 1, sync_cycles: int = 16, mesh=None,
-               controller: str = "backoff",
-               controller_costs: str | Sequence[float] = control.DEFAULT_COSTS,
-               controller_draft_cost: float = control.DEFAULT_DRAFT_COST,
-               controller_poor_miss: bool = False,
-               controller_calibration: Sequence[float] | None = None):
-    if max_len > target.cfg.max_position_embeddings:
-      raise BadInputError(f"--config.max_len={max_len} exceeds the model's "
+  def __init__(self, target: Qwen3, *, shapes: ShapeOptions, drafter=None,
+               loop: LoopOptions = LoopOptions(), batching: BatchOptions = BatchOptions(),
+               stop_ids: Sequence[int] = (), policy=None, policy_sizes: Sequence[int] = (),
+               mesh=None):
+    """`shapes`: what to compile for (cache length, prompt length buckets, block sizes);
+    `loop`: the decode loops' form (verify rule, controller, AR fallback, layer form; the
+    per-loop fields are filled in per bucket); `batching`: slots per bucket and refill period;
+    `stop_ids`: tokens that end a request; `policy` (a `BlockPolicy`) with `policy_sizes`: see
+    `set_policy`; `mesh`: a jax.sharding.Mesh (`bp_jax.parallel.mesh.make_mesh`) or None."""
+    if shapes.max_len > target.cfg.max_position_embeddings:
+      raise BadInputError(f"max_len={shapes.max_len} exceeds the model's "
                           f"max_position_embeddings={target.cfg.max_position_embeddings}")
-    if ar_fallback < 0 or ar_fallback_accept < 0:
-      raise BadInputError(f"--config.ar_fallback={ar_fallback} and --config.ar_fallback_accept="
-                          f"{ar_fallback_accept} must be >= 0")
-    check_block_sizes(list(block_sizes))
-    check_verify_mode(verify)
-    control.check_controller(controller)
-    controller_costs = control.parse_costs(controller_costs)
-    controller_draft_cost = control.check_draft_cost(controller_draft_cost)
-    if controller_calibration is not None:
-      controller_calibration = control.check_calibration(controller_calibration)
-    check_batching(batch_size, sync_cycles)
-    self.batch_size, self.sync_cycles = int(batch_size), int(sync_cycles)
+    max_len = shapes.max_len
+    self.batch_size, self.sync_cycles = batching.batch_size, batching.sync_cycles
     self.cfg = target.cfg
     self.max_len = max_len
-    self.length_buckets = tuple(sorted(length_buckets or default_length_buckets(max_len)))
-    if self.length_buckets[-1] > max_len:
-      raise BadInputError(f"length bucket {self.length_buckets[-1]} exceeds "
-                          f"--config.max_len={max_len}")
+    self.length_buckets = shapes.length_buckets or default_length_buckets(max_len)
     self.stop_ids = list(stop_ids)
     self._stop_arr = jnp.asarray(self.stop_ids or [-1], jnp.int32)
     self.t_graph, self.t_state = nnx.split(target)
     self._new_caches = lambda batch: (
         target.init_cache(batch, max_len),
         None if drafter is None else drafter.init_cache(batch, max_len))
-    self.block_sizes = tuple(sorted(set(int(b) for b in block_sizes)))
+    self.block_sizes = shapes.block_sizes
     self.drafter = drafter
     if drafter is not None:
       drafter.validate_against_target(target.cfg, "drafter")
@@ -99,16 +83,10 @@ class Engine:
     self.seq = jnp.zeros((1, max_len), jnp.int32)
     self.checks = RequestChecks(max_len, target.cfg.vocab_size, self.block_sizes,
                                 drafter is not None)
-    self.programs = LoopPrograms(self.t_graph, self.d_graph, scan_layers=scan_layers,
-                                 ar_fallback=ar_fallback, ar_fallback_accept=ar_fallback_accept,
-                                 verify=verify, controller=controller,
-                                 controller_costs=controller_costs,
-                                 controller_draft_cost=controller_draft_cost,
-                                 controller_poor_miss=controller_poor_miss,
-                                 controller_calibration=controller_calibration)
+    self.programs = LoopPrograms(self.t_graph, self.d_graph, loop)
     self.p_graph = self.p_state = self.policy_key = None
     self.policy_sizes: tuple[int, ...] = ()
-    self.mesh = mesh  # a jax.sharding.Mesh (`bp_jax.parallel.mesh.make_mesh`) or None
+    self.mesh = mesh
     if mesh is not None:  # weights by the rule table, caches by rows; jit propagates the rest
       self.t_state, self.d_state = (shard_state(s, mesh) for s in (self.t_state, self.d_state))
       self.cache, self.draft_cache = (shard_cache(c, mesh) for c in (self.cache, self.draft_cache))
@@ -116,14 +94,15 @@ class Engine:
     if policy is not None:
       self.set_policy(policy, policy_sizes)
 
-  # The loop form and the compiled programs (read by reports, summaries and tests).
-  scan_layers = property(lambda self: self.programs.scan_layers)
-  ar_fallback = property(lambda self: self.programs.ar_fallback)
-  ar_fallback_accept = property(lambda self: self.programs.ar_fallback_accept)
-  verify = property(lambda self: self.programs.verify)
+  # The loop form in effect and the compiled programs (read by reports, summaries and tests).
+  loop_options = property(lambda self: self.programs.options)
+  scan_layers = property(lambda self: self.loop_options.scan_layers)
+  ar_fallback = property(lambda self: self.loop_options.ar_fallback)
+  ar_fallback_accept = property(lambda self: self.loop_options.ar_fallback_accept)
+  verify = property(lambda self: self.loop_options.verify)
   # The verify-length controller in effect (`controller.CONTROLLERS`; "backoff" without fallback
   # steps reads "none").
-  controller = property(lambda self: self.programs.controller)
+  controller = property(lambda self: self.loop_options.controller)
   compiled = property(lambda self: self.programs.cache)
 
   @property
@@ -174,11 +153,19 @@ class Engine:
             max_new, sampling, seed_key, self._stop_arr) + (
                 () if forced_seq is None else (forced_seq,))
 
+  def request_window(self, prompt_len: int, max_new_tokens: int, block_size: int) -> int | None:
+    """The attention window of a one-request loop (`programs.request_window`): room for the
+    prompt, max_new_tokens and one block (None: all max_len slots)."""
+    return request_window(prompt_len + max_new_tokens + block_size, self.max_len)
+
   def precompile(self, block_sizes: Sequence[int], length_buckets: Sequence[int] | None = None,
-                 policy: bool = False, plain_prefill: bool = True) -> dict:
+                 policy: bool = False, plain_prefill: bool = True,
+                 request_lengths: Sequence[int] = ()) -> dict:
     """Compiles prefill for each length bucket and the loop of each block size ahead of time
     (`policy`: also the prefill that runs the policy; `plain_prefill`: the one without); with
-    batch_size > 1, the batched loops instead of the one-request loops."""
+    batch_size > 1, the batched loops instead of the one-request loops, which are compiled for
+    the attention windows that requests of these lengths (prompt + max_new_tokens) take
+    (`request_window`; none given: the loops over all slots)."""
     key, z, sp = jax.random.key(0), jnp.int32(1), sampling_params()
     if policy and self.p_graph is None:
       raise BadInputError("precompile(policy=True) on an engine without a policy")
@@ -200,7 +187,9 @@ class Engine:
     pre = decode_loops.PrefillOut(z, self.cache, self.draft_cache, None, None)
     for b in block_sizes:
       self.check_block_size(b)
-      self.programs.loop(b, self._loop_args(pre, z, z, sp, key, b))
+      windows = [request_window(n + b, self.max_len) for n in request_lengths] or [None]
+      for window in dict.fromkeys(windows):
+        self.programs.loop(b, self._loop_args(pre, z, z, sp, key, b), window=window)
     return self.compiled.summary()
 
   # -- public -------------------------------------------------------------------------------
@@ -268,8 +257,9 @@ class Engine:
                                 block_size, forced_seq)
     warm_args = self._loop_args(pre, n_arr, jnp.int32(min(max_new_tokens, WARMUP_TOKENS)), sp,
                                 seed_key, block_size, forced_seq)
-    self.programs.warm(block_size, warm_args, forced)
-    fn = self.programs.loop(block_size, loop_args, forced)
+    window = self.request_window(n, max_new_tokens, block_size)
+    self.programs.warm(block_size, warm_args, forced, window)
+    fn = self.programs.loop(block_size, loop_args, forced, window)
     t2 = time.perf_counter()
     out = fn(*loop_args)
     n_gen = int(out.n_gen)
@@ -280,6 +270,10 @@ class Engine:
     forwards = int(out.forwards)
     if bool(out.bad_logits):
       self.raise_nonfinite(n + n_gen, "a decode step")
+    if n_gen < max_new_tokens and not np.isin(np.asarray(out.seq[0, n:n + n_gen]),
+                                              self.stop_ids).any():
+      raise RuntimeError(f"the decode loop stopped at {n_gen} of {max_new_tokens} tokens with "
+                         f"no stop token (window {window}): a bug, please report it")
     return generation_of(out.seq[0], out.accept_lens, out.is_cycle, out.verified, forwards, n,
                          n_gen, self.stop_ids, max_new_tokens, block_size, prefill_s, t3 - t2,
                          probs, features)
@@ -320,8 +314,8 @@ class Engine:
     sp = sampling_params(temperature, top_k, top_p, min_p)
     return Scheduler(self, reqs, sp, forced).run()
 
-  def slot_carry(self, block_size: int, forced: bool = False) -> dict:
-    """A batched carry of `batch_size` empty slots for a bucket (fresh buffers)."""
+  def slot_carry(self, block_size: int, forced: bool = False) -> LoopState:
+    """A batched loop state of `batch_size` empty slots for a bucket (fresh buffers)."""
     cache, draft_cache = self._new_caches(self.batch_size)
     if not self.scan_layers:  # the form the loops carry (see `loops._loop_cache`)
       cache = cache.per_layer()
@@ -331,12 +325,11 @@ class Engine:
       draft_cache = None
     seq = jnp.zeros((self.batch_size, self.max_len), jnp.int32)
     forced_seq = jnp.full_like(seq, -1) if forced else None
-    carry = decode_loops.slot_carry(seq, cache, draft_cache, forced_seq)
+    state = LoopState.empty(seq, cache, draft_cache, forced_seq)
     if self.mesh is None:
-      return carry
+      return state
     # Rows on the mesh's `data` axis (when the batch divides it), caches by `cache_sharding`.
-    return {k: v if k in ("cache", "draft_cache") else shard_batch(v, self.mesh)
-            for k, v in carry.items()}
+    return state.map_rows(lambda x: shard_batch(x, self.mesh))
 
   def staging_buffers(self) -> tuple:
     """Fresh one-sequence caches a request is prefilled into before it takes a slot (the
@@ -366,18 +359,18 @@ class Engine:
     if bool(pre.bad_logits):
       self.raise_nonfinite(n, "the prefill")
 
-  def insert_program(self, carry: dict, row: int, req: BatchRequest, pre) -> tuple:
+  def insert_program(self, carry: LoopState, row: int, req: BatchRequest, pre) -> tuple:
     """(compiled insertion, its arguments): calling it returns `carry` (donated) with slot
     `row` holding the prefilled request. Compiles on first use, before any clock starts."""
     n = len(req.prompt_ids)
     forced = (() if req.forced_continuation is None else
               (self._forced_seq(n, req.forced_continuation)[0],))
-    draft_cache = pre.draft_cache if "draft_cache" in carry else None
+    draft_cache = pre.draft_cache if carry.draft_cache is not None else None
     args = (carry, jnp.int32(row), pre.cache, draft_cache, pre.first_tok, jnp.int32(n),
             jnp.int32(req.max_new_tokens), jax.random.key(req.seed), self._stop_arr) + forced
     return self.programs.insert(args), args
 
-  def slots_program(self, block_size: int, carry: dict, sp, forced: bool = False,
+  def slots_program(self, block_size: int, carry: LoopState, sp, forced: bool = False,
                     max_pos: int | None = None) -> tuple:
     """(compiled batched loop of a bucket, its arguments with `carry` donated): one call runs
     `sync_cycles` cycles, or until no row decodes (0), attending over the window that the
@@ -393,7 +386,7 @@ class Engine:
     key = self.programs.batched_loop_key(block_size, self.batch_size, self.sync_cycles, window,
                                          forced)
     if key not in self.programs.warmup_seconds:
-      idle = dict(carry, max_new=jnp.zeros_like(carry["max_new"]))
+      idle = carry.replace(max_new_B=jnp.zeros_like(carry.max_new_B))
       self.programs.warm_batched(key, fn, states + (idle, sp, self._stop_arr))
     return fn, args
 

@@ -1,11 +1,12 @@
 """The jitted core of decoding: prefill, the autoregressive loop and the speculative loop.
 
-Each builder returns a pure function of (model states, buffers, scalars) to be compiled once per
-static bucket by `CompiledCache`. A request's whole generation runs in one `lax.while_loop`.
+Each builder takes the loop's `options.LoopOptions` and returns a pure function of (model states,
+buffers, scalars) to be compiled once per static bucket by `CompiledCache`. A request's whole
+generation runs in one `lax.while_loop` over a `state.LoopState` (its conventions: there).
 
-Conventions inside a loop: `seq_1S` holds the request's tokens at their absolute positions; `pos`
-is the position of the newest token `tok`, which the target has not seen yet, so the target
-cache pointer equals `pos`; `n_gen` counts generated tokens (including `tok`).
+After every target forward the same steps run (`_commit`): the NaN check (`_checked`), accept and
+roll back (`LoopState.committed`), record (`ForwardRecords.recorded`); the speculative loop adds
+the drafter's context and the controller's back-off.
 """
 
 from __future__ import annotations
@@ -16,11 +17,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from bp_jax.decoding import controllers
+from bp_jax.decoding import verify as verify_rules
+from bp_jax.decoding.options import LoopOptions
+from bp_jax.decoding.sampling import as_sampling, position_keys, sample
+from bp_jax.decoding.state import LoopState
 from bp_jax.models.kv_cache import KVCache
 from bp_jax.policy.features import prefill_features
-from bp_jax.decoding import controller as control
-from bp_jax.decoding import verify as verify_rules
-from bp_jax.decoding.sampling import as_sampling, position_keys, sample
 
 
 class PrefillOut(NamedTuple):
@@ -51,10 +54,6 @@ class LoopOut(NamedTuple):
   bad_logits: jax.Array      # [] bool: a forward produced NaN/inf logits (the loop stopped)
   cache: KVCache
   draft_cache: KVCache | None
-
-
-def _is_stop(tokens: jax.Array, stop_ids: jax.Array) -> jax.Array:
-  return jnp.any(tokens[..., None] == stop_ids, axis=-1)
 
 
 def _nonfinite(logits: jax.Array) -> jax.Array:
@@ -122,17 +121,9 @@ def _loop_cache(cache: KVCache | None, scan_layers: bool) -> KVCache | None:
   return cache if cache is None or scan_layers else cache.per_layer()
 
 
-def _active(c) -> jax.Array:
-  """[B] bool: rows still decoding (not stopped, below their max_new_tokens). Empty slots have
-  max_new = 0."""
-  return (~c["done"]) & (c["n_gen"] < c["max_new"])
-
-
-def _parked(c, active: jax.Array) -> jax.Array:
-  """[B] the cache pointer a forward uses per row: the row's position, or the cache length for
-  a row that is not decoding, so that every write of that row falls past the cache and is
-  dropped (a finished row or an empty slot makes no write while the others go on)."""
-  return jnp.where(active, c["pos"], c["seq"].shape[1])
+def _loop_caches(s: LoopState, scan_layers: bool) -> LoopState:
+  return s.replace(cache=_loop_cache(s.cache, scan_layers),
+                   draft_cache=_loop_cache(s.draft_cache, scan_layers))
 
 
 def _row_keys(seed_keys_B: jax.Array, pos_BT: jax.Array) -> jax.Array:
@@ -140,397 +131,283 @@ def _row_keys(seed_keys_B: jax.Array, pos_BT: jax.Array) -> jax.Array:
   return jax.vmap(position_keys)(seed_keys_B, pos_BT)
 
 
-def _ar_draw(c, out, sp) -> jax.Array:
+def _ar_draw(s: LoopState, out, sp) -> jax.Array:
   """[B, 1] the target's sample at pos + 1 from a one-token forward: what plain AR decoding
   commits there (each row's own key)."""
-  keys_B = _row_keys(c["seed_keys"], (c["pos"] + 1)[:, None])[:, 0]
+  keys_B = _row_keys(s.seed_keys_B, (s.pos_B + 1)[:, None])[:, 0]
   return sample(out.logits[:, 0], sp, keys_B)[:, None]
 
 
-def _commit(c, out, y_Bb, a_B, is_cycle: bool, verified: int, stop_ids, drafter=None,
-            draft_layers=None, fallback=None) -> dict:
-  """The carry after a target forward that commits y[r, 0..a_r] for every decoding row r (a_r
-  drafts accepted). `is_cycle` and `verified` (static) are that forward's records: a cycle or
-  not, and k + 1 when it verified k drafts after a drafter pass (0: no drafter pass). A row
-  that is not decoding commits nothing and writes nothing; a forward with NaN/inf logits at a
-  committed position commits nothing there and stops that row (`bad`)."""
-  B, S = c["seq"].shape
-  active = _active(c)
-  pos = c["pos"]
-  offs = jnp.arange(y_Bb.shape[1], dtype=jnp.int32)
-  # NaN/inf logits at a position a committed token is sampled from (positions past the
-  # accepted prefix are discarded, whatever they hold).
-  finite_Bb = jnp.all(jnp.isfinite(out.logits), axis=-1)
-  bad = active & jnp.any(~finite_Bb & (offs[None] <= a_B[:, None]), axis=-1)
-  a_B = jnp.where(bad | ~active, -1, a_B)
-  kept = a_B >= 0
-  new_pos = pos + a_B + 1
-  rows = jnp.arange(B)
-  write_at = jnp.where(active[:, None], pos[:, None] + 1 + offs[None], S)
-  seq = c["seq"].at[rows[:, None], write_at].set(y_Bb, mode="drop")
-  stop_hit = jnp.any(_is_stop(y_Bb, stop_ids) & (offs[None] <= a_B[:, None]), axis=-1)
-  fwd_at = jnp.where(active, c["forwards"], S)
-  new = dict(c, seq=seq, cache=out.cache.with_lengths(new_pos), pos=new_pos,
-             tok=jnp.where(kept, y_Bb[rows, jnp.maximum(a_B, 0)], c["tok"]),
-             n_gen=c["n_gen"] + a_B + 1, done=c["done"] | (active & (stop_hit | bad)),
-             bad=c["bad"] | bad,
-             accept=c["accept"].at[rows, fwd_at].set(a_B + 1, mode="drop"),
-             is_cycle=c["is_cycle"].at[rows, fwd_at].set(is_cycle, mode="drop"),
-             verified=c["verified"].at[rows, fwd_at].set(verified, mode="drop"),
-             forwards=c["forwards"] + kept.astype(jnp.int32))
-  if drafter is not None:
-    draft_cache = drafter.add_context(out.layer_hiddens,
-                                      c["draft_cache"].with_lengths(_parked(c, active)),
-                                      draft_layers)
-    new["draft_cache"] = draft_cache.with_lengths(new_pos)
-  if fallback is not None:
-    new.update({k: jnp.where(active, v, c[k]) for k, v in fallback(c, a_B).items()})
-  return new
+def _checked(logits_BtV: jax.Array, a_B: jax.Array, active_B: jax.Array
+             ) -> tuple[jax.Array, jax.Array]:
+  """The NaN check of a forward: (a_B with -1 where a row commits nothing, bad_B). A decoding row
+  with NaN/inf logits at a position a committed token is sampled from (positions past the
+  accepted prefix are discarded, whatever they hold) commits nothing there and is `bad`; a row
+  that is not decoding commits nothing."""
+  offs = jnp.arange(logits_BtV.shape[1], dtype=jnp.int32)
+  finite_Bt = jnp.all(jnp.isfinite(logits_BtV), axis=-1)
+  bad_B = active_B & jnp.any(~finite_Bt & (offs[None] <= a_B[:, None]), axis=-1)
+  return jnp.where(bad_B | ~active_B, -1, a_B), bad_B
 
 
-def _run(cond_rows: Callable, body: Callable, c: dict, sync_cycles: int) -> dict:
+def _commit(s: LoopState, out, y_Bt: jax.Array, a_B: jax.Array, active_B: jax.Array,
+            is_cycle: bool, verified: int, stop_ids) -> tuple[LoopState, jax.Array]:
+  """(the state after a target forward that commits y[r, 0..a_r] for every decoding row r, a_B
+  with -1 where a row committed nothing): NaN check, accept and roll back, record. `is_cycle`
+  and `verified` (static) are the forward's records (`state.ForwardRecords`)."""
+  a_B, bad_B = _checked(out.logits, a_B, active_B)
+  s = s.committed(y_Bt, a_B, active_B, bad_B, out.cache, stop_ids)
+  return s.replace(records=s.records.recorded(active_B, a_B, is_cycle, verified)), a_B
+
+
+def _run(cond_rows: Callable, body: Callable, s: LoopState, sync_cycles: int) -> LoopState:
   """Runs `body` while some row decodes (`cond_rows`), at most `sync_cycles` times when > 0
-  (then the host gets the carry back to refill finished slots), in one `while_loop`."""
+  (then the host gets the state back to refill finished slots), in one `while_loop`."""
   if sync_cycles <= 0:
-    return jax.lax.while_loop(cond_rows, body, c)
+    return jax.lax.while_loop(cond_rows, body, s)
 
-  def cond(ic):
-    return (ic[0] < sync_cycles) & cond_rows(ic[1])
+  def cond(i_s):
+    return (i_s[0] < sync_cycles) & cond_rows(i_s[1])
 
-  return jax.lax.while_loop(cond, lambda ic: (ic[0] + 1, body(ic[1])), (jnp.int32(0), c))[1]
-
-
-def slot_carry(seq_BS: jax.Array, cache: KVCache, draft_cache: KVCache | None,
-               forced_BS: jax.Array | None = None) -> dict:
-  """The carry of a batched loop with every slot empty (max_new = 0): per-row position, token,
-  counts, acceptance lengths and seed keys beside the shared buffers."""
-  B, S = seq_BS.shape
-  zeros = lambda: jnp.zeros((B,), jnp.int32)  # one buffer per field: the carry is donated
-  c = dict(seq=seq_BS, cache=cache, pos=zeros(), tok=zeros(), n_gen=zeros() + 1,
-           max_new=zeros(), done=jnp.zeros((B,), jnp.bool_), bad=jnp.zeros((B,), jnp.bool_),
-           accept=jnp.zeros((B, S), jnp.int32), is_cycle=jnp.zeros((B, S), jnp.bool_),
-           verified=jnp.zeros((B, S), jnp.int32),
-           forwards=zeros(), misses=zeros(), wait=zeros(),
-           seed_keys=jax.random.split(jax.random.key(0), B))
-  if draft_cache is not None:
-    c["draft_cache"] = draft_cache
-  if forced_BS is not None:
-    c["forced"] = forced_BS
-  return c
-
-
-def start_row(c: dict, row, first_tok, n, max_new, seed_key, stop_ids,
-              forced_S: jax.Array | None = None) -> dict:
-  """`c` with slot `row` starting a request whose prompt (n tokens) and first generated token
-  are in place: the caches' rows are the caller's to fill (`KVCache.put_rows`)."""
-  S = c["seq"].shape[1]
-  new = dict(c, seq=c["seq"].at[row, n].set(first_tok, mode="drop"),
-             pos=c["pos"].at[row].set(n), tok=c["tok"].at[row].set(first_tok),
-             n_gen=c["n_gen"].at[row].set(1), max_new=c["max_new"].at[row].set(max_new),
-             done=c["done"].at[row].set(_is_stop(first_tok, stop_ids)),
-             bad=c["bad"].at[row].set(False),
-             accept=c["accept"].at[row].set(jnp.zeros((S,), jnp.int32)),
-             is_cycle=c["is_cycle"].at[row].set(jnp.zeros((S,), jnp.bool_)),
-             verified=c["verified"].at[row].set(jnp.zeros((S,), jnp.int32)),
-             forwards=c["forwards"].at[row].set(0), misses=c["misses"].at[row].set(0),
-             wait=c["wait"].at[row].set(0), seed_keys=c["seed_keys"].at[row].set(seed_key))
-  if forced_S is not None:
-    new["forced"] = c["forced"].at[row].set(forced_S)
-  return new
+  return jax.lax.while_loop(cond, lambda i_s: (i_s[0] + 1, body(i_s[1])), (jnp.int32(0), s))[1]
 
 
 def make_insert() -> Callable:
-  """insert(carry, row, cache, draft_cache, first_tok, n, max_new, seed_key, stop_ids
-  [, forced_S]) -> carry: a request prefilled into one-sequence caches (`make_prefill`) takes
-  slot `row` of a batched carry (compiled once per carry shape; the carry is donated)."""
+  """insert(state, row, cache, draft_cache, first_tok, n, max_new, seed_key, stop_ids
+  [, forced_S]) -> state: a request prefilled into one-sequence caches (`make_prefill`) takes
+  slot `row` of a batched `LoopState` (compiled once per state shape; the state is donated)."""
 
-  def insert(c, row, cache, draft_cache, first_tok, n, max_new, seed_key, stop_ids, *forced):
-    c = start_row(c, row, first_tok, n, max_new, seed_key, stop_ids, *forced)
-    c["cache"] = c["cache"].put_rows(cache, row)
+  def insert(s, row, cache, draft_cache, first_tok, n, max_new, seed_key, stop_ids, *forced):
+    s = s.start_row(row, first_tok, n, max_new, seed_key, stop_ids, *forced)
+    s = s.replace(cache=s.cache.put_rows(cache, row))
     if draft_cache is not None:
-      c["draft_cache"] = c["draft_cache"].put_rows(draft_cache, row)
-    return c
+      s = s.replace(draft_cache=s.draft_cache.put_rows(draft_cache, row))
+    return s
 
   return insert
 
 
-def _fits(c, span: int, window: int | None) -> jax.Array:
-  """[] bool: every decoding row's next forward of `span` tokens lies inside the attention
-  window (always, without one)."""
-  if window is None:
-    return jnp.bool_(True)
-  return jnp.all(~_active(c) | (c["pos"] + span <= window))
+def make_batched_ar_loop(graphdef, opts: LoopOptions = LoopOptions()) -> Callable:
+  """ar_loop(state, loop_state, sampling, stop_ids) -> loop_state: plain AR decoding of every
+  row of a `LoopState` (rows at their own positions), until no row decodes or, with
+  `opts.sync_cycles` > 0, after that many steps.
 
-
-def make_batched_ar_loop(graphdef, scan_layers: bool = False, sync_cycles: int = 0,
-                         window: int | None = None) -> Callable:
-  """ar_loop(state, carry, sampling, stop_ids) -> carry: plain AR decoding of every row of a
-  `slot_carry` (rows at their own positions), until no row decodes or, with `sync_cycles` > 0
-  (static), after that many steps.
-
-  `window` (static): attention reads cache slots [0, window) only, and the loop returns to the
-  host before a row's next step would reach past it (the host then picks a larger window,
-  `window_for`): a step reads the live part of the cache instead of all its slots.
+  `opts.window`: attention reads cache slots [0, window) only, and the loop returns to the host
+  before a row's next step would reach past it (the host then picks a larger window,
+  `programs.window_for`): a step reads the live part of the cache instead of all its slots.
 
   `sampling`: a `sampling.SamplingParams` (or a temperature scalar) shared by the batch; each
   row draws with its own seed key at its own positions, so a row's tokens are those it gets
-  decoded alone. `scan_layers`: run the target's layers with `lax.scan` (faster to compile for
-  deep models) instead of unrolled with per-layer weights (faster per step; the default)."""
+  decoded alone. `opts.scan_layers`: run the target's layers with `lax.scan` (faster to compile
+  for deep models) instead of unrolled with per-layer weights (faster per step; the default)."""
+  window = opts.window
 
-  def ar_loop(state, c, sampling, stop_ids):
+  def ar_loop(state, s: LoopState, sampling, stop_ids) -> LoopState:
     sp = as_sampling(sampling)
     model = nnx.merge(graphdef, state)
-    layers = _layers_of(model, scan_layers)
+    layers = _layers_of(model, opts.scan_layers)
 
-    def body(c):
-      out = model(c["tok"][:, None], c["cache"].with_lengths(_parked(c, _active(c))),
-                  layers=layers, window=window)
-      y_B1 = _ar_draw(c, out, sp)
+    def body(s):
+      active_B = s.active_B()
+      out = model(s.tok_B[:, None], s.cache.with_lengths(s.pointer_B(active_B)), layers=layers,
+                  window=window)
       # Plain AR decoding is speculative decoding with block size 1: each step is a cycle that
       # drafts nothing and commits one token (τ = 1).
-      return _commit(c, out, y_B1, jnp.zeros_like(c["pos"]), True, 0, stop_ids)
+      return _commit(s, out, _ar_draw(s, out, sp), jnp.zeros_like(s.pos_B), active_B, True, 0,
+                     stop_ids)[0]
 
-    c = dict(c, cache=_loop_cache(c["cache"], scan_layers))
-    return _run(lambda c: jnp.any(_active(c)) & _fits(c, 1, window), body, c, sync_cycles)
+    s = _loop_caches(s, opts.scan_layers)
+    return _run(lambda s: jnp.any(s.active_B()) & s.fits(1, window), body, s, opts.sync_cycles)
 
   return ar_loop
 
 
-def make_batched_spec_loop(graphdef, draft_graphdef, block_size: int, scan_layers: bool = False,
-                           ar_fallback: int = 0, ar_fallback_accept: int = 1,
-                           forced_drafts: bool = False, verify: str = "exact",
-                           sync_cycles: int = 0, window: int | None = None,
-                           controller: str | None = None,
-                           controller_costs=control.DEFAULT_COSTS,
-                           controller_draft_cost: float = control.DEFAULT_DRAFT_COST,
-                           controller_poor_miss: bool = False,
-                           controller_calibration: tuple[float, ...] | None = None
-                           ) -> Callable:
-  """spec_loop(state, draft_state, carry, sampling, stop_ids) -> carry: speculative decoding of
-  every row of a `slot_carry`, each at its own position, until no row decodes or, with
-  `sync_cycles` > 0 (static), after that many cycles.
+def _forced(s: LoopState, drafted_Bk: jax.Array) -> jax.Array:
+  """The tests' perfect drafter: the forced token at each draft position where one is given
+  (>= 0), else the drafter's own. The drafter's tokens stay live, so XLA cannot drop the
+  drafter pass as dead code."""
+  k = drafted_Bk.shape[1]
+  forced_Bk = jax.vmap(lambda f, p: jax.lax.dynamic_slice_in_dim(f, p + 1, k))(s.forced_BS,
+                                                                              s.pos_B)
+  return jnp.where(forced_Bk >= 0, forced_Bk, drafted_Bk)
 
-  One cycle: the drafter proposes b-1 tokens after each row's `tok` in one pass, the target
-  verifies the rows' b tokens [tok, d_1..d_{b-1}] in one forward, the `verify` rule
-  (`verify.VERIFY_MODES`, static; applied per row with the row's seed key) decides y_0..y_a
-  (a drafts accepted; `exact`: the drafter's argmax, kept while it equals the target's own
-  sample at its position; `rejection`: drafts drawn from the drafter's distribution,
-  speculative rejection sampling at T > 0), commits them, and both caches roll back by pointer
-  to p + a + 1, row by row. The target features of block positions 0..a become drafter context.
-  `sampling`: a `sampling.SamplingParams` (or a temperature scalar) shared by the batch.
 
-  `ar_fallback` > 0 (a static bucket parameter): after a cycle that accepts at most
-  `ar_fallback_accept` drafts, a row asks for plain AR steps instead of cycles, 2, 4, 8, ... in
-  a row for consecutive poor cycles (at most `ar_fallback`), then drafts again. The batch takes
-  AR steps while every decoding row asks for them (a row alone: exactly its own schedule). An
-  AR step is one target forward over `tok` whose chosen-layer features still become drafter
-  context, so the next cycle drafts from the full context. Every token is still the target's
-  own sample at its position (same keys), so the output is unchanged; only the time differs.
-  `carry["is_cycle"]` tells cycles from AR steps (τ counts cycles only); `carry["verified"]`
-  records per forward k + 1 for a forward verifying k drafts after a drafter pass, 0 for one
-  without a drafter pass (the AR steps).
+def make_batched_spec_loop(graphdef, draft_graphdef, opts: LoopOptions) -> Callable:
+  """spec_loop(state, draft_state, loop_state, sampling, stop_ids) -> loop_state: speculative
+  decoding of every row of a `LoopState`, each at its own position, until no row decodes or,
+  with `opts.sync_cycles` > 0, after that many cycles.
 
-  `forced_drafts` (static; tests and benchmarks): the carry has `forced` [B, S], and each row
-  drafts the tokens stored there at its positions (where >= 0; elsewhere the drafter's own)
-  instead of the drafter's: a perfect drafter that still pays the drafter's full compute (its
-  tokens stay live: overwriting them outright let XLA drop the whole drafter pass as dead code
-  under `exact`). It is a separately compiled variant, so production loops carry no trace of
-  it.
-  `scan_layers`, `window`: as in `make_batched_ar_loop`, for the target and the drafter (a
-  cycle needs b slots of room, an AR step one).
+  One cycle (b = `opts.block_size`): the drafter proposes b-1 tokens after each row's `tok` in
+  one pass, the target verifies the rows' tokens [tok, d_1..d_k] in one forward (k = b-1, or
+  the controller's choice), the verify rule (`verify.RULES[opts.verify]`, applied per row with
+  the row's seed key) decides y_0..y_a (a drafts accepted; `exact`: the drafter's argmax, kept
+  while it equals the target's own sample at its position; `rejection`: drafts drawn from the
+  drafter's distribution, speculative rejection sampling at T > 0), commits them, and both
+  caches roll back by pointer to p + a + 1, row by row. The target features of block positions
+  0..a become drafter context. `sampling`: a `sampling.SamplingParams` (or a temperature
+  scalar) shared by the batch.
 
-  `controller` (static; `controller.CONTROLLERS`, None = "backoff" with `ar_fallback` > 0, else
-  "none"): "none" verifies every draft and ignores `ar_fallback`; "backoff" is the AR fallback
-  above; "confidence" verifies k of the b-1 drafts, k from `controller.verify_buckets(b)`
-  chosen per cycle (one k for the batch) by `controller.choose` with the cost table
-  `controller_costs` / `controller_draft_cost`; a cycle whose best rate is below the AR rate is a
+  The controller (`controllers.controller_of(opts)`, the loop form in effect:
+  `LoopOptions.in_effect`): `none` verifies every draft; `backoff` (`opts.ar_fallback` > 0):
+  after a cycle that accepts at most `ar_fallback_accept` drafts, a row asks for plain AR steps
+  instead of cycles, 2, 4, 8, ... in a row for consecutive poor cycles (at most `ar_fallback`),
+  then drafts again. The batch takes AR steps while every decoding row asks for them (a row
+  alone: exactly its own schedule). An AR step is one target forward over `tok` whose
+  chosen-layer features still become drafter context, so the next cycle drafts from the full
+  context. Every token is still the target's own sample at its position (same keys), so the
+  output is unchanged; only the time differs. `records.is_cycle_BS` tells cycles from AR steps
+  (τ counts cycles only); `records.verified_BS` holds k + 1 for a forward verifying k drafts
+  after a drafter pass, 0 for one without (the AR steps). `confidence` verifies k of the b-1
+  drafts, k from `controller.verify_buckets(b)` chosen per cycle (one k for the batch) by
+  `controller.choose` with the cost table; a cycle whose best rate is below the AR rate is a
   miss (with `controller_poor_miss`, also one that verified more than `ar_fallback_accept`
-  drafts and accepted at most that many), and after it the rows take AR steps without drafter
-  passes, 2, 4, ... for consecutive misses, at most `ar_fallback` (`controller.loop_form`: 16
-  when 0), the count reset by a cycle that is no miss; `controller_calibration` (acceptance
-  rates per p bin, `controller.calibrated`) replaces the drafter's p_i in the rule. "fixed:k"
-  (tests) verifies k drafts every cycle through the same machinery. Each bucket is its own
-  verify shape [B, k+1] run as a nested `while_loop` of zero or one trips (a `lax.switch` would
-  copy every cache buffer); a cycle verifying k = 0 drafts still counts as a cycle (its drafter
-  pass was paid).
+  drafts and accepted at most that many), and after it the rows take AR steps as `backoff`
+  does, at most `ar_fallback` (16 when 0). "fixed:k" (tests) verifies k drafts every cycle
+  through the same machinery. Each bucket is its own verify shape [B, k+1] run as a nested
+  `while_loop` of zero or one trips (a `lax.switch` would copy every cache buffer); a cycle
+  verifying k = 0 drafts still counts as a cycle (its drafter pass was paid).
+
+  `opts.forced_drafts` (tests and benchmarks; `exact` only): the state has `forced_BS`, and
+  each row drafts the tokens stored there at its positions (where >= 0; elsewhere the
+  drafter's own) instead of the drafter's (`_forced`): a perfect drafter that still pays the
+  drafter's full compute. It is a separately compiled variant, so production loops carry no
+  trace of it. `opts.scan_layers`, `opts.window`: as in `make_batched_ar_loop`, for the target
+  and the drafter (a cycle needs b slots of room, an AR step one).
   """
-  b = block_size
-  if ar_fallback < 0 or ar_fallback_accept < 0:
-    raise ValueError("ar_fallback and ar_fallback_accept must be >= 0")
-  controller, ar_fallback = control.loop_form(controller, ar_fallback)
-  fixed = control.fixed_k(controller, b)
-  if fixed is None:
-    control.check_controller(controller, "controller")
-  confidence = controller == "confidence"
-  buckets = control.verify_buckets(b) if (confidence or fixed is not None) else None
-  if buckets is not None:
-    costs = control.parse_costs(controller_costs, "controller_costs")
-    cost_K = control.bucket_costs(b, costs, control.check_draft_cost(controller_draft_cost))
-    ar_cost = control.verify_cost(1, costs)
-  verify_rules.check_verify_mode(verify, "verify")
-  if forced_drafts and verify != "exact":
-    raise ValueError("forced drafts are not draws from the drafter: only verify='exact'")
+  opts = opts.in_effect()
+  b, window = opts.block_size, opts.window
+  rule, ctl = verify_rules.RULES[opts.verify], controllers.controller_of(opts)
 
-  def spec_loop(state, draft_state, c, sampling, stop_ids):
+  def spec_loop(state, draft_state, s: LoopState, sampling, stop_ids) -> LoopState:
     sp = as_sampling(sampling)
-    model = nnx.merge(graphdef, state)
-    drafter = nnx.merge(draft_graphdef, draft_state)
-    layers, draft_layers = _layers_of(model, scan_layers), _layers_of(drafter, scan_layers)
-    mask_id = drafter.cfg.mask_token_id
-    layer_ids = drafter.cfg.target_layer_ids
+    model, drafter = nnx.merge(graphdef, state), nnx.merge(draft_graphdef, draft_state)
+    layers, draft_layers = _layers_of(model, opts.scan_layers), _layers_of(drafter,
+                                                                           opts.scan_layers)
+    layer_ids, mask_id = drafter.cfg.target_layer_ids, drafter.cfg.mask_token_id
 
-    def draft_tokens(c, parked):
+    # ---- the cycle: draft -> verify -> accept, roll back, record -> back off ----------------
+    def draft(s):
       """(each row's b-1 drafts after `tok` [B, b-1], the drafter's logits [B, b-1, V]): one
       drafter pass over [tok, MASK, ..., MASK]."""
-      B = parked.shape[0]
-      block_Bb = jnp.full((B, b), mask_id, jnp.int32).at[:, 0].set(c["tok"])
-      h_BbD = drafter.draft(model.embed_tokens(block_Bb), c["draft_cache"].with_lengths(parked),
-                            draft_layers, window)
+      block_Bb = jnp.full((s.tok_B.shape[0], b), mask_id, jnp.int32).at[:, 0].set(s.tok_B)
+      context = s.draft_cache.with_lengths(s.pointer_B(s.active_B()))
+      h_BbD = drafter.draft(model.embed_tokens(block_Bb), context, draft_layers, window)
       logits_BkV = model.project_to_vocab(h_BbD[:, 1:])
-      drafted = jax.vmap(lambda lg, key, p: verify_rules.propose(lg, verify, sp, key, p))(
-          logits_BkV, c["seed_keys"], c["pos"])
-      if forced_drafts:  # the forced token where one is given (>= 0), else the drafter's own:
-        # the drafter's tokens stay live, so XLA cannot drop the drafter pass as dead code
-        forced_Bk = jax.vmap(lambda f, p: jax.lax.dynamic_slice_in_dim(f, p + 1, b - 1))(
-            c["forced"], c["pos"])
-        drafted = jnp.where(forced_Bk >= 0, forced_Bk, drafted)
-      return drafted.astype(jnp.int32), logits_BkV
+      drafted_Bk = rule.propose(logits_BkV, sp, s.seed_keys_B, s.pos_B)
+      if opts.forced_drafts:
+        drafted_Bk = _forced(s, drafted_Bk)
+      return drafted_Bk.astype(jnp.int32), logits_BkV
 
-    def backed_off(c, miss_B):
-      """Each row's consecutive misses after this cycle and the AR steps it asks for (the
-      back-off schedule; a cycle that is no miss resets both)."""
-      misses = jnp.where(miss_B, c["misses"] + 1, 0)
-      return dict(misses=misses,
-                  wait=jnp.where(miss_B, control.backoff_steps(misses, ar_fallback), 0))
+    def forward(s, tokens_Bt):
+      """(the target's output over each decoding row's tokens at pos.., active_B, the cache
+      pointers it wrote at); rows not decoding write nothing."""
+      active_B = s.active_B()
+      pointer_B = s.pointer_B(active_B)
+      out = model(tokens_Bt, s.cache.with_lengths(pointer_B), layer_ids, layers=layers,
+                  window=window)
+      return out, active_B, pointer_B
 
-    def fallback_after(c, a_B):
-      """`backoff`: a cycle accepting at most `ar_fallback_accept` drafts is a miss."""
-      return backed_off(c, a_B <= ar_fallback_accept)
+    def commit(s, out, y_Bt, a_B, active_B, pointer_B, is_cycle: bool, verified: int):
+      """`_commit`, and the forward's features become drafter context up to the new position."""
+      new, a_B = _commit(s, out, y_Bt, a_B, active_B, is_cycle, verified, stop_ids)
+      context = drafter.add_context(out.layer_hiddens, s.draft_cache.with_lengths(pointer_B),
+                                    draft_layers)
+      return new.replace(draft_cache=context.with_lengths(new.pos_B)), a_B
 
-    def skip_after(draft_next, k: int):
-      """The `fallback` of a confidence cycle verifying k drafts: each row's consecutive misses
-      (the controller declined to draft next, or with `controller_poor_miss` the cycle verified
-      more than `ar_fallback_accept` drafts and accepted at most that many) and the AR steps
-      without drafter passes it asks for."""
-      def after(c, a_B):
-        miss = ~draft_next | jnp.zeros_like(a_B, jnp.bool_)
-        if controller_poor_miss and k > ar_fallback_accept:
-          miss = miss | (a_B <= ar_fallback_accept)
-        return backed_off(c, miss)
-      return after
-
-    def verify_k(c, k, draft_Bk, draft_logits_BkV, fallback=None):
-      """The carry after the target verifies each row's first k drafts ([B, k+1] tokens, one
-      forward) and commits what the `verify` rule keeps."""
-      verify_Bt = jnp.concatenate([c["tok"][:, None], draft_Bk[:, :k]], axis=1)
-      out = model(verify_Bt, c["cache"].with_lengths(_parked(c, _active(c))), layer_ids,
-                  layers=layers, window=window)
+    def verify_k(s, k: int, draft_Bk, draft_logits_BkV, draft_next):
+      """The state after the target verifies each row's first k drafts ([B, k+1] tokens, one
+      forward) and commits what the rule keeps; a miss asks for AR steps."""
+      out, active_B, pointer_B = forward(
+          s, jnp.concatenate([s.tok_B[:, None], draft_Bk[:, :k]], axis=1))
       if k == 0:  # the AR step's own draw at pos + 1 under either verify rule
-        y_Bt, a_B = _ar_draw(c, out, sp), jnp.zeros_like(c["pos"])
+        y_Bt, a_B = _ar_draw(s, out, sp), jnp.zeros_like(s.pos_B)
       else:
-        y_Bt, a_B = jax.vmap(
-            lambda tl, dl, d, key, p: verify_rules.verify(tl, dl, d, verify, sp, key, p))(
-                out.logits, draft_logits_BkV[:, :k], draft_Bk[:, :k], c["seed_keys"], c["pos"])
-      return _commit(c, out, y_Bt, a_B, True, k + 1, stop_ids, drafter, draft_layers, fallback)
+        y_Bt, a_B = rule.verify(out.logits, draft_logits_BkV[:, :k], draft_Bk[:, :k], sp,
+                                s.seed_keys_B, s.pos_B)
+      new, a_B = commit(s, out, y_Bt, a_B, active_B, pointer_B, True, k + 1)
+      if ctl.cap:
+        new = new.backed_off(ctl.miss_B(k, a_B, draft_next), active_B, ctl.cap)
+      return new
 
-    def spec_cycle(c):
-      """The paper's cycle: every row's whole block verified in one target forward."""
-      draft_Bk, draft_logits_BkV = draft_tokens(c, _parked(c, _active(c)))
-      return verify_k(c, b - 1, draft_Bk, draft_logits_BkV,
-                      fallback_after if ar_fallback else None)
+    def cycle(s):
+      """Draft, let the controller pick k, verify k: with several buckets, one nested loop of
+      zero or one trips per bucket (exactly one runs)."""
+      draft_Bk, draft_logits_BkV = draft(s)
+      idx, draft_next = ctl.choose(draft_logits_BkV, draft_Bk, s.active_B())
+      if len(ctl.buckets) == 1:
+        return verify_k(s, ctl.buckets[0], draft_Bk, draft_logits_BkV, draft_next)
+      for i, k in enumerate(ctl.buckets):
+        run = lambda t, k=k: (jnp.bool_(False),
+                              verify_k(t[1], k, draft_Bk, draft_logits_BkV, draft_next))
+        s = jax.lax.while_loop(lambda t: t[0], run, (idx == i, s))[1]
+      return s
+    # ------------------------------------------------------------------------------------------
 
-    def controlled_cycle(c):
-      """One cycle verifying the bucket the controller picks (one nested loop per bucket,
-      exactly one of which runs once)."""
-      active = _active(c)
-      draft_Bk, draft_logits_BkV = draft_tokens(c, _parked(c, active))
-      if fixed is not None:
-        idx, draft_next = jnp.int32(buckets.index(fixed)), jnp.bool_(True)
-      else:
-        p_Bk = control.calibrated(control.drafted_probs(draft_logits_BkV, draft_Bk),
-                                  controller_calibration)
-        idx, draft_next = control.choose(p_Bk, active, buckets, cost_K, ar_cost)
-      for i, k in enumerate(buckets):
-        after = skip_after(draft_next, k) if confidence else None
-        run = lambda s, k=k, after=after: (
-            jnp.bool_(False), verify_k(s[1], k, draft_Bk, draft_logits_BkV, after))
-        c = jax.lax.while_loop(lambda s: s[0], run, (idx == i, c))[1]
-      return c
+    def ar_step(s):
+      """A fallback AR step: the target over `tok` alone, no drafter pass."""
+      out, active_B, pointer_B = forward(s, s.tok_B[:, None])
+      new, _ = commit(s, out, _ar_draw(s, out, sp), jnp.zeros_like(s.pos_B), active_B,
+                      pointer_B, False, 0)
+      return new.replace(wait_B=jnp.where(active_B, s.wait_B - 1, s.wait_B))
 
-    def ar_step(c):
-      out = model(c["tok"][:, None], c["cache"].with_lengths(_parked(c, _active(c))),
-                  layer_ids, layers=layers, window=window)
-      return _commit(c, out, _ar_draw(c, out, sp), jnp.zeros_like(c["pos"]), False, 0,
-                     stop_ids, drafter, draft_layers, lambda c, a: dict(wait=c["wait"] - 1))
+    def wants_ar(s):
+      active_B = s.active_B()
+      return jnp.any(active_B) & jnp.all(~active_B | (s.wait_B > 0)) & s.fits(1, window)
 
-    def wants_ar(c):
-      active = _active(c)
-      return jnp.any(active) & jnp.all(~active | (c["wait"] > 0)) & _fits(c, 1, window)
+    def body(s):
+      s = cycle(s)
+      if not ctl.cap:
+        return s
+      # The AR steps the rows' misses asked for, as a nested loop (zero trips otherwise): a
+      # `lax.cond` between a cycle and a step would copy every cache buffer at every step.
+      return jax.lax.while_loop(wants_ar, ar_step, s)
 
-    def body(c):
-      c = spec_cycle(c) if buckets is None else controlled_cycle(c)
-      if ar_fallback == 0 and not confidence:
-        return c
-      # The AR steps the rows' poor cycles asked for, as a nested loop (zero trips otherwise):
-      # a `lax.cond` between a cycle and a step would copy every cache buffer at every step.
-      return jax.lax.while_loop(wants_ar, ar_step, c)
-
-    c = dict(c, cache=_loop_cache(c["cache"], scan_layers),
-             draft_cache=_loop_cache(c["draft_cache"], scan_layers))
-    return _run(lambda c: jnp.any(_active(c)) & _fits(c, b, window), body, c, sync_cycles)
+    s = _loop_caches(s, opts.scan_layers)
+    return _run(lambda s: jnp.any(s.active_B()) & s.fits(b, window), body, s, opts.sync_cycles)
 
   return spec_loop
 
 
-def _single(c: dict) -> LoopOut:
-  """The LoopOut of a one-row carry (stacked caches, as callers outside the loops expect)."""
-  return LoopOut(c["seq"], c["n_gen"][0], c["accept"][0], c["is_cycle"][0], c["verified"][0],
-                 c["forwards"][0], c["bad"][0], c["cache"].stacked(),
-                 c["draft_cache"].stacked() if "draft_cache" in c else None)
+def _single(s: LoopState) -> LoopOut:
+  """The LoopOut of a one-row state (stacked caches, as callers outside the loops expect)."""
+  r = s.records
+  return LoopOut(s.seq_BS, s.n_gen_B[0], r.accept_BS[0], r.is_cycle_BS[0], r.verified_BS[0],
+                 r.forwards_B[0], s.bad_B[0], s.cache.stacked(),
+                 None if s.draft_cache is None else s.draft_cache.stacked())
 
 
 def _one_row(seq_1S, cache, draft_cache, first_tok, n, max_new, seed_key, stop_ids,
-             forced_1S=None) -> dict:
-  c = slot_carry(seq_1S, cache, draft_cache, forced_1S)
-  return start_row(c, 0, first_tok, n, max_new, seed_key, stop_ids,
-                   None if forced_1S is None else forced_1S[0])
+             forced_1S=None) -> LoopState:
+  s = LoopState.empty(seq_1S, cache, draft_cache, forced_1S)
+  return s.start_row(0, first_tok, n, max_new, seed_key, stop_ids,
+                     None if forced_1S is None else forced_1S[0])
 
 
-def make_ar_loop(graphdef, scan_layers: bool = False) -> Callable:
+def make_ar_loop(graphdef, opts: LoopOptions = LoopOptions()) -> Callable:
   """ar_loop(state, seq, cache, first_tok, n, max_new, sampling, seed_key, stop_ids) -> LoopOut:
-  one request, `make_batched_ar_loop` on a one-row carry. `sampling`: a
-  `sampling.SamplingParams` (or a temperature scalar)."""
-  batched = make_batched_ar_loop(graphdef, scan_layers)
+  one request, `make_batched_ar_loop` on a one-row state. `sampling`: a
+  `sampling.SamplingParams` (or a temperature scalar). `opts.window`: attend over cache slots
+  [0, window) only; the request must fit in it (the loop stops at its end)."""
+  batched = make_batched_ar_loop(graphdef, opts)
 
   def ar_loop(state, seq_1S, cache, first_tok, n, max_new, sampling, seed_key, stop_ids):
-    c = _one_row(seq_1S, cache, None, first_tok, n, max_new, seed_key, stop_ids)
-    return _single(batched(state, c, sampling, stop_ids))
+    s = _one_row(seq_1S, cache, None, first_tok, n, max_new, seed_key, stop_ids)
+    return _single(batched(state, s, sampling, stop_ids))
 
   return ar_loop
 
 
-def make_spec_loop(graphdef, draft_graphdef, block_size: int, scan_layers: bool = False,
-                   ar_fallback: int = 0, ar_fallback_accept: int = 1,
-                   forced_drafts: bool = False, verify: str = "exact",
-                   controller: str | None = None, controller_costs=control.DEFAULT_COSTS,
-                   controller_draft_cost: float = control.DEFAULT_DRAFT_COST,
-                   controller_poor_miss: bool = False,
-                   controller_calibration: tuple[float, ...] | None = None) -> Callable:
+def make_spec_loop(graphdef, draft_graphdef, opts: LoopOptions) -> Callable:
   """spec_loop(state, draft_state, seq, cache, draft_cache, first_tok, n, max_new, sampling,
   seed_key, stop_ids[, forced_seq]) -> LoopOut: one request, `make_batched_spec_loop` (see it
-  for the cycle, the fallback, the controller and forced drafts) on a one-row carry;
+  for the cycle, the controllers, forced drafts and the window) on a one-row state;
   `forced_seq` [1, S]."""
-  batched = make_batched_spec_loop(graphdef, draft_graphdef, block_size, scan_layers,
-                                   ar_fallback, ar_fallback_accept, forced_drafts, verify,
-                                   controller=controller, controller_costs=controller_costs,
-                                   controller_draft_cost=controller_draft_cost,
-                                   controller_poor_miss=controller_poor_miss,
-                                   controller_calibration=controller_calibration)
+  batched = make_batched_spec_loop(graphdef, draft_graphdef, opts)
 
   def spec_loop(state, draft_state, seq_1S, cache, draft_cache, first_tok, n, max_new,
                 sampling, seed_key, stop_ids, *forced):
-    c = _one_row(seq_1S, cache, draft_cache, first_tok, n, max_new, seed_key, stop_ids,
+    s = _one_row(seq_1S, cache, draft_cache, first_tok, n, max_new, seed_key, stop_ids,
                  forced[0] if forced else None)
-    return _single(batched(state, draft_state, c, sampling, stop_ids))
+    return _single(batched(state, draft_state, s, sampling, stop_ids))
 
   return spec_loop

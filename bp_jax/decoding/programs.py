@@ -15,19 +15,19 @@ import time
 import jax
 import jax.numpy as jnp
 
-from bp_jax.decoding import controller as control
 from bp_jax.decoding import loops
 from bp_jax.decoding.compiled import CompiledCache
+from bp_jax.decoding.options import LoopOptions
 
 WARMUP_TOKENS = 16  # new tokens of a loop's untimed first run
 
 
-def _placements_of(carry: dict):
-  """The carry's own shardings when it is placed on a mesh (a batched carry goes back into the
-  programs that returned it, so it must come out placed as it went in), else None (XLA's
+def _placements_of(state):
+  """The loop state's own shardings when it is placed on a mesh (a batched state goes back into
+  the programs that returned it, so it must come out placed as it went in), else None (XLA's
   choice, one device)."""
   from jax.sharding import NamedSharding
-  shardings = jax.tree.map(lambda x: getattr(x, "sharding", None), carry)
+  shardings = jax.tree.map(lambda x: getattr(x, "sharding", None), state)
   if any(isinstance(s, NamedSharding) for s in jax.tree.leaves(shardings)):
     return shardings
   return None
@@ -46,6 +46,25 @@ def window_buckets(max_len: int) -> tuple[int, ...]:
   return tuple(out) + (max_len,)
 
 
+def request_windows(max_len: int) -> tuple[int, ...]:
+  """The attention windows of the one-request loops: MIN_WINDOW * 2^k and 1.5x those below
+  max_len, then max_len (at most about 2 log2(max_len / MIN_WINDOW) + 1 programs per loop).
+  Steps of at most 1.5x keep a request's window within 1.5x of the cache it needs."""
+  out, w = set(), MIN_WINDOW
+  while w < max_len:
+    out.update(x for x in (w, w * 3 // 2) if x < max_len)
+    w *= 2
+  return tuple(sorted(out)) + (max_len,)
+
+
+def request_window(extent: int, max_len: int) -> int | None:
+  """The window of a one-request loop whose request never writes at or past slot `extent` (its
+  prompt, max_new_tokens and one block of room): the smallest of `request_windows` that holds
+  it; None (all slots) when that is max_len."""
+  w = next((w for w in request_windows(max_len) if w >= extent), max_len)
+  return None if w >= max_len else w
+
+
 def window_for(max_pos: int, block_size: int, sync_cycles: int, max_len: int) -> int | None:
   """The window of a batched loop call whose furthest decoding row is at `max_pos`: room for
   about half of `sync_cycles` full cycles (the loop returns early when a row reaches the
@@ -59,25 +78,15 @@ def window_for(max_pos: int, block_size: int, sync_cycles: int, max_len: int) ->
 
 
 class LoopPrograms:
-  """Builds, caches and warms the jitted functions of one (target, drafter, loop form)."""
+  """Builds, caches and warms the jitted functions of one (target, drafter, loop form).
 
-  def __init__(self, t_graph, d_graph, *, scan_layers: bool, ar_fallback: int,
-               ar_fallback_accept: int, verify: str = "exact", controller: str = "backoff",
-               controller_costs=control.DEFAULT_COSTS,
-               controller_draft_cost: float = control.DEFAULT_DRAFT_COST,
-               controller_poor_miss: bool = False,
-               controller_calibration: tuple[float, ...] | None = None):
+  `options`: the engine-wide `LoopOptions`, in effect (`LoopOptions.in_effect`); each compiled
+  loop's own options add its bucket (`LoopOptions.for_loop`), whose `key` names it in `cache`.
+  """
+
+  def __init__(self, t_graph, d_graph, options: LoopOptions = LoopOptions()):
     self.t_graph, self.d_graph = t_graph, d_graph
-    self.verify = verify
-    self.scan_layers = bool(scan_layers)
-    # The loop form in effect (`controller.loop_form`).
-    self.controller, self.ar_fallback = control.loop_form(controller, ar_fallback)
-    self.ar_fallback_accept = int(ar_fallback_accept)
-    self.controller_costs = tuple(float(c) for c in controller_costs)
-    self.controller_draft_cost = float(controller_draft_cost)
-    self.controller_poor_miss = bool(controller_poor_miss)
-    self.controller_calibration = (None if controller_calibration is None
-                                   else tuple(float(r) for r in controller_calibration))
+    self.options = options.in_effect()
     self.cache = CompiledCache()
     self.warmup_seconds: dict[tuple, float] = {}  # loop key -> its untimed first run (s)
 
@@ -88,62 +97,45 @@ class LoopPrograms:
     return self.cache.get(key, lambda: loops.make_prefill(self.t_graph, self.d_graph, p_graph),
                           args, donate_argnums=(4, 5))
 
-  def loop_key(self, block_size: int, forced: bool = False) -> tuple:
-    if block_size == 1:
-      return ("ar_loop", 1)
-    return ("spec_loop_forced" if forced else "spec_loop", block_size)
+  def loop_key(self, block_size: int, forced: bool = False, window: int | None = None) -> tuple:
+    return self.options.for_loop(block_size, forced, window=window).key()
 
-  def loop(self, block_size: int, args: tuple, forced: bool = False):
-    """The compiled decode loop of a block size (1 = plain AR) for `args`."""
-    key = self.loop_key(block_size, forced)
+  def loop(self, block_size: int, args: tuple, forced: bool = False,
+           window: int | None = None):
+    """The compiled decode loop of a block size (1 = plain AR) for `args`, attending over cache
+    slots [0, window) (None: all; `request_window`)."""
+    opts = self.options.for_loop(block_size, forced, window=window)
     if block_size == 1:
-      return self.cache.get(key, lambda: loops.make_ar_loop(self.t_graph, self.scan_layers),
+      return self.cache.get(opts.key(), lambda: loops.make_ar_loop(self.t_graph, opts),
                             args, donate_argnums=(1, 2))
-    make = lambda: loops.make_spec_loop(self.t_graph, self.d_graph, block_size, self.scan_layers,
-                                        self.ar_fallback, self.ar_fallback_accept,
-                                        forced_drafts=forced,
-                                        verify="exact" if forced else self.verify,
-                                        **self.controller_options())
-    return self.cache.get(key, make, args, donate_argnums=(2, 3, 4))
+    return self.cache.get(opts.key(),
+                          lambda: loops.make_spec_loop(self.t_graph, self.d_graph, opts),
+                          args, donate_argnums=(2, 3, 4))
 
   def batched_loop(self, block_size: int, batch: int, sync_cycles: int, window: int | None,
                    args: tuple, forced: bool = False):
-    """The compiled batched loop (`loops.make_batched_*_loop`) of a block size for a carry of
+    """The compiled batched loop (`loops.make_batched_*_loop`) of a block size for a state of
     `batch` rows, returning to the host every `sync_cycles` cycles (0: when no row decodes),
     attending over `window` cache slots (None: all); compiled once per (block size, batch,
     sync_cycles, window bucket)."""
-    key = self.batched_loop_key(block_size, batch, sync_cycles, window, forced)
+    opts = self.options.for_loop(block_size, forced, sync_cycles, window)
     if block_size == 1:
-      return self.cache.get(
-          key, lambda: loops.make_batched_ar_loop(self.t_graph, self.scan_layers, sync_cycles,
-                                                  window),
-          args, donate_argnums=(1,), out_shardings=_placements_of(args[1]))
-    make = lambda: loops.make_batched_spec_loop(
-        self.t_graph, self.d_graph, block_size, self.scan_layers, self.ar_fallback,
-        self.ar_fallback_accept, forced_drafts=forced, verify="exact" if forced else self.verify,
-        sync_cycles=sync_cycles, window=window, **self.controller_options())
-    return self.cache.get(key, make, args, donate_argnums=(2,),
+      return self.cache.get(opts.key(batch), lambda: loops.make_batched_ar_loop(self.t_graph, opts),
+                            args, donate_argnums=(1,), out_shardings=_placements_of(args[1]))
+    make = lambda: loops.make_batched_spec_loop(self.t_graph, self.d_graph, opts)
+    return self.cache.get(opts.key(batch), make, args, donate_argnums=(2,),
                           out_shardings=_placements_of(args[2]))
-
-  def controller_options(self) -> dict:
-    """The speculative loops' controller keyword arguments (`loops.make_batched_spec_loop`)."""
-    return dict(controller=self.controller, controller_costs=self.controller_costs,
-                controller_draft_cost=self.controller_draft_cost,
-                controller_poor_miss=self.controller_poor_miss,
-                controller_calibration=self.controller_calibration)
 
   def batched_loop_key(self, block_size: int, batch: int, sync_cycles: int,
                        window: int | None, forced: bool = False) -> tuple:
-    name = "batch_ar_loop" if block_size == 1 else (
-        "batch_spec_loop_forced" if forced else "batch_spec_loop")
-    return (name, block_size, batch, sync_cycles, window or "all")
+    return self.options.for_loop(block_size, forced, sync_cycles, window).key(batch)
 
   def insert(self, args: tuple):
-    """The compiled slot insertion (`loops.make_insert`) for a carry's shapes."""
-    c = args[0]
-    key = ("insert", c["seq"].shape[0], "draft_cache" in c, "forced" in c)
+    """The compiled slot insertion (`loops.make_insert`) for a state's shapes."""
+    s = args[0]
+    key = ("insert", s.seq_BS.shape[0], s.draft_cache is not None, s.forced_BS is not None)
     return self.cache.get(key, loops.make_insert, args, donate_argnums=(0,),
-                          out_shardings=_placements_of(c))
+                          out_shardings=_placements_of(s))
 
   def warm_batched(self, key: tuple, fn, args: tuple) -> None:
     """Runs a batched loop once, untimed, on a copy of an idle carry (no row decodes: the first
@@ -154,14 +146,15 @@ class LoopPrograms:
     jax.block_until_ready(fn(*jax.tree.map(jnp.copy, args)))
     self.warmup_seconds[key] = time.perf_counter() - t0
 
-  def warm(self, block_size: int, args: tuple, forced: bool = False) -> None:
+  def warm(self, block_size: int, args: tuple, forced: bool = False,
+           window: int | None = None) -> None:
     """Runs a loop once, untimed, on copies of `args` (its buffers are donated; the caller caps
     max_new at WARMUP_TOKENS), the first time the loop is used; compiles it first, outside the
     warm-up clock."""
-    key = self.loop_key(block_size, forced)
+    key = self.loop_key(block_size, forced, window)
     if key in self.warmup_seconds:
       return
-    fn = self.loop(block_size, args, forced)
+    fn = self.loop(block_size, args, forced, window)
     t0 = time.perf_counter()
     jax.block_until_ready(fn(*jax.tree.map(jnp.copy, args)))
     self.warmup_seconds[key] = time.perf_counter() - t0

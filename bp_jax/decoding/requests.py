@@ -36,12 +36,13 @@ def check_sampling(temperature: float, top_k: int = 0, top_p: float = 1.0,
     raise BadInputError(f"--config.min_p={min_p} must be in [0, 1) (0 = off)")
 
 
-def check_batching(batch_size: int, sync_cycles: int) -> None:
-  """--config.batch_size >= 1 slots per bucket; --config.sync_cycles >= 0 (0 = static)."""
+def check_batching(batch_size: int, sync_cycles: int, prefix: str = "--config.") -> None:
+  """batch_size >= 1 slots per bucket; sync_cycles >= 0 (0 = static); errors name
+  `{prefix}batch_size` / `{prefix}sync_cycles` ('' for the library's parameters)."""
   if isinstance(batch_size, bool) or int(batch_size) != batch_size or batch_size < 1:
-    raise BadInputError(f"--config.batch_size={batch_size} must be an integer >= 1")
+    raise BadInputError(f"{prefix}batch_size={batch_size} must be an integer >= 1")
   if isinstance(sync_cycles, bool) or int(sync_cycles) != sync_cycles or sync_cycles < 0:
-    raise BadInputError(f"--config.sync_cycles={sync_cycles} must be an integer >= 0 "
+    raise BadInputError(f"{prefix}sync_cycles={sync_cycles} must be an integer >= 0 "
                         "(0 = a batch runs until all its rows finish)")
 
 

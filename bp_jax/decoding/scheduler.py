@@ -1,7 +1,7 @@
 """Continuous batching per block-size bucket: many requests through the batched loops.
 
-Each block size in use (a bucket) has a batched carry of `batch_size` slots
-(`loops.slot_carry`), decoded by its compiled batched loop. The host:
+Each block size in use (a bucket) has a batched loop state of `batch_size` slots
+(`state.LoopState`), decoded by its compiled batched loop. The host:
 
 1. prefills requests in arrival order, each into one-sequence staging caches (the prefill runs
    the block-size policy when the request's size is learned, so its bucket is known only then);
@@ -9,7 +9,7 @@ Each block size in use (a bucket) has a batched carry of `batch_size` slots
    `batch_size` prefilled requests wait for a slot at any time (their staging caches are the
    memory this holds beyond the slots);
 2. moves prefilled requests into free slots of their bucket (`loops.make_insert`: a slot-sized
-   copy into the donated carry), oldest first;
+   copy into the donated state), oldest first;
 3. runs the bucket with the most requests in flight (ties: the smallest block size) for
    `sync_cycles` cycles (0: until none of its rows decodes: static batching) in one call,
    attending over the smallest window of cache slots (`programs.window_buckets`) with room for
@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from bp_jax.decoding.generation import Generation, generation_of
+from bp_jax.decoding.state import LoopState
 
 
 @dataclasses.dataclass
@@ -62,9 +63,9 @@ class _Staged:
 
 
 class _Bucket:
-  """The slots of one block size: its batched carry and which request each row holds."""
+  """The slots of one block size: its batched loop state and which request each row holds."""
 
-  def __init__(self, carry: dict, batch: int):
+  def __init__(self, carry: LoopState, batch: int):
     self.carry = carry
     self.rows: list[_Staged | None] = [None] * batch
 
@@ -121,7 +122,7 @@ class Scheduler:
         fn, args = self.engine.insert_program(bucket.carry, row, staged.req, staged.pre)
         t0 = time.perf_counter()
         bucket.carry = fn(*args)
-        jax.block_until_ready(bucket.carry["pos"])
+        jax.block_until_ready(bucket.carry.pos_B)
         staged.prefill_s += time.perf_counter() - t0
         bucket.rows[row] = staged
         self.pool.append((staged.pre.cache, staged.pre.draft_cache))
@@ -131,7 +132,7 @@ class Scheduler:
     b, bucket = max(((b, k) for b, k in self.buckets.items() if k.live()),
                     key=lambda bk: (bk[1].live(), -bk[0]))
     c = bucket.carry
-    n_gen, done, max_new, pos = jax.device_get((c["n_gen"], c["done"], c["max_new"], c["pos"]))
+    n_gen, done, max_new, pos = jax.device_get((c.n_gen_B, c.done_B, c.max_new_B, c.pos_B))
     decoding = [i for i, r in enumerate(bucket.rows)
                 if r is not None and not done[i] and n_gen[i] < max_new[i]]
     if decoding:
@@ -139,7 +140,7 @@ class Scheduler:
                                            max_pos=int(max(pos[i] for i in decoding)))
       t0 = time.perf_counter()
       bucket.carry = fn(*args)
-      jax.block_until_ready(bucket.carry["pos"])
+      jax.block_until_ready(bucket.carry.pos_B)
       share = (time.perf_counter() - t0) / len(decoding)
       for i in decoding:
         bucket.rows[i].decode_s += share
@@ -147,13 +148,14 @@ class Scheduler:
 
   def _collect(self, bucket: _Bucket) -> None:
     c = bucket.carry
-    n_gen, done, max_new = jax.device_get((c["n_gen"], c["done"], c["max_new"]))
+    n_gen, done, max_new = jax.device_get((c.n_gen_B, c.done_B, c.max_new_B))
     for i, staged in enumerate(bucket.rows):
       if staged is None or not (done[i] or n_gen[i] >= max_new[i]):
         continue
+      r = c.records
       seq, accept, is_cycle, verified, forwards, bad = jax.device_get(
-          (c["seq"][i], c["accept"][i], c["is_cycle"][i], c["verified"][i], c["forwards"][i],
-           c["bad"][i]))
+          (c.seq_BS[i], r.accept_BS[i], r.is_cycle_BS[i], r.verified_BS[i], r.forwards_B[i],
+           c.bad_B[i]))
       self.results[staged.req.index] = self._generation(staged, seq, accept, is_cycle, verified,
                                                         int(forwards), int(n_gen[i]), bool(bad))
       bucket.rows[i] = None

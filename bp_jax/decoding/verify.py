@@ -36,7 +36,7 @@ from bp_jax.decoding.sampling import (SamplingParams, draw, first_argmax, positi
                                       processed_logits, sample)
 from bp_jax.errors import BadInputError
 
-VERIFY_MODES = ("exact", "rejection")
+VERIFY_MODES = ("exact", "rejection")  # the names of `RULES`
 
 # Stream ids folded into the seed key (far above any position, which are the target stream's
 # own fold-ins).
@@ -98,37 +98,82 @@ def rejection_sample(target_logits_bV: jax.Array, draft_logits_kV: jax.Array, dr
   return y.at[a].set(jnp.where(a == b - 1, bonus, residual)), a
 
 
-def propose(draft_logits_kV: jax.Array, mode: str, sp: SamplingParams, seed_key: jax.Array,
-            pos: jax.Array) -> jax.Array:
-  """The cycle's b-1 drafts at positions pos+1..: the drafter's argmax, or (`rejection` at
-  T > 0) draws from its processed distribution."""
-  if mode == "exact":
+class VerifyRule:
+  """A verify rule as the speculative loop calls it, on a batch: each row r with its own seed
+  key and position. `propose` gives the cycle's drafts from the drafter's logits; `verify`
+  gives (y [B, b], a [B]): row r commits y[r, :a_r + 1] (a_r drafts accepted)."""
+  name: str
+
+  def propose_row(self, draft_logits_kV, sp: SamplingParams, seed_key, pos) -> jax.Array:
+    raise NotImplementedError
+
+  def verify_row(self, target_logits_bV, draft_logits_kV, draft_k, sp: SamplingParams, seed_key,
+                 pos) -> tuple[jax.Array, jax.Array]:
+    raise NotImplementedError
+
+  def propose(self, draft_logits_BkV: jax.Array, sp: SamplingParams, seed_keys_B: jax.Array,
+              pos_B: jax.Array) -> jax.Array:
+    return jax.vmap(lambda lg, key, p: self.propose_row(lg, sp, key, p))(
+        draft_logits_BkV, seed_keys_B, pos_B)
+
+  def verify(self, target_logits_BbV: jax.Array, draft_logits_BkV: jax.Array,
+             draft_Bk: jax.Array, sp: SamplingParams, seed_keys_B: jax.Array, pos_B: jax.Array
+             ) -> tuple[jax.Array, jax.Array]:
+    return jax.vmap(lambda tl, dl, d, key, p: self.verify_row(tl, dl, d, sp, key, p))(
+        target_logits_BbV, draft_logits_BkV, draft_Bk, seed_keys_B, pos_B)
+
+
+class ExactMatch(VerifyRule):
+  """`exact`: the drafter's argmax, kept while it equals the target's own sample there."""
+  name = "exact"
+
+  def propose_row(self, draft_logits_kV, sp, seed_key, pos):
     return first_argmax(draft_logits_kV)
 
-  def drawn(logits):
-    draft_pos = pos + 1 + jnp.arange(logits.shape[0])
-    return draw(processed_logits(logits, sp),
-                position_keys(stream_key(seed_key, DRAFT_STREAM), draft_pos))
+  def verify_row(self, target_logits_bV, draft_logits_kV, draft_k, sp, seed_key, pos):
+    return exact_match(target_logits_bV, draft_k, sp, seed_key, pos)
 
-  return jax.lax.cond(sp.temperature > 0, drawn, first_argmax, draft_logits_kV)
+
+class RejectionSampling(VerifyRule):
+  """`rejection`: at T > 0 drafts drawn from the drafter's processed distribution and
+  speculative rejection sampling; at T = 0 the greedy rule of `exact`."""
+  name = "rejection"
+
+  def propose_row(self, draft_logits_kV, sp, seed_key, pos):
+    def drawn(logits):
+      draft_pos = pos + 1 + jnp.arange(logits.shape[0])
+      return draw(processed_logits(logits, sp),
+                  position_keys(stream_key(seed_key, DRAFT_STREAM), draft_pos))
+
+    return jax.lax.cond(sp.temperature > 0, drawn, first_argmax, draft_logits_kV)
+
+  def verify_row(self, target_logits_bV, draft_logits_kV, draft_k, sp, seed_key, pos):
+    def rejection(args):
+      return rejection_sample(*args, sp, seed_key, pos)
+
+    def greedy(args):
+      target_logits, _, draft = args
+      return exact_match(target_logits, draft, sp, seed_key, pos)
+
+    return jax.lax.cond(sp.temperature > 0, rejection, greedy,
+                        (target_logits_bV, draft_logits_kV, draft_k))
+
+
+RULES: dict[str, VerifyRule] = {r.name: r for r in (ExactMatch(), RejectionSampling())}
+
+
+def propose(draft_logits_kV: jax.Array, mode: str, sp: SamplingParams, seed_key: jax.Array,
+            pos: jax.Array) -> jax.Array:
+  """The cycle's b-1 drafts at positions pos+1.. of one row under `mode` (`VERIFY_MODES`): the
+  drafter's argmax, or (`rejection` at T > 0) draws from its processed distribution."""
+  return RULES[mode].propose_row(draft_logits_kV, sp, seed_key, pos)
 
 
 def verify(target_logits_bV: jax.Array, draft_logits_kV: jax.Array, draft_k: jax.Array,
            mode: str, sp: SamplingParams, seed_key: jax.Array, pos: jax.Array
            ) -> tuple[jax.Array, jax.Array]:
-  """(y [b], a) of the cycle at `pos` under `mode` (`VERIFY_MODES`); T = 0 is always greedy."""
-  if mode == "exact":
-    return exact_match(target_logits_bV, draft_k, sp, seed_key, pos)
-
-  def rejection(args):
-    return rejection_sample(*args, sp, seed_key, pos)
-
-  def greedy(args):
-    target_logits, _, draft = args
-    return exact_match(target_logits, draft, sp, seed_key, pos)
-
-  return jax.lax.cond(sp.temperature > 0, rejection, greedy,
-                      (target_logits_bV, draft_logits_kV, draft_k))
+  """(y [b], a) of one row's cycle at `pos` under `mode`; T = 0 is always greedy."""
+  return RULES[mode].verify_row(target_logits_bV, draft_logits_kV, draft_k, sp, seed_key, pos)
 
 
 def same_tokens_as_ar(mode: str, temperature: float) -> bool:

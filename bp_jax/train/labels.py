@@ -282,14 +282,15 @@ def build_engine(cfg: Any, target: Any, drafter: Any, tok: Any, sizes: Sequence[
   `override`: loop options replaced), so measured cycle costs are the ones decode.py pays;
   every request is checked first."""
   from bp_jax.decoding.engine import Engine
+  from bp_jax.decoding.options import LoopOptions, ShapeOptions
   from bp_jax.decode_job.block_choice import loop_options, parse_int_list
   from bp_jax.text.tokenizer import stop_token_ids
 
-  engine = Engine(target, max_len=int(cfg.max_len), stop_ids=stop_token_ids(tok),
-                  length_buckets=parse_int_list(cfg.get("length_buckets", ""),
-                                                "--config.length_buckets") or None,
-                  drafter=drafter, block_sizes=tuple(sizes),
-                  **{**loop_options(cfg), **override})
+  buckets = parse_int_list(cfg.get("length_buckets", ""), "--config.length_buckets") or None
+  engine = Engine(target, stop_ids=stop_token_ids(tok), drafter=drafter,
+                  shapes=ShapeOptions(max_len=int(cfg.max_len), length_buckets=buckets,
+                                      block_sizes=tuple(sizes)),
+                  loop=LoopOptions(**{**loop_options(cfg), **override}))
   for n in prompt_lens:
     engine.check_request(n, max_new, max(sizes))
   return engine

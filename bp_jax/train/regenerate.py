@@ -294,6 +294,7 @@ def regenerate_stage(cfg: Any) -> None:
   """
   from bp_jax.data import dataset_exists, write_sequences
   from bp_jax.decoding.engine import Engine
+  from bp_jax.decoding.options import ShapeOptions
   from bp_jax.weights.loading import load_target
   from bp_jax.text.tokenizer import load_tokenizer, stop_token_ids
 
@@ -351,8 +352,9 @@ def regenerate_stage(cfg: Any) -> None:
                           f"vocab_size={target.cfg.vocab_size}; the tokenizer does not fit the "
                           "target")
 
-  engine = Engine(target, max_len=prompt_tokens + max_new, stop_ids=stop_token_ids(tok),
-                  length_buckets=(prompt_tokens,))
+  engine = Engine(target, stop_ids=stop_token_ids(tok),
+                  shapes=ShapeOptions(max_len=prompt_tokens + max_new,
+                                      length_buckets=(prompt_tokens,)))
   t0 = time.perf_counter()
   counts = {}
   for split, name, seed in (("train", REGEN_TRAIN, int(cfg.seed)),

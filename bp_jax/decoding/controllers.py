@@ -1,0 +1,109 @@
+"""The verify-length controllers as the speculative loop calls them: one small object each
+behind one interface (the rule, costs and checks they use are in `controller`).
+
+A controller has
+  buckets  the numbers of drafts k a cycle may verify (one bucket: no choice to make);
+  cap      the most AR steps in one run of them after a miss (0: cycles are never misses and
+           the loop takes no AR steps);
+  choose(draft_logits_BkV, draft_Bk, active_B) -> (index into `buckets` [], draft_next [] bool)
+           after the drafter's pass;
+  miss_B(k, a_B, draft_next) -> [B] bool: which rows' cycle (verifying k drafts, a_B of them
+           accepted, -1 for a row that committed nothing) was a miss (only when cap > 0).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from bp_jax.decoding import controller as control
+
+
+@dataclasses.dataclass(frozen=True)
+class Plain:
+  """`none`: every cycle verifies all b-1 drafts (the paper's loop)."""
+  block_size: int
+  cap = 0
+
+  @property
+  def buckets(self) -> tuple[int, ...]:
+    return (self.block_size - 1,)
+
+  def choose(self, draft_logits_BkV, draft_Bk, active_B) -> tuple[jax.Array, jax.Array]:
+    return jnp.int32(0), jnp.bool_(True)
+
+  def miss_B(self, k: int, a_B: jax.Array, draft_next: jax.Array) -> jax.Array:
+    return jnp.zeros_like(a_B, jnp.bool_)  # never a miss
+
+
+@dataclasses.dataclass(frozen=True)
+class Backoff(Plain):
+  """`backoff`: as `none`, and a cycle accepting at most `accept` drafts is a miss (the rows
+  then take 2, 4, ... AR steps, at most `cap`)."""
+  cap: int = 0
+  accept: int = 1
+
+  def miss_B(self, k: int, a_B: jax.Array, draft_next: jax.Array) -> jax.Array:
+    return a_B <= self.accept
+
+
+@dataclasses.dataclass(frozen=True)
+class Fixed(Plain):
+  """"fixed:k" (tests): every cycle verifies k drafts, through the bucket machinery."""
+  k: int = 0
+
+  @property
+  def buckets(self) -> tuple[int, ...]:
+    return control.verify_buckets(self.block_size)
+
+  def choose(self, draft_logits_BkV, draft_Bk, active_B) -> tuple[jax.Array, jax.Array]:
+    return jnp.int32(self.buckets.index(self.k)), jnp.bool_(True)
+
+
+@dataclasses.dataclass(frozen=True)
+class Confidence(Plain):
+  """`confidence`: the bucket maximizing expected committed tokens per cost (`controller.
+  choose`, with the drafter's calibrated p); a cycle whose best rate is below the AR rate is a
+  miss (and with `poor_miss`, one that verified more than `accept` drafts and accepted at most
+  that many)."""
+  cap: int = control.DEFAULT_SKIP_CAP
+  accept: int = 1
+  poor_miss: bool = False
+  costs: tuple[float, ...] = control.DEFAULT_COSTS
+  draft_cost: float = control.DEFAULT_DRAFT_COST
+  calibration: tuple[float, ...] | None = None
+
+  @property
+  def buckets(self) -> tuple[int, ...]:
+    return control.verify_buckets(self.block_size)
+
+  def choose(self, draft_logits_BkV, draft_Bk, active_B) -> tuple[jax.Array, jax.Array]:
+    cost_K = control.bucket_costs(self.block_size, self.costs, self.draft_cost)
+    p_Bk = control.calibrated(control.drafted_probs(draft_logits_BkV, draft_Bk),
+                              self.calibration)
+    return control.choose(p_Bk, active_B, self.buckets, cost_K,
+                          control.verify_cost(1, self.costs))
+
+  def miss_B(self, k: int, a_B: jax.Array, draft_next: jax.Array) -> jax.Array:
+    miss = ~draft_next | jnp.zeros_like(a_B, jnp.bool_)
+    if self.poor_miss and k > self.accept:
+      miss = miss | (a_B <= self.accept)
+    return miss
+
+
+def controller_of(opts) -> Plain:
+  """The controller of a `LoopOptions` (its loop form in effect, `LoopOptions.in_effect`)."""
+  b, name = opts.block_size, opts.controller
+  fixed = control.fixed_k(name, b)
+  if fixed is not None:
+    return Fixed(b, k=fixed)
+  if name == "confidence":
+    return Confidence(b, cap=opts.ar_fallback, accept=opts.ar_fallback_accept,
+                      poor_miss=opts.controller_poor_miss, costs=opts.controller_costs,
+                      draft_cost=opts.controller_draft_cost,
+                      calibration=opts.controller_calibration)
+  if name == "backoff" and opts.ar_fallback > 0:
+    return Backoff(b, cap=opts.ar_fallback, accept=opts.ar_fallback_accept)
+  return Plain(b)

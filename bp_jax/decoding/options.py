@@ -1,0 +1,162 @@
+"""The options an engine is built from, frozen and checked once when made.
+
+  ShapeOptions  the static shapes it compiles for: cache length, prompt length buckets, block
+                sizes;
+  LoopOptions   the form of its decode loops (verify rule, controller and its settings, AR
+                fallback, layer form) and, per compiled loop, its bucket (block size, window,
+                sync cycles, forced drafts): what the loop builders read, and, with the batch
+                size, what tells one compiled loop from another (`LoopOptions.key`);
+  BatchOptions  how many requests decode at once and how often the host refills slots.
+
+A bad value raises `BadInputError` naming the parameter (`ar_fallback=-1 ...`); the command line
+maps parameter names to its flags (`errors.named_as_flags`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from bp_jax.decoding import controller as control
+from bp_jax.decoding.requests import check_batching, check_block_sizes
+from bp_jax.decoding.verify import check_verify_mode
+from bp_jax.errors import BadInputError
+
+DEFAULT_BLOCK_SIZES = tuple(range(2, 33))
+
+
+def _set(obj, **fields) -> None:
+  """Normalises fields of a frozen dataclass inside its `__post_init__`."""
+  for name, value in fields.items():
+    object.__setattr__(obj, name, value)
+
+
+def _int_at_least(value, least: int, name: str) -> int:
+  if isinstance(value, bool) or int(value) != value or value < least:
+    raise BadInputError(f"{name}={value} must be an integer >= {least}")
+  return int(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShapeOptions:
+  """The static shapes an engine compiles for.
+
+  max_len: cache slots per sequence (prompt + new tokens + block size - 1 must fit).
+  length_buckets: prompt lengths are padded up to one of these (None: powers of two from 32 up
+    to max_len).
+  block_sizes: the block-size buckets requests may ask for (1 = plain AR decoding).
+  """
+  max_len: int
+  length_buckets: tuple[int, ...] | None = None
+  block_sizes: tuple[int, ...] = DEFAULT_BLOCK_SIZES
+
+  def __post_init__(self):
+    check_block_sizes(list(self.block_sizes), "block_sizes")
+    _set(self, max_len=_int_at_least(self.max_len, 1, "max_len"),
+         block_sizes=tuple(sorted(set(int(b) for b in self.block_sizes))),
+         length_buckets=(tuple(sorted(int(n) for n in self.length_buckets))
+                         if self.length_buckets else None))
+    if self.length_buckets and self.length_buckets[-1] > self.max_len:
+      raise BadInputError(f"length bucket {self.length_buckets[-1]} exceeds "
+                          f"max_len={self.max_len}")
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchOptions:
+  """batch_size: slots per block-size bucket (1: one request at a time, the one-request loops);
+  sync_cycles: cycles between the host's refills of finished slots (0: a batch runs until all
+  its rows finish)."""
+  batch_size: int = 1
+  sync_cycles: int = 16
+
+  def __post_init__(self):
+    check_batching(self.batch_size, self.sync_cycles, prefix="")
+    _set(self, batch_size=int(self.batch_size), sync_cycles=int(self.sync_cycles))
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopOptions:
+  """The form of a decode loop; hashable (frozen, tuples only).
+
+  Engine-wide (one value per engine):
+    verify: the verify rule (`verify.VERIFY_MODES`): `exact` or `rejection`.
+    controller: the verify-length controller (`controller.CONTROLLERS`, or the tests' "fixed:k"
+      verifying k drafts every cycle).
+    controller_costs: relative costs of a target forward over 1, 2, 4, ... tokens
+      (`controller.parse_costs`; a comma-separated string is read too).
+    controller_draft_cost: one drafter pass, same unit.
+    controller_poor_miss: `confidence` counts a poorly accepted cycle as a miss too.
+    controller_calibration: acceptance rates per p bin replacing the drafter's p (None: raw p).
+    ar_fallback: at most this many AR steps in a row after poor cycles (0: none).
+    ar_fallback_accept: a cycle accepting at most this many drafts is poor.
+    scan_layers: run layers with `lax.scan` over stacked weights (else unrolled, per-layer
+      weights and caches).
+  Per compiled loop (`LoopPrograms` fills them in):
+    block_size: tokens per cycle (1: plain AR decoding).
+    window: attention reads cache slots [0, window) only (None: all).
+    sync_cycles: return to the host after this many cycles (0: when no row decodes).
+    forced_drafts: the tests' perfect drafter (the carry's `forced_BS`; `exact` only).
+  """
+  verify: str = "exact"
+  controller: str = "backoff"
+  controller_costs: tuple[float, ...] = control.DEFAULT_COSTS
+  controller_draft_cost: float = control.DEFAULT_DRAFT_COST
+  controller_poor_miss: bool = False
+  controller_calibration: tuple[float, ...] | None = None
+  ar_fallback: int = 0
+  ar_fallback_accept: int = 1
+  scan_layers: bool = False
+  block_size: int = 1
+  window: int | None = None
+  sync_cycles: int = 0
+  forced_drafts: bool = False
+
+  def __post_init__(self):
+    for name in ("ar_fallback", "ar_fallback_accept", "sync_cycles"):
+      _int_at_least(getattr(self, name), 0, name)
+    _int_at_least(self.block_size, 1, "block_size")
+    check_verify_mode(self.verify, "verify")
+    if not self.controller.startswith(control.FIXED_PREFIX):  # "fixed:k": checked when built
+      control.check_controller(self.controller, "controller")
+    calibration = self.controller_calibration
+    _set(self, controller_costs=control.parse_costs(self.controller_costs, "controller_costs"),
+         controller_draft_cost=control.check_draft_cost(self.controller_draft_cost,
+                                                         "controller_draft_cost"),
+         controller_calibration=(None if calibration is None else
+                                 control.check_calibration(calibration,
+                                                           "controller_calibration")),
+         controller_poor_miss=bool(self.controller_poor_miss),
+         ar_fallback=int(self.ar_fallback), ar_fallback_accept=int(self.ar_fallback_accept),
+         scan_layers=bool(self.scan_layers), block_size=int(self.block_size),
+         sync_cycles=int(self.sync_cycles), forced_drafts=bool(self.forced_drafts))
+    if self.forced_drafts and self.verify != "exact":
+      raise BadInputError("forced drafts are not draws from the drafter: only verify='exact'")
+
+  def replace(self, **changes) -> "LoopOptions":
+    return dataclasses.replace(self, **changes)
+
+  def in_effect(self) -> "LoopOptions":
+    """These options with the loop form in effect (`controller.loop_form`): `backoff` without
+    fallback steps reads `none`, `none` takes no AR steps, `confidence` backs off up to
+    `ar_fallback` steps (0: `controller.DEFAULT_SKIP_CAP`)."""
+    controller, ar_fallback = control.loop_form(self.controller, self.ar_fallback)
+    return self.replace(controller=controller, ar_fallback=ar_fallback)
+
+  def for_loop(self, block_size: int, forced: bool = False, sync_cycles: int = 0,
+               window: int | None = None) -> "LoopOptions":
+    """The options of one compiled loop: forced drafts verify with `exact`."""
+    return self.replace(block_size=block_size, forced_drafts=forced, sync_cycles=sync_cycles,
+                        window=window, verify="exact" if forced else self.verify)
+
+  def key(self, batch: int | None = None) -> tuple:
+    """The compile key of this loop within one engine (whose engine-wide options are fixed): its
+    name and bucket; `batch`: the batched loop over that many slots (None: one request)."""
+    name = ("ar_loop" if self.block_size == 1 else
+            "spec_loop_forced" if self.forced_drafts else "spec_loop")
+    if batch is None:  # the window only when the loop reads part of the cache
+      return (name, self.block_size) + (() if self.window is None else (self.window,))
+    return ("batch_" + name, self.block_size, batch, self.sync_cycles, self.window or "all")
+
+
+
+# Every option's parameter name (for `errors.named_as_flags` at the command line).
+OPTION_NAMES = tuple(sorted({f.name for cls in (ShapeOptions, LoopOptions, BatchOptions)
+                             for f in dataclasses.fields(cls)}))

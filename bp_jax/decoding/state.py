@@ -1,0 +1,154 @@
+"""The state a decode loop carries: every row of a batch at its own position (B rows, S = the
+cache length), as one pytree (`LoopState`), updated with `.replace(...)`.
+
+Conventions: `seq_BS` holds each row's tokens at their absolute positions; `pos_B` is the
+position of the newest token `tok_B`, which the target has not seen yet, so the target cache
+pointer equals `pos_B`; `n_gen_B` counts generated tokens (including `tok_B`). A slot whose
+`max_new_B` is 0 is empty.
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from bp_jax.decoding.controller import backoff_steps
+from bp_jax.models.kv_cache import KVCache
+
+
+def is_stop(tokens: jax.Array, stop_ids: jax.Array) -> jax.Array:
+  return jnp.any(tokens[..., None] == stop_ids, axis=-1)
+
+
+@flax.struct.dataclass
+class ForwardRecords:
+  """Per row, what each of its target forwards did; entry j is the row's forward j (the first
+  `forwards_B` entries are valid)."""
+  accept_BS: jax.Array    # [B, S] int32 tokens the forward committed (accepted drafts + 1)
+  is_cycle_BS: jax.Array  # [B, S] bool: a speculative cycle (False: a fallback AR step)
+  # [B, S] int32: k + 1 for a forward over k + 1 tokens after a drafter pass (a cycle verifying
+  # k drafts), 0 for a forward without a drafter pass (AR loop, AR steps).
+  verified_BS: jax.Array
+  forwards_B: jax.Array   # [B] int32 target forwards that committed tokens
+
+  @classmethod
+  def empty(cls, B: int, S: int) -> "ForwardRecords":
+    return cls(accept_BS=jnp.zeros((B, S), jnp.int32), is_cycle_BS=jnp.zeros((B, S), jnp.bool_),
+               verified_BS=jnp.zeros((B, S), jnp.int32), forwards_B=jnp.zeros((B,), jnp.int32))
+
+  def cleared(self, row) -> "ForwardRecords":
+    """These records with row `row` holding no forward."""
+    return jax.tree.map(lambda x: x.at[row].set(jnp.zeros_like(x[row])), self)
+
+  def recorded(self, active_B: jax.Array, a_B: jax.Array, is_cycle: bool,
+               verified: int) -> "ForwardRecords":
+    """These records after a forward that committed a_B + 1 tokens per decoding row (a_B = -1:
+    none, the row is not counted)."""
+    rows = jnp.arange(a_B.shape[0])
+    at_B = jnp.where(active_B, self.forwards_B, self.accept_BS.shape[1])  # past S: dropped
+    put = lambda buf, v: buf.at[rows, at_B].set(v, mode="drop")
+    return ForwardRecords(accept_BS=put(self.accept_BS, a_B + 1),
+                          is_cycle_BS=put(self.is_cycle_BS, is_cycle),
+                          verified_BS=put(self.verified_BS, verified),
+                          forwards_B=self.forwards_B + (a_B >= 0).astype(jnp.int32))
+
+
+@flax.struct.dataclass
+class LoopState:
+  """The carry of the decode loops (`loops`), one row per request slot."""
+  seq_BS: jax.Array          # [B, S] int32 tokens at absolute positions
+  cache: KVCache             # target cache (pointer = pos_B while a loop runs)
+  pos_B: jax.Array           # [B] int32 position of tok_B
+  tok_B: jax.Array           # [B] int32 the newest token, not yet seen by the target
+  n_gen_B: jax.Array         # [B] int32 generated tokens, tok_B included (may pass max_new_B)
+  max_new_B: jax.Array       # [B] int32 the row's max_new_tokens (0: an empty slot)
+  done_B: jax.Array          # [B] bool: stopped (a stop token, or NaN/inf logits)
+  bad_B: jax.Array           # [B] bool: a forward produced NaN/inf logits (the row stopped)
+  records: ForwardRecords    # per forward: committed tokens, cycle or AR step, drafts verified
+  misses_B: jax.Array        # [B] int32 consecutive poor / declined cycles (the back-off)
+  wait_B: jax.Array          # [B] int32 AR steps the row still asks for before drafting again
+  seed_keys_B: jax.Array     # [B] typed PRNG keys: each request's own seed
+  draft_cache: KVCache | None = None  # the drafter's context cache (speculative loops only)
+  forced_BS: jax.Array | None = None  # [B, S] int32 the tests' forced drafts (-1: the drafter's)
+
+  @classmethod
+  def empty(cls, seq_BS: jax.Array, cache: KVCache, draft_cache: KVCache | None = None,
+            forced_BS: jax.Array | None = None) -> "LoopState":
+    """Every slot empty (max_new = 0), around the given buffers."""
+    B, S = seq_BS.shape
+    zeros = lambda: jnp.zeros((B,), jnp.int32)  # one buffer per field: the state is donated
+    return cls(seq_BS=seq_BS, cache=cache, pos_B=zeros(), tok_B=zeros(), n_gen_B=zeros() + 1,
+               max_new_B=zeros(), done_B=jnp.zeros((B,), jnp.bool_),
+               bad_B=jnp.zeros((B,), jnp.bool_), records=ForwardRecords.empty(B, S),
+               misses_B=zeros(), wait_B=zeros(),
+               seed_keys_B=jax.random.split(jax.random.key(0), B), draft_cache=draft_cache,
+               forced_BS=forced_BS)
+
+  def start_row(self, row, first_tok, n, max_new, seed_key, stop_ids,
+                forced_S: jax.Array | None = None) -> "LoopState":
+    """Slot `row` starting a request whose prompt (n tokens) and first generated token are in
+    place: the caches' rows are the caller's to fill (`KVCache.put_rows`)."""
+    new = self.replace(
+        seq_BS=self.seq_BS.at[row, n].set(first_tok, mode="drop"),
+        pos_B=self.pos_B.at[row].set(n), tok_B=self.tok_B.at[row].set(first_tok),
+        n_gen_B=self.n_gen_B.at[row].set(1), max_new_B=self.max_new_B.at[row].set(max_new),
+        done_B=self.done_B.at[row].set(is_stop(first_tok, stop_ids)),
+        bad_B=self.bad_B.at[row].set(False), records=self.records.cleared(row),
+        misses_B=self.misses_B.at[row].set(0), wait_B=self.wait_B.at[row].set(0),
+        seed_keys_B=self.seed_keys_B.at[row].set(seed_key))
+    if forced_S is not None:
+      new = new.replace(forced_BS=self.forced_BS.at[row].set(forced_S))
+    return new
+
+  def map_rows(self, fn) -> "LoopState":
+    """`fn` applied to every per-row buffer (all but the caches): e.g. placing rows on a mesh."""
+    caches = (self.cache, self.draft_cache)
+    out = jax.tree.map(fn, self.replace(cache=None, draft_cache=None))
+    return out.replace(cache=caches[0], draft_cache=caches[1])
+
+  # -- read by the loops --------------------------------------------------------------------
+  def active_B(self) -> jax.Array:
+    """[B] bool: rows still decoding (not stopped, below their max_new_tokens)."""
+    return (~self.done_B) & (self.n_gen_B < self.max_new_B)
+
+  def pointer_B(self, active_B: jax.Array) -> jax.Array:
+    """[B] the cache pointer a forward uses per row: its position, or the cache length for a
+    row that is not decoding, so that every write of that row falls past the cache and is
+    dropped (a finished row or an empty slot writes nothing while the others go on)."""
+    return jnp.where(active_B, self.pos_B, self.seq_BS.shape[1])
+
+  def fits(self, span: int, window: int | None) -> jax.Array:
+    """[] bool: every decoding row's next forward of `span` tokens lies inside the attention
+    window (always, without one)."""
+    if window is None:
+      return jnp.bool_(True)
+    return jnp.all(~self.active_B() | (self.pos_B + span <= window))
+
+  # -- written by the loops -----------------------------------------------------------------
+  def committed(self, y_Bb: jax.Array, a_B: jax.Array, active_B: jax.Array, bad_B: jax.Array,
+                cache: KVCache, stop_ids: jax.Array) -> "LoopState":
+    """Accept and roll back: each decoding row commits y[r, 0..a_r] at positions pos+1.. (a_r =
+    -1: nothing) and `cache` (the forward's, written at pos..) rolls back by pointer to the new
+    position; a row whose committed tokens hold a stop id, or with `bad_B`, stops."""
+    B, S = self.seq_BS.shape
+    offs = jnp.arange(y_Bb.shape[1], dtype=jnp.int32)
+    rows = jnp.arange(B)
+    new_pos = self.pos_B + a_B + 1
+    write_at = jnp.where(active_B[:, None], self.pos_B[:, None] + 1 + offs[None], S)
+    stop_hit = jnp.any(is_stop(y_Bb, stop_ids) & (offs[None] <= a_B[:, None]), axis=-1)
+    return self.replace(
+        seq_BS=self.seq_BS.at[rows[:, None], write_at].set(y_Bb, mode="drop"),
+        cache=cache.with_lengths(new_pos), pos_B=new_pos,
+        tok_B=jnp.where(a_B >= 0, y_Bb[rows, jnp.maximum(a_B, 0)], self.tok_B),
+        n_gen_B=self.n_gen_B + a_B + 1, done_B=self.done_B | (active_B & (stop_hit | bad_B)),
+        bad_B=self.bad_B | bad_B)
+
+  def backed_off(self, miss_B: jax.Array, active_B: jax.Array, cap: int) -> "LoopState":
+    """Each decoding row's consecutive misses after this cycle and the AR steps it asks for:
+    2, 4, 8, ... at most `cap` (`controller.backoff_steps`); a cycle that is no miss resets
+    both."""
+    misses_B = jnp.where(miss_B, self.misses_B + 1, 0)
+    wait_B = jnp.where(miss_B, backoff_steps(misses_B, cap), 0)
+    return self.replace(misses_B=jnp.where(active_B, misses_B, self.misses_B),
+                        wait_B=jnp.where(active_B, wait_B, self.wait_B))
