@@ -18,9 +18,10 @@ import platform
 import time
 
 import jax
-from absl import app, flags
+from absl import flags
 
 from benchmarks import common
+from bp_jax import cli
 
 common.define_flags("max_new_tokens", num_prompts=40)
 flags.DEFINE_string("out", "benchmarks/data/demo_acceptance_b16.json", "Where to write it.")
@@ -31,7 +32,6 @@ BLOCK = 16
 
 def main(argv):
   del argv
-  from benchmarks.demo_prompts import heldout_prompts
   from bp_jax.decoding.engine import Engine
   from bp_jax.decoding.options import LoopOptions, ShapeOptions
   from bp_jax.text.tokenizer import load_tokenizer
@@ -45,7 +45,7 @@ def main(argv):
                   loop=LoopOptions(controller="none", verify="exact"))
   counts = collections.Counter()
   t0 = time.perf_counter()
-  for _, ids in heldout_prompts(tok, FLAGS.num_prompts):
+  for _, ids in common.demo_prompts(tok, "eval", limit=FLAGS.num_prompts):
     g = engine.generate(ids, max_new_tokens=FLAGS.max_new_tokens, block_size=BLOCK)
     counts.update(a - 1 for a in g.acceptance_lengths[:-1])
   hist = [counts[i] for i in range(BLOCK)]
@@ -59,10 +59,9 @@ def main(argv):
          "machine": f"{platform.machine()}, {os.cpu_count()} cores, jax {jax.default_backend()}",
          "counts": hist, "cycles": sum(hist),
          "tau": round(sum((i + 1) * c for i, c in enumerate(hist)) / sum(hist), 3)}
-  with open(FLAGS.out, "w") as f:
-    json.dump(out, f, indent=1)
+  common.write_json(FLAGS.out, out, indent=1)
   print(json.dumps(out), f"{time.perf_counter() - t0:.0f} s")
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main, __doc__)

@@ -21,25 +21,21 @@ Every output must equal the B = 1 output of its method (checked). Writes <out>/b
 
 from __future__ import annotations
 
-import json
 import os
 import random
-import sys
 import time
 
 import jax
-from absl import app, flags
+from absl import flags
 from tqdm import tqdm
 
 from benchmarks import common
-from benchmarks.demo_prompts import heldout_prompts
+from bp_jax import cli
 from bp_jax.decoding.engine import LEARNED, Engine
 from bp_jax.decoding.options import BatchOptions, ShapeOptions
 from bp_jax.eval.plots import line_plot
 from bp_jax.eval.resources import peak_rss_mb
 from bp_jax.policy.mlp import load_policy
-from bp_jax.text.tokenizer import load_tokenizer, stop_token_ids
-from bp_jax.weights.loading import load_drafter, load_target
 
 common.define_flags("target", "drafter", "block_size", "max_new_tokens", "max_len", "repeats",
                     num_prompts=32)
@@ -70,10 +66,8 @@ def _pass(engine: Engine, prompts, block_size) -> tuple[list, float]:
 
 
 def main(_):
-  target = load_target(FLAGS.target, "float32")
-  drafter = load_drafter(FLAGS.drafter, target.cfg, "float32")
-  tok = load_tokenizer(FLAGS.target)
-  prompts = [ids for _, ids in heldout_prompts(tok, FLAGS.num_prompts)]
+  target, drafter, tok, stop_ids = common.load_models(FLAGS)
+  prompts = [ids for _, ids in common.demo_prompts(tok, "eval", limit=FLAGS.num_prompts)]
   methods = [m for m in FLAGS.methods.split(",") if m]
   sizes = [int(b) for b in FLAGS.batch_sizes.split(",") if b]
   policy = sizes_of_policy = None
@@ -81,7 +75,7 @@ def main(_):
     policy, info = load_policy(FLAGS.policy)
     sizes_of_policy = tuple(info.block_sizes)
   buckets = tuple(sorted({1, FLAGS.block_size} | set(sizes_of_policy or ())))
-  engines = {B: Engine(target, stop_ids=stop_token_ids(tok), drafter=drafter, policy=policy,
+  engines = {B: Engine(target, stop_ids=stop_ids, drafter=drafter, policy=policy,
                        policy_sizes=sizes_of_policy or (),
                        shapes=ShapeOptions(max_len=FLAGS.max_len, block_sizes=buckets),
                        batching=BatchOptions(batch_size=B, sync_cycles=FLAGS.sync_cycles))
@@ -125,21 +119,19 @@ def main(_):
     row["tokens_per_s_vs_first_batch_size"] = round(row["tokens_per_s"] / base["tokens_per_s"], 3)
     row["decode_tokens_per_s_vs_first_batch_size"] = round(
         row["decode_tokens_per_s"] / base["decode_tokens_per_s"], 3)
-  os.makedirs(FLAGS.out, exist_ok=True)
   meta = {"device": jax.devices()[0].device_kind, "cpu_count": os.cpu_count(),
           "block_size": FLAGS.block_size, "sync_cycles": FLAGS.sync_cycles,
           "max_new_tokens": FLAGS.max_new_tokens, "repeats": FLAGS.repeats,
-          "command": "python -m benchmarks.batch_decode " + " ".join(sys.argv[1:])}
-  with open(os.path.join(FLAGS.out, "batch_decode.json"), "w") as f:
-    json.dump({"meta": meta, "rows": rows}, f, indent=2)
+          "command": common.command_line()}
+  common.write_json(os.path.join(FLAGS.out, "batch_decode.json"), {"meta": meta, "rows": rows})
   cols = ("batch_size", "method", "tokens_per_s", "tokens_per_s_vs_first_batch_size",
           "decode_tokens_per_s", "decode_tokens_per_s_vs_first_batch_size", "tau",
           "identical_to_first_batch_size", "slot_mb", "slot_mb_per_request", "peak_rss_mb")
   lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
   lines += ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in rows]
-  with open(os.path.join(FLAGS.out, "batch_decode.md"), "w") as f:
-    f.write(f"`{meta['command']}` on {meta['device']} ({meta['cpu_count']} cores)\n\n"
-            + "\n".join(lines) + "\n")
+  common.write_text(os.path.join(FLAGS.out, "batch_decode.md"),
+                    f"`{meta['command']}` on {meta['device']} ({meta['cpu_count']} cores)\n\n"
+                    + "\n".join(lines) + "\n")
   line_plot({m: ([r["batch_size"] for r in rows if r["method"] == m],
                  [r["tokens_per_s"] for r in rows if r["method"] == m]) for m in methods},
             os.path.join(FLAGS.out, "batch_decode.png"), xlabel="batch size B",
@@ -148,4 +140,4 @@ def main(_):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main, __doc__)

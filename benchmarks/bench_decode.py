@@ -13,7 +13,6 @@ Also the peak RSS of converting the checkpoint (convert_weights.py) relative to 
 
 from __future__ import annotations
 
-import json
 import os
 import resource
 import subprocess
@@ -30,6 +29,7 @@ from absl import app, flags
 from flax import nnx
 
 from benchmarks import common
+from bp_jax import cli
 from bp_jax.models.config import DFlashConfig, Qwen3Config
 from bp_jax.models.dflash import DFlashDrafter
 from bp_jax.decoding.engine import Engine
@@ -208,12 +208,10 @@ def main(argv):
       if size not in SIZES:
         raise app.UsageError(f"--sizes: unknown size {size!r}; known: {sorted(SIZES)}")
       results.append(bench_size(size, tmp))
-  os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
-  with open(FLAGS.out, "w") as f:
-    json.dump({"device": str(jax.devices()[0]), "results": results}, f, indent=2)
+  common.write_json(FLAGS.out, {"device": str(jax.devices()[0]), "results": results})
   print_table(results)
   print(f"\nwrote {FLAGS.out}")
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main, __doc__)

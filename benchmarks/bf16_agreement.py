@@ -21,22 +21,20 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 
 import jax
 import numpy as np
-from absl import app, flags
+from absl import flags
 from tqdm import tqdm
 
 from benchmarks import common
-from benchmarks.demo_prompts import heldout_prompts
+from bp_jax import cli
 from bp_jax.decoding.engine import Engine
 from bp_jax.decoding.options import LoopOptions, ShapeOptions
 from bp_jax.eval import exactness as ex
 from bp_jax.models.precision import MATMUL_PRECISIONS, matmul_precision
-from bp_jax.text.tokenizer import load_tokenizer, stop_token_ids
-from bp_jax.weights.loading import load_drafter, load_target
+from bp_jax.text.tokenizer import load_tokenizer
 
 common.define_flags("target", "drafter", "block_size", "num_prompts", "max_new_tokens", "max_len")
 flags.DEFINE_string("dtypes", "bfloat16,float32", "Comma-separated dtypes the weights are loaded "
@@ -51,12 +49,11 @@ flags.DEFINE_string("out", "docs/exactness", "Output folder (JSON and Markdown).
 FLAGS = flags.FLAGS
 
 
-def measure(dtype: str, prompts, tok) -> dict:
+def measure(dtype: str, prompts) -> dict:
   """Decodes `prompts` with AR and speculatively in `dtype`; divergences and logit differences."""
-  target = load_target(FLAGS.target, dtype)
-  drafter = load_drafter(FLAGS.drafter, target.cfg, dtype)
+  target, drafter, _, stop_ids = common.load_models(FLAGS, dtype=dtype)
   b = FLAGS.block_size
-  eng = Engine(target, stop_ids=stop_token_ids(tok), drafter=drafter,
+  eng = Engine(target, stop_ids=stop_ids, drafter=drafter,
                shapes=ShapeOptions(max_len=FLAGS.max_len, block_sizes=(b,)),
                loop=LoopOptions(verify="exact", ar_fallback=0))
   replay = ex.ForwardReplay(eng)
@@ -136,31 +133,27 @@ def _write_markdown(report: dict, path: str) -> None:
                      f"{d['verify_top2_gap']:.4g} | {d['logit_scale']:.3g} | "
                      f"{d['tolerance']:.3g} | {d['near_tie']} |")
   lines.append("")
-  with open(path, "w") as fh:
-    fh.write("\n".join(lines))
+  common.write_text(path, "\n".join(lines))
 
 
 def main(argv):
   del argv
-  os.makedirs(FLAGS.out, exist_ok=True)
-  tok = load_tokenizer(FLAGS.target)
-  prompts = heldout_prompts(tok, FLAGS.num_prompts)
+  prompts = common.demo_prompts(load_tokenizer(FLAGS.target), "eval", limit=FLAGS.num_prompts)
   report = {"prompts": len(prompts), "block_size": FLAGS.block_size,
             "max_new_tokens": FLAGS.max_new_tokens, "matmul_precision": FLAGS.matmul_precision,
             "tolerance_k": FLAGS.tolerance_k, "bf16_eps": ex.BF16_EPS,
             "machine": os.uname().machine, "cpu_count": os.cpu_count(),
             "jax_backend": jax.default_backend(), "jax_version": jax.__version__,
-            "command": " ".join(["python"] + sys.argv), "by_dtype": {}}
+            "command": common.command_line(), "by_dtype": {}}
   with matmul_precision(FLAGS.matmul_precision):
     for dtype in filter(None, FLAGS.dtypes.split(",")):
-      r = measure(dtype, prompts, tok)
+      r = measure(dtype, prompts)
       report["by_dtype"][dtype] = r
       print(json.dumps({k: v for k, v in r.items() if k != "divergences"}, indent=1), flush=True)
-  with open(os.path.join(FLAGS.out, "bf16_agreement.json"), "w") as fh:
-    json.dump(report, fh, indent=2)
+  common.write_json(os.path.join(FLAGS.out, "bf16_agreement.json"), report)
   _write_markdown(report, os.path.join(FLAGS.out, "bf16_agreement.md"))
   print(f"wrote {FLAGS.out}/bf16_agreement.json, .md")
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main, __doc__)

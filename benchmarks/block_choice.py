@@ -36,7 +36,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import sys
 import time
 
 import jax
@@ -45,15 +44,13 @@ from absl import app, flags
 from tqdm import tqdm
 
 from benchmarks import common
-from benchmarks.demo_prompts import heldout_prompts
+from bp_jax import cli
 from bp_jax.decoding.controller import load_calibration
 from bp_jax.decoding.engine import LEARNED, Engine
 from bp_jax.decoding.options import LoopOptions, ShapeOptions
 from bp_jax.eval.bootstrap import bootstrap_speedup
 from bp_jax.eval.plots import interval_bars
 from bp_jax.policy.mlp import load_policy
-from bp_jax.text.tokenizer import load_tokenizer, stop_token_ids
-from bp_jax.weights.loading import load_drafter, load_target
 
 common.define_flags("target", "drafter", "num_prompts", "max_new_tokens", "max_len", repeats=3)
 flags.DEFINE_string("policy", "demo/policy", "Classifier block-size policy (size `learned`).")
@@ -138,10 +135,8 @@ def controller_costs() -> dict:
 
 
 def main(_):
-  target = load_target(FLAGS.target, "float32")
-  drafter = load_drafter(FLAGS.drafter, target.cfg, "float32")
-  tok = load_tokenizer(FLAGS.target)
-  keyed = heldout_prompts(tok, FLAGS.num_prompts)
+  target, drafter, tok, stop_ids = common.load_models(FLAGS)
+  keyed = common.demo_prompts(tok, "eval", limit=FLAGS.num_prompts)
   prompts = [ids for _, ids in keyed]
   sizes = sorted(int(b) for b in FLAGS.sizes.split(",") if b)
   policies = {}
@@ -153,7 +148,7 @@ def main(_):
                          default_methods(sizes, policies)) if m]
   parsed = {m: parse_method(m, sizes, policies) for m in methods}
   buckets = sorted({1, *sizes, *(b for _, info in policies.values() for b in info.block_sizes)})
-  engines = {c: Engine(target, stop_ids=stop_token_ids(tok), drafter=drafter,
+  engines = {c: Engine(target, stop_ids=stop_ids, drafter=drafter,
                        shapes=ShapeOptions(max_len=FLAGS.max_len, block_sizes=tuple(buckets)),
                        loop=LoopOptions(verify="exact", controller=c,
                                         controller_poor_miss=FLAGS.poor_miss,
@@ -251,10 +246,8 @@ def main(_):
           "compile_and_warm_s": round(compile_s, 1),
           "policy": FLAGS.policy, "value_policy": FLAGS.value_policy,
           "per_cycle_oracle": oracle, "oracle_gain_over_static_est": oracle_gain,
-          "command": "python -m benchmarks.block_choice " + " ".join(sys.argv[1:])}
-  os.makedirs(FLAGS.out, exist_ok=True)
-  with open(os.path.join(FLAGS.out, "block_choice.json"), "w", encoding="utf-8") as f:
-    json.dump({"meta": meta, "rows": rows}, f, indent=2)
+          "command": common.command_line()}
+  common.write_json(os.path.join(FLAGS.out, "block_choice.json"), {"meta": meta, "rows": rows})
   ci = lambda v: "" if v is None else f"{v[0]:.3f}x [{v[1]:.3f}, {v[2]:.3f}]"
   cols = ["method", "tokens/s", "decode tokens/s", "tau", "tokens/forward", "AR-step share",
           "vs AR", f"vs static b={static}", f"vs best fixed ({hindsight})", "oracle gain share",
@@ -279,8 +272,7 @@ def main(_):
              f"b={s['global_static_size']} (per-request oracle "
              f"{1 + s['gain_per_request_over_static']:.3f}x it).", ""]
   text = "\n".join(head + lines) + "\n"
-  with open(os.path.join(FLAGS.out, "block_choice.md"), "w", encoding="utf-8") as f:
-    f.write(text)
+  common.write_text(os.path.join(FLAGS.out, "block_choice.md"), text)
   interval_bars({r["method"]: tuple(r["vs_ar"]) for r in rows if r["vs_ar"]},
                 os.path.join(FLAGS.out, "block_choice.png"),
                 ylabel="tokens/s vs our AR (95% bootstrap interval over prompts)",
@@ -289,4 +281,4 @@ def main(_):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main, __doc__)

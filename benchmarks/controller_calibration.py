@@ -11,31 +11,32 @@ drafter has acceptance ~ mean p in every bin. The JSON's "rates" (`controller.fi
 is what `--config.controller_calibration` reads.
 
 Prompts: the HumanEval labelling half of configs/demo.py's split, skipping its first --skip
-(those `benchmarks/controllers.py` measures on by default). Example:
+(those `benchmarks.controllers` measures on by default). Example:
 
   python -m benchmarks.controller_calibration --skip 24 --num_prompts 48 --out /tmp/calib
 """
 
 from __future__ import annotations
 
-import json
 import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags
+from absl import flags
 
 from flax import nnx
 
 from benchmarks import common
+from bp_jax import cli
 from bp_jax.decoding import controller as control
 from bp_jax.decoding.engine import Engine
 from bp_jax.decoding.options import ShapeOptions
 from bp_jax.errors import BadInputError
 
 common.define_flags("target", "drafter", "dtype", "max_len", "max_new_tokens", "block_size",
-                    num_prompts=48)
+                    num_prompts=48, helps={"num_prompts": "Labelling-half prompts used after "
+                                                          "the skipped ones (0 = all)."})
 flags.DEFINE_integer("skip", 24, "labelling-half prompts skipped first (the controllers' set)")
 flags.DEFINE_integer("bins", 10, "equal-width bins of p over [0, 1]")
 flags.DEFINE_string("out", "", "folder for calibration.json (empty: print only)")
@@ -66,20 +67,11 @@ def reliability(p_N: np.ndarray, hit_N: np.ndarray, bins: int) -> list[dict]:
 
 
 def main(_):
-  from configs import demo
-  from bp_jax.text.tokenizer import encode_prompt, load_tokenizer, stop_token_ids
-  from bp_jax.train.labels import prompt_sets
-  from bp_jax.weights.loading import load_drafter, load_target
   if FLAGS.bins < 1 or FLAGS.block_size < 2:
     raise BadInputError("--bins must be >= 1 and --block_size >= 2")
-  target = load_target(FLAGS.target, FLAGS.dtype)
-  drafter = load_drafter(FLAGS.drafter, target.cfg, FLAGS.dtype)
-  tok = load_tokenizer(FLAGS.target)
-  cfg = demo.get_config()
-  label, _ = prompt_sets(cfg, tok)
-  label = [p for p in label if p.source == str(cfg.blockpilot.eval_source)]
-  prompts = label[FLAGS.skip:FLAGS.skip + FLAGS.num_prompts]
-  eng = Engine(target, stop_ids=stop_token_ids(tok), shapes=ShapeOptions(max_len=FLAGS.max_len))
+  target, drafter, tok, stop_ids = common.load_models(FLAGS)
+  prompts = common.demo_prompts(tok, "label", skip=FLAGS.skip, limit=FLAGS.num_prompts)
+  eng = Engine(target, stop_ids=stop_ids, shapes=ShapeOptions(max_len=FLAGS.max_len))
   t_graph, t_state = nnx.split(target)
   d_graph, d_state = nnx.split(drafter)
   b, mask_id = FLAGS.block_size, drafter.cfg.mask_token_id
@@ -104,8 +96,7 @@ def main(_):
     return drafts_1k[0], control.drafted_probs(logits_1kV, drafts_1k)[0]
 
   p_rows, hit_rows = [], []
-  for i, prompt in enumerate(prompts):
-    ids = encode_prompt(tok, prompt.text, False)
+  for i, (key, ids) in enumerate(prompts):
     gen = eng.generate(ids, max_new_tokens=FLAGS.max_new_tokens, block_size=1).output_ids
     seq = ids + gen
     n = len(ids)
@@ -116,7 +107,7 @@ def main(_):
                                           jnp.int32(t)))
       p_rows.append(p)
       hit_rows.append(drafts == np.asarray(seq[t + 1:t + b]))
-    print(f"  {i + 1}/{len(prompts)} {prompt.key}: {len(gen)} tokens", flush=True)
+    print(f"  {i + 1}/{len(prompts)} {key}: {len(gen)} tokens", flush=True)
   p_N, hit_N, pos_N = conditional_pairs(np.asarray(p_rows), np.asarray(hit_rows))
   table = reliability(p_N, hit_N, FLAGS.bins)
   by_pos = [{"position": int(i), "count": int((pos_N == i).sum()),
@@ -134,12 +125,11 @@ def main(_):
   for r in by_pos:
     print(f"  {r['position']:<12}{r['count']:>8}{r['mean_p']:>8}{r['accept_rate']:>8}")
   if FLAGS.out:
-    os.makedirs(FLAGS.out, exist_ok=True)
-    with open(os.path.join(FLAGS.out, "calibration.json"), "w") as f:
-      json.dump({"rates": control.fit_calibration(p_N, hit_N, FLAGS.bins),
-                 "prompts": [p.key for p in prompts], "block_size": b, "bins": table,
-                 "positions": by_pos}, f, indent=1)
+    common.write_json(os.path.join(FLAGS.out, "calibration.json"),
+                      {"rates": control.fit_calibration(p_N, hit_N, FLAGS.bins),
+                       "prompts": [key for key, _ in prompts], "block_size": b, "bins": table,
+                       "positions": by_pos}, indent=1)
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main, __doc__)

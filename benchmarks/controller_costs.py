@@ -17,12 +17,12 @@ import time
 
 import jax
 import jax.numpy as jnp
-from absl import app, flags
+from absl import flags
 
 from flax import nnx
 
 from benchmarks import common
-from bp_jax.weights.loading import load_drafter, load_target
+from bp_jax import cli
 
 common.define_flags("target", "drafter", "dtype", "max_len", "block_size", repeats=5)
 flags.DEFINE_integer("pos", 300, "cache position of the measured forwards (prompt + generated)")
@@ -43,8 +43,7 @@ def _timed(fn, *args) -> float:
 
 
 def main(_):
-  target = load_target(FLAGS.target, FLAGS.dtype)
-  drafter = load_drafter(FLAGS.drafter, target.cfg, FLAGS.dtype)
+  target, drafter, _, _ = common.load_models(FLAGS, tokenizer=False)
   t_graph, t_state = nnx.split(target)
   d_graph, d_state = nnx.split(drafter)
   layer_ids = drafter.cfg.target_layer_ids
@@ -89,4 +88,4 @@ def main(_):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main, __doc__)

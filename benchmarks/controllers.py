@@ -24,13 +24,13 @@ evaluation half docs/results/controller.md uses). Example:
 
 from __future__ import annotations
 
-import json
 import os
 
 import numpy as np
-from absl import app, flags
+from absl import flags
 
 from benchmarks import common
+from bp_jax import cli
 from bp_jax.decoding import controller as control
 from bp_jax.decode_job.compare import check_repeats_agree
 from bp_jax.decoding.engine import Engine
@@ -42,13 +42,16 @@ METHODS = ("ar", "none", "backoff", "confidence_1step", "confidence", "confidenc
            "confidence_cal", "confidence_cal_poor")
 
 common.define_flags("target", "drafter", "dtype", "max_len", "max_new_tokens", "block_size",
-                    num_prompts=24, repeats=3)
-flags.DEFINE_string("half", "label", "HumanEval half of configs/demo.py's split: label | eval")
+                    num_prompts=24, repeats=3,
+                    helps={"num_prompts": "First N prompts of that half (0 = all).",
+                           "repeats": "Decodes per (method, prompt); the fastest is kept."})
+flags.DEFINE_enum("half", "label", ["label", "eval"], "HumanEval half of configs/demo.py's "
+                  "split.")
 flags.DEFINE_integer("ar_fallback", 16, "most AR steps in a row of backoff and confidence*")
 flags.DEFINE_integer("ar_fallback_accept", 1, "a cycle accepting <= this many drafts is poor")
 flags.DEFINE_string("methods", ",".join(METHODS[:6]), f"comma-separated, of {list(METHODS)}")
 flags.DEFINE_string("calibration", "", "confidence_cal*: calibration JSON "
-                    "(benchmarks/controller_calibration.py --out)")
+                    "(python -m benchmarks.controller_calibration --out)")
 flags.DEFINE_string("out", "", "folder for controllers.json (empty: print only)")
 FLAGS = flags.FLAGS
 
@@ -83,22 +86,6 @@ def method_order(methods: list[str], index: int) -> list[str]:
   return methods if index % 2 == 0 else methods[::-1]
 
 
-def prompt_set(tok) -> list[tuple[str, list[int]]]:
-  """(key, token ids) of the chosen HumanEval half (configs/demo.py's split), the first
-  --num_prompts."""
-  from configs import demo
-  from bp_jax.text.tokenizer import encode_prompt
-  from bp_jax.train.labels import prompt_sets
-  cfg = demo.get_config()
-  if FLAGS.half not in ("label", "eval"):
-    raise BadInputError(f"--half={FLAGS.half!r}: give label or eval")
-  label, evals = prompt_sets(cfg, tok)
-  source = str(cfg.blockpilot.eval_source)
-  chosen = [p for p in (label if FLAGS.half == "label" else evals) if p.source == source]
-  chosen = chosen[:FLAGS.num_prompts] if FLAGS.num_prompts > 0 else chosen
-  return [(p.key, encode_prompt(tok, p.text, False)) for p in chosen]
-
-
 def method_figures(gens: list[Generation], ar_gens: list[Generation]) -> dict:
   """Throughput and acceptance figures of one method's fastest decodes."""
   new = sum(g.new_tokens for g in gens)
@@ -121,16 +108,12 @@ def method_figures(gens: list[Generation], ar_gens: list[Generation]) -> dict:
 
 
 def main(_):
-  from bp_jax.text.tokenizer import load_tokenizer, stop_token_ids
-  from bp_jax.weights.loading import load_drafter, load_target
   methods = parse_methods(FLAGS.methods)
   if FLAGS.repeats < 1 or FLAGS.max_new_tokens < 1 or FLAGS.block_size < 2:
     raise BadInputError("--repeats and --max_new_tokens must be >= 1, --block_size >= 2")
-  target = load_target(FLAGS.target, FLAGS.dtype)
-  drafter = load_drafter(FLAGS.drafter, target.cfg, FLAGS.dtype)
-  tok = load_tokenizer(FLAGS.target)
-  prompts = prompt_set(tok)
-  engines = {m: Engine(target, stop_ids=stop_token_ids(tok), drafter=drafter,
+  target, drafter, tok, stop_ids = common.load_models(FLAGS)
+  prompts = common.demo_prompts(tok, FLAGS.half, limit=FLAGS.num_prompts)
+  engines = {m: Engine(target, stop_ids=stop_ids, drafter=drafter,
                        shapes=ShapeOptions(max_len=FLAGS.max_len, block_sizes=(FLAGS.block_size,)),
                        loop=LoopOptions(**engine_options(m)))
              for m in methods}
@@ -163,15 +146,13 @@ def main(_):
           f"{r['ar_steps']:>9}{r['est_cost_per_token']:>13.3f}"
           f"{r['identical_to_ar']:>8}/{len(prompts)}")
   if FLAGS.out:
-    os.makedirs(FLAGS.out, exist_ok=True)
     report = {"prompts": [k for k, _ in prompts], "half": FLAGS.half,
               "repeats": FLAGS.repeats, "max_new_tokens": FLAGS.max_new_tokens,
               "block_size": FLAGS.block_size, "ar_fallback": FLAGS.ar_fallback,
               "ar_fallback_accept": FLAGS.ar_fallback_accept, "methods": rows}
-    with open(os.path.join(FLAGS.out, "controllers.json"), "w") as f:
-      json.dump(report, f, indent=1)
+    common.write_json(os.path.join(FLAGS.out, "controllers.json"), report, indent=1)
     print(f"  wrote {os.path.join(FLAGS.out, 'controllers.json')}")
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main, __doc__)

@@ -16,7 +16,9 @@ import json
 import statistics
 import time
 
-from absl import app, flags
+from absl import flags
+
+from bp_jax import cli
 
 flags.DEFINE_list("rows", ["1", "8"], "Rows (tokens) per product.")
 flags.DEFINE_integer("reps", 7, "Timed repeats per case (median).")
@@ -85,4 +87,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main, __doc__)

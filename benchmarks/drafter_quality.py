@@ -24,19 +24,18 @@ import json
 import os
 import time
 
-from absl import app, flags
-
+from absl import flags
 from tqdm import tqdm
 
 from benchmarks import common
+from bp_jax import cli
 from bp_jax.decoding.engine import Engine
-from bp_jax.weights.loading import load_drafter, load_target
 from bp_jax.eval.plots import acceptance_histogram, line_plot
 from bp_jax.eval.report import acceptance_figures
 from bp_jax.text.prompts import load_prompts
 from bp_jax.decode_job.block_choice import default_block_sizes
 from bp_jax.decoding.options import LoopOptions, ShapeOptions
-from bp_jax.text.tokenizer import encode_prompt, load_tokenizer, stop_token_ids
+from bp_jax.text.tokenizer import encode_prompt
 
 common.define_flags("target", "drafter", "num_prompts", "max_new_tokens", max_len=1024)
 flags.DEFINE_string("prompts", "humaneval", "Prompt source (JSONL path, humaneval, pysrc:<dir>).")
@@ -65,16 +64,14 @@ def _figures(gens) -> dict:
 def main(argv):
   del argv
   os.makedirs(FLAGS.out, exist_ok=True)
-  target = load_target(FLAGS.target, "float32")
-  drafter = load_drafter(FLAGS.drafter, target.cfg, "float32")
-  tok = load_tokenizer(FLAGS.target)
+  target, drafter, tok, stop_ids = common.load_models(FLAGS)
   b = drafter.cfg.block_size
   sweep = default_block_sizes(b)
   # The paper's loop (AR, every spec size, the sweeps) and, on the same weights, the demo's loop
   # with AR fallback steps at b.
-  engine = Engine(target, stop_ids=stop_token_ids(tok), drafter=drafter,
+  engine = Engine(target, stop_ids=stop_ids, drafter=drafter,
                   shapes=ShapeOptions(max_len=FLAGS.max_len, block_sizes=(1,) + sweep))
-  fallback = (Engine(target, stop_ids=stop_token_ids(tok), drafter=drafter,
+  fallback = (Engine(target, stop_ids=stop_ids, drafter=drafter,
                      shapes=ShapeOptions(max_len=FLAGS.max_len, block_sizes=(b,)),
                      loop=LoopOptions(ar_fallback=FLAGS.ar_fallback))
               if FLAGS.ar_fallback else None)
@@ -137,10 +134,9 @@ def main(argv):
             "tau_pooled_over_cycles_by_block_size": pooled,
             "compile_s": round(compile_s, 2), "compilations": comp["compilations"],
             "plots": [hist, plot]}
-  with open(os.path.join(FLAGS.out, "drafter_quality.json"), "w") as f:
-    json.dump(result, f, indent=2)
+  common.write_json(os.path.join(FLAGS.out, "drafter_quality.json"), result)
   print(json.dumps({k: v for k, v in result.items() if k != "plots"}, indent=2))
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main, __doc__)

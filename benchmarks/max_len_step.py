@@ -15,9 +15,10 @@ from __future__ import annotations
 import json
 import time
 
-from absl import app, flags
+from absl import flags
 
 from benchmarks import common
+from bp_jax import cli
 
 flags.DEFINE_list("max_lens", ["640", "2048"], "Cache sizes to compare (the first is the base).")
 common.define_flags("max_new_tokens", "block_size", "repeats", num_prompts=12)
@@ -27,7 +28,6 @@ FLAGS = flags.FLAGS
 
 def main(argv):
   del argv
-  from benchmarks.demo_prompts import heldout_prompts
   from bp_jax.decoding.engine import Engine
   from bp_jax.decoding.options import LoopOptions, ShapeOptions
   from bp_jax.eval.bootstrap import bootstrap_ratio_ci
@@ -41,7 +41,7 @@ def main(argv):
   engines = {m: Engine(target, drafter=drafter,
                        shapes=ShapeOptions(max_len=m, block_sizes=(b,), length_buckets=(512,)),
                        loop=LoopOptions(controller="none", verify="exact")) for m in lens}
-  prompts = [ids for _, ids in heldout_prompts(tok, FLAGS.num_prompts)]
+  prompts = [ids for _, ids in common.demo_prompts(tok, "eval", limit=FLAGS.num_prompts)]
   secs = {(m, k): [0.0] * len(prompts) for m in lens for k in ("ar", "spec")}
   counts, outputs = {}, {}
   for rep in range(FLAGS.repeats + 1):  # pass 0 warms up (compiles); not counted
@@ -67,9 +67,8 @@ def main(argv):
     result[f"{kind}_{what}_ratio_{top}_over_{base}"] = [round(x, 3) for x in ci]
   print(json.dumps(result, indent=1))
   if FLAGS.out:
-    with open(FLAGS.out, "w") as f:
-      json.dump(result, f, indent=1)
+    common.write_json(FLAGS.out, result, indent=1)
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main, __doc__)

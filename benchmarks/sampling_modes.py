@@ -27,20 +27,18 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags
-
+from absl import flags
 from tqdm import tqdm
 
 from benchmarks import common
-from benchmarks.demo_prompts import heldout_prompts
+from bp_jax import cli
 from bp_jax.decoding.engine import Engine
 from bp_jax.decoding.sampling import processed_logits, sampling_params
 from bp_jax.decoding.options import LoopOptions, ShapeOptions
 from bp_jax.eval.plots import line_plot
 from bp_jax.eval.report import acceptance_figures
-from bp_jax.text.tokenizer import load_tokenizer, stop_token_ids
 from bp_jax.train import draft_objective as obj
-from bp_jax.weights.loading import load_drafter, load_target
+from bp_jax.weights.loading import load_drafter
 
 common.define_flags("target", "block_size", "num_prompts", "max_new_tokens", "max_len", "repeats")
 flags.DEFINE_string("drafters", "ce=demo/drafter,mix=demo/drafter_sampling",
@@ -108,19 +106,18 @@ def _positional_acceptance(target, drafter, seqs, temperature: float, b: int) ->
 def main(argv):
   del argv
   os.makedirs(FLAGS.out, exist_ok=True)
-  target = load_target(FLAGS.target, "float32")
-  tok = load_tokenizer(FLAGS.target)
+  target, _, tok, stop_ids = common.load_models(FLAGS, drafter=False)
   b = FLAGS.block_size
   modes = [m for m in FLAGS.modes.split(",") if m]
   temps = [float(t) for t in FLAGS.temperatures.split(",") if t]
   drafters = {name: load_drafter(path, target.cfg, "float32")
               for name, path in _drafter_paths(FLAGS.drafters).items()}
-  engines = {(name, mode): Engine(target, stop_ids=stop_token_ids(tok), drafter=d,
+  engines = {(name, mode): Engine(target, stop_ids=stop_ids, drafter=d,
                                   shapes=ShapeOptions(max_len=FLAGS.max_len, block_sizes=(b,)),
                                   loop=LoopOptions(verify=mode, ar_fallback=FLAGS.ar_fallback))
              for name, d in drafters.items() for mode in modes}
   ar_engine = next(iter(engines.values()))
-  prompts = heldout_prompts(tok, FLAGS.num_prompts)
+  prompts = common.demo_prompts(tok, "eval", limit=FLAGS.num_prompts)
   methods = ["AR"] + [f"{name} {mode}" for name, mode in engines]
   report = {"block_size": b, "ar_fallback": FLAGS.ar_fallback, "prompts": len(prompts),
             "max_new_tokens": FLAGS.max_new_tokens, "repeats": FLAGS.repeats,
@@ -161,8 +158,7 @@ def main(argv):
                                for name, d in drafters.items()}
     report["by_temperature"][f"{temp:g}"] = entry
     print(json.dumps({f"T={temp:g}": rows}, indent=1), flush=True)
-  with open(os.path.join(FLAGS.out, "sampling_modes.json"), "w") as f:
-    json.dump(report, f, indent=2)
+  common.write_json(os.path.join(FLAGS.out, "sampling_modes.json"), report)
   _write_markdown(report, os.path.join(FLAGS.out, "sampling_modes.md"))
   series = {}
   for temp, entry in report["by_temperature"].items():
@@ -196,9 +192,8 @@ def _write_markdown(report: dict, path: str) -> None:
                 f" ({name}, {pp['anchors']} anchors): 1 - TV {pp['tv_acceptance']}; "
                 f"p(argmax q) {pp['argmax_acceptance']}"]
     lines.append("")
-  with open(path, "w") as f:
-    f.write("\n".join(lines))
+  common.write_text(path, "\n".join(lines))
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main, __doc__)

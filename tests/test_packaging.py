@@ -7,8 +7,19 @@ import os
 import shutil
 import subprocess
 import sys
+import zipfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _source_packages() -> set[str]:
+  """Dotted names of bp_jax and of every sub-package in the checkout (a new one included)."""
+  out = set()
+  for folder, dirs, files in os.walk(os.path.join(REPO, "bp_jax")):
+    dirs[:] = [d for d in dirs if d != "__pycache__"]
+    if "__init__.py" in files:
+      out.add(os.path.relpath(folder, REPO).replace(os.sep, "."))
+  return out
 
 
 def test_a_wheel_holds_every_subpackage(tmp_path):
@@ -21,6 +32,10 @@ def test_a_wheel_holds_every_subpackage(tmp_path):
   subprocess.run(pip + ["wheel", str(src), "--no-deps", "--no-build-isolation", "-w",
                         str(wheels)], check=True, capture_output=True, cwd=tmp_path)
   (wheel,) = wheels.glob("bp_jax-*.whl")
+  with zipfile.ZipFile(wheel) as z:
+    in_wheel = {os.path.dirname(n).replace("/", ".") for n in z.namelist()
+                if n.endswith("/__init__.py")}
+  assert _source_packages() <= in_wheel, sorted(_source_packages() - in_wheel)
   subprocess.run(pip + ["install", "--no-deps", "--target", str(target), str(wheel)],
                  check=True, capture_output=True, cwd=tmp_path)
   check = ("import bp_jax, bp_jax.decoding.engine, bp_jax.models.qwen3, bp_jax.weights.loading, "
