@@ -658,7 +658,8 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  from absl import app, flags
+  from absl import flags
+  from bp_jax import cli
   flags.DEFINE_list("sizes", ["0.6b", "1.7b", "4b", "8b"],
                     f"Model shapes to run ({', '.join(SHAPES)}).")
   flags.DEFINE_list("batch_sizes", ["1", "8", "32"], "Batch sizes of our AR decode.")
@@ -676,4 +677,4 @@ if __name__ == "__main__":
   flags.DEFINE_bool("profile", True, "Count kernels and host copies per cycle in a trace.")
   flags.DEFINE_integer("seed", 0, "Seed of weights, prompts and the simulated draws.")
   flags.DEFINE_string("out", "out/accelerator", "Folder for results.json, results.md, PNGs.")
-  app.run(main)
+  cli.run(main, __doc__)
