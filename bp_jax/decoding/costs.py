@@ -9,8 +9,8 @@ a CPU several times more), so they are measured on the engine's own shapes, not 
   measure_forward_costs  jitted target forwards over each verify length the controller may
                          choose (`verify_lengths`) and one drafter pass, on the engine's batch
                          size, block size and cache length (a mid-cache position); each timed
-                         as a jitted loop of `reps` forwards, the median of `repeats` runs
-                         (a few seconds at demo size);
+                         as a jitted loop of `reps` forwards, the median of `repeats` rounds
+                         in which the forwards take turns (a few seconds at demo size);
   forward_costs          the same, cached per machine (`machine_fingerprint`), model weights
                          (`models.fingerprint`), shapes and dtype in
                          `$XDG_CACHE_HOME/bp_jax/costs/` (written atomically; cache_dir="" = no
@@ -109,28 +109,32 @@ class ForwardCosts:
                int(d["batch_size"]), int(d["block_size"]))
 
 
-def _median_seconds(fn, args: tuple, reps: int, repeats: int) -> float:
-  """Median seconds per forward of `fn` (a jitted loop of `reps` forwards) over `repeats` runs,
-  after one untimed run (compilation)."""
+def _median_seconds(calls: list[tuple], reps: int, repeats: int) -> list[float]:
+  """Median seconds per forward of each (jitted loop of `reps` forwards, its arguments) over
+  `repeats` rounds, after one untimed run each (compilation); the calls take turns within each
+  round, so a burst of load on a shared machine falls on all of them alike."""
   import jax
 
-  jax.block_until_ready(fn(*args))
-  runs = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
+  for fn, args in calls:
     jax.block_until_ready(fn(*args))
-    runs.append(time.perf_counter() - t0)
-  return float(np.median(runs)) / reps
+  runs: list[list[float]] = [[] for _ in calls]
+  for _ in range(repeats):
+    for i, (fn, args) in enumerate(calls):
+      t0 = time.perf_counter()
+      jax.block_until_ready(fn(*args))
+      runs[i].append(time.perf_counter() - t0)
+  return [float(np.median(r)) / reps for r in runs]
 
 
 def measure_forward_costs(target, drafter, batch_size: int, block_size: int, max_len: int, *,
-                          scan_layers: bool = False, reps: int = 8, repeats: int = 5,
+                          scan_layers: bool = False, reps: int = 16, repeats: int = 7,
                           pos: int | None = None) -> ForwardCosts:
   """Times the target over each of `verify_lengths(block_size)` tokens and one drafter pass as
   the speculative loop runs them: `batch_size` rows, a cache of `max_len` slots read up to
   `pos` (default: half of it), the drafter's chosen-layer features returned, the layer form of
   `scan_layers`. Each forward runs `reps` times in one jitted `fori_loop` (tokens change per
-  iteration so nothing is hoisted); the median of `repeats` runs is kept."""
+  iteration so nothing is hoisted; the cache is carried, written in place as in the loops);
+  the forwards take turns over `repeats` rounds and each one's median is kept."""
   import jax
   import jax.numpy as jnp
   from flax import nnx
@@ -150,11 +154,13 @@ def measure_forward_costs(target, drafter, batch_size: int, block_size: int, max
     model = nnx.merge(t_graph, state)
     layers = None if scan_layers else model.layers.per_layer()
 
-    def step(i, acc):
+    def step(i, carry):  # the cache is carried, as in the loops: written in place
+      acc, cache = carry
       out = model((tokens_BT + i) % vocab, cache.with_lengths(pos_B), layer_ids, layers=layers)
-      return acc + out.logits[0, -1, 0].astype(jnp.float32) + out.layer_hiddens[0][
+      acc = acc + out.logits[0, -1, 0].astype(jnp.float32) + out.layer_hiddens[0][
           0, 0, 0].astype(jnp.float32)
-    return jax.lax.fori_loop(0, reps, step, jnp.float32(0))
+      return acc, out.cache
+    return jax.lax.fori_loop(0, reps, step, (jnp.float32(0), cache))[0]
 
   @jax.jit
   def draft(state, d_state, draft_cache):
@@ -169,10 +175,10 @@ def measure_forward_costs(target, drafter, batch_size: int, block_size: int, max
       return acc + jnp.sum(p)
     return jax.lax.fori_loop(0, reps, step, jnp.float32(0))
 
-  verify_s = tuple(_median_seconds(verify, (t_state, cache, jnp.ones((B, n), jnp.int32)),
-                                   reps, repeats) for n in verify_lengths(b))
-  draft_s = _median_seconds(draft, (t_state, d_state, draft_cache), reps, repeats)
-  return ForwardCosts(verify_s, draft_s, B, b)
+  calls = [(verify, (t_state, cache, jnp.ones((B, n), jnp.int32))) for n in verify_lengths(b)]
+  *verify_s, draft_s = _median_seconds(calls + [(draft, (t_state, d_state, draft_cache))],
+                                       reps, repeats)
+  return ForwardCosts(tuple(verify_s), draft_s, B, b)
 
 
 def default_dir() -> str:
