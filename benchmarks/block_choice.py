@@ -68,9 +68,10 @@ flags.DEFINE_integer("ar_fallback", 16, "Most AR steps of the back-off after poo
 flags.DEFINE_string("calibration", "demo/controller_calibration.json", "The confidence "
                     "controller's calibration table ('' = the drafter's raw probabilities).")
 flags.DEFINE_string("controller_costs", "", "Confidence: relative costs of target forwards over "
-                    "1, 2, 4, ... tokens ('' = the library's defaults, controller.DEFAULT_COSTS).")
+                    "1, 2, 4, ... tokens ('' = measured here by the engine, bp_jax.decoding.costs; "
+                    "give --controller_draft_cost with it).")
 flags.DEFINE_float("controller_draft_cost", -1.0, "Confidence: one drafter pass in AR steps "
-                   "(< 0 = the library's default).")
+                   "(< 0 = measured here, with the verify costs).")
 flags.DEFINE_bool("poor_miss", True, "Confidence: a cycle accepting <= 1 of more verified "
                   "drafts counts as declined too (--config.controller_poor_miss).")
 flags.DEFINE_integer("seed", 0, "Seed of the method order and the bootstrap.")
@@ -125,7 +126,8 @@ def per_cycle_oracle(target, drafter, prompts, outputs, sizes, table, engine
 
 
 def controller_costs() -> dict:
-  """The confidence controller's cost flags as `LoopOptions` fields (only those given)."""
+  """The confidence controller's cost flags as `LoopOptions` fields (only those given: both, or
+  neither and the engine measures them)."""
   out = {}
   if FLAGS.controller_costs:
     out["controller_costs"] = FLAGS.controller_costs
@@ -241,7 +243,7 @@ def main(_):
           "static_size": static, "best_fixed_in_hindsight": hindsight,
           "ar_fallback": FLAGS.ar_fallback, "max_new_tokens": FLAGS.max_new_tokens,
           "calibration": FLAGS.calibration, "poor_miss": FLAGS.poor_miss,
-          "controller_costs": FLAGS.controller_costs or "default",
+          "controller_costs": FLAGS.controller_costs or "measured",
           "controller_draft_cost": FLAGS.controller_draft_cost,
           "compile_and_warm_s": round(compile_s, 1),
           "policy": FLAGS.policy, "value_policy": FLAGS.value_policy,

@@ -5,7 +5,9 @@ them (per-layer weights, the drafter's chosen-layer features returned, a cache o
 slots read up to position `pos`).
 
 Each forward runs `reps` times inside one jitted `fori_loop` (dispatch amortised); the fastest
-of `repeats` runs is kept. Example (the defaults of configs/qwen3.py):
+of `repeats` runs is kept. The engine measures its own costs the same way at start-up unless
+they are given (`bp_jax.decoding.costs`, at its verify lengths, mid-cache); this script shows
+them at other cache positions and token counts. Example:
 
   python -m benchmarks.controller_costs --target demo/target --drafter demo/drafter
 """

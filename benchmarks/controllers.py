@@ -16,6 +16,11 @@ Methods (`--methods`, comma-separated):
   confidence_cal    confidence with the acceptance calibration at --calibration;
   confidence_cal_poor  both.
 
+The confidence methods price their choices with the costs given (--controller_costs with
+--controller_draft_cost), or else with costs measured once here on this machine (one target
+forward per verify length and one drafter pass, `bp_jax.decoding.costs.forward_costs`, cached),
+the same costs for every method; `est_cost_per_token` uses them too.
+
 Prompts: by default the labelling half of HumanEval under configs/demo.py's split (not the
 evaluation half docs/results/controller.md uses). Example:
 
@@ -33,6 +38,7 @@ from benchmarks import common
 from bp_jax import cli
 from bp_jax.decoding import controller as control
 from bp_jax.decode_job.compare import check_repeats_agree
+from bp_jax.decoding.costs import forward_costs
 from bp_jax.decoding.engine import Engine
 from bp_jax.decoding.generation import Generation, forward_cost_units
 from bp_jax.decoding.options import LoopOptions, ShapeOptions
@@ -53,6 +59,12 @@ flags.DEFINE_string("methods", ",".join(METHODS[:6]), f"comma-separated, of {lis
 flags.DEFINE_string("calibration", "", "confidence_cal*: calibration JSON "
                     "(python -m benchmarks.controller_calibration --out)")
 flags.DEFINE_string("out", "", "folder for controllers.json (empty: print only)")
+flags.DEFINE_string("controller_costs", "", "confidence*: relative costs of target forwards over "
+                    "1, 2, 4, ... tokens ('' = measured here; give --controller_draft_cost too)")
+flags.DEFINE_float("controller_draft_cost", -1.0, "confidence*: one drafter pass in AR steps "
+                   "(< 0 = measured here)")
+flags.DEFINE_string("cost_cache", "default", "folder caching measured costs ('default' = "
+                    "~/.cache/bp_jax/costs, '' = measure every run)")
 FLAGS = flags.FLAGS
 
 
@@ -64,14 +76,16 @@ def parse_methods(text: str) -> list[str]:
   return list(dict.fromkeys(["ar"] + methods))  # AR is the reference
 
 
-def engine_options(method: str) -> dict:
-  """The `LoopOptions` fields of a method (its loop form)."""
-  fb = dict(ar_fallback_accept=FLAGS.ar_fallback_accept)
+def engine_options(method: str, costs: dict) -> dict:
+  """The `LoopOptions` fields of a method (its loop form); `costs`: the confidence methods'
+  `controller_costs` and `controller_draft_cost`."""
+  fb = dict(ar_fallback_accept=FLAGS.ar_fallback_accept, **costs)
   cal = dict(controller="confidence", ar_fallback=FLAGS.ar_fallback,
              controller_calibration=control.load_calibration(FLAGS.calibration, "--calibration"),
              **fb) if "_cal" in method else {}
+  plain = dict(ar_fallback_accept=FLAGS.ar_fallback_accept)
   return {"ar": dict(controller="none"), "none": dict(controller="none"),
-          "backoff": dict(controller="backoff", ar_fallback=FLAGS.ar_fallback, **fb),
+          "backoff": dict(controller="backoff", ar_fallback=FLAGS.ar_fallback, **plain),
           "confidence_1step": dict(controller="confidence", ar_fallback=1, **fb),
           "confidence": dict(controller="confidence", ar_fallback=FLAGS.ar_fallback, **fb),
           "confidence_poor": dict(controller="confidence", ar_fallback=FLAGS.ar_fallback,
@@ -86,15 +100,16 @@ def method_order(methods: list[str], index: int) -> list[str]:
   return methods if index % 2 == 0 else methods[::-1]
 
 
-def method_figures(gens: list[Generation], ar_gens: list[Generation]) -> dict:
-  """Throughput and acceptance figures of one method's fastest decodes."""
+def method_figures(gens: list[Generation], ar_gens: list[Generation], costs: dict) -> dict:
+  """Throughput and acceptance figures of one method's fastest decodes (`costs`: the table
+  `est_cost_per_token` prices forwards with)."""
   new = sum(g.new_tokens for g in gens)
   decode_s = sum(g.decode_s for g in gens)
   cycles = [a for g in gens for a in g.acceptance_lengths]
   lengths = [a for g in gens for a in g.forward_lengths]
   verified = [k for g in gens for k in g.verified_drafts]
-  units = sum(forward_cost_units(g.forward_verified, control.DEFAULT_COSTS,
-                                 control.DEFAULT_DRAFT_COST) for g in gens)
+  units = sum(forward_cost_units(g.forward_verified, costs["controller_costs"],
+                                 costs["controller_draft_cost"]) for g in gens)
   return {"new_tokens": new, "decode_s": round(decode_s, 4),
           "decode_tokens_per_s": round(new / max(decode_s, 1e-9), 2),
           "tau_per_cycle": round(float(np.mean(cycles)), 4) if cycles else None,
@@ -107,15 +122,35 @@ def method_figures(gens: list[Generation], ar_gens: list[Generation]) -> dict:
           "identical_to_ar": sum(g.output_ids == a.output_ids for g, a in zip(gens, ar_gens))}
 
 
+def controller_costs(target, drafter) -> tuple[dict, str]:
+  """(the confidence methods' cost fields, "given" | "measured" | "cached"): the flags' costs,
+  or those measured once on this machine at b = --block_size, one row."""
+  given = bool(FLAGS.controller_costs), FLAGS.controller_draft_cost >= 0
+  if any(given):
+    if not all(given):
+      raise BadInputError("--controller_costs and --controller_draft_cost: give both or neither")
+    return {"controller_costs": control.parse_costs(FLAGS.controller_costs, "--controller_costs"),
+            "controller_draft_cost": FLAGS.controller_draft_cost}, "given"
+  measured, hit = forward_costs(target, drafter, 1, FLAGS.block_size, FLAGS.max_len,
+                                cache_dir=FLAGS.cost_cache)
+  print(f"  {measured.describe()}")
+  table, draft = measured.relative()
+  return ({"controller_costs": table, "controller_draft_cost": draft},
+          "cached" if hit else "measured")
+
+
 def main(_):
   methods = parse_methods(FLAGS.methods)
   if FLAGS.repeats < 1 or FLAGS.max_new_tokens < 1 or FLAGS.block_size < 2:
     raise BadInputError("--repeats and --max_new_tokens must be >= 1, --block_size >= 2")
   target, drafter, tok, stop_ids = common.load_models(FLAGS)
   prompts = common.demo_prompts(tok, FLAGS.half, limit=FLAGS.num_prompts)
+  costs, source = controller_costs(target, drafter)
+  print(f"  controller costs ({source}): verify {costs['controller_costs']}, drafter "
+        f"{costs['controller_draft_cost']}", flush=True)
   engines = {m: Engine(target, stop_ids=stop_ids, drafter=drafter,
                        shapes=ShapeOptions(max_len=FLAGS.max_len, block_sizes=(FLAGS.block_size,)),
-                       loop=LoopOptions(**engine_options(m)))
+                       loop=LoopOptions(**engine_options(m, costs)))
              for m in methods}
   size = {m: 1 if m == "ar" else FLAGS.block_size for m in methods}
   best: dict[str, list[Generation]] = {m: [] for m in methods}
@@ -129,7 +164,7 @@ def main(_):
       check_repeats_agree(runs[m])
       best[m].append(min(runs[m], key=lambda g: g.decode_s))
     print(f"  {i + 1}/{len(prompts)} {key}", flush=True)
-  rows = {m: method_figures(best[m], best["ar"]) for m in methods}
+  rows = {m: method_figures(best[m], best["ar"], costs) for m in methods}
   ar_rate = rows["ar"]["decode_tokens_per_s"]
   for r in rows.values():
     r["speedup_vs_ar"] = round(r["decode_tokens_per_s"] / ar_rate, 3)
@@ -149,7 +184,8 @@ def main(_):
     report = {"prompts": [k for k, _ in prompts], "half": FLAGS.half,
               "repeats": FLAGS.repeats, "max_new_tokens": FLAGS.max_new_tokens,
               "block_size": FLAGS.block_size, "ar_fallback": FLAGS.ar_fallback,
-              "ar_fallback_accept": FLAGS.ar_fallback_accept, "methods": rows}
+              "ar_fallback_accept": FLAGS.ar_fallback_accept, "methods": rows,
+              "controller_costs": {**costs, "source": source}}
     common.write_json(os.path.join(FLAGS.out, "controllers.json"), report, indent=1)
     print(f"  wrote {os.path.join(FLAGS.out, 'controllers.json')}")
 

@@ -151,11 +151,13 @@ def get_config() -> ml_collections.ConfigDict:
   # at most ar_fallback, 16 when 0). Lossless either way.
   c.controller = "backoff"
   # confidence: relative costs of one target forward over 1, 2, 4, 8, 16, 32 tokens (linear in
-  # between) and of one drafter pass, same unit; defaults measured on the demo on a 2-core CPU
-  # (benchmarks/controller_costs.py, figures in bp_jax/decoding/controller.py; measure your own
-  # hardware with it).
-  c.controller_costs = "1.0,2.01,2.25,2.58,4.22,6.16"
-  c.controller_draft_cost = 1.58
+  # between) and of one drafter pass, same unit (AR steps), e.g. "1.0,2.01,2.25,2.58" and 1.58;
+  # both given or both "measure": the engine times its own forwards on this machine at start-up
+  # (a few seconds; bp_jax/decoding/costs.py), cached per machine, models and shapes in
+  # controller_cost_cache ("default" = ~/.cache/bp_jax/costs, "" = measure every run).
+  c.controller_costs = "measure"
+  c.controller_draft_cost = "measure"
+  c.controller_cost_cache = "default"
   # confidence: also count a cycle that verified more than ar_fallback_accept drafts and
   # accepted at most that many as a declined one (backs off into AR steps as backoff does).
   c.controller_poor_miss = False

@@ -29,6 +29,9 @@ from toy_models import zeros_drafter_pair
 V, MAX_LEN, BUCKETS, B = 64, 128, (16, 32, 64), 4
 # Flat costs and a free drafter: E_k / cost_k grows with k, so confidence verifies every draft.
 FLAT = dict(controller_costs="1,1,1", controller_draft_cost=0.0)
+# CPU-like costs (a forward over 1, 2, 4, 8 tokens; a drafter pass), given where a test asserts
+# a choice (without them the engine measures its own, which differ by machine).
+CPU = dict(controller_costs="1.0,2.01,2.25,2.58", controller_draft_cost=1.58)
 
 
 def _requests(num: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:
@@ -130,7 +133,8 @@ def test_expected_committed_and_drafted_probs():
 
 # -- the loops --------------------------------------------------------------------------------
 @pytest.mark.parametrize("controller, kw", [("fixed:0", {}), ("fixed:1", {}), ("fixed:3", {}),
-                                            ("confidence", {}), ("confidence", FLAT),
+                                            ("confidence", CPU), ("confidence", FLAT),
+                                            ("confidence", {}),
                                             ("backoff", dict(ar_fallback=4))])
 def test_every_bucket_and_controller_is_lossless(models, ar_outputs, controller, kw):
   eng = _engine(models, controller, **kw)
@@ -142,12 +146,12 @@ def test_every_bucket_and_controller_is_lossless(models, ar_outputs, controller,
     k = int(controller[6:])
     assert max(lengths) == k + 1 and all(g.forward_is_cycle[:-1] == [True] * (
         len(g.forward_is_cycle) - 1) for g in outs)
-  elif controller == "confidence" and not kw:
+  elif controller == "confidence" and kw is CPU:
     # The drafter is uniform (p = 1/64): it never pays to verify a draft, and after each such
     # cycle the next forward is an AR step without a drafter pass.
     assert set(lengths) == {1}
     assert any(not cyc for g in outs for cyc in g.forward_is_cycle)
-  elif controller == "confidence":
+  elif controller == "confidence" and kw is FLAT:
     assert max(lengths) == B and all(all(g.forward_is_cycle) for g in outs)
   assert eng.controller == controller  # the loop form in effect (the decode summary's)
 
@@ -200,7 +204,7 @@ def test_declined_cycles_back_off(models, ar_fallback, want_runs):
   """The uniform drafter is never worth verifying: every cycle is declined, and the AR steps
   between drafter passes grow 2, 4, ... up to ar_fallback (16 when 0); ar_fallback = 1 is one
   step per declined cycle. Outputs stay AR's."""
-  eng = _engine(models, "confidence", ar_fallback=ar_fallback)
+  eng = _engine(models, "confidence", ar_fallback=ar_fallback, **CPU)
   assert eng.ar_fallback == (ar_fallback or control.DEFAULT_SKIP_CAP)
   ar = _engine(models, "none")
   prompt = _requests(1, seed=6)[0][0]
@@ -250,8 +254,8 @@ def test_calibration_fit_lookup_and_file(tmp_path):
 def test_calibration_replaces_the_drafters_probabilities(models, ar_outputs, calibration,
                                                          want_k):
   """The uniform drafter's p = 1/64 never pays; a table saying every draft is accepted makes the
-  controller verify all of them (the default costs). Lossless either way."""
-  eng = _engine(models, "confidence", controller_calibration=calibration)
+  controller verify all of them (CPU-like costs). Lossless either way."""
+  eng = _engine(models, "confidence", controller_calibration=calibration, **CPU)
   prompts, max_news = _requests(5)
   outs = [eng.generate(p, max_new_tokens=m, block_size=B) for p, m in zip(prompts, max_news)]
   assert [g.output_ids for g in outs] == ar_outputs
@@ -300,8 +304,8 @@ def test_one_loop_per_block_size_and_no_cache_copy(models):
   assert hlo.count(" while(") >= 1 + len(control.verify_buckets(B))
 
 
-@pytest.mark.parametrize("controller, kw", [("confidence", {}), ("confidence", FLAT),
-                                            ("fixed:1", {})])
+@pytest.mark.parametrize("controller, kw", [("confidence", CPU), ("confidence", FLAT),
+                                            ("confidence", {}), ("fixed:1", {})])
 def test_batched_rows_equal_their_request_alone(models, controller, kw):
   one = _engine(models, controller, **kw)
   many = _engine(models, controller, batch_size=3, sync_cycles=2, **kw)
@@ -317,9 +321,9 @@ def test_batched_rows_equal_their_request_alone(models, controller, kw):
 
 @pytest.mark.parametrize("kw, flag", [
     (dict(controller="fast"), "--config.controller"),
-    (dict(controller_costs="1,x"), "--config.controller_costs"),
-    (dict(controller_costs="1,-2"), "--config.controller_costs"),
-    (dict(controller_draft_cost=-1), "--config.controller_draft_cost"),
+    (dict(controller_costs="1,x", controller_draft_cost=1), "--config.controller_costs"),
+    (dict(controller_costs="1,-2", controller_draft_cost=1), "--config.controller_costs"),
+    (dict(controller_costs="1,2", controller_draft_cost=-1), "--config.controller_draft_cost"),
 ])
 def test_bad_controller_settings_name_the_parameter_and_the_flag(models, kw, flag):
   """The library names its parameter, the command line (`loop_options`) the flag."""

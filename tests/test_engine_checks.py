@@ -146,8 +146,8 @@ def test_generation_figures_have_one_meaning(models):
 
 
 def test_loop_options_are_checked_hashable_compile_keys():
-  a = LoopOptions(controller="confidence", controller_costs="1,2")
-  b = LoopOptions(controller="confidence", controller_costs=(1.0, 2.0))
+  a = LoopOptions(controller="confidence", controller_costs="1,2", controller_draft_cost=0.5)
+  b = LoopOptions(controller="confidence", controller_costs=(1.0, 2.0), controller_draft_cost=0.5)
   assert a == b and hash(a) == hash(b) and len({a, b}) == 1
   assert a.in_effect().ar_fallback == control.DEFAULT_SKIP_CAP
   assert LoopOptions(ar_fallback=0).in_effect().controller == "none"

@@ -111,9 +111,9 @@ def random_candidates(cfg, drafter_block_size: int | None) -> tuple[int, ...]:
 def loop_options(cfg) -> dict[str, Any]:
   """The decode loops' form set by a config, as `Engine` keyword arguments: `scan_layers`,
   `ar_fallback`, `ar_fallback_accept`, `verify`, `controller`, `controller_costs`,
-  `controller_draft_cost`, `controller_poor_miss`, `controller_calibration` (the rates of the
-  JSON file at that path, None for '') (configs/qwen3.py; checked, a bad value names its
-  flag)."""
+  `controller_draft_cost` (None for `measure`), `controller_poor_miss`,
+  `controller_calibration` (the rates of the JSON file at that path, None for '')
+  (configs/qwen3.py; checked, a bad value names its flag)."""
   from bp_jax.decoding import controller as control
   from bp_jax.decoding.verify import check_verify_mode
   controller = control.check_controller(str(cfg.get("controller", "backoff")))
@@ -125,13 +125,30 @@ def loop_options(cfg) -> dict[str, Any]:
           "ar_fallback_accept": int(cfg.get("ar_fallback_accept", 1)),
           "verify": check_verify_mode(str(cfg.get("verify", "exact"))),
           "controller": controller,
-          "controller_costs": control.parse_costs(
-              cfg.get("controller_costs", ",".join(map(str, control.DEFAULT_COSTS)))),
-          "controller_draft_cost": control.check_draft_cost(
-              cfg.get("controller_draft_cost", control.DEFAULT_DRAFT_COST)),
+          **controller_costs(cfg),
           "controller_poor_miss": bool(cfg.get("controller_poor_miss", False)),
           "controller_calibration": control.load_calibration(
               str(cfg.get("controller_calibration", "") or ""))}
+
+
+MEASURE = "measure"  # --config.controller_costs / controller_draft_cost: measure where it runs
+
+
+def controller_costs(cfg) -> dict[str, Any]:
+  """`controller_costs` and `controller_draft_cost` of a config: both "measure" (the default:
+  None, the engine measures them) or both given (checked; a bad value names its flag)."""
+  from bp_jax.decoding import controller as control
+  costs = cfg.get("controller_costs", MEASURE)
+  draft = cfg.get("controller_draft_cost", MEASURE)
+  measured = [str(v).strip() == MEASURE for v in (costs, draft)]
+  if measured == [True, True]:
+    return {"controller_costs": None, "controller_draft_cost": None}
+  if any(measured):
+    raise BadInputError(f"--config.controller_costs={costs!r} and --config.controller_draft_cost="
+                        f"{draft!r}: give both or neither ({MEASURE!r}, the default, measures "
+                        "both where the engine runs)")
+  return {"controller_costs": control.parse_costs(costs),
+          "controller_draft_cost": control.check_draft_cost(draft)}
 
 
 def batch_options(cfg) -> dict[str, Any]:

@@ -76,6 +76,27 @@ def figures(records: list[dict]) -> dict:
           "mean_verified_drafts": round(float(np.mean(verified)), 4) if verified else None}
 
 
+def verify_lengths_chosen(records: list[dict], batch_size: int) -> dict:
+  """The verify length (k + 1 tokens) chosen per cycle, as a histogram, with the batch size the
+  controller chose it for (a batched loop chooses one length for all its rows)."""
+  hist = collections.Counter(v for r in records for v in r.get("forward_verified", []) if v > 0)
+  return {"batch_size": int(batch_size), "lengths": {str(k): hist[k] for k in sorted(hist)}}
+
+
+def controller_costs_of(engine) -> dict | None:
+  """The costs the confidence controller priced its choices with: their source ("given",
+  "measured" here, or "cached" from an earlier measurement on this machine), the table in AR
+  steps, and the measured seconds; None when the loops price nothing."""
+  source = getattr(engine, "costs_source", None)
+  if source is None:
+    return None
+  opts, measured = engine.loop_options, engine.measured_costs
+  return {"source": source, "verify_costs": list(opts.controller_costs),
+          "draft_cost": opts.controller_draft_cost,
+          "measured": None if measured is None else measured.to_json(),
+          "described": None if measured is None else measured.describe()}
+
+
 def summarize(records: list[dict], engine, cfg, wall_s: float) -> dict:
   """The run's summary: `figures` of its records plus compilation, warm-up and memory."""
   accepts = [a for r in records for a in r["acceptance_lengths"]]
@@ -89,6 +110,8 @@ def summarize(records: list[dict], engine, cfg, wall_s: float) -> dict:
       "acceptance_histogram": {str(k): hist[k] for k in sorted(hist)},
       "verified_histogram": verified_histogram(
           v - 1 for r in records for v in r.get("forward_verified", []) if v > 0),
+      "verify_lengths_chosen": verify_lengths_chosen(records, getattr(engine, "batch_size", 1)),
+      "controller_costs": controller_costs_of(engine),
       "block_sizes_used": dict(collections.Counter(str(r["block_size"]) for r in records)),
       "ids_beyond_tokenizer": sum(r["ids_beyond_tokenizer"] for r in records),
       "compilations": comp["compilations"], "compilations_by_function": comp["by_function"],
@@ -103,6 +126,19 @@ def _fmt(x, spec: str) -> str:
   return "-" if x is None else format(x, spec)
 
 
+def costs_line(c: dict) -> str:
+  """The controller's costs in one line: where they came from and what they are."""
+  table = ",".join(f"{x:g}" for x in c["verify_costs"])
+  line = f"{c['source']}: verify {table} AR steps (1, 2, 4, ... tokens), drafter {c['draft_cost']:g}"
+  return line + (f" [{c['described']}]" if c.get("described") else "")
+
+
+def lengths_line(hist: dict) -> str:
+  """'1: 12 (10%), 8: 108 (90%)': cycles per verify length."""
+  total = sum(hist.values()) or 1
+  return ", ".join(f"{k}: {n} ({100 * n / total:.0f}%)" for k, n in hist.items())
+
+
 def print_summary(s: dict) -> None:
   """The summary's lines that apply to the run (a plain AR run has no block size, controller,
   drafter or τ)."""
@@ -110,6 +146,8 @@ def print_summary(s: dict) -> None:
   rows = [("mode", s["mode"]),
           *([("block policy", s["block_policy"]), ("block sizes used", s["block_sizes_used"]),
              ("verify-length controller", s.get("controller", "-"))] if spec else []),
+          *([("controller costs", costs_line(s["controller_costs"]))]
+            if spec and s.get("controller_costs") else []),
           *([("drafter", s["drafter"])] if spec and s.get("drafter") else []),
           ("prompts", s["prompts"]),
           ("new tokens", s["new_tokens"]),
@@ -119,6 +157,9 @@ def print_summary(s: dict) -> None:
              ("tokens per target forward", _fmt(s["tokens_per_forward"], ".3f")),
              ("drafts verified per drafter pass", _fmt(s.get("mean_verified_drafts"), ".3f"))]
             if spec else []),
+          *([(f"verify length per cycle (batch {s['verify_lengths_chosen']['batch_size']})",
+              lengths_line(s["verify_lengths_chosen"]["lengths"]))]
+            if spec and s.get("verify_lengths_chosen", {}).get("lengths") else []),
           ("compilations", f"{s['compilations']} {s['compilations_by_function']}"),
           ("compile time (s)", f"{s['compile_s']} ({s['compile_cache_hits']} of "
                                f"{s['compilations']} loaded from the compile cache)"),

@@ -126,7 +126,8 @@ def build_engine(cfg, extra_sizes: Sequence[int] = ()) -> tuple[Engine, Any, Any
                     shapes=ShapeOptions(max_len=cfg.max_len, length_buckets=buckets,
                                         block_sizes=sizes),
                     loop=LoopOptions(**loop_options(cfg)),
-                    batching=BatchOptions(**batch_options(cfg)))
+                    batching=BatchOptions(**batch_options(cfg)),
+                    cost_cache=str(cfg.get("controller_cost_cache", "default")))
   return engine, tok, prints
 
 

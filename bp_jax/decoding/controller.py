@@ -34,9 +34,9 @@ interpolated linearly between bin centres (a constant table, no extra pass).
 
 Costs (`--config.controller_costs`): relative costs of one target forward over 1, 2, 4, 8, ...
 tokens (powers of two; linear in between, the last segment extended beyond);
-`--config.controller_draft_cost`: one drafter pass, same unit. The defaults were measured on
-the demo on this repository's 2-core CPU (benchmarks/controller_costs.py,
-docs/results/controller.md).
+`--config.controller_draft_cost`: one drafter pass, same unit. Given as a pair, or neither
+(`measure`, the default): the engine then measures them on its own shapes where it runs
+(`costs.forward_costs`, cached per machine and models).
 """
 
 from __future__ import annotations
@@ -55,13 +55,6 @@ CONTROLLERS = ("none", "backoff", "confidence")
 DEFAULT_SKIP_CAP = 16
 FIXED_PREFIX = "fixed:"  # tests only: "fixed:k" verifies k drafts every cycle (a bucket)
 
-# Measured on the demo (b = 8, f32, cache position 300 of 640, this repository's 2-core CPU
-# shared with other jobs; `python benchmarks/controller_costs.py --reps 64 --repeats 5`, fastest
-# of 3 runs per column): a target forward over 1, 2, 4, 8, 16, 32 tokens took 0.460, 0.926,
-# 1.034, 1.189, 1.943, 2.837 ms and one b = 8 drafter pass 0.727 ms; relative to one AR step
-# (on XLA:CPU a 1-token forward takes a cheaper path than 2 tokens, hence the jump).
-DEFAULT_COSTS = (1.0, 2.01, 2.25, 2.58, 4.22, 6.16)
-DEFAULT_DRAFT_COST = 1.58
 
 
 def verify_buckets(block_size: int) -> tuple[int, ...]:

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from bp_jax.decoding import controller as control
+from bp_jax.errors import BadInputError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,8 +72,8 @@ class Confidence(Plain):
   cap: int = control.DEFAULT_SKIP_CAP
   accept: int = 1
   poor_miss: bool = False
-  costs: tuple[float, ...] = control.DEFAULT_COSTS
-  draft_cost: float = control.DEFAULT_DRAFT_COST
+  costs: tuple[float, ...] = (1.0,)   # relative verify costs (the engine's, measured or given)
+  draft_cost: float = 0.0
   calibration: tuple[float, ...] | None = None
 
   @property
@@ -100,6 +101,10 @@ def controller_of(opts) -> Plain:
   if fixed is not None:
     return Fixed(b, k=fixed)
   if name == "confidence":
+    if opts.controller_costs is None:
+      raise BadInputError("controller='confidence' has no costs: give controller_costs= and "
+                          "controller_draft_cost=, or build the loop through an Engine, which "
+                          "measures them (bp_jax.decoding.costs)")
     return Confidence(b, cap=opts.ar_fallback, accept=opts.ar_fallback_accept,
                       poor_miss=opts.controller_poor_miss, costs=opts.controller_costs,
                       draft_cost=opts.controller_draft_cost,

@@ -22,6 +22,7 @@ import numpy as np
 from flax import nnx
 
 from bp_jax.decoding import loops as decode_loops
+from bp_jax.decoding.costs import ForwardCosts, forward_costs
 from bp_jax.decoding.buckets import default_length_buckets, pick_bucket
 from bp_jax.decoding.generation import Generation, generation_of
 from bp_jax.decoding.options import BatchOptions, LoopOptions, ShapeOptions
@@ -52,12 +53,15 @@ class Engine:
   def __init__(self, target: Qwen3, *, shapes: ShapeOptions, drafter=None,
                loop: LoopOptions = LoopOptions(), batching: BatchOptions = BatchOptions(),
                stop_ids: Sequence[int] = (), policy=None, policy_sizes: Sequence[int] = (),
-               mesh=None):
+               mesh=None, cost_cache: str | None = None):
     """`shapes`: what to compile for (cache length, prompt length buckets, block sizes);
     `loop`: the decode loops' form (verify rule, controller, AR fallback, layer form; the
     per-loop fields are filled in per bucket); `batching`: slots per bucket and refill period;
     `stop_ids`: tokens that end a request; `policy` (a `BlockPolicy`) with `policy_sizes`: see
-    `set_policy`; `mesh`: a jax.sharding.Mesh (`bp_jax.parallel.mesh.make_mesh`) or None."""
+    `set_policy`; `mesh`: a jax.sharding.Mesh (`bp_jax.parallel.mesh.make_mesh`) or None;
+    `cost_cache`: where the `confidence` controller's measured costs are cached when `loop`
+    gives none (`costs.forward_costs`: None = `$XDG_CACHE_HOME/bp_jax/costs`, "" = measure
+    every time)."""
     if shapes.max_len > target.cfg.max_position_embeddings:
       raise BadInputError(f"max_len={shapes.max_len} exceeds the model's "
                           f"max_position_embeddings={target.cfg.max_position_embeddings}")
@@ -83,6 +87,7 @@ class Engine:
     self.seq = jnp.zeros((1, max_len), jnp.int32)
     self.checks = RequestChecks(max_len, target.cfg.vocab_size, self.block_sizes,
                                 drafter is not None)
+    loop = self._priced(loop, target, drafter, batching.batch_size, cost_cache)
     self.programs = LoopPrograms(self.t_graph, self.d_graph, loop)
     self.p_graph = self.p_state = self.policy_key = None
     self.policy_sizes: tuple[int, ...] = ()
@@ -93,6 +98,31 @@ class Engine:
       self.seq = jax.device_put(self.seq, replicated(mesh))
     if policy is not None:
       self.set_policy(policy, policy_sizes)
+
+  def _priced(self, loop: LoopOptions, target, drafter, batch_size: int,
+              cost_cache: str | None) -> LoopOptions:
+    """`loop` with the confidence controller's costs: as given, or measured on this engine's
+    shapes (batch size, largest block size, cache length) where it runs, through the cache
+    (`costs.forward_costs`); sets `measured_costs` and `costs_from_cache`."""
+    self.measured_costs: ForwardCosts | None = None
+    self.costs_from_cache: bool | None = None
+    spec_sizes = [b for b in self.block_sizes if b > 1]
+    if drafter is None or not spec_sizes or not loop.needs_costs():
+      return loop
+    measured, hit = forward_costs(target, drafter, batch_size, max(spec_sizes), self.max_len,
+                                  scan_layers=loop.scan_layers, cache_dir=cost_cache)
+    table, draft = measured.relative()
+    self.measured_costs, self.costs_from_cache = measured, hit
+    return loop.replace(controller_costs=table, controller_draft_cost=draft)
+
+  @property
+  def costs_source(self) -> str | None:
+    """Where the confidence controller's costs came from: "given", "measured" (here, now),
+    "cached" (measured earlier on this machine); None when the loops price nothing."""
+    if self.measured_costs is not None:
+      return "cached" if self.costs_from_cache else "measured"
+    opts = self.loop_options
+    return "given" if opts.controller == "confidence" and opts.controller_costs else None
 
   # The loop form in effect and the compiled programs (read by reports, summaries and tests).
   loop_options = property(lambda self: self.programs.options)

@@ -81,8 +81,9 @@ class LoopOptions:
     controller: the verify-length controller (`controller.CONTROLLERS`, or the tests' "fixed:k"
       verifying k drafts every cycle).
     controller_costs: relative costs of a target forward over 1, 2, 4, ... tokens
-      (`controller.parse_costs`; a comma-separated string is read too).
-    controller_draft_cost: one drafter pass, same unit.
+      (`controller.parse_costs`; a comma-separated string is read too), in AR steps.
+    controller_draft_cost: one drafter pass, same unit. The two come as a pair: both given, or
+      neither (None: measured where the engine runs, `Engine` through `costs.forward_costs`).
     controller_poor_miss: `confidence` counts a poorly accepted cycle as a miss too.
     controller_calibration: acceptance rates per p bin replacing the drafter's p (None: raw p).
     ar_fallback: at most this many AR steps in a row after poor cycles (0: none).
@@ -97,8 +98,8 @@ class LoopOptions:
   """
   verify: str = "exact"
   controller: str = "backoff"
-  controller_costs: tuple[float, ...] = control.DEFAULT_COSTS
-  controller_draft_cost: float = control.DEFAULT_DRAFT_COST
+  controller_costs: tuple[float, ...] | None = None
+  controller_draft_cost: float | None = None
   controller_poor_miss: bool = False
   controller_calibration: tuple[float, ...] | None = None
   ar_fallback: int = 0
@@ -117,9 +118,14 @@ class LoopOptions:
     if not self.controller.startswith(control.FIXED_PREFIX):  # "fixed:k": checked when built
       control.check_controller(self.controller, "controller")
     calibration = self.controller_calibration
-    _set(self, controller_costs=control.parse_costs(self.controller_costs, "controller_costs"),
-         controller_draft_cost=control.check_draft_cost(self.controller_draft_cost,
-                                                         "controller_draft_cost"),
+    costs, draft_cost = self.controller_costs, self.controller_draft_cost
+    if (costs is None) != (draft_cost is None):
+      raise BadInputError(f"controller_costs={costs!r} and controller_draft_cost={draft_cost!r}: "
+                          "give both or neither (neither: the engine measures them)")
+    _set(self, controller_costs=(None if costs is None else
+                                 control.parse_costs(costs, "controller_costs")),
+         controller_draft_cost=(None if draft_cost is None else
+                                control.check_draft_cost(draft_cost, "controller_draft_cost")),
          controller_calibration=(None if calibration is None else
                                  control.check_calibration(calibration,
                                                            "controller_calibration")),
@@ -139,6 +145,10 @@ class LoopOptions:
     `ar_fallback` steps (0: `controller.DEFAULT_SKIP_CAP`)."""
     controller, ar_fallback = control.loop_form(self.controller, self.ar_fallback)
     return self.replace(controller=controller, ar_fallback=ar_fallback)
+
+  def needs_costs(self) -> bool:
+    """Whether the loop form in effect prices its choices (`confidence`) and has no costs."""
+    return self.in_effect().controller == "confidence" and self.controller_costs is None
 
   def for_loop(self, block_size: int, forced: bool = False, sync_cycles: int = 0,
                window: int | None = None) -> "LoopOptions":

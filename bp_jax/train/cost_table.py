@@ -32,37 +32,16 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import time
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
+from bp_jax.decoding.costs import machine_fingerprint  # noqa: F401 (moved there; read here)
 from bp_jax.errors import BadInputError
 
 TABLE_FILE = "cost_table.json"
 FORMAT = 1
-
-
-def _cpu_model() -> str:
-  try:
-    with open("/proc/cpuinfo", encoding="utf-8") as f:
-      for line in f:
-        if line.startswith("model name"):
-          return line.split(":", 1)[1].strip()
-  except OSError:
-    pass
-  return platform.processor() or "unknown"
-
-
-def machine_fingerprint() -> dict[str, Any]:
-  """What makes two machines price a step alike: CPU model and count, JAX backend and devices."""
-  import jax
-
-  devices = jax.devices()
-  return {"cpu": _cpu_model(), "cpu_count": os.cpu_count(), "machine": platform.machine(),
-          "jax": jax.__version__, "backend": jax.default_backend(),
-          "devices": f"{len(devices)} x {devices[0].device_kind}"}
 
 
 def table_key(target_fingerprint: str, drafter_fingerprint: str, loop: Mapping[str, Any],

@@ -1,0 +1,247 @@
+"""The confidence controller's prices, measured where the engine runs (`controller` reads them).
+
+The controller picks, per cycle, how many drafts to verify by expected committed tokens per unit
+cost; the costs are the relative prices of one target forward over 1, 2, 4, ... tokens and of one
+drafter pass, in AR steps (a forward over one token). They depend on the machine by an order of
+magnitude (on an accelerator a forward over 8 tokens costs about what one over 1 token does; on
+a CPU several times more), so they are measured on the engine's own shapes, not shipped:
+
+  measure_forward_costs  jitted target forwards over each verify length the controller may
+                         choose (`verify_lengths`) and one drafter pass, on the engine's batch
+                         size, block size and cache length (a mid-cache position); each timed
+                         as a jitted loop of `reps` forwards, the median of `repeats` rounds
+                         in which the forwards take turns (a few seconds at demo size);
+  forward_costs          the same, cached per machine (`machine_fingerprint`), model weights
+                         (`models.fingerprint`), shapes and dtype in
+                         `$XDG_CACHE_HOME/bp_jax/costs/` (written atomically; cache_dir="" = no
+                         cache).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import platform
+import time
+from typing import Any, Sequence
+
+import numpy as np
+
+from bp_jax.decoding import controller as control
+
+FORMAT = 1
+DEFAULT = "default"  # cost_cache value meaning default_dir()
+
+
+def _cpu_model() -> str:
+  try:
+    with open("/proc/cpuinfo", encoding="utf-8") as f:
+      for line in f:
+        if line.startswith("model name"):
+          return line.split(":", 1)[1].strip()
+  except OSError:
+    pass
+  return platform.processor() or "unknown"
+
+
+def machine_fingerprint() -> dict[str, Any]:
+  """What makes two machines price a step alike: CPU model and count, JAX backend and devices."""
+  import jax
+
+  devices = jax.devices()
+  return {"cpu": _cpu_model(), "cpu_count": os.cpu_count(), "machine": platform.machine(),
+          "jax": jax.__version__, "backend": jax.default_backend(),
+          "devices": f"{len(devices)} x {devices[0].device_kind}"}
+
+
+def verify_lengths(block_size: int) -> tuple[int, ...]:
+  """The target forward lengths (k + 1 tokens) a cycle of `block_size` may verify
+  (`controller.verify_buckets`): the powers of two up to block_size, and block_size."""
+  return tuple(k + 1 for k in control.verify_buckets(block_size))
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardCosts:
+  """Measured seconds: `verify_s[i]` one target forward over `verify_lengths(block_size)[i]`
+  tokens, `draft_s` one drafter pass over a block, both over `batch_size` rows."""
+  verify_s: tuple[float, ...]
+  draft_s: float
+  batch_size: int
+  block_size: int
+
+  @property
+  def lengths(self) -> tuple[int, ...]:
+    return verify_lengths(self.block_size)
+
+  def relative(self) -> tuple[tuple[float, ...], float]:
+    """(the cost table of forwards over 1, 2, 4, ... tokens, one drafter pass) in AR steps: what
+    `LoopOptions.controller_costs` / `controller_draft_cost` take. A longer forward is never
+    priced below a shorter one (timing noise); a block size that is not a power of two adds the
+    next power of two, extrapolated so that the table reads the measured cost at block_size."""
+    ar = self.verify_s[0]
+    rel = np.maximum.accumulate(np.asarray(self.verify_s, np.float64) / ar)
+    table = [float(c) for n, c in zip(self.lengths, rel) if n & (n - 1) == 0]
+    last = self.lengths[-1]
+    if last & (last - 1):  # not a power of two: extend to 2P through (P, c_P) and (last, c)
+      p = 1 << (last.bit_length() - 1)
+      table.append(table[-1] + (float(rel[-1]) - table[-1]) * p / (last - p))
+    return tuple(round(c, 4) for c in table), round(self.draft_s / ar, 4)
+
+  def describe(self) -> str:
+    """One line: each forward and the drafter pass in ms and in AR steps."""
+    ar = self.verify_s[0]
+    lens = "/".join(str(n) for n in self.lengths)
+    ms = "/".join(f"{1e3 * s:.3f}" for s in self.verify_s)
+    rel = "/".join(f"{s / ar:.2f}" for s in self.verify_s)
+    return (f"target forward over {lens} tokens {ms} ms ({rel} AR steps), drafter pass "
+            f"{1e3 * self.draft_s:.3f} ms ({self.draft_s / ar:.2f} AR steps); batch "
+            f"{self.batch_size}, block {self.block_size}")
+
+  def to_json(self) -> dict[str, Any]:
+    return {"verify_s": list(self.verify_s), "draft_s": self.draft_s,
+            "batch_size": self.batch_size, "block_size": self.block_size}
+
+  @classmethod
+  def from_json(cls, d: dict[str, Any]) -> "ForwardCosts":
+    return cls(tuple(float(s) for s in d["verify_s"]), float(d["draft_s"]),
+               int(d["batch_size"]), int(d["block_size"]))
+
+
+def _median_seconds(calls: list[tuple], reps: int, repeats: int) -> list[float]:
+  """Median seconds per forward of each (jitted loop of `reps` forwards, its arguments) over
+  `repeats` rounds, after one untimed run each (compilation); the calls take turns within each
+  round, so a burst of load on a shared machine falls on all of them alike."""
+  import jax
+
+  for fn, args in calls:
+    jax.block_until_ready(fn(*args))
+  runs: list[list[float]] = [[] for _ in calls]
+  for _ in range(repeats):
+    for i, (fn, args) in enumerate(calls):
+      t0 = time.perf_counter()
+      jax.block_until_ready(fn(*args))
+      runs[i].append(time.perf_counter() - t0)
+  return [float(np.median(r)) / reps for r in runs]
+
+
+def measure_forward_costs(target, drafter, batch_size: int, block_size: int, max_len: int, *,
+                          scan_layers: bool = False, reps: int = 16, repeats: int = 7,
+                          pos: int | None = None) -> ForwardCosts:
+  """Times the target over each of `verify_lengths(block_size)` tokens and one drafter pass as
+  the speculative loop runs them: `batch_size` rows, a cache of `max_len` slots read up to
+  `pos` (default: half of it), the drafter's chosen-layer features returned, the layer form of
+  `scan_layers`. Each forward runs `reps` times in one jitted `fori_loop` (tokens change per
+  iteration so nothing is hoisted; the cache is carried, written in place as in the loops);
+  the forwards take turns over `repeats` rounds and each one's median is kept."""
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+
+  B, b = int(batch_size), int(block_size)
+  pos = max(0, min(max_len // 2 if pos is None else int(pos), max_len - b - 1))
+  t_graph, t_state = nnx.split(target)
+  d_graph, d_state = nnx.split(drafter)
+  layer_ids = drafter.cfg.target_layer_ids
+  form = (lambda c: c) if scan_layers else (lambda c: c.per_layer())
+  cache, draft_cache = form(target.init_cache(B, max_len)), form(drafter.init_cache(B, max_len))
+  pos_B = jnp.full((B,), pos, jnp.int32)
+  vocab = target.cfg.vocab_size
+
+  @jax.jit
+  def verify(state, cache, tokens_BT):
+    model = nnx.merge(t_graph, state)
+    layers = None if scan_layers else model.layers.per_layer()
+
+    def step(i, carry):  # the cache is carried, as in the loops: written in place
+      acc, cache = carry
+      out = model((tokens_BT + i) % vocab, cache.with_lengths(pos_B), layer_ids, layers=layers)
+      acc = acc + out.logits[0, -1, 0].astype(jnp.float32) + out.layer_hiddens[0][
+          0, 0, 0].astype(jnp.float32)
+      return acc, out.cache
+    return jax.lax.fori_loop(0, reps, step, (jnp.float32(0), cache))[0]
+
+  @jax.jit
+  def draft(state, d_state, draft_cache):
+    model, dr = nnx.merge(t_graph, state), nnx.merge(d_graph, d_state)
+    layers = None if scan_layers else dr.layers.per_layer()
+
+    def step(i, acc):
+      block = jnp.full((B, b), dr.cfg.mask_token_id, jnp.int32).at[:, 0].set(i % vocab)
+      h = dr.draft(model.embed_tokens(block), draft_cache.with_lengths(pos_B), layers)
+      logits = model.project_to_vocab(h[:, 1:])
+      p = control.drafted_probs(logits, jnp.argmax(logits, -1))
+      return acc + jnp.sum(p)
+    return jax.lax.fori_loop(0, reps, step, jnp.float32(0))
+
+  calls = [(verify, (t_state, cache, jnp.ones((B, n), jnp.int32))) for n in verify_lengths(b)]
+  *verify_s, draft_s = _median_seconds(calls + [(draft, (t_state, d_state, draft_cache))],
+                                       reps, repeats)
+  return ForwardCosts(tuple(verify_s), draft_s, B, b)
+
+
+def default_dir() -> str:
+  root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+  return os.path.join(root, "bp_jax", "costs")
+
+
+def cost_key(target, drafter, batch_size: int, block_size: int, max_len: int,
+             scan_layers: bool = False, fingerprints: Sequence[str] | None = None) -> dict:
+  """The conditions costs were measured under: a cached entry is used only for an equal key."""
+  from bp_jax.models.fingerprint import model_fingerprint
+
+  t_fp, d_fp = fingerprints or (model_fingerprint(target), model_fingerprint(drafter))
+  return {"format": FORMAT, "machine": machine_fingerprint(), "target": str(t_fp),
+          "drafter": str(d_fp), "batch_size": int(batch_size), "block_size": int(block_size),
+          "max_len": int(max_len), "dtype": str(np.dtype(target.dtype)),
+          "drafter_dtype": str(np.dtype(drafter.dtype)), "scan_layers": bool(scan_layers)}
+
+
+def _path(folder: str, key: dict) -> str:
+  digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+  return os.path.join(folder, f"{digest}.json")
+
+
+def _read(path: str, key: dict) -> ForwardCosts | None:
+  try:
+    with open(path, encoding="utf-8") as f:
+      entry = json.load(f)
+    if entry.get("key") == key:
+      return ForwardCosts.from_json(entry["costs"])
+  except (OSError, ValueError, KeyError, TypeError):
+    pass  # absent, unreadable or of another format: measure again
+  return None
+
+
+def _write(path: str, key: dict, costs: ForwardCosts) -> None:
+  """Writes atomically: a temporary file of this process renamed over the entry."""
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  tmp = f"{path}.{os.getpid()}.tmp"
+  with open(tmp, "w", encoding="utf-8") as f:
+    json.dump({"key": key, "costs": costs.to_json()}, f, indent=1, sort_keys=True)
+  os.replace(tmp, path)
+
+
+def forward_costs(target, drafter, batch_size: int, block_size: int, max_len: int, *,
+                  scan_layers: bool = False, cache_dir: str | None = None,
+                  remeasure: bool = False, fingerprints: Sequence[str] | None = None,
+                  **measure) -> tuple[ForwardCosts, bool]:
+  """(the costs, whether they came from the cache): `measure_forward_costs`, cached per
+  `cost_key` in `cache_dir` (None or DEFAULT: `default_dir()`; "": no cache); `remeasure`
+  measures and overwrites the entry. `fingerprints`: the (target, drafter) weight
+  fingerprints when the caller has them (else hashed here)."""
+  folder = default_dir() if cache_dir in (None, DEFAULT) else cache_dir
+  path = key = None
+  if folder:
+    key = cost_key(target, drafter, batch_size, block_size, max_len, scan_layers, fingerprints)
+    path = _path(os.path.abspath(os.path.expanduser(folder)), key)
+    if not remeasure:
+      hit = _read(path, key)
+      if hit is not None:
+        return hit, True
+  costs = measure_forward_costs(target, drafter, batch_size, block_size, max_len,
+                                scan_layers=scan_layers, **measure)
+  if path is not None:
+    _write(path, key, costs)
+  return costs, False

@@ -1,0 +1,225 @@
+"""The confidence controller's costs, measured where the engine runs (`decoding/costs.py`):
+the measurement on toy shapes, the table it gives the controller, the per-machine cache, the
+pair rule of given costs, the engine's use of measured costs and the decode summary's lines."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import ml_collections
+import pytest
+
+from bp_jax.decode_job import records as rec
+from bp_jax.decode_job.block_choice import loop_options
+from bp_jax.decoding import controller as control
+from bp_jax.decoding import costs
+from bp_jax.decoding.controllers import controller_of
+from bp_jax.decoding.engine import Engine
+from bp_jax.decoding.options import LoopOptions, ShapeOptions
+from bp_jax.errors import BadInputError, named_as_flags
+from toy_models import zeros_drafter_pair
+
+V, MAX_LEN, B = 64, 128, 4
+
+
+@pytest.fixture(scope="module")
+def models():
+  return zeros_drafter_pair(V)
+
+
+def test_verify_lengths_are_the_controllers_choices():
+  assert costs.verify_lengths(8) == (1, 2, 4, 8)
+  assert costs.verify_lengths(6) == (1, 2, 4, 6)
+  assert costs.verify_lengths(2) == (1, 2)
+  for b in (2, 5, 8, 12, 16):
+    assert costs.verify_lengths(b) == tuple(k + 1 for k in control.verify_buckets(b))
+
+
+def test_relative_costs_read_back_the_measured_ones():
+  c = costs.ForwardCosts((0.5e-3, 1.0e-3, 1.25e-3, 2.0e-3), 0.75e-3, 1, 8)
+  assert c.relative() == ((1.0, 2.0, 2.5, 4.0), 1.5)
+  # b = 6: the table adds 8 tokens so that it reads the measured cost at 6 tokens exactly.
+  c6 = costs.ForwardCosts((1.0, 2.0, 2.5, 3.0), 0.5, 2, 6)
+  table, draft = c6.relative()
+  assert table == (1.0, 2.0, 2.5, 3.5) and draft == 0.5
+  for n, s in zip(c6.lengths, c6.verify_s):
+    assert control.verify_cost(n, table) == pytest.approx(s)
+  # Noise making a longer forward cheaper is not believed: costs never decrease with length.
+  noisy = costs.ForwardCosts((1.0, 0.9, 1.2, 1.1), 0.3, 1, 8)
+  assert noisy.relative() == ((1.0, 1.0, 1.2, 1.2), 0.3)
+  line = c.describe()
+  assert "1/2/4/8 tokens" in line and "0.500/1.000/1.250/2.000 ms" in line
+  assert "drafter pass 0.750 ms (1.50 AR steps)" in line and "batch 1, block 8" in line
+  assert costs.ForwardCosts.from_json(json.loads(json.dumps(c.to_json()))) == c
+
+
+def test_measurement_on_toy_shapes(models):
+  target, drafter = models
+  c = costs.measure_forward_costs(target, drafter, 2, B, MAX_LEN, reps=4, repeats=3)
+  assert c.batch_size == 2 and c.block_size == B and len(c.verify_s) == len(c.lengths) == 3
+  assert all(s > 0 for s in c.verify_s) and c.draft_s > 0
+  # Monotone-ish: a forward over 4 tokens is not much cheaper than one over 1 (noise aside).
+  assert c.verify_s[-1] > 0.5 * c.verify_s[0]
+  table, draft = c.relative()
+  assert table[0] == 1.0 and list(table) == sorted(table) and draft > 0
+  LoopOptions(controller="confidence", controller_costs=table, controller_draft_cost=draft)
+
+
+def test_cache_hits_for_equal_keys_and_misses_when_shapes_change(models, tmp_path,
+                                                                 monkeypatch):
+  target, drafter = models
+  calls = []
+
+  def fake(target, drafter, batch_size, block_size, max_len, **kw):
+    calls.append((batch_size, block_size, max_len))
+    return costs.ForwardCosts(tuple(1.0 + i for i in range(len(costs.verify_lengths(
+        block_size)))), 0.5, batch_size, block_size)
+
+  monkeypatch.setattr(costs, "measure_forward_costs", fake)
+  folder = str(tmp_path / "costs")
+  first, hit = costs.forward_costs(target, drafter, 1, B, MAX_LEN, cache_dir=folder)
+  assert not hit and len(calls) == 1 and len(os.listdir(folder)) == 1
+  again, hit = costs.forward_costs(target, drafter, 1, B, MAX_LEN, cache_dir=folder)
+  assert hit and again == first and len(calls) == 1
+  for shapes in ((2, B, MAX_LEN), (1, 8, MAX_LEN), (1, B, 96)):  # any shape: a miss
+    _, hit = costs.forward_costs(target, drafter, *shapes, cache_dir=folder)
+    assert not hit
+  _, hit = costs.forward_costs(target, drafter, 1, B, MAX_LEN, cache_dir=folder,
+                               scan_layers=True)
+  assert not hit and len(calls) == 5 and len(os.listdir(folder)) == 5
+  _, hit = costs.forward_costs(target, drafter, 1, B, MAX_LEN, cache_dir=folder,
+                               remeasure=True)
+  assert not hit and len(calls) == 6
+  # Another machine's (or a damaged) entry is not used.
+  key = costs.cost_key(target, drafter, 1, B, MAX_LEN)
+  path = costs._path(folder, key)
+  with open(path) as f:
+    entry = json.load(f)
+  entry["key"]["machine"]["cpu"] = "another CPU"
+  with open(path, "w") as f:
+    json.dump(entry, f)
+  _, hit = costs.forward_costs(target, drafter, 1, B, MAX_LEN, cache_dir=folder)
+  assert not hit and len(calls) == 7
+  with open(path, "w") as f:
+    f.write("{not json")
+  _, hit = costs.forward_costs(target, drafter, 1, B, MAX_LEN, cache_dir=folder)
+  assert not hit and len(calls) == 8
+  assert not [n for n in os.listdir(folder) if n.endswith(".tmp")]
+  # "" = no cache: measured every time, nothing written.
+  for _ in range(2):
+    assert not costs.forward_costs(target, drafter, 1, B, MAX_LEN, cache_dir="")[1]
+  assert len(calls) == 10 and len(os.listdir(folder)) == 5
+  assert key["machine"] == costs.machine_fingerprint()
+
+
+def test_given_costs_come_as_a_pair():
+  for kw in (dict(controller_costs="1,2"), dict(controller_draft_cost=0.5)):
+    with pytest.raises(BadInputError, match="give both or neither") as e:
+      LoopOptions(controller="confidence", **kw)
+    assert "controller_costs=" in str(e.value) and "controller_draft_cost=" in str(e.value)
+    with pytest.raises(BadInputError) as e:
+      with named_as_flags(["controller_costs", "controller_draft_cost"]):
+        LoopOptions(controller="confidence", **kw)
+    assert "--config.controller_costs=" in str(e.value)
+    assert "--config.controller_draft_cost=" in str(e.value)
+  assert LoopOptions().controller_costs is None and LoopOptions().controller_draft_cost is None
+  assert LoopOptions(controller="confidence").needs_costs()
+  assert not LoopOptions(controller="backoff").needs_costs()
+  with pytest.raises(BadInputError, match="has no costs"):
+    controller_of(LoopOptions(controller="confidence").in_effect().for_loop(B))
+
+
+@pytest.mark.parametrize("costs_flag, draft_flag, want", [
+    ("measure", "measure", (None, None)),
+    (None, None, (None, None)),  # absent from the config: measured
+    ("1,2.5", 0.75, ((1.0, 2.5), 0.75)),
+    ("1,2.5", "0.75", ((1.0, 2.5), 0.75)),  # a string field overridden on the command line
+])
+def test_config_reads_measure_or_values(costs_flag, draft_flag, want):
+  cfg = {"controller": "confidence"}
+  if costs_flag is not None:
+    cfg.update(controller_costs=costs_flag, controller_draft_cost=draft_flag)
+  opts = loop_options(ml_collections.ConfigDict(cfg))
+  assert (opts["controller_costs"], opts["controller_draft_cost"]) == want
+
+
+@pytest.mark.parametrize("kw", [dict(controller_costs="1,2", controller_draft_cost="measure"),
+                                dict(controller_costs="measure", controller_draft_cost=1.0)])
+def test_config_refuses_half_a_pair_naming_both_flags(kw):
+  with pytest.raises(BadInputError, match=re.escape("give both or neither")) as e:
+    loop_options(ml_collections.ConfigDict(dict(controller="confidence", **kw)))
+  assert "--config.controller_costs=" in str(e.value)
+  assert "--config.controller_draft_cost=" in str(e.value)
+
+
+def _engine(models, tmp_path, **loop) -> Engine:
+  target, drafter = models
+  return Engine(target, drafter=drafter, cost_cache=str(tmp_path / "costs"),
+                shapes=ShapeOptions(max_len=MAX_LEN, length_buckets=(16, 32, 64),
+                                    block_sizes=(1, B)),
+                loop=LoopOptions(**loop))
+
+
+def test_engine_measures_caches_and_uses_its_costs(models, tmp_path):
+  eng = _engine(models, tmp_path, controller="confidence")
+  assert eng.measured_costs is not None and eng.costs_from_cache is False
+  assert eng.costs_source == "measured"
+  assert eng.measured_costs.block_size == B and eng.measured_costs.batch_size == 1
+  table, draft = eng.measured_costs.relative()
+  assert eng.loop_options.controller_costs == table
+  assert eng.loop_options.controller_draft_cost == draft
+  again = _engine(models, tmp_path, controller="confidence")
+  assert again.costs_from_cache is True and again.costs_source == "cached"
+  assert again.measured_costs == eng.measured_costs
+  # Greedy output is AR's with measured costs.
+  prompt = list(range(3, 20))
+  ar = eng.generate(prompt, max_new_tokens=30, block_size=1).output_ids
+  assert eng.generate(prompt, max_new_tokens=30, block_size=B).output_ids == ar
+  # Nothing to measure: given costs, a loop that prices nothing, or no drafter.
+  given = _engine(models, tmp_path, controller="confidence", controller_costs="1,2,3",
+                  controller_draft_cost=0.5)
+  assert given.measured_costs is None and given.costs_source == "given"
+  assert given.loop_options.controller_costs == (1.0, 2.0, 3.0)
+  plain = _engine(models, tmp_path, controller="backoff", ar_fallback=4)
+  assert plain.measured_costs is None and plain.costs_source is None
+  alone = Engine(models[0], shapes=ShapeOptions(max_len=MAX_LEN),
+                 loop=LoopOptions(controller="confidence"))
+  assert alone.measured_costs is None
+
+
+def _record(verified: list[int]) -> dict:
+  cycles = sum(v > 0 for v in verified)
+  return {"new_tokens": len(verified) + 1, "prefill_s": 0.01, "decode_s": 0.1,
+          "acceptance_lengths": [1] * cycles, "tau": 1.0 if cycles else None,
+          "tokens_per_forward": 1.0, "cycles": cycles, "ar_steps": len(verified) - cycles,
+          "forward_verified": verified, "block_size": B, "ids_beyond_tokenizer": 0}
+
+
+def test_summary_says_which_costs_and_the_verify_lengths_chosen(models, tmp_path, capsys):
+  eng = _engine(models, tmp_path, controller="confidence")
+  cfg = ml_collections.ConfigDict(dict(mode="spec", block_policy="fixed", temperature=0.0))
+  records = [_record([4, 4, 0, 1, 2]), _record([4, 1])]
+  s = rec.summarize(records, eng, cfg, wall_s=1.0)
+  assert s["verify_lengths_chosen"] == {"batch_size": 1, "lengths": {"1": 2, "2": 1, "4": 3}}
+  c = s["controller_costs"]
+  assert c["source"] == "measured" and c["verify_costs"] == list(eng.loop_options.controller_costs)
+  assert c["measured"]["block_size"] == B and c["described"] == eng.measured_costs.describe()
+  json.dumps(s)
+  rec.print_summary(s)
+  out = capsys.readouterr().out
+  assert re.search(r"controller costs\s+measured: verify 1,[0-9.,]+ AR steps", out)
+  assert "target forward over 1/2/4 tokens" in out
+  assert re.search(r"verify length per cycle \(batch 1\)\s+1: 2 \(33%\), 2: 1 \(17%\), "
+                   r"4: 3 \(50%\)", out)
+  given = _engine(models, tmp_path, controller="confidence", controller_costs="1,2",
+                  controller_draft_cost=0.5)
+  rec.print_summary(rec.summarize(records, given, cfg, wall_s=1.0))
+  assert re.search(r"controller costs\s+given: verify 1,2 AR steps \(1, 2, 4, \.\.\. tokens\), "
+                   r"drafter 0\.5\n", capsys.readouterr().out)
+  plain = _engine(models, tmp_path, controller="backoff", ar_fallback=4)
+  s = rec.summarize(records, plain, cfg, wall_s=1.0)
+  assert s["controller_costs"] is None
+  rec.print_summary(s)
+  assert "controller costs" not in capsys.readouterr().out
