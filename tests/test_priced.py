@@ -146,3 +146,13 @@ def test_one_loop_per_block_size(models):
       eng.generate(p, max_new_tokens=m, block_size=B)
   assert compiles.n == 0
   assert eng.compiled.counts["spec_loop"] == 1
+
+
+def test_label_sets_refuse_priced():
+  """Label sets replay back-off's miss rule: they refuse a loop whose misses are priced."""
+  from bp_jax.train.labels import labels_stage
+  from configs import qwen3 as qwen3_config
+  cfg = qwen3_config.get_config()
+  cfg.controller, cfg.controller_costs, cfg.controller_draft_cost = "priced", "1,2", "1.0"
+  with pytest.raises(BadInputError, match="--config.controller=priced: label sets"):
+    labels_stage(cfg)
