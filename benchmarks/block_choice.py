@@ -11,7 +11,8 @@ once, the methods in a shuffled order (so slow phases of the machine hit them al
 (method, prompt) keeps its fastest repeat. Every output must equal the AR output (checked).
 
 A method is `controller/size`: controller none (the paper's loop), backoff (the AR fallback,
---ar_fallback) or confidence (the per-cycle verify-length controller); size a block size, or
+--ar_fallback), confidence (the per-cycle verify-length controller) or priced (backoff whose
+misses are the cycles committing fewer tokens than they cost AR steps); size a block size, or
 `learned` (the --policy's choice) or `value` (the --value_policy's choice). Figures, one meaning
 each:
   tokens/s          new tokens / (prefill + decode seconds), summed over the prompts
@@ -78,7 +79,7 @@ flags.DEFINE_integer("seed", 0, "Seed of the method order and the bootstrap.")
 flags.DEFINE_string("out", "out/block_choice", "Output folder (JSON, Markdown, PNG).")
 FLAGS = flags.FLAGS
 
-CONTROLLERS = ("none", "backoff", "confidence")
+CONTROLLERS = ("none", "backoff", "confidence", "priced")
 
 
 def parse_method(text: str, sizes: list[int], policies: dict) -> tuple[str, object]:

@@ -14,11 +14,21 @@ Methods (`--methods`, comma-separated):
   confidence_poor   confidence, and a cycle verifying > ar_fallback_accept drafts that accepted
                     <= ar_fallback_accept counts as declined too (controller_poor_miss);
   confidence_cal    confidence with the acceptance calibration at --calibration;
-  confidence_cal_poor  both.
+  confidence_cal_poor  both;
+  priced            backoff with the cost-priced miss rule (`--config.controller=priced`): a
+                    cycle is a miss when it committed fewer tokens than it cost AR steps.
 
-The confidence methods price their choices with the costs given (--controller_costs with
+With --batch_size B > 1 every method decodes the prompts B at a time (`Engine.generate_batch`,
+one batch of B consecutive prompts per group, the same groups for every method, interleaved per
+group), and the intervals resample groups instead of prompts.
+
+Intervals: each method's speedup over AR (and `priced`'s over `backoff`, when both run) with a
+95% paired bootstrap interval over prompts (groups) of its fastest decodes (bp_jax/eval/bootstrap).
+
+The confidence methods and priced price their choices with the costs given (--controller_costs with
 --controller_draft_cost), or else with costs measured once here on this machine (one target
-forward per verify length and one drafter pass, `bp_jax.decoding.costs.forward_costs`, cached),
+forward per verify length and one drafter pass at --batch_size, `bp_jax.decoding.costs.
+forward_costs`, cached),
 the same costs for every method; `est_cost_per_token` uses them too.
 
 Prompts: by default the labelling half of HumanEval under configs/demo.py's split (not the
@@ -41,11 +51,12 @@ from bp_jax.decode_job.compare import check_repeats_agree
 from bp_jax.decoding.costs import forward_costs
 from bp_jax.decoding.engine import Engine
 from bp_jax.decoding.generation import Generation, forward_cost_units
-from bp_jax.decoding.options import LoopOptions, ShapeOptions
+from bp_jax.decoding.options import BatchOptions, LoopOptions, ShapeOptions
+from bp_jax.eval.bootstrap import bootstrap_speedup
 from bp_jax.errors import BadInputError
 
 METHODS = ("ar", "none", "backoff", "confidence_1step", "confidence", "confidence_poor",
-           "confidence_cal", "confidence_cal_poor")
+           "confidence_cal", "confidence_cal_poor", "priced")
 
 common.define_flags("target", "drafter", "dtype", "max_len", "max_new_tokens", "block_size",
                     num_prompts=24, repeats=3,
@@ -58,6 +69,9 @@ flags.DEFINE_integer("ar_fallback_accept", 1, "a cycle accepting <= this many dr
 flags.DEFINE_string("methods", ",".join(METHODS[:6]), f"comma-separated, of {list(METHODS)}")
 flags.DEFINE_string("calibration", "", "confidence_cal*: calibration JSON "
                     "(python -m benchmarks.controller_calibration --out)")
+flags.DEFINE_integer("batch_size", 1, "requests decoded at once (> 1: groups of this many "
+                     "prompts through generate_batch; intervals over groups)")
+flags.DEFINE_integer("bootstrap_reps", 2000, "bootstrap resamples of the intervals")
 flags.DEFINE_string("out", "", "folder for controllers.json (empty: print only)")
 flags.DEFINE_string("controller_costs", "", "confidence*: relative costs of target forwards over "
                     "1, 2, 4, ... tokens ('' = measured here; give --controller_draft_cost too)")
@@ -90,7 +104,8 @@ def engine_options(method: str, costs: dict) -> dict:
           "confidence": dict(controller="confidence", ar_fallback=FLAGS.ar_fallback, **fb),
           "confidence_poor": dict(controller="confidence", ar_fallback=FLAGS.ar_fallback,
                                   controller_poor_miss=True, **fb),
-          "confidence_cal": cal, "confidence_cal_poor": dict(cal, controller_poor_miss=True)
+          "confidence_cal": cal, "confidence_cal_poor": dict(cal, controller_poor_miss=True),
+          "priced": dict(controller="priced", ar_fallback=FLAGS.ar_fallback, **fb),
           }[method]
 
 
@@ -124,19 +139,44 @@ def method_figures(gens: list[Generation], ar_gens: list[Generation], costs: dic
 
 def controller_costs(target, drafter) -> tuple[dict, str]:
   """(the confidence methods' cost fields, "given" | "measured" | "cached"): the flags' costs,
-  or those measured once on this machine at b = --block_size, one row."""
+  or those measured once on this machine at b = --block_size, --batch_size rows."""
   given = bool(FLAGS.controller_costs), FLAGS.controller_draft_cost >= 0
   if any(given):
     if not all(given):
       raise BadInputError("--controller_costs and --controller_draft_cost: give both or neither")
     return {"controller_costs": control.parse_costs(FLAGS.controller_costs, "--controller_costs"),
             "controller_draft_cost": FLAGS.controller_draft_cost}, "given"
-  measured, hit = forward_costs(target, drafter, 1, FLAGS.block_size, FLAGS.max_len,
+  measured, hit = forward_costs(target, drafter, FLAGS.batch_size, FLAGS.block_size,
+                                FLAGS.max_len,
                                 cache_dir=FLAGS.cost_cache)
   print(f"  {measured.describe()}")
   table, draft = measured.relative()
   return ({"controller_costs": table, "controller_draft_cost": draft},
           "cached" if hit else "measured")
+
+
+def decode_group(engine: Engine, group: list, block_size: int) -> list[Generation]:
+  """One group of prompts decoded by `engine`: one request alone, or a batch."""
+  if len(group) == 1:
+    return [engine.generate(group[0][1], max_new_tokens=FLAGS.max_new_tokens,
+                            block_size=block_size)]
+  return engine.generate_batch([ids for _, ids in group], max_new_tokens=FLAGS.max_new_tokens,
+                               block_size=block_size)
+
+
+def intervals(groups: dict[str, list[list[Generation]]], methods: list[str]) -> dict:
+  """Each method's speedup over AR (and priced's over backoff) with its 95% paired bootstrap
+  interval over the groups (prompts when one request at a time)."""
+  fig = lambda m: ([sum(g.new_tokens for g in grp) for grp in groups[m]],
+                   [sum(g.decode_s for g in grp) for grp in groups[m]])
+  pairs = [(m, "ar") for m in methods if m != "ar"]
+  if "priced" in methods and "backoff" in methods:
+    pairs.append(("priced", "backoff"))
+  out = {}
+  for a, b in pairs:
+    s = bootstrap_speedup(*fig(a), *fig(b), reps=FLAGS.bootstrap_reps)
+    out[f"{a}/{b}"] = {"ratio": round(s.ratio, 4), "lo": round(s.lo, 4), "hi": round(s.hi, 4)}
+  return out
 
 
 def main(_):
@@ -149,28 +189,34 @@ def main(_):
   print(f"  controller costs ({source}): verify {costs['controller_costs']}, drafter "
         f"{costs['controller_draft_cost']}", flush=True)
   engines = {m: Engine(target, stop_ids=stop_ids, drafter=drafter,
-                       shapes=ShapeOptions(max_len=FLAGS.max_len, block_sizes=(FLAGS.block_size,)),
-                       loop=LoopOptions(**engine_options(m, costs)))
+                       shapes=ShapeOptions(max_len=FLAGS.max_len,
+                                           block_sizes=(1, FLAGS.block_size)),
+                       loop=LoopOptions(**engine_options(m, costs)),
+                       batching=BatchOptions(batch_size=FLAGS.batch_size))
              for m in methods}
   size = {m: 1 if m == "ar" else FLAGS.block_size for m in methods}
-  best: dict[str, list[Generation]] = {m: [] for m in methods}
-  for i, (key, ids) in enumerate(prompts):
-    runs: dict[str, list[Generation]] = {m: [] for m in methods}
+  B = FLAGS.batch_size
+  groups = [prompts[i:i + B] for i in range(0, len(prompts), B)]
+  best: dict[str, list[list[Generation]]] = {m: [] for m in methods}
+  for i, group in enumerate(groups):
+    runs: dict[str, list[list[Generation]]] = {m: [] for m in methods}
     for _ in range(FLAGS.repeats):
       for m in method_order(methods, i):
-        runs[m].append(engines[m].generate(ids, max_new_tokens=FLAGS.max_new_tokens,
-                                           block_size=size[m]))
+        runs[m].append(decode_group(engines[m], group, size[m]))
     for m in methods:
-      check_repeats_agree(runs[m])
-      best[m].append(min(runs[m], key=lambda g: g.decode_s))
-    print(f"  {i + 1}/{len(prompts)} {key}", flush=True)
-  rows = {m: method_figures(best[m], best["ar"], costs) for m in methods}
+      for j in range(len(group)):
+        check_repeats_agree([r[j] for r in runs[m]])
+      best[m].append(min(runs[m], key=lambda gs: sum(g.decode_s for g in gs)))
+    print(f"  {i + 1}/{len(groups)} {', '.join(k for k, _ in group)}", flush=True)
+  flat = {m: [g for grp in best[m] for g in grp] for m in methods}
+  rows = {m: method_figures(flat[m], flat["ar"], costs) for m in methods}
+  cis = intervals(best, methods)
   ar_rate = rows["ar"]["decode_tokens_per_s"]
   for r in rows.values():
     r["speedup_vs_ar"] = round(r["decode_tokens_per_s"] / ar_rate, 3)
   print(f"\n  {len(prompts)} HumanEval {FLAGS.half}-half prompts, T=0, "
-        f"{FLAGS.max_new_tokens} new tokens, b={FLAGS.block_size}, fastest of {FLAGS.repeats}, "
-        "interleaved (alternating order)")
+        f"{FLAGS.max_new_tokens} new tokens, b={FLAGS.block_size}, batch {B}, fastest of "
+        f"{FLAGS.repeats}, interleaved (alternating order)")
   print(f"  {'method':<17}{'tok/s':>9}{'vs AR':>7}{'tau/cycle':>10}{'tok/fwd':>8}"
         f"{'k mean':>7}{'drafts':>7}{'AR steps':>9}{'est cost/tok':>13}{'same as AR':>11}")
   fmt = lambda x, s: "-" if x is None else format(x, s)
@@ -180,10 +226,15 @@ def main(_):
           f"{fmt(r['mean_verified_drafts'], '.2f'):>7}{r['drafter_passes']:>7}"
           f"{r['ar_steps']:>9}{r['est_cost_per_token']:>13.3f}"
           f"{r['identical_to_ar']:>8}/{len(prompts)}")
+  unit = "prompts" if B == 1 else f"groups of {B}"
+  print(f"  speedups, 95% paired bootstrap intervals over {len(groups)} {unit}:")
+  for pair, c in cis.items():
+    print(f"    {pair:<20}{c['ratio']:.3f}x [{c['lo']:.3f}, {c['hi']:.3f}]")
   if FLAGS.out:
     report = {"prompts": [k for k, _ in prompts], "half": FLAGS.half,
               "repeats": FLAGS.repeats, "max_new_tokens": FLAGS.max_new_tokens,
-              "block_size": FLAGS.block_size, "ar_fallback": FLAGS.ar_fallback,
+              "block_size": FLAGS.block_size, "batch_size": B, "ar_fallback": FLAGS.ar_fallback,
+              "intervals": cis,
               "ar_fallback_accept": FLAGS.ar_fallback_accept, "methods": rows,
               "controller_costs": {**costs, "source": source}}
     common.write_json(os.path.join(FLAGS.out, "controllers.json"), report, indent=1)

@@ -36,8 +36,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.ar_fallback = 16
   # The per-cycle verify-length controller: backoff = the fallback above; try
   # --config.controller=confidence (verify 0, 1, 3 or 7 drafts per cycle by the drafter's
-  # confidence and the costs the engine measures on this machine at start-up, configs/qwen3.py)
-  # or none (the paper's loop).
+  # confidence and the costs the engine measures on this machine at start-up, configs/qwen3.py),
+  # priced (backoff whose misses are the cycles committing fewer tokens than they cost AR
+  # steps, by those measured costs) or none (the paper's loop).
   c.controller = "backoff"
   # confidence only: the drafter's p is underconfident (p 0.65 -> 83% accepted); this table of
   # acceptance per p bin was fitted on 48 HumanEval labelling-half prompts (HumanEval/134 on,

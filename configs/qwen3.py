@@ -148,9 +148,13 @@ def get_config() -> ml_collections.ConfigDict:
   # none) | confidence (verify k in {0, 1, 3, 7, ..., b-1} drafts per cycle, the k maximizing
   # expected committed tokens / cost from the drafter's probabilities, and skip the next
   # drafter pass when drafting does not pay: 2, 4, ... AR steps for consecutive declined cycles,
-  # at most ar_fallback, 16 when 0). Lossless either way.
+  # at most ar_fallback, 16 when 0) | priced (backoff with a cost-priced miss rule: a cycle
+  # is a miss when it committed fewer tokens than it cost AR steps, drafter pass + verify of
+  # its k+1 tokens, from the costs below, so it never keeps drafting where drafting loses;
+  # misses back off 2, 4, ... AR steps, at most ar_fallback, 16 when 0; ar_fallback_accept
+  # unused). Lossless either way.
   c.controller = "backoff"
-  # confidence: relative costs of one target forward over 1, 2, 4, 8, 16, 32 tokens (linear in
+  # confidence and priced: relative costs of one target forward over 1, 2, 4, 8, 16, 32 tokens (linear in
   # between) and of one drafter pass, same unit (AR steps), e.g. "1.0,2.01,2.25,2.58" and 1.58;
   # both given or both "measure": the engine times its own forwards on this machine at start-up
   # (a few seconds; bp_jax/decoding/costs.py), cached per machine, models and shapes in

@@ -117,11 +117,12 @@ def loop_options(cfg) -> dict[str, Any]:
   from bp_jax.decoding import controller as control
   from bp_jax.decoding.verify import check_verify_mode
   controller = control.check_controller(str(cfg.get("controller", "backoff")))
-  # `backoff` takes fallback steps, `confidence` backs its declined cycles off up to as many
+  # `backoff` takes fallback steps, `confidence` (`priced`) backs its declined cycles (misses)
+  # off up to as many
   # (what label sets record as the loop's form); `none` takes none.
   return {"scan_layers": bool(cfg.get("scan_layers", False)),
           "ar_fallback": (int(cfg.get("ar_fallback", 0))
-                          if controller in ("backoff", "confidence") else 0),
+                          if controller in ("backoff", "confidence", "priced") else 0),
           "ar_fallback_accept": int(cfg.get("ar_fallback_accept", 1)),
           "verify": check_verify_mode(str(cfg.get("verify", "exact"))),
           "controller": controller,

@@ -84,7 +84,7 @@ def verify_lengths_chosen(records: list[dict], batch_size: int) -> dict:
 
 
 def controller_costs_of(engine) -> dict | None:
-  """The costs the confidence controller priced its choices with: their source ("given",
+  """The costs the confidence or priced controller priced its choices with: their source ("given",
   "measured" here, or "cached" from an earlier measurement on this machine), the table in AR
   steps, and the measured seconds; None when the loops price nothing."""
   source = getattr(engine, "costs_source", None)

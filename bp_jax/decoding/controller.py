@@ -10,7 +10,19 @@ target's sample at the first unverified position is the bonus token (and at T > 
 Controllers:
   none        every cycle verifies all b-1 drafts (the paper's loop; `ar_fallback` unused);
   backoff     as none, plus the AR fallback steps after poor cycles (`--config.ar_fallback`);
-  confidence  the cost rule below, from the drafter's own probabilities (no extra pass).
+  confidence  the cost rule below, from the drafter's own probabilities (no extra pass);
+  priced      as backoff, with the miss rule priced: a cycle is a miss when the tokens it
+              committed per unit cost fall below an AR step's (`priced_miss`).
+
+The priced back-off. A cycle verifying k drafts costs draft_cost + verify_cost(k+1) (the
+drafter pass and one target forward over k+1 tokens), i.e. `break_even(k)` =
+(draft_cost + verify_cost(k+1)) / verify_cost(1) AR steps; it commits a+1 tokens (a drafts
+accepted plus the bonus token). It is a miss when a+1 < break_even(k): AR steps would have
+committed more for the same time. The rows then take 2, 4, ... AR steps (at most
+`--config.ar_fallback`, 16 when 0), as after backoff's poor cycles; `ar_fallback_accept` is
+unused. Where a cycle costs 4.3 AR steps (a 2-core CPU, b=8) a cycle committing 4 tokens is a
+miss; where it costs 1.5 (an accelerator) only a cycle committing 1 token (no draft accepted)
+is. The costs are the engine's (measured or given, below), as for confidence.
 
 The confidence rule. Per draft position i, p_i is the drafter's probability of its drafted
 token (softmax of its logits; the argmax's probability under `exact`). Verifying k drafts
@@ -50,7 +62,9 @@ import numpy as np
 
 from bp_jax.errors import BadInputError
 
-CONTROLLERS = ("none", "backoff", "confidence")
+CONTROLLERS = ("none", "backoff", "confidence", "priced")
+# The controllers that price cycles with the costs (measured by the engine unless given).
+PRICED = ("confidence", "priced")
 # confidence with ar_fallback = 0: the longest run of AR steps its declined cycles back off to.
 DEFAULT_SKIP_CAP = 16
 FIXED_PREFIX = "fixed:"  # tests only: "fixed:k" verifies k drafts every cycle (a bucket)
@@ -75,11 +89,12 @@ def check_controller(name: str, flag: str = "--config.controller") -> str:
 def loop_form(controller: str | None, ar_fallback: int) -> tuple[str, int]:
   """(the controller in effect, the most AR steps in one run of them): None reads `backoff`;
   `backoff` without fallback steps is the plain loop (`none`), which takes none; `confidence`
-  backs its skipped drafter passes off up to `ar_fallback` steps (0: `DEFAULT_SKIP_CAP`)."""
+  backs its skipped drafter passes off up to `ar_fallback` steps (0: `DEFAULT_SKIP_CAP`), and
+  `priced` its misses likewise."""
   controller = controller or "backoff"
   if controller == "backoff" and int(ar_fallback) == 0:
     controller = "none"
-  if controller == "confidence":
+  if controller in PRICED:
     return controller, int(ar_fallback) or DEFAULT_SKIP_CAP
   return controller, (int(ar_fallback) if controller == "backoff" else 0)
 
@@ -139,6 +154,20 @@ def bucket_costs(block_size: int, costs: Sequence[float], draft_cost: float) -> 
   """[K] cost_k = draft_cost + verify_cost(k + 1) per verify bucket k of `block_size`."""
   return np.asarray([draft_cost + verify_cost(k + 1, costs) for k in verify_buckets(block_size)],
                     np.float32)
+
+
+def break_even(k: int, costs: Sequence[float], draft_cost: float) -> float:
+  """The tokens a cycle verifying k drafts must commit to be worth its cost: its cost (one
+  drafter pass + a target forward over k+1 tokens) in AR steps (forwards over one token)."""
+  return (draft_cost + verify_cost(k + 1, costs)) / verify_cost(1, costs)
+
+
+def priced_miss(a_B: jax.Array, k: int, costs: Sequence[float], draft_cost: float
+                ) -> jax.Array:
+  """[B] bool: the rows whose cycle (k drafts verified, a_B accepted; -1: nothing committed)
+  committed fewer tokens, a_B + 1, than its cost in AR steps (`break_even`), i.e. fewer tokens
+  per unit cost than AR steps commit (one per step)."""
+  return (a_B + 1).astype(jnp.float32) < jnp.float32(break_even(k, costs, draft_cost))
 
 
 def fit_calibration(p_N: np.ndarray, accepted_N: np.ndarray, bins: int,

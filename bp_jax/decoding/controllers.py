@@ -51,6 +51,19 @@ class Backoff(Plain):
 
 
 @dataclasses.dataclass(frozen=True)
+class Priced(Plain):
+  """`priced`: as `backoff`, and a cycle is a miss when it committed fewer tokens than it cost
+  AR steps (`controller.priced_miss`: draft pass + verify of the k+1 tokens, from the engine's
+  costs), so its miss rule follows the machine's prices."""
+  cap: int = control.DEFAULT_SKIP_CAP
+  costs: tuple[float, ...] = (1.0,)   # relative verify costs (the engine's, measured or given)
+  draft_cost: float = 0.0
+
+  def miss_B(self, k: int, a_B: jax.Array, draft_next: jax.Array) -> jax.Array:
+    return control.priced_miss(a_B, k, self.costs, self.draft_cost)
+
+
+@dataclasses.dataclass(frozen=True)
 class Fixed(Plain):
   """"fixed:k" (tests): every cycle verifies k drafts, through the bucket machinery."""
   k: int = 0
@@ -100,11 +113,14 @@ def controller_of(opts) -> Plain:
   fixed = control.fixed_k(name, b)
   if fixed is not None:
     return Fixed(b, k=fixed)
+  if name in control.PRICED and opts.controller_costs is None:
+    raise BadInputError(f"controller={name!r} has no costs: give controller_costs= and "
+                        "controller_draft_cost=, or build the loop through an Engine, which "
+                        "measures them (bp_jax.decoding.costs)")
+  if name == "priced":
+    return Priced(b, cap=opts.ar_fallback, costs=opts.controller_costs,
+                  draft_cost=opts.controller_draft_cost)
   if name == "confidence":
-    if opts.controller_costs is None:
-      raise BadInputError("controller='confidence' has no costs: give controller_costs= and "
-                          "controller_draft_cost=, or build the loop through an Engine, which "
-                          "measures them (bp_jax.decoding.costs)")
     return Confidence(b, cap=opts.ar_fallback, accept=opts.ar_fallback_accept,
                       poor_miss=opts.controller_poor_miss, costs=opts.controller_costs,
                       draft_cost=opts.controller_draft_cost,

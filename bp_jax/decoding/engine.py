@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from bp_jax.decoding import controller as control
 from bp_jax.decoding import loops as decode_loops
 from bp_jax.decoding.costs import ForwardCosts, forward_costs
 from bp_jax.decoding.buckets import default_length_buckets, pick_bucket
@@ -59,9 +60,9 @@ class Engine:
     per-loop fields are filled in per bucket); `batching`: slots per bucket and refill period;
     `stop_ids`: tokens that end a request; `policy` (a `BlockPolicy`) with `policy_sizes`: see
     `set_policy`; `mesh`: a jax.sharding.Mesh (`bp_jax.parallel.mesh.make_mesh`) or None;
-    `cost_cache`: where the `confidence` controller's measured costs are cached when `loop`
-    gives none (`costs.forward_costs`: None = `$XDG_CACHE_HOME/bp_jax/costs`, "" = measure
-    every time)."""
+    `cost_cache`: where the `confidence` and `priced` controllers' measured costs are cached
+    when `loop` gives none (`costs.forward_costs`: None = `$XDG_CACHE_HOME/bp_jax/costs`,
+    "" = measure every time)."""
     if shapes.max_len > target.cfg.max_position_embeddings:
       raise BadInputError(f"max_len={shapes.max_len} exceeds the model's "
                           f"max_position_embeddings={target.cfg.max_position_embeddings}")
@@ -101,9 +102,9 @@ class Engine:
 
   def _priced(self, loop: LoopOptions, target, drafter, batch_size: int,
               cost_cache: str | None) -> LoopOptions:
-    """`loop` with the confidence controller's costs: as given, or measured on this engine's
-    shapes (batch size, largest block size, cache length) where it runs, through the cache
-    (`costs.forward_costs`); sets `measured_costs` and `costs_from_cache`."""
+    """`loop` with the costs of a controller that prices cycles (`confidence`, `priced`): as
+    given, or measured on this engine's shapes (batch size, largest block size, cache length)
+    where it runs, through the cache (`costs.forward_costs`); sets `measured_costs` and `costs_from_cache`."""
     self.measured_costs: ForwardCosts | None = None
     self.costs_from_cache: bool | None = None
     spec_sizes = [b for b in self.block_sizes if b > 1]
@@ -117,12 +118,12 @@ class Engine:
 
   @property
   def costs_source(self) -> str | None:
-    """Where the confidence controller's costs came from: "given", "measured" (here, now),
-    "cached" (measured earlier on this machine); None when the loops price nothing."""
+    """Where the confidence or priced controller's costs came from: "given", "measured" (here,
+    now), "cached" (measured earlier on this machine); None when the loops price nothing."""
     if self.measured_costs is not None:
       return "cached" if self.costs_from_cache else "measured"
     opts = self.loop_options
-    return "given" if opts.controller == "confidence" and opts.controller_costs else None
+    return "given" if opts.controller in control.PRICED and opts.controller_costs else None
 
   # The loop form in effect and the compiled programs (read by reports, summaries and tests).
   loop_options = property(lambda self: self.programs.options)

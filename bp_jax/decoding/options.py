@@ -81,13 +81,16 @@ class LoopOptions:
     controller: the verify-length controller (`controller.CONTROLLERS`, or the tests' "fixed:k"
       verifying k drafts every cycle).
     controller_costs: relative costs of a target forward over 1, 2, 4, ... tokens
-      (`controller.parse_costs`; a comma-separated string is read too), in AR steps.
+      (`controller.parse_costs`; a comma-separated string is read too), in AR steps
+      (`confidence` and `priced` read them).
     controller_draft_cost: one drafter pass, same unit. The two come as a pair: both given, or
       neither (None: measured where the engine runs, `Engine` through `costs.forward_costs`).
     controller_poor_miss: `confidence` counts a poorly accepted cycle as a miss too.
     controller_calibration: acceptance rates per p bin replacing the drafter's p (None: raw p).
-    ar_fallback: at most this many AR steps in a row after poor cycles (0: none).
-    ar_fallback_accept: a cycle accepting at most this many drafts is poor.
+    ar_fallback: at most this many AR steps in a row after poor cycles (0: none; `confidence`
+      and `priced`: 16).
+    ar_fallback_accept: a cycle accepting at most this many drafts is poor (`backoff`; unused by
+      `priced`, whose misses are priced by the costs).
     scan_layers: run layers with `lax.scan` over stacked weights (else unrolled, per-layer
       weights and caches).
   Per compiled loop (`LoopPrograms` fills them in):
@@ -141,14 +144,15 @@ class LoopOptions:
 
   def in_effect(self) -> "LoopOptions":
     """These options with the loop form in effect (`controller.loop_form`): `backoff` without
-    fallback steps reads `none`, `none` takes no AR steps, `confidence` backs off up to
-    `ar_fallback` steps (0: `controller.DEFAULT_SKIP_CAP`)."""
+    fallback steps reads `none`, `none` takes no AR steps, `confidence` and `priced` back off
+    up to `ar_fallback` steps (0: `controller.DEFAULT_SKIP_CAP`)."""
     controller, ar_fallback = control.loop_form(self.controller, self.ar_fallback)
     return self.replace(controller=controller, ar_fallback=ar_fallback)
 
   def needs_costs(self) -> bool:
-    """Whether the loop form in effect prices its choices (`confidence`) and has no costs."""
-    return self.in_effect().controller == "confidence" and self.controller_costs is None
+    """Whether the loop form in effect prices its choices (`confidence`, `priced`) and has no
+    costs."""
+    return self.in_effect().controller in control.PRICED and self.controller_costs is None
 
   def for_loop(self, block_size: int, forced: bool = False, sync_cycles: int = 0,
                window: int | None = None) -> "LoopOptions":

@@ -356,10 +356,10 @@ def labels_stage(cfg: Any) -> None:
 
   bp = cfg.blockpilot
   loop = loop_options(cfg)  # the measured loops' form: cycle costs and labels depend on it
-  if loop["controller"] == "confidence":
-    raise BadInputError("--config.controller=confidence: label sets price every cycle as a "
-                        "whole-block verify (the cost table); label with "
-                        "--config.controller=none or backoff")
+  if loop["controller"] in ("confidence", "priced"):
+    raise BadInputError(f"--config.controller={loop['controller']}: label sets price every "
+                        "cycle as a whole-block verify and replay backoff's miss rule (the cost "
+                        "table); label with --config.controller=none or backoff")
   sampling = sampling_options(cfg)
   target, drafter, tok, fingerprint = load_models(cfg, "labels")
   sizes = candidate_sizes(bp, drafter.cfg.block_size)

@@ -1,0 +1,158 @@
+"""The cost-priced back-off (`--config.controller=priced`, `controllers.Priced`).
+
+A cycle is a miss when it committed fewer tokens than it cost AR steps (drafter pass + verify of
+its k+1 tokens, `controller.break_even`): the rule is unit-tested on given costs (dearer verifies
+make the same acceptances misses), and the loops on `toy_models.zeros_drafter_pair` (partial
+acceptances of every length): outputs equal AR's (greedy; at T > 0 for a seed under exact),
+batched rows equal their request alone, one loop per block size, and dearer costs take more AR
+steps.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+
+from bp_jax.decode_job.block_choice import loop_options
+from bp_jax.decoding import controller as control
+from bp_jax.decoding.controllers import Priced, controller_of
+from bp_jax.decoding.engine import Engine
+from bp_jax.decoding.options import BatchOptions, LoopOptions, ShapeOptions
+from bp_jax.errors import BadInputError
+from compile_counting import BackendCompiles
+from toy_models import zeros_drafter_pair
+
+V, MAX_LEN, BUCKETS, B = 64, 128, (16, 32, 64), 4
+# A forward over 1, 2, 4 tokens and a drafter pass, in AR steps: a b=4 cycle (3 drafts) costs
+# 1.2 AR steps (an accelerator), 4.0 (a CPU), 9.0 (dearer than any cycle can commit: b = 4).
+CHEAP = dict(controller_costs="1,1.05,1.1", controller_draft_cost=0.1)
+DEAR = dict(controller_costs="1,2,2.5", controller_draft_cost=1.5)
+DEAREST = dict(controller_costs="1,3,6", controller_draft_cost=3.0)
+
+
+@pytest.fixture(scope="module")
+def models():
+  return zeros_drafter_pair(V)
+
+
+def _requests(num: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:
+  rng = np.random.default_rng(seed)
+  prompts = [rng.integers(1, V - 1, int(rng.integers(2, 50))).tolist() for _ in range(num)]
+  return prompts, [int(rng.integers(1, 40)) for _ in range(num)]
+
+
+def _engine(models, controller: str = "priced", batch_size: int = 1, **loop) -> Engine:
+  target, drafter = models
+  return Engine(target, drafter=drafter,
+                shapes=ShapeOptions(max_len=MAX_LEN, length_buckets=BUCKETS, block_sizes=(1, B)),
+                loop=LoopOptions(controller=controller, **loop),
+                batching=BatchOptions(batch_size=batch_size, sync_cycles=2))
+
+
+@pytest.fixture(scope="module")
+def ar_outputs(models):
+  eng = _engine(models, "none")
+  prompts, max_news = _requests(6)
+  return [eng.generate(p, max_new_tokens=m).output_ids for p, m in zip(prompts, max_news)]
+
+
+# -- the rule -----------------------------------------------------------------------------------
+def test_break_even_is_the_cycle_cost_in_ar_steps():
+  assert control.break_even(3, (1.0, 1.05, 1.1), 0.1) == pytest.approx(1.2)
+  assert control.break_even(3, (1.0, 2.0, 2.5), 1.5) == pytest.approx(4.0)
+  assert control.break_even(1, (1.0, 2.0, 2.5), 1.5) == pytest.approx(3.5)  # 2 tokens verified
+  # Costs in another unit: the AR step (a forward over one token) is the unit.
+  assert control.break_even(3, (2.0, 4.0, 5.0), 3.0) == pytest.approx(4.0)
+
+
+def test_dearer_verifies_make_more_cycles_misses():
+  """The same acceptances (-1: nothing committed, 0..3 drafts of 3) are misses under dear costs
+  and not under cheap ones: the miss rule follows the costs."""
+  a_B = jnp.asarray([-1, 0, 1, 2, 3])
+  miss = lambda kw: np.asarray(control.priced_miss(
+      a_B, 3, control.parse_costs(kw["controller_costs"]), kw["controller_draft_cost"])).tolist()
+  assert miss(CHEAP) == [True, True, False, False, False]     # commits 2+ tokens >= 1.2
+  assert miss(DEAR) == [True, True, True, True, False]        # commits 4 tokens >= 4.0
+  assert miss(DEAREST) == [True] * 5                          # 9.0 > 4: never worth it
+  # A cycle committing exactly its cost is as fast as AR: no miss.
+  assert not bool(control.priced_miss(jnp.asarray([1]), 1, (1.0, 1.0), 1.0)[0])
+  # Through the options: `priced` is the controller in effect with its costs, 16 steps at most.
+  opts = LoopOptions(controller="priced", block_size=B, **DEAR).in_effect()
+  ctl = controller_of(opts)
+  assert isinstance(ctl, Priced) and ctl.cap == control.DEFAULT_SKIP_CAP
+  assert ctl.buckets == (B - 1,)
+  assert np.asarray(ctl.miss_B(B - 1, a_B, jnp.bool_(True))).tolist() == miss(DEAR)
+
+
+def test_priced_needs_costs_and_the_command_line_carries_it():
+  assert LoopOptions(controller="priced").needs_costs()
+  assert not LoopOptions(controller="priced", **DEAR).needs_costs()
+  with pytest.raises(BadInputError, match="controller='priced' has no costs"):
+    controller_of(LoopOptions(controller="priced", block_size=B).in_effect())
+  opts = loop_options(ml_collections.ConfigDict(dict(controller="priced", ar_fallback=8)))
+  assert opts["controller"] == "priced" and opts["ar_fallback"] == 8
+  assert opts["controller_costs"] is None and opts["controller_draft_cost"] is None  # measured
+  assert LoopOptions(controller="priced", ar_fallback=8).in_effect().ar_fallback == 8
+
+
+# -- the loops ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("kw", [CHEAP, DEAR, DEAREST, {}])
+def test_greedy_outputs_are_ar_and_batched_rows_equal_their_request_alone(models, ar_outputs,
+                                                                          kw):
+  one = _engine(models, **kw)
+  prompts, max_news = _requests(6)
+  alone = [one.generate(p, max_new_tokens=m, block_size=B) for p, m in zip(prompts, max_news)]
+  assert [g.output_ids for g in alone] == ar_outputs
+  assert one.controller == "priced" and one.costs_source == ("measured" if not kw else "given")
+  many = _engine(models, batch_size=3, **kw)
+  together = many.generate_batch(prompts, max_new_tokens=max_news, block_size=B)
+  assert [g.output_ids for g in together] == ar_outputs
+
+
+def test_dearer_costs_take_more_ar_steps(models, ar_outputs):
+  """The same requests under dearer given costs count more cycles as misses: more AR steps and
+  fewer drafter passes, the same tokens."""
+  prompts, max_news = _requests(6)
+  steps, passes = {}, {}
+  for name, kw in (("cheap", CHEAP), ("dear", DEAR), ("dearest", DEAREST)):
+    outs = [_engine(models, **kw).generate(p, max_new_tokens=m, block_size=B)
+            for p, m in zip(prompts, max_news)]
+    assert [g.output_ids for g in outs] == ar_outputs
+    steps[name] = sum(g.ar_steps for g in outs)
+    passes[name] = sum(g.drafter_passes for g in outs)
+  assert steps["cheap"] < steps["dear"] < steps["dearest"]
+  assert passes["cheap"] > passes["dear"] > passes["dearest"]
+
+
+def test_sampled_output_equals_ar_for_a_seed(models):
+  ar = Engine(models[0], shapes=ShapeOptions(max_len=MAX_LEN, length_buckets=BUCKETS))
+  eng = _engine(models, verify="exact", **DEAR)
+  prompts, max_news = _requests(4, seed=1)
+  kw = dict(temperature=1.0, top_k=20)
+  for i, (p, m) in enumerate(zip(prompts, max_news)):
+    want = ar.generate(p, max_new_tokens=m, seed=7 + i, **kw).output_ids
+    assert eng.generate(p, max_new_tokens=m, block_size=B, seed=7 + i, **kw).output_ids == want
+
+
+def test_one_loop_per_block_size(models):
+  eng = _engine(models, **DEAR)
+  prompts, max_news = _requests(5, seed=3)
+  for p, m in zip(prompts, max_news):
+    eng.generate(p, max_new_tokens=m, block_size=B)
+  with BackendCompiles() as compiles:
+    for p, m in zip(prompts, max_news):
+      eng.generate(p, max_new_tokens=m, block_size=B)
+  assert compiles.n == 0
+  assert eng.compiled.counts["spec_loop"] == 1
+
+
+def test_label_sets_refuse_priced():
+  """Label sets replay back-off's miss rule: they refuse a loop whose misses are priced."""
+  from bp_jax.train.labels import labels_stage
+  from configs import qwen3 as qwen3_config
+  cfg = qwen3_config.get_config()
+  cfg.controller, cfg.controller_costs, cfg.controller_draft_cost = "priced", "1,2", "1.0"
+  with pytest.raises(BadInputError, match="--config.controller=priced: label sets"):
+    labels_stage(cfg)
