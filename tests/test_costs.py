@@ -60,8 +60,9 @@ def test_measurement_on_toy_shapes(models):
   c = costs.measure_forward_costs(target, drafter, 2, B, MAX_LEN, reps=4, repeats=3)
   assert c.batch_size == 2 and c.block_size == B and len(c.verify_s) == len(c.lengths) == 3
   assert all(s > 0 for s in c.verify_s) and c.draft_s > 0
-  # Monotone-ish: a forward over 4 tokens is not much cheaper than one over 1 (noise aside).
-  assert c.verify_s[-1] > 0.5 * c.verify_s[0]
+  # No assertion compares the timings themselves: on a loaded 2-core machine a toy forward's
+  # time is noise (a 4-token forward once timed at under half a 1-token one); the table the
+  # controller reads is made monotone by relative(), checked here.
   table, draft = c.relative()
   assert table[0] == 1.0 and list(table) == sorted(table) and draft > 0
   LoopOptions(controller="confidence", controller_costs=table, controller_draft_cost=draft)
