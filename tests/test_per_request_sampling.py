@@ -98,3 +98,47 @@ def test_bad_per_request_settings_name_the_field(models):
     eng.generate_batch([[1, 2], [3]], max_new_tokens=4, temperature=[0.0])
   with pytest.raises(BadInputError, match="stop_token_ids"):
     eng.generate_batch([[1, 2]], max_new_tokens=4, stop_token_ids=[list(range(20))])
+
+
+def _poisoned(target, token: int):
+  """A copy of `target` whose input embedding of `token` is NaN (untied lm_head: the logits stay
+  finite until the token is fed in)."""
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+  graph, state = nnx.split(target)
+  copy = nnx.merge(graph, jax.tree.map(jnp.copy, state))
+  copy.embed.value = copy.embed.value.at[token].set(jnp.nan)
+  return copy
+
+
+def test_a_request_with_nonfinite_logits_fails_alone(models):
+  """Driven step by step as a server does (`Engine.scheduler`): a request whose prompt holds a
+  token with a NaN embedding fails in its prefill, one that generates it fails at that decode
+  step; the request beside them in the batch finishes with its own tokens."""
+  target, drafter = models
+  ref = _engine(models, 3)
+  for seed in range(13, 60):  # requests where request 1 generates a token request 2 never sees
+    prompts, max_news = _requests(3, seed=seed)
+    clean = ref.generate_batch(prompts, max_new_tokens=max_news, block_size=4)
+    seen = set(prompts[2]) | set(clean[2].output_ids) | set(prompts[1]) | {0, V - 1}
+    bad = next((t for t in clean[1].output_ids[2:]
+                if t not in seen and t not in clean[1].output_ids[:2]), None)
+    if bad is not None:
+      break
+  prompts[0] = prompts[0] + [bad]
+  eng = Engine(_poisoned(target, bad), stop_ids=[V - 1], drafter=drafter,
+               shapes=ShapeOptions(max_len=MAX_LEN, length_buckets=BUCKETS, block_sizes=(4,)),
+               loop=LoopOptions(ar_fallback=4), batching=BatchOptions(batch_size=3, sync_cycles=3))
+  sched = eng.scheduler()
+  for i, (p, m) in enumerate(zip(prompts, max_news)):
+    sched.submit(eng.batch_request(i, p, m, 0, 4))
+  failed, finished = {}, {}
+  while sched.busy():
+    report = sched.step()
+    failed.update(report.failed)
+    finished.update(report.finished)
+  assert set(failed) == {0, 1} and set(finished) == {2}
+  assert "the prefill produced NaN/inf logits" in str(failed[0])
+  assert "a decode step produced NaN/inf logits" in str(failed[1])
+  assert finished[2].output_ids == clean[2].output_ids

@@ -144,9 +144,8 @@ class Scheduler:
       staged = _Staged(req, *self.engine.stage(req, sampling_params(*req.sampling), buffers))
       try:
         self.engine.check_prefill(staged.pre, len(req.prompt_ids))
-      except BadInputError as e:  # this request alone fails
+      except BadInputError as e:  # this request alone fails; its buffers hold NaN: dropped
         self._report.failed[req.index] = e
-        self.pool.append((staged.pre.cache, staged.pre.draft_cache))
         continue
       self.ready[staged.block_size].append(staged)
 
