@@ -14,6 +14,9 @@ TRAINING = ("bp_jax.train", "bp_jax.data", "tensorflow_datasets", "tensorflow")
 # decode.py's job (the edge): may read label sets for `block_policy=oracle`, inside a function
 # only, so that decoding loads no TensorFlow; never training code.
 EDGE = ("bp_jax.decode_job",)
+# The HTTP server (serve.py's package): the outermost layer. Nothing else in the package may
+# import it, and it may import no training code, training datasets or TensorFlow, at all.
+SERVING = ("bp_jax.serving",)
 
 
 class Edge(NamedTuple):
@@ -73,6 +76,10 @@ def violations(repo: str) -> list[str]:
       bad.append(where)
     elif _under(e.src, EDGE) and (_under(e.dst, ("bp_jax.train", "tensorflow")) or
                                  (e.top and _under(e.dst, TRAINING))):
+      bad.append(where)
+    elif _under(e.src, SERVING) and _under(e.dst, TRAINING):
+      bad.append(where)
+    elif not _under(e.src, SERVING) and _under(e.dst, SERVING):
       bad.append(where)
   return bad
 

@@ -177,12 +177,14 @@ def test_loop_state_fields_have_the_shapes_their_names_say(models):
   named = {f.name: getattr(state, f.name) for f in dataclasses.fields(state)}
   named.update({f.name: getattr(state.records, f.name)
                 for f in dataclasses.fields(state.records)})
-  shapes = {"_BS": (3, MAX_LEN), "_B": (3,)}
+  from bp_jax.decoding.state import MAX_ROW_STOP_IDS
+  shapes = {"_BS": (3, MAX_LEN), "_B": (3,), "_BK": (3, MAX_ROW_STOP_IDS)}
   checked = 0
   for name, value in named.items():
     suffix = "_" + name.rsplit("_", 1)[-1]
-    if suffix in shapes:
-      assert value.shape == shapes[suffix], name
+    if suffix in shapes:  # a NamedTuple of per-row fields (sp_B): each of them
+      for leaf in (value if isinstance(value, tuple) else (value,)):
+        assert leaf.shape == shapes[suffix], name
       checked += 1
-  assert checked == 15
+  assert checked == 17
   assert state.draft_cache is not None and eng.slot_carry(1).draft_cache is None

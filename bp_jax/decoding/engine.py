@@ -29,11 +29,11 @@ from bp_jax.decoding.generation import Generation, generation_of
 from bp_jax.decoding.options import BatchOptions, LoopOptions, ShapeOptions
 from bp_jax.decoding.policy_binding import check_policy_fits
 from bp_jax.decoding.programs import (WARMUP_TOKENS, LoopPrograms, request_window,
-                                     window_for)
+                                     window_buckets, window_for)
 from bp_jax.decoding.requests import RequestChecks, check_sampling
 from bp_jax.decoding.sampling import sampling_params
 from bp_jax.decoding.scheduler import BatchRequest, Scheduler
-from bp_jax.decoding.state import LoopState
+from bp_jax.decoding.state import MAX_ROW_STOP_IDS, LoopState
 from bp_jax.errors import BadInputError
 from bp_jax.models.qwen3 import Qwen3
 from bp_jax.parallel.rules import replicated, shard_batch, shard_cache, shard_state
@@ -191,12 +191,14 @@ class Engine:
 
   def precompile(self, block_sizes: Sequence[int], length_buckets: Sequence[int] | None = None,
                  policy: bool = False, plain_prefill: bool = True,
-                 request_lengths: Sequence[int] = ()) -> dict:
+                 request_lengths: Sequence[int] = (), all_windows: bool = False) -> dict:
     """Compiles prefill for each length bucket and the loop of each block size ahead of time
     (`policy`: also the prefill that runs the policy; `plain_prefill`: the one without); with
     batch_size > 1, the batched loops instead of the one-request loops, which are compiled for
     the attention windows that requests of these lengths (prompt + max_new_tokens) take
-    (`request_window`; none given: the loops over all slots)."""
+    (`request_window`; none given: the loops over all slots). `all_windows` (batched): the
+    batched loops for every attention window a call may pick (`programs.window_buckets`), each
+    also run once (its warm-up), so that no request compiles anything: a server's start-up."""
     key, z, sp = jax.random.key(0), jnp.int32(1), sampling_params()
     if policy and self.p_graph is None:
       raise BadInputError("precompile(policy=True) on an engine without a policy")
@@ -212,8 +214,12 @@ class Engine:
         carry = (self.slot_carry(b) if self.mesh is not None else
                  jax.eval_shape(lambda: self.slot_carry(b)))
         args = ((self.t_state,) if b == 1 else (self.t_state, self.d_state)) + (
-            carry, sp, self._stop_arr)
+            carry, self._stop_arr)
         self.programs.batched_loop(b, self.batch_size, self.sync_cycles, None, args)
+        if all_windows and self.sync_cycles > 0:
+          for w in window_buckets(self.max_len):
+            idle = self.slot_carry(b)
+            self.slots_program(b, idle, max_pos=max(0, w - b * (1 + self.sync_cycles // 2)))
       return self.compiled.summary()
     pre = decode_loops.PrefillOut(z, self.cache, self.draft_cache, None, None)
     for b in block_sizes:
@@ -312,38 +318,70 @@ class Engine:
 
   # -- many requests at once (continuous batching per bucket, `scheduler`) ------------------
   def generate_batch(self, prompts: Sequence[Sequence[int]], *,
-                     max_new_tokens: int | Sequence[int], temperature: float = 0.0,
+                     max_new_tokens: int | Sequence[int], temperature=0.0,
                      seeds: Sequence[int] | int = 0,
-                     block_size: int | str | Sequence[int | str] = 1, top_k: int = 0,
-                     top_p: float = 1.0, min_p: float = 0.0,
+                     block_size: int | str | Sequence[int | str] = 1, top_k=0,
+                     top_p=1.0, min_p=0.0,
+                     stop_token_ids: Sequence[Sequence[int]] | None = None,
                      forced_continuations: Sequence[Sequence[int]] | None = None
                      ) -> list[Generation]:
     """Decodes many requests, up to `batch_size` at a time per block-size bucket, refilling
     finished slots every `sync_cycles` cycles (`scheduler`). Every request's output is the one
-    `generate` gives it alone (same seed); results come back in the order of `prompts`.
+    `generate` gives it alone (same seed and settings); results come back in the order of
+    `prompts`.
 
-    `max_new_tokens`, `seeds` and `block_size` (a bucket or LEARNED) may be one value or one
-    per request (an int seed s gives request i the seed s + i); the sampling settings are
-    shared by the batch. `forced_continuations`: as in `generate`, one per request.
+    `max_new_tokens`, `seeds`, `block_size` (a bucket or LEARNED) and the sampling settings
+    (`temperature`, `top_k`, `top_p`, `min_p`) may be one value or one per request (an int seed
+    s gives request i the seed s + i): rows of one batch sample with their own settings, and
+    one compiled loop serves every value. `stop_token_ids`: per request, stop ids besides the
+    engine's (at most `state.MAX_ROW_STOP_IDS`). `forced_continuations`: as in `generate`, one
+    per request.
     """
     N = len(prompts)
     per = lambda v: list(v) if isinstance(v, (list, tuple)) else [v] * N
     max_new, sizes = per(max_new_tokens), per(block_size)
     seed_list = list(seeds) if isinstance(seeds, (list, tuple)) else [seeds + i for i in range(N)]
-    for name, v in (("max_new_tokens", max_new), ("block_size", sizes), ("seeds", seed_list)):
+    temps, ks, ps, mins = per(temperature), per(top_k), per(top_p), per(min_p)
+    stops = list(stop_token_ids) if stop_token_ids is not None else [()] * N
+    for name, v in (("max_new_tokens", max_new), ("block_size", sizes), ("seeds", seed_list),
+                    ("temperature", temps), ("top_k", ks), ("top_p", ps), ("min_p", mins),
+                    ("stop_token_ids", stops)):
       if len(v) != N:
         raise BadInputError(f"generate_batch: {len(v)} {name} for {N} prompts")
-    check_sampling(temperature, top_k, top_p, min_p)
     forced = forced_continuations is not None
     reqs = []
     for i, ids in enumerate(prompts):
-      self._check_one(ids, max_new[i], sizes[i])
       if forced and isinstance(sizes[i], str):
         raise BadInputError("forced continuations need fixed block sizes")
-      reqs.append(BatchRequest(i, list(ids), int(max_new[i]), int(seed_list[i]), sizes[i],
-                               forced_continuations[i] if forced else None))
-    sp = sampling_params(temperature, top_k, top_p, min_p)
-    return Scheduler(self, reqs, sp, forced).run()
+      reqs.append(self.batch_request(
+          i, ids, max_new[i], seed_list[i], sizes[i], (temps[i], ks[i], ps[i], mins[i]),
+          stops[i], forced_continuations[i] if forced else None))
+    return Scheduler(self, reqs, forced=forced).run()
+
+  def batch_request(self, index: int, prompt_ids: Sequence[int], max_new_tokens: int,
+                    seed: int = 0, block_size: int | str = 1, sampling: tuple = (0.0, 0, 1.0, 0.0),
+                    stop_token_ids: Sequence[int] = (),
+                    forced_continuation: Sequence[int] | None = None) -> BatchRequest:
+    """A checked `BatchRequest` (a scheduler's input): `sampling` = (temperature, top_k,
+    top_p, min_p); raises BadInputError naming what this engine cannot serve."""
+    self._check_one(prompt_ids, max_new_tokens, block_size)
+    check_sampling(*sampling)
+    stop_token_ids = [int(t) for t in stop_token_ids]
+    if len(stop_token_ids) > MAX_ROW_STOP_IDS:
+      raise BadInputError(f"stop_token_ids: at most {MAX_ROW_STOP_IDS} per request, got "
+                          f"{len(stop_token_ids)}")
+    if any(not 0 <= t < self.cfg.vocab_size for t in stop_token_ids):
+      raise BadInputError(f"stop_token_ids: ids must be in [0, {self.cfg.vocab_size})")
+    temperature, top_k, top_p, min_p = sampling
+    return BatchRequest(index, list(prompt_ids), int(max_new_tokens), int(seed), block_size,
+                        forced_continuation,
+                        (float(temperature), int(top_k), float(top_p), float(min_p)),
+                        tuple(stop_token_ids))
+
+  def scheduler(self, track_progress: bool = True) -> Scheduler:
+    """An empty scheduler over this engine's batched loops, for requests that arrive one by one
+    (`Scheduler.submit` / `step` / `cancel`; a server's engine thread)."""
+    return Scheduler(self, track_progress=track_progress)
 
   def slot_carry(self, block_size: int, forced: bool = False) -> LoopState:
     """A batched loop state of `batch_size` empty slots for a bucket (fresh buffers)."""
@@ -390,26 +428,35 @@ class Engine:
     if bool(pre.bad_logits):
       self.raise_nonfinite(n, "the prefill")
 
-  def insert_program(self, carry: LoopState, row: int, req: BatchRequest, pre) -> tuple:
+  def insert_program(self, carry: LoopState, row: int, req: BatchRequest, pre,
+                     sp=None) -> tuple:
     """(compiled insertion, its arguments): calling it returns `carry` (donated) with slot
-    `row` holding the prefilled request. Compiles on first use, before any clock starts."""
+    `row` holding the prefilled request, with its sampling settings `sp` (SamplingParams; None:
+    the request's own) and its stop ids. Compiles on first use, before any clock
+    starts; one compilation for every setting."""
     n = len(req.prompt_ids)
     forced = (() if req.forced_continuation is None else
               (self._forced_seq(n, req.forced_continuation)[0],))
     draft_cache = pre.draft_cache if carry.draft_cache is not None else None
+    if sp is None:
+      sp = sampling_params(*(req.sampling or ()))  # None: greedy
+    row_stop = np.full((MAX_ROW_STOP_IDS,), -1, np.int32)
+    row_stop[:len(req.stop_token_ids)] = req.stop_token_ids
     args = (carry, jnp.int32(row), pre.cache, draft_cache, pre.first_tok, jnp.int32(n),
-            jnp.int32(req.max_new_tokens), jax.random.key(req.seed), self._stop_arr) + forced
+            jnp.int32(req.max_new_tokens), jax.random.key(req.seed), self._stop_arr, sp,
+            jnp.asarray(row_stop)) + forced
     return self.programs.insert(args), args
 
-  def slots_program(self, block_size: int, carry: LoopState, sp, forced: bool = False,
+  def slots_program(self, block_size: int, carry: LoopState, forced: bool = False,
                     max_pos: int | None = None) -> tuple:
     """(compiled batched loop of a bucket, its arguments with `carry` donated): one call runs
-    `sync_cycles` cycles, or until no row decodes (0), attending over the window that the
+    `sync_cycles` cycles, or until no row decodes (0), each row with its own sampling settings
+    (`LoopState.sp_B`), attending over the window that the
     furthest decoding row (`max_pos`) needs (`programs.window_for`). Compiles the loop and runs
     it once on an idle copy of the carry (its first run's fixed cost) on first use, before any
     clock starts."""
     states = (self.t_state,) if block_size == 1 else (self.t_state, self.d_state)
-    args = states + (carry, sp, self._stop_arr)
+    args = states + (carry, self._stop_arr)
     window = (None if max_pos is None else
               window_for(max_pos, block_size, self.sync_cycles, self.max_len))
     fn = self.programs.batched_loop(block_size, self.batch_size, self.sync_cycles, window, args,
@@ -418,7 +465,7 @@ class Engine:
                                          forced)
     if key not in self.programs.warmup_seconds:
       idle = carry.replace(max_new_B=jnp.zeros_like(carry.max_new_B))
-      self.programs.warm_batched(key, fn, states + (idle, sp, self._stop_arr))
+      self.programs.warm_batched(key, fn, states + (idle, self._stop_arr))
     return fn, args
 
   @staticmethod

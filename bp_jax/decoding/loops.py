@@ -20,7 +20,7 @@ from flax import nnx
 from bp_jax.decoding import controllers
 from bp_jax.decoding import verify as verify_rules
 from bp_jax.decoding.options import LoopOptions
-from bp_jax.decoding.sampling import as_sampling, position_keys, sample
+from bp_jax.decoding.sampling import position_keys, sample
 from bp_jax.decoding.state import LoopState
 from bp_jax.models.kv_cache import KVCache
 from bp_jax.policy.features import prefill_features
@@ -131,11 +131,11 @@ def _row_keys(seed_keys_B: jax.Array, pos_BT: jax.Array) -> jax.Array:
   return jax.vmap(position_keys)(seed_keys_B, pos_BT)
 
 
-def _ar_draw(s: LoopState, out, sp) -> jax.Array:
+def _ar_draw(s: LoopState, out) -> jax.Array:
   """[B, 1] the target's sample at pos + 1 from a one-token forward: what plain AR decoding
-  commits there (each row's own key)."""
+  commits there (each row's own settings and key)."""
   keys_B = _row_keys(s.seed_keys_B, (s.pos_B + 1)[:, None])[:, 0]
-  return sample(out.logits[:, 0], sp, keys_B)[:, None]
+  return sample(out.logits[:, 0], s.sp_B, keys_B)[:, None]
 
 
 def _checked(logits_BtV: jax.Array, a_B: jax.Array, active_B: jax.Array
@@ -173,12 +173,16 @@ def _run(cond_rows: Callable, body: Callable, s: LoopState, sync_cycles: int) ->
 
 
 def make_insert() -> Callable:
-  """insert(state, row, cache, draft_cache, first_tok, n, max_new, seed_key, stop_ids
-  [, forced_S]) -> state: a request prefilled into one-sequence caches (`make_prefill`) takes
-  slot `row` of a batched `LoopState` (compiled once per state shape; the state is donated)."""
+  """insert(state, row, cache, draft_cache, first_tok, n, max_new, seed_key, stop_ids,
+  sampling, row_stop_K[, forced_S]) -> state: a request prefilled into one-sequence caches
+  (`make_prefill`) takes slot `row` of a batched `LoopState` with its own sampling settings
+  (`sampling.SamplingParams` scalars) and stop ids (`LoopState.start_row`); compiled once per
+  state shape, whatever the values; the state is donated."""
 
-  def insert(s, row, cache, draft_cache, first_tok, n, max_new, seed_key, stop_ids, *forced):
-    s = s.start_row(row, first_tok, n, max_new, seed_key, stop_ids, *forced)
+  def insert(s, row, cache, draft_cache, first_tok, n, max_new, seed_key, stop_ids, sampling,
+             row_stop_K, *forced):
+    s = s.start_row(row, first_tok, n, max_new, seed_key, stop_ids, sampling, row_stop_K,
+                    *forced)
     s = s.replace(cache=s.cache.put_rows(cache, row))
     if draft_cache is not None:
       s = s.replace(draft_cache=s.draft_cache.put_rows(draft_cache, row))
@@ -188,7 +192,7 @@ def make_insert() -> Callable:
 
 
 def make_batched_ar_loop(graphdef, opts: LoopOptions = LoopOptions()) -> Callable:
-  """ar_loop(state, loop_state, sampling, stop_ids) -> loop_state: plain AR decoding of every
+  """ar_loop(state, loop_state, stop_ids) -> loop_state: plain AR decoding of every
   row of a `LoopState` (rows at their own positions), until no row decodes or, with
   `opts.sync_cycles` > 0, after that many steps.
 
@@ -196,14 +200,12 @@ def make_batched_ar_loop(graphdef, opts: LoopOptions = LoopOptions()) -> Callabl
   before a row's next step would reach past it (the host then picks a larger window,
   `programs.window_for`): a step reads the live part of the cache instead of all its slots.
 
-  `sampling`: a `sampling.SamplingParams` (or a temperature scalar) shared by the batch; each
-  row draws with its own seed key at its own positions, so a row's tokens are those it gets
-  decoded alone. `opts.scan_layers`: run the target's layers with `lax.scan` (faster to compile
+  Each row samples with its own settings (`LoopState.sp_B`) and draws with its own seed key at
+  its own positions, so a row's tokens are those it gets decoded alone. `opts.scan_layers`: run the target's layers with `lax.scan` (faster to compile
   for deep models) instead of unrolled with per-layer weights (faster per step; the default)."""
   window = opts.window
 
-  def ar_loop(state, s: LoopState, sampling, stop_ids) -> LoopState:
-    sp = as_sampling(sampling)
+  def ar_loop(state, s: LoopState, stop_ids) -> LoopState:
     model = nnx.merge(graphdef, state)
     layers = _layers_of(model, opts.scan_layers)
 
@@ -213,7 +215,7 @@ def make_batched_ar_loop(graphdef, opts: LoopOptions = LoopOptions()) -> Callabl
                   window=window)
       # Plain AR decoding is speculative decoding with block size 1: each step is a cycle that
       # drafts nothing and commits one token (τ = 1).
-      return _commit(s, out, _ar_draw(s, out, sp), jnp.zeros_like(s.pos_B), active_B, True, 0,
+      return _commit(s, out, _ar_draw(s, out), jnp.zeros_like(s.pos_B), active_B, True, 0,
                      stop_ids)[0]
 
     s = _loop_caches(s, opts.scan_layers)
@@ -233,7 +235,7 @@ def _forced(s: LoopState, drafted_Bk: jax.Array) -> jax.Array:
 
 
 def make_batched_spec_loop(graphdef, draft_graphdef, opts: LoopOptions) -> Callable:
-  """spec_loop(state, draft_state, loop_state, sampling, stop_ids) -> loop_state: speculative
+  """spec_loop(state, draft_state, loop_state, stop_ids) -> loop_state: speculative
   decoding of every row of a `LoopState`, each at its own position, until no row decodes or,
   with `opts.sync_cycles` > 0, after that many cycles.
 
@@ -244,8 +246,7 @@ def make_batched_spec_loop(graphdef, draft_graphdef, opts: LoopOptions) -> Calla
   while it equals the target's own sample at its position; `rejection`: drafts drawn from the
   drafter's distribution, speculative rejection sampling at T > 0), commits them, and both
   caches roll back by pointer to p + a + 1, row by row. The target features of block positions
-  0..a become drafter context. `sampling`: a `sampling.SamplingParams` (or a temperature
-  scalar) shared by the batch.
+  0..a become drafter context. Each row samples with its own settings (`LoopState.sp_B`).
 
   The controller (`controllers.controller_of(opts)`, the loop form in effect:
   `LoopOptions.in_effect`): `none` verifies every draft; `backoff` (`opts.ar_fallback` > 0):
@@ -278,8 +279,7 @@ def make_batched_spec_loop(graphdef, draft_graphdef, opts: LoopOptions) -> Calla
   b, window = opts.block_size, opts.window
   rule, ctl = verify_rules.RULES[opts.verify], controllers.controller_of(opts)
 
-  def spec_loop(state, draft_state, s: LoopState, sampling, stop_ids) -> LoopState:
-    sp = as_sampling(sampling)
+  def spec_loop(state, draft_state, s: LoopState, stop_ids) -> LoopState:
     model, drafter = nnx.merge(graphdef, state), nnx.merge(draft_graphdef, draft_state)
     layers, draft_layers = _layers_of(model, opts.scan_layers), _layers_of(drafter,
                                                                            opts.scan_layers)
@@ -293,7 +293,7 @@ def make_batched_spec_loop(graphdef, draft_graphdef, opts: LoopOptions) -> Calla
       context = s.draft_cache.with_lengths(s.pointer_B(s.active_B()))
       h_BbD = drafter.draft(model.embed_tokens(block_Bb), context, draft_layers, window)
       logits_BkV = model.project_to_vocab(h_BbD[:, 1:])
-      drafted_Bk = rule.propose(logits_BkV, sp, s.seed_keys_B, s.pos_B)
+      drafted_Bk = rule.propose(logits_BkV, s.sp_B, s.seed_keys_B, s.pos_B)
       if opts.forced_drafts:
         drafted_Bk = _forced(s, drafted_Bk)
       return drafted_Bk.astype(jnp.int32), logits_BkV
@@ -320,9 +320,9 @@ def make_batched_spec_loop(graphdef, draft_graphdef, opts: LoopOptions) -> Calla
       out, active_B, pointer_B = forward(
           s, jnp.concatenate([s.tok_B[:, None], draft_Bk[:, :k]], axis=1))
       if k == 0:  # the AR step's own draw at pos + 1 under either verify rule
-        y_Bt, a_B = _ar_draw(s, out, sp), jnp.zeros_like(s.pos_B)
+        y_Bt, a_B = _ar_draw(s, out), jnp.zeros_like(s.pos_B)
       else:
-        y_Bt, a_B = rule.verify(out.logits, draft_logits_BkV[:, :k], draft_Bk[:, :k], sp,
+        y_Bt, a_B = rule.verify(out.logits, draft_logits_BkV[:, :k], draft_Bk[:, :k], s.sp_B,
                                 s.seed_keys_B, s.pos_B)
       new, a_B = commit(s, out, y_Bt, a_B, active_B, pointer_B, True, k + 1)
       if ctl.cap:
@@ -346,7 +346,7 @@ def make_batched_spec_loop(graphdef, draft_graphdef, opts: LoopOptions) -> Calla
     def ar_step(s):
       """A fallback AR step: the target over `tok` alone, no drafter pass."""
       out, active_B, pointer_B = forward(s, s.tok_B[:, None])
-      new, _ = commit(s, out, _ar_draw(s, out, sp), jnp.zeros_like(s.pos_B), active_B,
+      new, _ = commit(s, out, _ar_draw(s, out), jnp.zeros_like(s.pos_B), active_B,
                       pointer_B, False, 0)
       return new.replace(wait_B=jnp.where(active_B, s.wait_B - 1, s.wait_B))
 
@@ -376,11 +376,11 @@ def _single(s: LoopState) -> LoopOut:
                  None if s.draft_cache is None else s.draft_cache.stacked())
 
 
-def _one_row(seq_1S, cache, draft_cache, first_tok, n, max_new, seed_key, stop_ids,
+def _one_row(seq_1S, cache, draft_cache, first_tok, n, max_new, sampling, seed_key, stop_ids,
              forced_1S=None) -> LoopState:
   s = LoopState.empty(seq_1S, cache, draft_cache, forced_1S)
-  return s.start_row(0, first_tok, n, max_new, seed_key, stop_ids,
-                     None if forced_1S is None else forced_1S[0])
+  return s.start_row(0, first_tok, n, max_new, seed_key, stop_ids, sampling,
+                     forced_S=None if forced_1S is None else forced_1S[0])
 
 
 def make_ar_loop(graphdef, opts: LoopOptions = LoopOptions()) -> Callable:
@@ -391,8 +391,8 @@ def make_ar_loop(graphdef, opts: LoopOptions = LoopOptions()) -> Callable:
   batched = make_batched_ar_loop(graphdef, opts)
 
   def ar_loop(state, seq_1S, cache, first_tok, n, max_new, sampling, seed_key, stop_ids):
-    s = _one_row(seq_1S, cache, None, first_tok, n, max_new, seed_key, stop_ids)
-    return _single(batched(state, s, sampling, stop_ids))
+    s = _one_row(seq_1S, cache, None, first_tok, n, max_new, sampling, seed_key, stop_ids)
+    return _single(batched(state, s, stop_ids))
 
   return ar_loop
 
@@ -406,8 +406,8 @@ def make_spec_loop(graphdef, draft_graphdef, opts: LoopOptions) -> Callable:
 
   def spec_loop(state, draft_state, seq_1S, cache, draft_cache, first_tok, n, max_new,
                 sampling, seed_key, stop_ids, *forced):
-    s = _one_row(seq_1S, cache, draft_cache, first_tok, n, max_new, seed_key, stop_ids,
-                 forced[0] if forced else None)
-    return _single(batched(state, draft_state, s, sampling, stop_ids))
+    s = _one_row(seq_1S, cache, draft_cache, first_tok, n, max_new, sampling, seed_key,
+                 stop_ids, forced[0] if forced else None)
+    return _single(batched(state, draft_state, s, stop_ids))
 
   return spec_loop

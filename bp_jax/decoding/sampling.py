@@ -4,6 +4,10 @@ the same prefix draws the same token (AR and speculative decoding agree even at 
 The distribution a token is drawn from is the target's *processed* distribution: its logits
 divided by the temperature, then truncated by top-k, top-p and min-p (`processed_logits`), and
 renormalised. Every decode mode samples exactly that distribution; T = 0 is the argmax.
+
+Settings are traced values: scalars (one request) or [B] per row of a batch (`SamplingParams`
+leaves of the loop state), so one compilation serves every value and each row of a batch
+samples with its own settings.
 """
 
 from __future__ import annotations
@@ -15,7 +19,8 @@ import jax.numpy as jnp
 
 
 class SamplingParams(NamedTuple):
-  """The sampling settings of a request, as traced scalars (one compilation serves them all).
+  """The sampling settings of a request, as traced scalars, or of each row of a batch, as [B]
+  arrays (one compilation serves every value).
 
   temperature: 0 = greedy (the other fields are then ignored).
   top_k: keep the k most likely tokens (0 = off). Tokens tied with the k-th are kept too.
@@ -34,6 +39,24 @@ def sampling_params(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0) -> SamplingP
   """SamplingParams of host values (float32 / int32 scalars)."""
   return SamplingParams(jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p),
                         jnp.float32(min_p))
+
+
+def row_params(B: int) -> SamplingParams:
+  """[B] greedy settings (temperature 0, nothing truncated): a batch's empty slots."""
+  return SamplingParams(jnp.zeros((B,), jnp.float32), jnp.zeros((B,), jnp.int32),
+                        jnp.ones((B,), jnp.float32), jnp.zeros((B,), jnp.float32))
+
+
+def set_row(sp_B: SamplingParams, row, sp: SamplingParams) -> SamplingParams:
+  """`sp_B` with row `row` holding the scalar settings `sp`."""
+  return SamplingParams(*(b.at[row].set(jnp.asarray(v, b.dtype)) for b, v in zip(sp_B, sp)))
+
+
+def _rows(leaf: jax.Array, ndim: int) -> jax.Array:
+  """A setting (a scalar, or [B] per row) shaped to broadcast over arrays of `ndim` dims whose
+  leading axis is the row."""
+  leaf = jnp.asarray(leaf)
+  return leaf.reshape(leaf.shape + (1,) * (ndim - leaf.ndim))
 
 
 def as_sampling(sp) -> SamplingParams:
@@ -79,14 +102,16 @@ def _truncate_sorted(x: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Ar
 
 def processed_logits(logits: jax.Array, sp: SamplingParams) -> jax.Array:
   """float32 logits [..., V] / temperature, -inf outside the top-k / top-p / min-p set: the
-  distribution every mode samples (softmax of this). Only for temperature > 0. The sort behind
-  top-k / top-p runs only when one of them is set (a real branch)."""
-  x = logits.astype(jnp.float32) / jnp.maximum(sp.temperature, 1e-6)
-  truncating = (sp.top_k > 0) | (sp.top_p < 1.0)
-  x = jax.lax.cond(truncating, lambda x: _truncate_sorted(x, sp.top_k, sp.top_p),
-                   lambda x: x, x)
-  floor = jnp.max(x, axis=-1, keepdims=True) + jnp.log(jnp.maximum(sp.min_p, 1e-30))
-  return jnp.where((sp.min_p > 0) & (x < floor), -jnp.inf, x)
+  distribution every mode samples (softmax of this). Only for temperature > 0. `sp`: scalars,
+  or per row (leaves [B] for logits [B, ..., V]). The sort behind top-k / top-p runs only when
+  one of them is set for some row (a real branch); rows without either keep every token."""
+  nd = logits.ndim
+  temperature, top_k, top_p, min_p = (_rows(v, nd) for v in sp)
+  x = logits.astype(jnp.float32) / jnp.maximum(temperature, 1e-6)
+  truncating = jnp.any((top_k > 0) | (top_p < 1.0))
+  x = jax.lax.cond(truncating, lambda x: _truncate_sorted(x, top_k, top_p), lambda x: x, x)
+  floor = jnp.max(x, axis=-1, keepdims=True) + jnp.log(jnp.maximum(min_p, 1e-30))
+  return jnp.where((min_p > 0) & (x < floor), -jnp.inf, x)
 
 
 def draw(logits: jax.Array, keys: jax.Array) -> jax.Array:
@@ -99,8 +124,10 @@ def draw(logits: jax.Array, keys: jax.Array) -> jax.Array:
 def sample(logits: jax.Array, sp, keys: jax.Array) -> jax.Array:
   """Samples [...] tokens from logits [..., V] with typed keys [...].
 
-  `sp`: SamplingParams, or a temperature scalar. Temperature 0 gives the argmax; otherwise one
-  draw from softmax(processed_logits(logits, sp)).
+  `sp`: SamplingParams (scalars, or [B] per row of logits [B, ..., V]), or a temperature
+  scalar. Temperature 0 gives the argmax; otherwise one draw from
+  softmax(processed_logits(logits, sp)). A row's tokens depend on its own settings and keys
+  only, whatever the other rows ask.
   """
   sp = as_sampling(sp)
 
@@ -109,7 +136,8 @@ def sample(logits: jax.Array, sp, keys: jax.Array) -> jax.Array:
     return first_argmax(logits)
 
   def drawn(logits, keys):
-    return draw(processed_logits(logits, sp), keys)
+    hot = _rows(sp.temperature, logits.ndim - 1) > 0
+    return jnp.where(hot, draw(processed_logits(logits, sp), keys), first_argmax(logits))
 
-  # A real branch: the random draws over the vocabulary are not computed at T == 0.
-  return jax.lax.cond(sp.temperature > 0, drawn, greedy, logits, keys)
+  # A real branch: the random draws over the vocabulary are not computed when no row samples.
+  return jax.lax.cond(jnp.any(sp.temperature > 0), drawn, greedy, logits, keys)

@@ -18,8 +18,14 @@ Each block size in use (a bucket) has a batched loop state of `batch_size` slots
    `Generation` and frees its slot; then goes back to 1.
 
 So a long request never holds a batch hostage: the others' slots are refilled around it after at
-most `sync_cycles` cycles. Every row decodes at its own position with its own seed key, so its
-tokens are those it gets decoded alone.
+most `sync_cycles` cycles. Every row decodes at its own position with its own seed key and its
+own sampling settings and stop ids (`LoopState.sp_B`, `stop_BK`: traced values, one compiled
+loop for every setting), so its tokens are those it gets decoded alone.
+
+A server drives the same scheduler one step at a time (`submit`, `step`, `cancel`): requests
+arrive between steps, `step` reports each finished request, each failed one (NaN/inf logits:
+that request alone fails) and, with `track_progress`, the tokens of every request in the bucket
+that just ran; `cancel` frees a request's slot at once.
 
 Time attribution (a request's `decode_s`): the wall time of each loop call is split equally
 among the rows that were decoding when the call started; `prefill_s` is the request's own
@@ -36,19 +42,39 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 
-from bp_jax.decoding.generation import Generation, generation_of
+from bp_jax.decoding.generation import Generation, generation_of, trim_at_stop
+from bp_jax.decoding.sampling import sampling_params
 from bp_jax.decoding.state import LoopState
+from bp_jax.errors import BadInputError
 
 
 @dataclasses.dataclass
 class BatchRequest:
-  """One request of `Engine.generate_batch`; `block_size` is a bucket or `engine.LEARNED`."""
+  """One request of `Engine.generate_batch`; `block_size` is a bucket or `engine.LEARNED`.
+  `sampling`: its own (temperature, top_k, top_p, min_p) (None: the scheduler's shared
+  settings); `stop_token_ids`: stop ids besides the engine's (at most
+  `state.MAX_ROW_STOP_IDS`)."""
   index: int
   prompt_ids: Sequence[int]
   max_new_tokens: int
   seed: int
   block_size: int | str
   forced_continuation: Sequence[int] | None = None
+  sampling: tuple | None = None
+  stop_token_ids: Sequence[int] = ()
+
+
+@dataclasses.dataclass
+class StepReport:
+  """What one `Scheduler.step` did: requests finished (index -> Generation), failed (index ->
+  the error), and with `track_progress` the tokens so far (index -> new token ids, trimmed at
+  the first stop token and max_new_tokens) of every request in the bucket that ran."""
+  finished: dict[int, Generation] = dataclasses.field(default_factory=dict)
+  failed: dict[int, Exception] = dataclasses.field(default_factory=dict)
+  progress: dict[int, list[int]] = dataclasses.field(default_factory=dict)
+  ran: int | None = None          # the block size whose loop ran (None: none)
+  rows: int = 0                   # rows decoding in that call
+  seconds: float = 0.0            # the loop call's wall time
 
 
 @dataclasses.dataclass
@@ -77,17 +103,24 @@ class _Bucket:
 
 
 class Scheduler:
-  """Runs a list of `BatchRequest`s through an engine's batched loops (see the module doc)."""
+  """Runs `BatchRequest`s through an engine's batched loops (see the module doc): all at once
+  (`run`) or as they arrive (`submit`, `step`, `cancel`)."""
 
-  def __init__(self, engine, requests: Sequence[BatchRequest], sampling, forced: bool):
-    self.engine, self.sp = engine, sampling
-    self.forced = forced
-    self.queue = collections.deque(requests)
+  def __init__(self, engine, requests: Sequence[BatchRequest] = (),
+               sampling: tuple = (0.0, 0, 1.0, 0.0), forced: bool = False,
+               track_progress: bool = False):
+    """`sampling`: (temperature, top_k, top_p, min_p) of requests without their own."""
+    self.engine, self.sampling = engine, tuple(sampling)
+    self.forced, self.track_progress = forced, track_progress
+    self.queue = collections.deque()
+    for req in requests:
+      self.submit(req)
     self.ready: dict[int, collections.deque[_Staged]] = collections.defaultdict(
         collections.deque)
     self.buckets: dict[int, _Bucket] = {}
     self.results: dict[int, Generation] = {}
     self.pool: list[tuple] = []  # free staging cache pairs
+    self._report = StepReport()
 
   # -- the steps ----------------------------------------------------------------------------
   def _bucket(self, block_size: int) -> _Bucket:
@@ -108,8 +141,12 @@ class Scheduler:
     while self.queue and self._may_prefill(self.queue[0]):
       req = self.queue.popleft()
       buffers = self.pool.pop() if self.pool else self.engine.staging_buffers()
-      staged = _Staged(req, *self.engine.stage(req, self.sp, buffers))
-      self.engine.check_prefill(staged.pre, len(req.prompt_ids))
+      staged = _Staged(req, *self.engine.stage(req, sampling_params(*req.sampling), buffers))
+      try:
+        self.engine.check_prefill(staged.pre, len(req.prompt_ids))
+      except BadInputError as e:  # this request alone fails; its buffers hold NaN: dropped
+        self._report.failed[req.index] = e
+        continue
       self.ready[staged.block_size].append(staged)
 
   def _insert_ready(self) -> None:
@@ -136,15 +173,32 @@ class Scheduler:
     decoding = [i for i, r in enumerate(bucket.rows)
                 if r is not None and not done[i] and n_gen[i] < max_new[i]]
     if decoding:
-      fn, args = self.engine.slots_program(b, bucket.carry, self.sp, self.forced,
+      fn, args = self.engine.slots_program(b, bucket.carry, self.forced,
                                            max_pos=int(max(pos[i] for i in decoding)))
       t0 = time.perf_counter()
       bucket.carry = fn(*args)
       jax.block_until_ready(bucket.carry.pos_B)
-      share = (time.perf_counter() - t0) / len(decoding)
+      secs = time.perf_counter() - t0
+      share = secs / len(decoding)
       for i in decoding:
         bucket.rows[i].decode_s += share
+      self._report.ran, self._report.rows, self._report.seconds = b, len(decoding), secs
+    if self.track_progress:
+      self._progress(bucket)
     self._collect(bucket)
+
+  def _stop_ids(self, req: BatchRequest) -> list[int]:
+    return list(self.engine.stop_ids) + [int(t) for t in req.stop_token_ids]
+
+  def _progress(self, bucket: _Bucket) -> None:
+    c = bucket.carry
+    seq, n_gen = jax.device_get((c.seq_BS, c.n_gen_B))
+    for i, staged in enumerate(bucket.rows):
+      if staged is None:
+        continue
+      n, req = len(staged.req.prompt_ids), staged.req
+      self._report.progress[req.index] = trim_at_stop(seq[i, n:n + n_gen[i]],
+                                                      self._stop_ids(req), req.max_new_tokens)
 
   def _collect(self, bucket: _Bucket) -> None:
     c = bucket.carry
@@ -156,9 +210,14 @@ class Scheduler:
       seq, accept, is_cycle, verified, forwards, bad = jax.device_get(
           (c.seq_BS[i], r.accept_BS[i], r.is_cycle_BS[i], r.verified_BS[i], r.forwards_B[i],
            c.bad_B[i]))
-      self.results[staged.req.index] = self._generation(staged, seq, accept, is_cycle, verified,
-                                                        int(forwards), int(n_gen[i]), bool(bad))
       bucket.rows[i] = None
+      index = staged.req.index
+      try:
+        self.results[index] = self._generation(staged, seq, accept, is_cycle, verified,
+                                               int(forwards), int(n_gen[i]), bool(bad))
+        self._report.finished[index] = self.results[index]
+      except BadInputError as e:  # NaN/inf logits: this request alone fails
+        self._report.failed[index] = e
 
   def _generation(self, staged: _Staged, seq, accept, is_cycle, verified, forwards: int,
                   n_gen: int, bad: bool) -> Generation:
@@ -166,17 +225,70 @@ class Scheduler:
     if bad:
       self.engine.raise_nonfinite(n + n_gen, "a decode step")
     return generation_of(seq, accept, is_cycle, verified, forwards, n, n_gen,
-                         self.engine.stop_ids, req.max_new_tokens, staged.block_size,
+                         self._stop_ids(req), req.max_new_tokens, staged.block_size,
                          staged.prefill_s, staged.decode_s, staged.probs)
+
+  # -- driving it ---------------------------------------------------------------------------
+  def submit(self, req: BatchRequest) -> None:
+    """Queues a request (checked by the caller: `Engine.batch_request`)."""
+    if req.sampling is None:
+      req.sampling = self.sampling
+    self.queue.append(req)
+
+  def busy(self) -> bool:
+    """Whether any request is queued, waiting for a slot or in flight."""
+    return bool(self.queue) or self._waiting() > 0 or any(
+        k.live() for k in self.buckets.values())
+
+  def cancel(self, index: int) -> bool:
+    """Drops request `index` wherever it is (queued, prefilled, or in a slot, which is free for
+    the next request at once); False when it is not here (finished or unknown)."""
+    for req in list(self.queue):
+      if req.index == index:
+        self.queue.remove(req)
+        return True
+    for waiting in self.ready.values():
+      for staged in list(waiting):
+        if staged.req.index == index:
+          waiting.remove(staged)
+          self.pool.append((staged.pre.cache, staged.pre.draft_cache))
+          return True
+    for bucket in self.buckets.values():
+      for i, staged in enumerate(bucket.rows):
+        if staged is not None and staged.req.index == index:
+          bucket.rows[i] = None  # an empty slot: max_new 0, the row decodes no more
+          bucket.carry = bucket.carry.replace(
+              max_new_B=bucket.carry.max_new_B.at[i].set(0))
+          return True
+    return False
+
+  def occupancy(self) -> dict[int, int]:
+    """Block size -> requests in its slots."""
+    return {b: k.live() for b, k in self.buckets.items()}
+
+  def waiting(self) -> int:
+    """Requests queued or prefilled and waiting for a slot."""
+    return len(self.queue) + self._waiting()
+
+  def step(self) -> StepReport:
+    """Prefills what may be, fills free slots, runs the fullest bucket's loop once, collects
+    its finished rows."""
+    self._report = StepReport()
+    self._prefill_some()
+    self._insert_ready()
+    if any(k.live() for k in self.buckets.values()):
+      self._run_one()
+    elif self.queue and not self._waiting() and not self._report.failed:
+      raise RuntimeError("scheduler: requests queued but none could be prefilled")
+    return self._report
 
   def run(self) -> list[Generation]:
     total = len(self.queue)
     while len(self.results) < total:
-      self._prefill_some()
-      self._insert_ready()
-      if any(k.live() for k in self.buckets.values()):
-        self._run_one()
-      elif not self.queue and not self._waiting():
+      report = self.step()
+      if report.failed:
+        raise next(iter(report.failed.values()))
+      if not self.busy() and len(self.results) < total:
         raise RuntimeError("scheduler: requests left but none queued, waiting or in flight")
     return [self.results[i] for i in sorted(self.results)]
 

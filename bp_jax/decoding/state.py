@@ -14,7 +14,12 @@ import jax
 import jax.numpy as jnp
 
 from bp_jax.decoding.controller import backoff_steps
+from bp_jax.decoding.sampling import SamplingParams, as_sampling, row_params, set_row
 from bp_jax.models.kv_cache import KVCache
+
+# Stop token ids a request may add to the engine's own (per row, -1 padded): a fixed width, so
+# one compiled loop serves every request.
+MAX_ROW_STOP_IDS = 8
 
 
 def is_stop(tokens: jax.Array, stop_ids: jax.Array) -> jax.Array:
@@ -69,6 +74,8 @@ class LoopState:
   misses_B: jax.Array        # [B] int32 consecutive poor / declined cycles (the back-off)
   wait_B: jax.Array          # [B] int32 AR steps the row still asks for before drafting again
   seed_keys_B: jax.Array     # [B] typed PRNG keys: each request's own seed
+  sp_B: SamplingParams       # [B] each row's sampling settings (temperature, top-k/p, min-p)
+  stop_BK: jax.Array         # [B, K] int32 each row's own stop ids besides the engine's (-1)
   draft_cache: KVCache | None = None  # the drafter's context cache (speculative loops only)
   forced_BS: jax.Array | None = None  # [B, S] int32 the tests' forced drafts (-1: the drafter's)
 
@@ -82,21 +89,30 @@ class LoopState:
                max_new_B=zeros(), done_B=jnp.zeros((B,), jnp.bool_),
                bad_B=jnp.zeros((B,), jnp.bool_), records=ForwardRecords.empty(B, S),
                misses_B=zeros(), wait_B=zeros(),
-               seed_keys_B=jax.random.split(jax.random.key(0), B), draft_cache=draft_cache,
+               seed_keys_B=jax.random.split(jax.random.key(0), B), sp_B=row_params(B),
+               stop_BK=jnp.full((B, MAX_ROW_STOP_IDS), -1, jnp.int32), draft_cache=draft_cache,
                forced_BS=forced_BS)
 
-  def start_row(self, row, first_tok, n, max_new, seed_key, stop_ids,
+  def start_row(self, row, first_tok, n, max_new, seed_key, stop_ids, sampling=None,
+                row_stop_K: jax.Array | None = None,
                 forced_S: jax.Array | None = None) -> "LoopState":
     """Slot `row` starting a request whose prompt (n tokens) and first generated token are in
-    place: the caches' rows are the caller's to fill (`KVCache.put_rows`)."""
+    place: the caches' rows are the caller's to fill (`KVCache.put_rows`). `sampling`: the
+    request's settings (SamplingParams scalars or a temperature; None: greedy); `row_stop_K`:
+    its own stop ids besides `stop_ids` ([MAX_ROW_STOP_IDS], -1 padded; None: none)."""
+    sp = as_sampling(0.0 if sampling is None else sampling)
+    row_stop = (jnp.full((MAX_ROW_STOP_IDS,), -1, jnp.int32) if row_stop_K is None
+                else jnp.asarray(row_stop_K, jnp.int32))
     new = self.replace(
         seq_BS=self.seq_BS.at[row, n].set(first_tok, mode="drop"),
         pos_B=self.pos_B.at[row].set(n), tok_B=self.tok_B.at[row].set(first_tok),
         n_gen_B=self.n_gen_B.at[row].set(1), max_new_B=self.max_new_B.at[row].set(max_new),
-        done_B=self.done_B.at[row].set(is_stop(first_tok, stop_ids)),
+        done_B=self.done_B.at[row].set(is_stop(first_tok, stop_ids)
+                                       | is_stop(first_tok, row_stop)),
         bad_B=self.bad_B.at[row].set(False), records=self.records.cleared(row),
         misses_B=self.misses_B.at[row].set(0), wait_B=self.wait_B.at[row].set(0),
-        seed_keys_B=self.seed_keys_B.at[row].set(seed_key))
+        seed_keys_B=self.seed_keys_B.at[row].set(seed_key), sp_B=set_row(self.sp_B, row, sp),
+        stop_BK=self.stop_BK.at[row].set(row_stop))
     if forced_S is not None:
       new = new.replace(forced_BS=self.forced_BS.at[row].set(forced_S))
     return new
@@ -130,13 +146,15 @@ class LoopState:
                 cache: KVCache, stop_ids: jax.Array) -> "LoopState":
     """Accept and roll back: each decoding row commits y[r, 0..a_r] at positions pos+1.. (a_r =
     -1: nothing) and `cache` (the forward's, written at pos..) rolls back by pointer to the new
-    position; a row whose committed tokens hold a stop id, or with `bad_B`, stops."""
+    position; a row whose committed tokens hold a stop id (the engine's or its own), or with
+    `bad_B`, stops."""
     B, S = self.seq_BS.shape
     offs = jnp.arange(y_Bb.shape[1], dtype=jnp.int32)
     rows = jnp.arange(B)
     new_pos = self.pos_B + a_B + 1
     write_at = jnp.where(active_B[:, None], self.pos_B[:, None] + 1 + offs[None], S)
-    stop_hit = jnp.any(is_stop(y_Bb, stop_ids) & (offs[None] <= a_B[:, None]), axis=-1)
+    stops = is_stop(y_Bb, stop_ids) | is_stop(y_Bb, self.stop_BK[:, None, :])
+    stop_hit = jnp.any(stops & (offs[None] <= a_B[:, None]), axis=-1)
     return self.replace(
         seq_BS=self.seq_BS.at[rows[:, None], write_at].set(y_Bb, mode="drop"),
         cache=cache.with_lengths(new_pos), pos_B=new_pos,

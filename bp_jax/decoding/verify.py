@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from bp_jax.decoding.sampling import (SamplingParams, draw, first_argmax, position_keys,
-                                      processed_logits, sample)
+                                      processed_logits, sample, sampling_params)
 from bp_jax.errors import BadInputError
 
 VERIFY_MODES = ("exact", "rejection")  # the names of `RULES`
@@ -113,14 +113,26 @@ class VerifyRule:
 
   def propose(self, draft_logits_BkV: jax.Array, sp: SamplingParams, seed_keys_B: jax.Array,
               pos_B: jax.Array) -> jax.Array:
-    return jax.vmap(lambda lg, key, p: self.propose_row(lg, sp, key, p))(
-        draft_logits_BkV, seed_keys_B, pos_B)
+    return _per_row(lambda sp, lg, key, p: self.propose_row(lg, sp, key, p), sp,
+                    draft_logits_BkV, seed_keys_B, pos_B)
 
   def verify(self, target_logits_BbV: jax.Array, draft_logits_BkV: jax.Array,
              draft_Bk: jax.Array, sp: SamplingParams, seed_keys_B: jax.Array, pos_B: jax.Array
              ) -> tuple[jax.Array, jax.Array]:
-    return jax.vmap(lambda tl, dl, d, key, p: self.verify_row(tl, dl, d, sp, key, p))(
-        target_logits_BbV, draft_logits_BkV, draft_Bk, seed_keys_B, pos_B)
+    return _per_row(lambda sp, tl, dl, d, key, p: self.verify_row(tl, dl, d, sp, key, p), sp,
+                    target_logits_BbV, draft_logits_BkV, draft_Bk, seed_keys_B, pos_B)
+
+
+def _per_row(fn, sp: SamplingParams, *rows):
+  """`fn(sp_r, *row_r)` for every row r: `sp` shared (scalars) or per row ([B] leaves). With
+  per-row settings and no row sampling, the rows run with shared greedy settings, so the
+  rules' branches on the temperature stay real branches (nothing is drawn); with some row
+  sampling, each row takes its own branch (both are computed, each row keeps its own)."""
+  if jnp.ndim(sp.temperature) == 0:
+    return jax.vmap(lambda *r: fn(sp, *r))(*rows)
+  greedy = sampling_params()
+  return jax.lax.cond(jnp.any(sp.temperature > 0), lambda: jax.vmap(fn)(sp, *rows),
+                      lambda: jax.vmap(lambda *r: fn(greedy, *r))(*rows))
 
 
 class ExactMatch(VerifyRule):

@@ -1,0 +1,1 @@
+"""An OpenAI-compatible HTTP server over the continuous-batching engine (serve.py)."""
