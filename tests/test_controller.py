@@ -20,11 +20,12 @@ import pytest
 from bp_jax.decoding import controller as control
 from bp_jax.decode_job.block_choice import loop_options
 from bp_jax.decoding.engine import Engine
-from bp_jax.decoding.options import BatchOptions, LoopOptions, ShapeOptions
+from bp_jax.decoding.options import LoopOptions, ShapeOptions
 from bp_jax.decoding.generation import forward_cost_units
 from bp_jax.errors import BadInputError
-from compile_counting import BackendCompiles
-from toy_models import zeros_drafter_pair
+from toy_models import toy_engine as _engine
+from toy_models import toy_requests as _requests
+from toy_models import assert_one_spec_loop, assert_sampled_like_ar, toy_ar_outputs, zeros_drafter_pair
 
 V, MAX_LEN, BUCKETS, B = 64, 128, (16, 32, 64), 4
 # Flat costs and a free drafter: E_k / cost_k grows with k, so confidence verifies every draft.
@@ -34,33 +35,14 @@ FLAT = dict(controller_costs="1,1,1", controller_draft_cost=0.0)
 CPU = dict(controller_costs="1.0,2.01,2.25,2.58", controller_draft_cost=1.58)
 
 
-def _requests(num: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:
-  rng = np.random.default_rng(seed)
-  prompts = [rng.integers(1, V - 1, int(rng.integers(2, 50))).tolist() for _ in range(num)]
-  return prompts, [int(rng.integers(1, 40)) for _ in range(num)]
-
-
 @pytest.fixture(scope="module")
 def models():
   return zeros_drafter_pair(V)
 
 
-def _engine(models, controller: str, batch_size: int = 1, sync_cycles: int = 16,
-            **loop) -> Engine:
-  """An engine whose spec loops use `controller` (also the tests' "fixed:k", which the command
-  line refuses); `loop`: further `LoopOptions` fields."""
-  target, drafter = models
-  return Engine(target, drafter=drafter,
-                shapes=ShapeOptions(max_len=MAX_LEN, length_buckets=BUCKETS, block_sizes=(1, B)),
-                loop=LoopOptions(controller=controller, **loop),
-                batching=BatchOptions(batch_size=batch_size, sync_cycles=sync_cycles))
-
-
 @pytest.fixture(scope="module")
 def ar_outputs(models):
-  eng = _engine(models, "none")
-  prompts, max_news = _requests(5)
-  return [eng.generate(p, max_new_tokens=m).output_ids for p, m in zip(prompts, max_news)]
+  return toy_ar_outputs(models, 5)
 
 
 # -- the pure rule ----------------------------------------------------------------------------
@@ -264,13 +246,7 @@ def test_calibration_replaces_the_drafters_probabilities(models, ar_outputs, cal
 
 @pytest.mark.parametrize("controller", ["fixed:1", "confidence"])
 def test_sampled_output_equals_ar_for_a_seed(models, controller):
-  ar = Engine(models[0], shapes=ShapeOptions(max_len=MAX_LEN, length_buckets=BUCKETS))
-  eng = _engine(models, controller, verify="exact", **FLAT)
-  prompts, max_news = _requests(4, seed=1)
-  kw = dict(temperature=1.0, top_k=20)
-  for i, (p, m) in enumerate(zip(prompts, max_news)):
-    want = ar.generate(p, max_new_tokens=m, seed=7 + i, **kw).output_ids
-    assert eng.generate(p, max_new_tokens=m, block_size=B, seed=7 + i, **kw).output_ids == want
+  assert_sampled_like_ar(models, _engine(models, controller, verify="exact", **FLAT), B)
 
 
 def test_rejection_with_k0_is_the_ar_draw(models):
@@ -286,14 +262,7 @@ def test_rejection_with_k0_is_the_ar_draw(models):
 
 def test_one_loop_per_block_size_and_no_cache_copy(models):
   eng = _engine(models, "confidence", controller_costs="1,1.3,1.6", controller_draft_cost=0.01)
-  prompts, max_news = _requests(5, seed=3)
-  for p, m in zip(prompts, max_news):
-    eng.generate(p, max_new_tokens=m, block_size=B)
-  with BackendCompiles() as compiles:
-    for p, m in zip(prompts, max_news):
-      eng.generate(p, max_new_tokens=m, block_size=B)
-  assert compiles.n == 0
-  assert eng.compiled.counts["spec_loop"] == 1
+  assert_one_spec_loop(eng, B)
   hlo = eng.compiled._fns[("spec_loop", B)].as_text()
   # A cache buffer per layer: k [Z, S, H] / v [Z, H, S] (Z = 1 row x 2 kv heads, H = 8), with a
   # leading layer axis in the scanned form (the drafter's context cache has the same shapes).

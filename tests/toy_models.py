@@ -1,11 +1,16 @@
-"""JAX-only toy models for tests of acceptance figures and replays."""
+"""JAX-only toy models for tests of acceptance figures and replays, and the engine, requests
+and checks the controller tests share on them."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from compile_counting import BackendCompiles
 from flax import nnx
 
+from bp_jax.decoding.engine import Engine
+from bp_jax.decoding.options import BatchOptions, LoopOptions, ShapeOptions
 from bp_jax.models.config import DFlashConfig, Qwen3Config
 from bp_jax.models.dflash import DFlashDrafter
 from bp_jax.models.qwen3 import Qwen3
@@ -32,3 +37,56 @@ def zeros_drafter_pair(vocab_size: int = 64):
                           rngs=nnx.Rngs(2))
   drafter.norm[...] = jnp.zeros_like(drafter.norm[...])
   return target, drafter
+
+
+def toy_requests(num: int, seed: int = 0, vocab_size: int = 64
+                 ) -> tuple[list[list[int]], list[int]]:
+  """`num` random prompts of 2..49 tokens (ids 1..V-2) and their max_new_tokens (1..39)."""
+  rng = np.random.default_rng(seed)
+  prompts = [rng.integers(1, vocab_size - 1, int(rng.integers(2, 50))).tolist()
+             for _ in range(num)]
+  return prompts, [int(rng.integers(1, 40)) for _ in range(num)]
+
+
+def toy_engine(models, controller: str, batch_size: int = 1, sync_cycles: int = 16,
+               **loop) -> Engine:
+  """An engine on `zeros_drafter_pair` (max_len 128, length buckets 16/32/64, block sizes 1
+  and 4) whose spec loops use `controller` (also the tests' "fixed:k", which the command line
+  refuses); `loop`: further `LoopOptions` fields."""
+  target, drafter = models
+  return Engine(target, drafter=drafter,
+                shapes=ShapeOptions(max_len=128, length_buckets=(16, 32, 64), block_sizes=(1, 4)),
+                loop=LoopOptions(controller=controller, **loop),
+                batching=BatchOptions(batch_size=batch_size, sync_cycles=sync_cycles))
+
+
+def toy_ar_outputs(models, num: int) -> list[list[int]]:
+  """Plain AR outputs of `toy_requests(num)` on `models`: the reference the loops must equal."""
+  eng = toy_engine(models, "none")
+  prompts, max_news = toy_requests(num)
+  return [eng.generate(p, max_new_tokens=m).output_ids for p, m in zip(prompts, max_news)]
+
+
+def assert_sampled_like_ar(models, eng: Engine, block_size: int = 4) -> None:
+  """At T=1 (top_k 20) `eng`'s spec loop of `block_size` gives, for each seed, AR's tokens on
+  `toy_requests(4, seed=1)` (a verify rule that keeps the target's draw: `exact`)."""
+  ar = Engine(models[0], shapes=ShapeOptions(max_len=128, length_buckets=(16, 32, 64)))
+  prompts, max_news = toy_requests(4, seed=1)
+  kw = dict(temperature=1.0, top_k=20)
+  for i, (p, m) in enumerate(zip(prompts, max_news)):
+    want = ar.generate(p, max_new_tokens=m, seed=7 + i, **kw).output_ids
+    got = eng.generate(p, max_new_tokens=m, block_size=block_size, seed=7 + i, **kw).output_ids
+    assert got == want, f"request {i}"
+
+
+def assert_one_spec_loop(eng: Engine, block_size: int = 4) -> None:
+  """Requests of every length decode through one compiled spec loop of `block_size`: a second
+  pass over them compiles nothing."""
+  prompts, max_news = toy_requests(5, seed=3)
+  for p, m in zip(prompts, max_news):
+    eng.generate(p, max_new_tokens=m, block_size=block_size)
+  with BackendCompiles() as compiles:
+    for p, m in zip(prompts, max_news):
+      eng.generate(p, max_new_tokens=m, block_size=block_size)
+  assert compiles.n == 0
+  assert eng.compiled.counts["spec_loop"] == 1
