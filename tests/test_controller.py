@@ -116,7 +116,6 @@ def test_expected_committed_and_drafted_probs():
 # -- the loops --------------------------------------------------------------------------------
 @pytest.mark.parametrize("controller, kw", [("fixed:0", {}), ("fixed:1", {}), ("fixed:3", {}),
                                             ("confidence", CPU), ("confidence", FLAT),
-                                            ("confidence", {}),
                                             ("backoff", dict(ar_fallback=4))])
 def test_every_bucket_and_controller_is_lossless(models, ar_outputs, controller, kw):
   eng = _engine(models, controller, **kw)
@@ -273,8 +272,7 @@ def test_one_loop_per_block_size_and_no_cache_copy(models):
   assert hlo.count(" while(") >= 1 + len(control.verify_buckets(B))
 
 
-@pytest.mark.parametrize("controller, kw", [("confidence", CPU), ("confidence", FLAT),
-                                            ("confidence", {}), ("fixed:1", {})])
+@pytest.mark.parametrize("controller, kw", [("confidence", CPU), ("fixed:1", {})])
 def test_batched_rows_equal_their_request_alone(models, controller, kw):
   one = _engine(models, controller, **kw)
   many = _engine(models, controller, batch_size=3, sync_cycles=2, **kw)
