@@ -12,6 +12,8 @@ stay AR's throughout.
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -232,3 +234,23 @@ def test_real_clock_outputs_stay_ar_and_off_keeps_the_start_up_costs(models, req
   # Given costs are kept by default; measured ones are updated (test_priced runs those).
   assert toy_engine(models, "priced", **CHEAP).cost_estimate["online"] is False
   assert toy_engine(models, "backoff", ar_fallback=4).cost_estimate is None
+
+
+def test_the_summary_shows_the_online_estimate(models, requests):
+  """The decode summary's controller-costs line says what the online estimate learned."""
+  from bp_jax.decode_job import records as rec
+  clock = FakeClock(3.0)
+  eng = _engine(models, clock)
+  prompts, max_news = requests
+  for p, m in zip(prompts[:4], max_news[:4]):
+    eng.generate(p, max_new_tokens=m, block_size=B)
+  c = rec.controller_costs_of(eng)
+  assert c["source"] == "given" and c["online"]["by_batch_size"]["1"]["calls"] == 4
+  line = rec.costs_line(c)
+  assert line.startswith("given: verify 1,1.05,1.1 AR steps")
+  found = re.search(r"; online \(4 calls, batch 1\): a cycle over 4 tokens costs ([0-9.]+) AR "
+                    r"steps \(([0-9.]+) ms per AR step\)", line)
+  assert found, line
+  assert float(found[1]) == pytest.approx(3.0, rel=0.05)  # the fake clock's price
+  assert float(found[2]) == pytest.approx(1e3 * AR_S, rel=0.05)
+  assert rec.online_line(None) == "" and rec.online_line({"online": False}) == ""
