@@ -137,13 +137,17 @@ class Engine:
               else opts.online_costs)
     return prices, online
 
-  def break_even_N(self, block_size: int, rows: int) -> jax.Array | None:
+  def break_even_N(self, block_size: int, rows: int) -> np.ndarray | None:
     """[N] float32 (N = the largest block size + 1, for every bucket alike) the priced
     controller's current break-even per verify length for a loop of `rows` slots
     (`LoopState.break_even_N`); None for AR loops and other controllers."""
     if self.prices is None or block_size == 1:
       return None
-    return jnp.asarray(self.prices.break_even_N(max(self.block_sizes), rows))
+    return self.prices.break_even_N(max(self.block_sizes), rows)
+
+  @staticmethod
+  def _on_device(x: np.ndarray | None) -> jax.Array | None:
+    return None if x is None else jnp.asarray(x)
 
   def loop_ran(self, t0: float, counts_N, rows: int, block_size: int) -> float:
     """Books a loop call that started at `clock()` time t0 and ran `counts_N` target forwards
@@ -234,7 +238,7 @@ class Engine:
               seed_key, self._stop_arr)
     return (self.t_state, self.d_state, self.seq, self.cache, self.draft_cache, pre.first_tok, n,
             max_new, sampling, seed_key, self._stop_arr, forced_seq,
-            self.break_even_N(block_size, 1))
+            self._on_device(self.break_even_N(block_size, 1)))
 
   def request_window(self, prompt_len: int, max_new_tokens: int, block_size: int) -> int | None:
     """The attention window of a one-request loop (`programs.request_window`): room for the

@@ -100,13 +100,17 @@ class _Bucket:
     # The carry's forward counts when last read (`LoopState.forward_counts_N`): a call's own
     # forwards are the difference.
     self.counted_N = np.zeros(carry.forward_counts_N.shape, np.int64)
+    self.break_even_N: np.ndarray | None = None  # the break-even last written into the carry
 
-  def priced(self, break_even_N) -> None:
+  def priced(self, break_even_N: np.ndarray | None) -> None:
     """The carry with the priced controller's current break-even (None: it has none), placed
-    as the carry's own: a runtime value, the next call compiles nothing new."""
-    if break_even_N is not None and self.carry.break_even_N is not None:
-      self.carry = self.carry.replace(break_even_N=jax.device_put(
-          break_even_N, self.carry.break_even_N.sharding))
+    as the carry's own when it changed: a runtime value, the next call compiles nothing new."""
+    if (break_even_N is None or self.carry.break_even_N is None
+        or np.array_equal(break_even_N, self.break_even_N)):
+      return
+    self.carry = self.carry.replace(break_even_N=jax.device_put(
+        break_even_N, self.carry.break_even_N.sharding))
+    self.break_even_N = break_even_N
 
   def free_rows(self) -> list[int]:
     return [i for i, r in enumerate(self.rows) if r is None]
