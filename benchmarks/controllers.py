@@ -16,13 +16,18 @@ Methods (`--methods`, comma-separated):
   confidence_cal    confidence with the acceptance calibration at --calibration;
   confidence_cal_poor  both;
   priced            backoff with the cost-priced miss rule (`--config.controller=priced`): a
-                    cycle is a miss when it committed fewer tokens than it cost AR steps.
+                    cycle is a miss when it committed fewer tokens than it cost AR steps, at the
+                    start-up costs throughout (`online_costs=False`);
+  priced_online     priced with its costs kept current from its own timed loop calls
+                    (`online_costs=True`: the start-up costs are the prior,
+                    `bp_jax.decoding.online_costs`).
 
 With --batch_size B > 1 every method decodes the prompts B at a time (`Engine.generate_batch`,
 one batch of B consecutive prompts per group, the same groups for every method, interleaved per
 group), and the intervals resample groups instead of prompts.
 
-Intervals: each method's speedup over AR (and `priced`'s over `backoff`, when both run) with a
+Intervals: each method's speedup over AR (and `priced`'s over `backoff`, `priced_online`'s over
+`priced`, when both run) with a
 95% paired bootstrap interval over prompts (groups) of its fastest decodes (bp_jax/eval/bootstrap).
 
 The confidence methods and priced price their choices with the costs given (--controller_costs with
@@ -56,7 +61,7 @@ from bp_jax.eval.bootstrap import bootstrap_speedup
 from bp_jax.errors import BadInputError
 
 METHODS = ("ar", "none", "backoff", "confidence_1step", "confidence", "confidence_poor",
-           "confidence_cal", "confidence_cal_poor", "priced")
+           "confidence_cal", "confidence_cal_poor", "priced", "priced_online")
 
 common.define_flags("target", "drafter", "dtype", "max_len", "max_new_tokens", "block_size",
                     num_prompts=24, repeats=3,
@@ -105,7 +110,10 @@ def engine_options(method: str, costs: dict) -> dict:
           "confidence_poor": dict(controller="confidence", ar_fallback=FLAGS.ar_fallback,
                                   controller_poor_miss=True, **fb),
           "confidence_cal": cal, "confidence_cal_poor": dict(cal, controller_poor_miss=True),
-          "priced": dict(controller="priced", ar_fallback=FLAGS.ar_fallback, **fb),
+          "priced": dict(controller="priced", ar_fallback=FLAGS.ar_fallback, online_costs=False,
+                         **fb),
+          "priced_online": dict(controller="priced", ar_fallback=FLAGS.ar_fallback,
+                                online_costs=True, **fb),
           }[method]
 
 
@@ -170,8 +178,9 @@ def intervals(groups: dict[str, list[list[Generation]]], methods: list[str]) -> 
   fig = lambda m: ([sum(g.new_tokens for g in grp) for grp in groups[m]],
                    [sum(g.decode_s for g in grp) for grp in groups[m]])
   pairs = [(m, "ar") for m in methods if m != "ar"]
-  if "priced" in methods and "backoff" in methods:
-    pairs.append(("priced", "backoff"))
+  for a, b in (("priced", "backoff"), ("priced_online", "priced")):
+    if a in methods and b in methods:
+      pairs.append((a, b))
   out = {}
   for a, b in pairs:
     s = bootstrap_speedup(*fig(a), *fig(b), reps=FLAGS.bootstrap_reps)
@@ -230,13 +239,18 @@ def main(_):
   print(f"  speedups, 95% paired bootstrap intervals over {len(groups)} {unit}:")
   for pair, c in cis.items():
     print(f"    {pair:<20}{c['ratio']:.3f}x [{c['lo']:.3f}, {c['hi']:.3f}]")
+  online = {m: engines[m].cost_estimate for m in methods if m.startswith("priced")}
+  for m, est in online.items():
+    for rows_, e in est["by_batch_size"].items():
+      print(f"  {m} cost estimate (batch {rows_}, {e['calls']} calls): break-even "
+            f"{e['break_even']} AR steps, AR step {e['ar_step_s']} s")
   if FLAGS.out:
     report = {"prompts": [k for k, _ in prompts], "half": FLAGS.half,
               "repeats": FLAGS.repeats, "max_new_tokens": FLAGS.max_new_tokens,
               "block_size": FLAGS.block_size, "batch_size": B, "ar_fallback": FLAGS.ar_fallback,
               "intervals": cis,
               "ar_fallback_accept": FLAGS.ar_fallback_accept, "methods": rows,
-              "controller_costs": {**costs, "source": source}}
+              "controller_costs": {**costs, "source": source}, "cost_estimates": online}
     common.write_json(os.path.join(FLAGS.out, "controllers.json"), report, indent=1)
     print(f"  wrote {os.path.join(FLAGS.out, 'controllers.json')}")
 

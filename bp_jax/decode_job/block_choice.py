@@ -152,6 +152,19 @@ def controller_costs(cfg) -> dict[str, Any]:
           "controller_draft_cost": control.check_draft_cost(draft)}
 
 
+ONLINE_COSTS = {"auto": None, "on": True, "off": False}
+
+
+def online_costs(cfg) -> bool | None:
+  """`LoopOptions.online_costs` of `--config.controller_online_costs` (auto: None, on, off).
+  Host-side only, so not part of `loop_options` (the loops' form label sets record)."""
+  value = str(cfg.get("controller_online_costs", "auto")).strip().lower()
+  if value not in ONLINE_COSTS:
+    raise BadInputError(f"--config.controller_online_costs={value!r} is not one of "
+                        f"{list(ONLINE_COSTS)}")
+  return ONLINE_COSTS[value]
+
+
 def batch_options(cfg) -> dict[str, Any]:
   """How many requests decode at once, as `Engine` keyword arguments (checked):
   `batch_size` slots per block-size bucket and `sync_cycles`, the cycles between the host's

@@ -94,7 +94,8 @@ def controller_costs_of(engine) -> dict | None:
   return {"source": source, "verify_costs": list(opts.controller_costs),
           "draft_cost": opts.controller_draft_cost,
           "measured": None if measured is None else measured.to_json(),
-          "described": None if measured is None else measured.describe()}
+          "described": None if measured is None else measured.describe(),
+          "online": getattr(engine, "cost_estimate", None)}
 
 
 def summarize(records: list[dict], engine, cfg, wall_s: float) -> dict:
@@ -130,7 +131,22 @@ def costs_line(c: dict) -> str:
   """The controller's costs in one line: where they came from and what they are."""
   table = ",".join(f"{x:g}" for x in c["verify_costs"])
   line = f"{c['source']}: verify {table} AR steps (1, 2, 4, ... tokens), drafter {c['draft_cost']:g}"
-  return line + (f" [{c['described']}]" if c.get("described") else "")
+  line += f" [{c['described']}]" if c.get("described") else ""
+  return line + online_line(c.get("online"))
+
+
+def online_line(online: dict | None) -> str:
+  """'; online (12 calls, batch 1): a cycle over 8 tokens costs 5.31 AR steps (0.84 ms per AR
+  step)': the priced controller's estimate from its loop calls ('' when it is off)."""
+  if not online or not online.get("online"):
+    return ""
+  parts = []
+  for rows, e in online["by_batch_size"].items():
+    evens = ", ".join(f"a cycle over {n} tokens costs {b:.2f}" for n, b in e["break_even"].items())
+    ar = f" ({1e3 * e['ar_step_s']:.3f} ms per AR step)" if e["ar_step_s"] else ""
+    parts.append(f"online ({e['calls']} calls, batch {rows}): {evens or 'no cycle yet'} AR "
+                 f"steps{ar}")
+  return "; " + "; ".join(parts)
 
 
 def lengths_line(hist: dict) -> str:

@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from bp_jax.decode_job.block_choice import (BLOCK_POLICIES, BlockChoice, batch_options,
                                           block_policy_of, default_block_sizes, loop_options,
+                                          online_costs,
                                           parse_int_list, resolve_block_choice,
                                           sampling_options)
 from bp_jax.decode_job.compare import (check_repeats_agree, fastest_of, method_choice, method_of,
@@ -69,6 +70,7 @@ def validate(cfg) -> None:
   check_sampling(cfg.temperature)
   sampling_options(cfg)
   loop_options(cfg)
+  online_costs(cfg)
   batch_options(cfg)
   prompt_limit(cfg.num_prompts)
   check_block_sizes(parse_int_list(cfg.block_sizes, "--config.block_sizes"))
@@ -125,7 +127,7 @@ def build_engine(cfg, extra_sizes: Sequence[int] = ()) -> tuple[Engine, Any, Any
     engine = Engine(target, stop_ids=stop_token_ids(tok), drafter=drafter, mesh=mesh,
                     shapes=ShapeOptions(max_len=cfg.max_len, length_buckets=buckets,
                                         block_sizes=sizes),
-                    loop=LoopOptions(**loop_options(cfg)),
+                    loop=LoopOptions(**loop_options(cfg), online_costs=online_costs(cfg)),
                     batching=BatchOptions(**batch_options(cfg)),
                     cost_cache=str(cfg.get("controller_cost_cache", "default")))
   return engine, tok, prints

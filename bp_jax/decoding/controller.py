@@ -22,7 +22,9 @@ committed more for the same time. The rows then take 2, 4, ... AR steps (at most
 `--config.ar_fallback`, 16 when 0), as after backoff's poor cycles; `ar_fallback_accept` is
 unused. Where a cycle costs 4.3 AR steps (a 2-core CPU, b=8) a cycle committing 4 tokens is a
 miss; where it costs 1.5 (an accelerator) only a cycle committing 1 token (no draft accepted)
-is. The costs are the engine's (measured or given, below), as for confidence.
+is. The costs are the engine's (measured or given, below), as for confidence; the threshold
+itself is a runtime value of the loop state (`LoopState.break_even_N`), which the engine keeps
+current from its timed loop calls (`online_costs`).
 
 The confidence rule. Per draft position i, p_i is the drafter's probability of its drafted
 token (softmax of its logits; the argmax's probability under `exact`). Verifying k drafts
@@ -167,7 +169,14 @@ def priced_miss(a_B: jax.Array, k: int, costs: Sequence[float], draft_cost: floa
   """[B] bool: the rows whose cycle (k drafts verified, a_B accepted; -1: nothing committed)
   committed fewer tokens, a_B + 1, than its cost in AR steps (`break_even`), i.e. fewer tokens
   per unit cost than AR steps commit (one per step)."""
-  return (a_B + 1).astype(jnp.float32) < jnp.float32(break_even(k, costs, draft_cost))
+  return below_break_even(a_B, break_even(k, costs, draft_cost))
+
+
+def below_break_even(a_B: jax.Array, break_even_: float | jax.Array) -> jax.Array:
+  """[B] bool: the rows whose cycle committed fewer tokens, a_B + 1, than `break_even_` (its
+  cost in AR steps: a compile-time float or a traced [] float32, the loop state's
+  `break_even_N[k + 1]`)."""
+  return (a_B + 1).astype(jnp.float32) < jnp.asarray(break_even_, jnp.float32)
 
 
 def fit_calibration(p_N: np.ndarray, accepted_N: np.ndarray, bins: int,

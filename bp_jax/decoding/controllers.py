@@ -7,8 +7,10 @@ A controller has
            the loop takes no AR steps);
   choose(draft_logits_BkV, draft_Bk, active_B) -> (index into `buckets` [], draft_next [] bool)
            after the drafter's pass;
-  miss_B(k, a_B, draft_next) -> [B] bool: which rows' cycle (verifying k drafts, a_B of them
-           accepted, -1 for a row that committed nothing) was a miss (only when cap > 0).
+  miss_B(k, a_B, draft_next, break_even_N=None) -> [B] bool: which rows' cycle (verifying k
+           drafts, a_B of them accepted, -1 for a row that committed nothing) was a miss (only
+           when cap > 0); `break_even_N`: the loop state's runtime prices
+           (`LoopState.break_even_N`), which only `priced` reads.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ class Plain:
   def choose(self, draft_logits_BkV, draft_Bk, active_B) -> tuple[jax.Array, jax.Array]:
     return jnp.int32(0), jnp.bool_(True)
 
-  def miss_B(self, k: int, a_B: jax.Array, draft_next: jax.Array) -> jax.Array:
+  def miss_B(self, k: int, a_B: jax.Array, draft_next: jax.Array,
+             break_even_N: jax.Array | None = None) -> jax.Array:
     return jnp.zeros_like(a_B, jnp.bool_)  # never a miss
 
 
@@ -46,21 +49,28 @@ class Backoff(Plain):
   cap: int = 0
   accept: int = 1
 
-  def miss_B(self, k: int, a_B: jax.Array, draft_next: jax.Array) -> jax.Array:
+  def miss_B(self, k: int, a_B: jax.Array, draft_next: jax.Array,
+             break_even_N: jax.Array | None = None) -> jax.Array:
     return a_B <= self.accept
 
 
 @dataclasses.dataclass(frozen=True)
 class Priced(Plain):
   """`priced`: as `backoff`, and a cycle is a miss when it committed fewer tokens than it cost
-  AR steps (`controller.priced_miss`: draft pass + verify of the k+1 tokens, from the engine's
-  costs), so its miss rule follows the machine's prices."""
+  AR steps (draft pass + verify of the k+1 tokens), so its miss rule follows the machine's
+  prices. The price is a runtime value, `break_even_N[k + 1]` of the loop state, which the
+  engine keeps current from its timed loop calls (`online_costs`) with no recompilation; a
+  state without one (None) reads the start-up costs `costs`/`draft_cost`
+  (`controller.priced_miss`)."""
   cap: int = control.DEFAULT_SKIP_CAP
   costs: tuple[float, ...] = (1.0,)   # relative verify costs (the engine's, measured or given)
   draft_cost: float = 0.0
 
-  def miss_B(self, k: int, a_B: jax.Array, draft_next: jax.Array) -> jax.Array:
-    return control.priced_miss(a_B, k, self.costs, self.draft_cost)
+  def miss_B(self, k: int, a_B: jax.Array, draft_next: jax.Array,
+             break_even_N: jax.Array | None = None) -> jax.Array:
+    if break_even_N is None:
+      return control.priced_miss(a_B, k, self.costs, self.draft_cost)
+    return control.below_break_even(a_B, break_even_N[k + 1])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +91,8 @@ class Confidence(Plain):
   """`confidence`: the bucket maximizing expected committed tokens per cost (`controller.
   choose`, with the drafter's calibrated p); a cycle whose best rate is below the AR rate is a
   miss (and with `poor_miss`, one that verified more than `accept` drafts and accepted at most
-  that many)."""
+  that many). Its costs are the start-up ones, compile-time constants (the online estimate of
+  `online_costs` reaches `priced` only)."""
   cap: int = control.DEFAULT_SKIP_CAP
   accept: int = 1
   poor_miss: bool = False
@@ -100,7 +111,8 @@ class Confidence(Plain):
     return control.choose(p_Bk, active_B, self.buckets, cost_K,
                           control.verify_cost(1, self.costs))
 
-  def miss_B(self, k: int, a_B: jax.Array, draft_next: jax.Array) -> jax.Array:
+  def miss_B(self, k: int, a_B: jax.Array, draft_next: jax.Array,
+             break_even_N: jax.Array | None = None) -> jax.Array:
     miss = ~draft_next | jnp.zeros_like(a_B, jnp.bool_)
     if self.poor_miss and k > self.accept:
       miss = miss | (a_B <= self.accept)

@@ -13,8 +13,9 @@ once per (length bucket, policy architecture); no request compiles anything new.
 
 from __future__ import annotations
 
+import collections
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +27,7 @@ from bp_jax.decoding import loops as decode_loops
 from bp_jax.decoding.costs import ForwardCosts, forward_costs
 from bp_jax.decoding.buckets import default_length_buckets, pick_bucket
 from bp_jax.decoding.generation import Generation, generation_of
+from bp_jax.decoding.online_costs import OnlineCosts
 from bp_jax.decoding.options import BatchOptions, LoopOptions, ShapeOptions
 from bp_jax.decoding.policy_binding import check_policy_fits
 from bp_jax.decoding.programs import (WARMUP_TOKENS, LoopPrograms, request_window,
@@ -54,7 +56,8 @@ class Engine:
   def __init__(self, target: Qwen3, *, shapes: ShapeOptions, drafter=None,
                loop: LoopOptions = LoopOptions(), batching: BatchOptions = BatchOptions(),
                stop_ids: Sequence[int] = (), policy=None, policy_sizes: Sequence[int] = (),
-               mesh=None, cost_cache: str | None = None):
+               mesh=None, cost_cache: str | None = None,
+               clock: Callable[[], float] = time.perf_counter):
     """`shapes`: what to compile for (cache length, prompt length buckets, block sizes);
     `loop`: the decode loops' form (verify rule, controller, AR fallback, layer form; the
     per-loop fields are filled in per bucket); `batching`: slots per bucket and refill period;
@@ -62,7 +65,8 @@ class Engine:
     `set_policy`; `mesh`: a jax.sharding.Mesh (`bp_jax.parallel.mesh.make_mesh`) or None;
     `cost_cache`: where the `confidence` and `priced` controllers' measured costs are cached
     when `loop` gives none (`costs.forward_costs`: None = `$XDG_CACHE_HOME/bp_jax/costs`,
-    "" = measure every time)."""
+    "" = measure every time); `clock`: the time source of the loop calls' wall times (seconds;
+    tests inject a fake one), which the priced controller's online costs learn from."""
     if shapes.max_len > target.cfg.max_position_embeddings:
       raise BadInputError(f"max_len={shapes.max_len} exceeds the model's "
                           f"max_position_embeddings={target.cfg.max_position_embeddings}")
@@ -90,6 +94,11 @@ class Engine:
                                 drafter is not None)
     loop = self._priced(loop, target, drafter, batching.batch_size, cost_cache)
     self.programs = LoopPrograms(self.t_graph, self.d_graph, loop)
+    self.clock = clock
+    # Target forwards of every loop call so far, by verify length (0: AR steps; n: cycles
+    # verifying n tokens), counted before each call's clock stops.
+    self.forwards_run: collections.Counter = collections.Counter()
+    self.prices, self.online = self._online_prices(self.programs.options)
     self.p_graph = self.p_state = self.policy_key = None
     self.policy_sizes: tuple[int, ...] = ()
     self.mesh = mesh
@@ -115,6 +124,53 @@ class Engine:
     table, draft = measured.relative()
     self.measured_costs, self.costs_from_cache = measured, hit
     return loop.replace(controller_costs=table, controller_draft_cost=draft)
+
+  def _online_prices(self, opts: LoopOptions) -> tuple[OnlineCosts | None, bool]:
+    """(the priced controller's runtime prices, whether loop calls update them): None for
+    another controller; prior: the start-up costs; updated per `LoopOptions.online_costs`
+    (None: when the engine measured the costs)."""
+    if opts.controller != "priced" or self.drafter is None:
+      return None, False
+    costs, draft = opts.controller_costs, opts.controller_draft_cost
+    prices = OnlineCosts(lambda n: control.break_even(n - 1, costs, draft))
+    online = (self.measured_costs is not None if opts.online_costs is None
+              else opts.online_costs)
+    return prices, online
+
+  def break_even_N(self, block_size: int, rows: int) -> np.ndarray | None:
+    """[N] float32 (N = the largest block size + 1, for every bucket alike) the priced
+    controller's current break-even per verify length for a loop of `rows` slots
+    (`LoopState.break_even_N`); None for AR loops and other controllers."""
+    if self.prices is None or block_size == 1:
+      return None
+    return self.prices.break_even_N(max(self.block_sizes), rows)
+
+  @staticmethod
+  def _on_device(x: np.ndarray | None) -> jax.Array | None:
+    return None if x is None else jnp.asarray(x)
+
+  def loop_ran(self, t0: float, counts_N, rows: int, block_size: int) -> float:
+    """Books a loop call that started at `clock()` time t0 and ran `counts_N` target forwards
+    per verify length (returned and read back already): counts them, stops the clock, and feeds
+    the online prices with a spec loop's call; returns its seconds."""
+    counts_N = np.asarray(counts_N)
+    for n in np.flatnonzero(counts_N):
+      self.forwards_run[int(n)] += int(counts_N[n])
+    secs = self.clock() - t0
+    if self.online and block_size > 1:
+      self.prices.observe(secs, counts_N, rows)
+    return secs
+
+  @property
+  def cost_estimate(self) -> dict | None:
+    """What the priced controller prices cycles with now: whether loop calls update it, and per
+    batch size the seconds per AR step and per cycle and each cycle's break-even in AR steps
+    (`online_costs.CostEstimate`); None for another controller."""
+    if self.prices is None:
+      return None
+    self.prices.estimate(self.batch_size)  # the engine's own batch size, even before a call
+    return {"online": self.online,
+            "by_batch_size": {str(e.rows): e.to_json() for e in self.prices.estimates()}}
 
   @property
   def costs_source(self) -> str | None:
@@ -181,8 +237,8 @@ class Engine:
       return (self.t_state, self.seq, self.cache, pre.first_tok, n, max_new, sampling,
               seed_key, self._stop_arr)
     return (self.t_state, self.d_state, self.seq, self.cache, self.draft_cache, pre.first_tok, n,
-            max_new, sampling, seed_key, self._stop_arr) + (
-                () if forced_seq is None else (forced_seq,))
+            max_new, sampling, seed_key, self._stop_arr, forced_seq,
+            self._on_device(self.break_even_N(block_size, 1)))
 
   def request_window(self, prompt_len: int, max_new_tokens: int, block_size: int) -> int | None:
     """The attention window of a one-request loop (`programs.request_window`): room for the
@@ -297,10 +353,10 @@ class Engine:
     window = self.request_window(n, max_new_tokens, block_size)
     self.programs.warm(block_size, warm_args, forced, window)
     fn = self.programs.loop(block_size, loop_args, forced, window)
-    t2 = time.perf_counter()
+    t2 = self.clock()
     out = fn(*loop_args)
     n_gen = int(out.n_gen)
-    t3 = time.perf_counter()
+    decode_s = self.loop_ran(t2, np.asarray(out.forward_counts), 1, block_size)
     self.seq, self.cache = out.seq, out.cache
     if out.draft_cache is not None:
       self.draft_cache = out.draft_cache
@@ -312,7 +368,7 @@ class Engine:
       raise RuntimeError(f"the decode loop stopped at {n_gen} of {max_new_tokens} tokens with "
                          f"no stop token (window {window}): a bug, please report it")
     return generation_of(out.seq[0], out.accept_lens, out.is_cycle, out.verified, forwards, n,
-                         n_gen, self.stop_ids, max_new_tokens, block_size, prefill_s, t3 - t2,
+                         n_gen, self.stop_ids, max_new_tokens, block_size, prefill_s, decode_s,
                          probs, features)
 
 
@@ -394,7 +450,8 @@ class Engine:
       draft_cache = None
     seq = jnp.zeros((self.batch_size, self.max_len), jnp.int32)
     forced_seq = jnp.full_like(seq, -1) if forced else None
-    state = LoopState.empty(seq, cache, draft_cache, forced_seq)
+    state = LoopState.empty(seq, cache, draft_cache, forced_seq, max(self.block_sizes),
+                            self.break_even_N(block_size, self.batch_size))
     if self.mesh is None:
       return state
     # Rows on the mesh's `data` axis (when the batch divides it), caches by `cache_sharding`.

@@ -130,8 +130,9 @@ def generation_of(seq_S, accept_S, is_cycle_S, verified_S, forwards: int, n: int
   n, then n_gen generated), committed tokens, cycle flags and verified tokens per forward (first
   `forwards`), trimmed at the stop token and max_new_tokens."""
   ids = trim_at_stop(np.asarray(seq_S)[n:n + n_gen], stop_ids, max_new)
-  lengths = clip_forward_lengths(np.asarray(accept_S[:forwards]).tolist(), len(ids) - 1)
-  is_cycle = [bool(c) for c in np.asarray(is_cycle_S[:len(lengths)])]
-  verified = [int(v) for v in np.asarray(verified_S[:len(lengths)])]
+  # Sliced on the host: a device array sliced to each new length would compile a slice.
+  lengths = clip_forward_lengths(np.asarray(accept_S)[:forwards].tolist(), len(ids) - 1)
+  is_cycle = [bool(c) for c in np.asarray(is_cycle_S)[:len(lengths)]]
+  verified = [int(v) for v in np.asarray(verified_S)[:len(lengths)]]
   return Generation(ids, prefill_s, decode_s, block_size, lengths, is_cycle, verified, n,
                     policy_probs, features)

@@ -54,6 +54,8 @@ class LoopOut(NamedTuple):
   bad_logits: jax.Array      # [] bool: a forward produced NaN/inf logits (the loop stopped)
   cache: KVCache
   draft_cache: KVCache | None
+  # [N] int32 the loop's target forwards by verify length (`LoopState.forward_counts_N`).
+  forward_counts: jax.Array | None = None
 
 
 def _nonfinite(logits: jax.Array) -> jax.Array:
@@ -157,7 +159,8 @@ def _commit(s: LoopState, out, y_Bt: jax.Array, a_B: jax.Array, active_B: jax.Ar
   and `verified` (static) are the forward's records (`state.ForwardRecords`)."""
   a_B, bad_B = _checked(out.logits, a_B, active_B)
   s = s.committed(y_Bt, a_B, active_B, bad_B, out.cache, stop_ids)
-  return s.replace(records=s.records.recorded(active_B, a_B, is_cycle, verified)), a_B
+  return s.replace(records=s.records.recorded(active_B, a_B, is_cycle, verified),
+                   forward_counts_N=s.forward_counts_N.at[verified].add(1)), a_B
 
 
 def _run(cond_rows: Callable, body: Callable, s: LoopState, sync_cycles: int) -> LoopState:
@@ -326,7 +329,7 @@ def make_batched_spec_loop(graphdef, draft_graphdef, opts: LoopOptions) -> Calla
                                 s.seed_keys_B, s.pos_B)
       new, a_B = commit(s, out, y_Bt, a_B, active_B, pointer_B, True, k + 1)
       if ctl.cap:
-        new = new.backed_off(ctl.miss_B(k, a_B, draft_next), active_B, ctl.cap)
+        new = new.backed_off(ctl.miss_B(k, a_B, draft_next, s.break_even_N), active_B, ctl.cap)
       return new
 
     def cycle(s):
@@ -373,12 +376,12 @@ def _single(s: LoopState) -> LoopOut:
   r = s.records
   return LoopOut(s.seq_BS, s.n_gen_B[0], r.accept_BS[0], r.is_cycle_BS[0], r.verified_BS[0],
                  r.forwards_B[0], s.bad_B[0], s.cache.stacked(),
-                 None if s.draft_cache is None else s.draft_cache.stacked())
+                 None if s.draft_cache is None else s.draft_cache.stacked(), s.forward_counts_N)
 
 
 def _one_row(seq_1S, cache, draft_cache, first_tok, n, max_new, sampling, seed_key, stop_ids,
-             forced_1S=None) -> LoopState:
-  s = LoopState.empty(seq_1S, cache, draft_cache, forced_1S)
+             forced_1S=None, max_verify: int = 1, break_even_N=None) -> LoopState:
+  s = LoopState.empty(seq_1S, cache, draft_cache, forced_1S, max_verify, break_even_N)
   return s.start_row(0, first_tok, n, max_new, seed_key, stop_ids, sampling,
                      forced_S=None if forced_1S is None else forced_1S[0])
 
@@ -399,15 +402,17 @@ def make_ar_loop(graphdef, opts: LoopOptions = LoopOptions()) -> Callable:
 
 def make_spec_loop(graphdef, draft_graphdef, opts: LoopOptions) -> Callable:
   """spec_loop(state, draft_state, seq, cache, draft_cache, first_tok, n, max_new, sampling,
-  seed_key, stop_ids[, forced_seq]) -> LoopOut: one request, `make_batched_spec_loop` (see it
-  for the cycle, the controllers, forced drafts and the window) on a one-row state;
-  `forced_seq` [1, S]."""
+  seed_key, stop_ids[, forced_seq[, break_even_N]]) -> LoopOut: one request,
+  `make_batched_spec_loop` (see it for the cycle, the controllers, forced drafts and the
+  window) on a one-row state; `forced_seq` [1, S] (None: the drafter's drafts);
+  `break_even_N` [N >= block_size + 1] the priced controller's runtime break-even
+  (`LoopState.break_even_N`; None: the start-up costs)."""
   batched = make_batched_spec_loop(graphdef, draft_graphdef, opts)
 
   def spec_loop(state, draft_state, seq_1S, cache, draft_cache, first_tok, n, max_new,
-                sampling, seed_key, stop_ids, *forced):
+                sampling, seed_key, stop_ids, forced_1S=None, break_even_N=None):
     s = _one_row(seq_1S, cache, draft_cache, first_tok, n, max_new, sampling, seed_key,
-                 stop_ids, forced[0] if forced else None)
+                 stop_ids, forced_1S, opts.block_size, break_even_N)
     return _single(batched(state, draft_state, s, stop_ids))
 
   return spec_loop

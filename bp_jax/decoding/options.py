@@ -87,6 +87,10 @@ class LoopOptions:
       neither (None: measured where the engine runs, `Engine` through `costs.forward_costs`).
     controller_poor_miss: `confidence` counts a poorly accepted cycle as a miss too.
     controller_calibration: acceptance rates per p bin replacing the drafter's p (None: raw p).
+    online_costs: `priced` keeps its costs current from the engine's timed loop calls
+      (`online_costs.OnlineCosts`; a runtime value of the loop state, no recompilation): True,
+      False (the start-up costs throughout), or None: on when the engine measures the costs,
+      off when they are given. Host-side only: no compiled loop depends on it.
     ar_fallback: at most this many AR steps in a row after poor cycles (0: none; `confidence`
       and `priced`: 16).
     ar_fallback_accept: a cycle accepting at most this many drafts is poor (`backoff`; unused by
@@ -105,6 +109,7 @@ class LoopOptions:
   controller_draft_cost: float | None = None
   controller_poor_miss: bool = False
   controller_calibration: tuple[float, ...] | None = None
+  online_costs: bool | None = None
   ar_fallback: int = 0
   ar_fallback_accept: int = 1
   scan_layers: bool = False
@@ -121,6 +126,9 @@ class LoopOptions:
     if not self.controller.startswith(control.FIXED_PREFIX):  # "fixed:k": checked when built
       control.check_controller(self.controller, "controller")
     calibration = self.controller_calibration
+    if self.online_costs not in (None, True, False):
+      raise BadInputError(f"online_costs={self.online_costs!r}: expected True, False or None "
+                          "(on when the engine measures the costs)")
     costs, draft_cost = self.controller_costs, self.controller_draft_cost
     if (costs is None) != (draft_cost is None):
       raise BadInputError(f"controller_costs={costs!r} and controller_draft_cost={draft_cost!r}: "
@@ -133,6 +141,7 @@ class LoopOptions:
                                  control.check_calibration(calibration,
                                                            "controller_calibration")),
          controller_poor_miss=bool(self.controller_poor_miss),
+         online_costs=None if self.online_costs is None else bool(self.online_costs),
          ar_fallback=int(self.ar_fallback), ar_fallback_accept=int(self.ar_fallback_accept),
          scan_layers=bool(self.scan_layers), block_size=int(self.block_size),
          sync_cycles=int(self.sync_cycles), forced_drafts=bool(self.forced_drafts))

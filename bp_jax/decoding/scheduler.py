@@ -27,9 +27,11 @@ arrive between steps, `step` reports each finished request, each failed one (NaN
 that request alone fails) and, with `track_progress`, the tokens of every request in the bucket
 that just ran; `cancel` frees a request's slot at once.
 
-Time attribution (a request's `decode_s`): the wall time of each loop call is split equally
-among the rows that were decoding when the call started; `prefill_s` is the request's own
-prefill plus its insertion into a slot.
+Time attribution (a request's `decode_s`): the wall time of each loop call (the engine's
+`clock`) is split equally among the rows that were decoding when the call started; `prefill_s`
+is the request's own prefill plus its insertion into a slot. The same wall time, with the
+forwards the call ran (`LoopState.forward_counts_N`), feeds the priced controller's online
+costs (`Engine.loop_ran`), whose current break-even goes into the carry before each call.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from bp_jax.decoding.generation import Generation, generation_of, trim_at_stop
 from bp_jax.decoding.sampling import sampling_params
@@ -94,6 +97,20 @@ class _Bucket:
   def __init__(self, carry: LoopState, batch: int):
     self.carry = carry
     self.rows: list[_Staged | None] = [None] * batch
+    # The carry's forward counts when last read (`LoopState.forward_counts_N`): a call's own
+    # forwards are the difference.
+    self.counted_N = np.zeros(carry.forward_counts_N.shape, np.int64)
+    self.break_even_N: np.ndarray | None = None  # the break-even last written into the carry
+
+  def priced(self, break_even_N: np.ndarray | None) -> None:
+    """The carry with the priced controller's current break-even (None: it has none), placed
+    as the carry's own when it changed: a runtime value, the next call compiles nothing new."""
+    if (break_even_N is None or self.carry.break_even_N is None
+        or np.array_equal(break_even_N, self.break_even_N)):
+      return
+    self.carry = self.carry.replace(break_even_N=jax.device_put(
+        break_even_N, self.carry.break_even_N.sharding))
+    self.break_even_N = break_even_N
 
   def free_rows(self) -> list[int]:
     return [i for i, r in enumerate(self.rows) if r is None]
@@ -173,12 +190,15 @@ class Scheduler:
     decoding = [i for i, r in enumerate(bucket.rows)
                 if r is not None and not done[i] and n_gen[i] < max_new[i]]
     if decoding:
+      bucket.priced(self.engine.break_even_N(b, self.engine.batch_size))
       fn, args = self.engine.slots_program(b, bucket.carry, self.forced,
                                            max_pos=int(max(pos[i] for i in decoding)))
-      t0 = time.perf_counter()
+      t0 = self.engine.clock()
       bucket.carry = fn(*args)
       jax.block_until_ready(bucket.carry.pos_B)
-      secs = time.perf_counter() - t0
+      counted_N = np.asarray(jax.device_get(bucket.carry.forward_counts_N))
+      secs = self.engine.loop_ran(t0, counted_N - bucket.counted_N, self.engine.batch_size, b)
+      bucket.counted_N = counted_N
       share = secs / len(decoding)
       for i in decoding:
         bucket.rows[i].decode_s += share

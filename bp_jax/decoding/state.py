@@ -76,13 +76,24 @@ class LoopState:
   seed_keys_B: jax.Array     # [B] typed PRNG keys: each request's own seed
   sp_B: SamplingParams       # [B] each row's sampling settings (temperature, top-k/p, min-p)
   stop_BK: jax.Array         # [B, K] int32 each row's own stop ids besides the engine's (-1)
+  # [N] int32, N = the largest block size + 1: the batch's target forwards since the state was
+  # made, by verify length n as `records.verified_BS` reads it (0: AR steps, n: cycles verifying
+  # n - 1 drafts); the host diffs it around a timed loop call (`online_costs`). One width for
+  # every block size of an engine, so that one slot insertion serves all their states.
+  forward_counts_N: jax.Array
   draft_cache: KVCache | None = None  # the drafter's context cache (speculative loops only)
   forced_BS: jax.Array | None = None  # [B, S] int32 the tests' forced drafts (-1: the drafter's)
+  # [N] float32 the priced controller's break-even per verify length n: a cycle verifying n
+  # tokens costs break_even_N[n] AR steps (a runtime value the host may replace between loop
+  # calls, `online_costs`; None: the start-up costs, compile-time constants).
+  break_even_N: jax.Array | None = None
 
   @classmethod
   def empty(cls, seq_BS: jax.Array, cache: KVCache, draft_cache: KVCache | None = None,
-            forced_BS: jax.Array | None = None) -> "LoopState":
-    """Every slot empty (max_new = 0), around the given buffers."""
+            forced_BS: jax.Array | None = None, max_verify: int = 1,
+            break_even_N: jax.Array | None = None) -> "LoopState":
+    """Every slot empty (max_new = 0), around the given buffers; forward counts for verify
+    lengths up to `max_verify` (the largest block size)."""
     B, S = seq_BS.shape
     zeros = lambda: jnp.zeros((B,), jnp.int32)  # one buffer per field: the state is donated
     return cls(seq_BS=seq_BS, cache=cache, pos_B=zeros(), tok_B=zeros(), n_gen_B=zeros() + 1,
@@ -90,8 +101,11 @@ class LoopState:
                bad_B=jnp.zeros((B,), jnp.bool_), records=ForwardRecords.empty(B, S),
                misses_B=zeros(), wait_B=zeros(),
                seed_keys_B=jax.random.split(jax.random.key(0), B), sp_B=row_params(B),
-               stop_BK=jnp.full((B, MAX_ROW_STOP_IDS), -1, jnp.int32), draft_cache=draft_cache,
-               forced_BS=forced_BS)
+               stop_BK=jnp.full((B, MAX_ROW_STOP_IDS), -1, jnp.int32),
+               forward_counts_N=jnp.zeros((max_verify + 1,), jnp.int32), draft_cache=draft_cache,
+               forced_BS=forced_BS,
+               break_even_N=(None if break_even_N is None
+                             else jnp.asarray(break_even_N, jnp.float32)))
 
   def start_row(self, row, first_tok, n, max_new, seed_key, stop_ids, sampling=None,
                 row_stop_K: jax.Array | None = None,

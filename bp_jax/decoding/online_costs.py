@@ -1,0 +1,208 @@
+"""The priced controller's costs kept current from the loop calls the engine already times.
+
+The start-up costs (`costs.forward_costs`: isolated forwards, timed once) underprice a real cycle
+and drift with the machine's load. Every loop call returns to the host with its wall time and
+with the number of target forwards it ran of each kind (`LoopState.forward_counts_N`: entry 0
+counts AR steps, entry n > 0 cycles whose forward verified n tokens, i.e. n - 1 drafts after a
+drafter pass). A call is one observation
+
+    seconds = sum_n counts_N[n] * secs_N[n]
+
+of the per-forward seconds `secs_N` (a call's fixed cost, building its state and converting
+caches, is spread over its forwards: small beside a real model's forwards; a free overhead term
+made the fit unstable, as the calls of a run run similar numbers of forwards). `OnlineCosts` keeps, per batch size (`rows`: the loop state's slots), an
+exponentially forgetting least-squares fit of them (`forget`: the weight each older call keeps
+per newer one; 0.6: a change is followed within two or three calls), whence the controller's
+break-even: a cycle verifying n tokens costs `secs_N[n] / secs_N[0]` AR steps.
+
+One call gives one equation for several unknowns, and calls of a run often mix their forwards in
+about the same proportion (or run one kind only), so the fit is regularized toward the previous
+estimate scaled to the data (a random-walk prior): a direction the calls do not tell apart keeps
+its previous ratio (at first the start-up costs' ratio) while the overall scale follows the
+measured time; a direction they do tell apart follows the data. The break-even of each verify
+length is clipped to [`min_break_even`, `max_break_even_per_token` * n]. A call that ran no
+forward or reports a non-positive or non-finite time is not an observation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+
+from bp_jax.errors import BadInputError
+
+def _check_positive(value: float, name: str, upper: float | None = None) -> float:
+  try:
+    value = float(value)
+  except (TypeError, ValueError):
+    raise BadInputError(f"{name}={value!r}: expected a number") from None
+  if not math.isfinite(value) or value <= 0 or (upper is not None and value > upper):
+    bound = f" and <= {upper}" if upper is not None else ""
+    raise BadInputError(f"{name}={value!r}: expected a number > 0{bound}")
+  return value
+
+
+@dataclasses.dataclass(frozen=True)
+class CostEstimate:
+  """One batch size's current estimate: seconds per AR step and per cycle of each verify length
+  n seen (None before any observation: only the prior's ratios are known), each cycle's
+  break-even in AR steps (the priced controller's threshold) and the calls it has seen."""
+  rows: int
+  calls: int
+  ar_step_s: float | None
+  cycle_s: dict[int, float]
+  break_even: dict[int, float]
+
+  def to_json(self) -> dict:
+    return {"rows": self.rows, "calls": self.calls, "ar_step_s": self.ar_step_s,
+            "cycle_s": {str(n): s for n, s in self.cycle_s.items()},
+            "break_even": {str(n): round(b, 4) for n, b in self.break_even.items()}}
+
+
+class _Fit:
+  """The forgetting least-squares fit of one batch size (see the module doc)."""
+
+  def __init__(self, prior: Callable[[int], float]):
+    self.prior = lambda n: 1.0 if n == 0 else float(prior(n))  # an AR step is the unit
+    self.lengths: list[int] = [0]                 # verify lengths with a parameter, in order
+    self.A = np.zeros((1, 1))                     # sum of forget^age x x^T
+    self.b = np.zeros(1)                          # sum of forget^age x y
+    self.theta: np.ndarray | None = None          # seconds per forward of each length
+    self.calls = 0
+
+  def _grow(self, n: int) -> None:
+    """Adds verify length n as a parameter: its prior ratio to an AR step, on the current scale."""
+    self.lengths.append(n)
+    self.A = np.pad(self.A, ((0, 1), (0, 1)))
+    self.b = np.pad(self.b, (0, 1))
+    if self.theta is not None:
+      self.theta = np.append(self.theta, self.theta[0] * self.prior(n))
+
+  def ratios(self) -> np.ndarray:
+    """[L] the current estimate's shape (any scale): the fit when there is one, else the
+    prior's AR steps."""
+    if self.theta is not None:
+      return self.theta
+    return np.asarray([self.prior(n) for n in self.lengths])
+
+  def update(self, seconds: float, counts: Mapping[int, int], forget: float, ridge: float,
+             clip: Callable[[int, float], float], restart_error: float) -> None:
+    for n in sorted(counts):
+      if n not in self.lengths:
+        self._grow(n)
+    x = np.zeros(len(self.lengths))
+    for n, c in counts.items():
+      x[self.lengths.index(n)] = c
+    if self.theta is not None:  # a call the estimate mispredicts: the costs changed under it
+      predicted = float(x @ self.theta)
+      if abs(seconds - predicted) > restart_error * seconds:
+        forget = forget * RESTART_WEIGHT
+    self.A = forget * self.A + np.outer(x, x)
+    self.b = forget * self.b + x * seconds
+    r = self.ratios()
+    rAr = float(r @ self.A @ r)
+    scale = float(self.b @ r) / rAr if rAr > 0 else 0.0
+    prior = scale * r
+    if not prior[0] > 0:  # no usable scale: this call's own seconds per forward
+      prior = r * seconds / float(x @ r)
+    d = np.diag(self.A).copy()
+    R = np.diag(ridge * d + 1e-9 * (float(np.trace(self.A)) / len(d) + 1.0))
+    theta = np.linalg.solve(self.A + R, self.b + R @ prior)
+    if not np.all(np.isfinite(theta)):
+      theta = prior
+    # Calls that disagree (the costs changed) may fit a cost <= 0: floored, then clipped below.
+    theta = np.maximum(theta, 1e-3 * prior)
+    for i, n in enumerate(self.lengths[1:], start=1):  # each cycle within bounds of an AR step
+      theta[i] = theta[0] * clip(n, theta[i] / theta[0])
+    self.theta = theta
+    self.calls += 1
+
+  def break_even(self, n: int, clip: Callable[[int, float], float]) -> float:
+    if n not in self.lengths or self.theta is None:
+      return clip(n, self.prior(n))
+    return clip(n, float(self.theta[self.lengths.index(n)] / self.theta[0]))
+
+
+# The weight older calls keep, beyond `forget`, after a call the estimate mispredicted by more than
+# `restart_error`: the calls before a change of the costs would otherwise pin the directions that
+# the calls after it do not tell apart (e.g. calls that all run about as many cycles).
+RESTART_WEIGHT = 0.05
+
+
+class OnlineCosts:
+  """Per-forward seconds and the priced controller's break-even, kept current from timed loop
+  calls (see the module doc). `prior(n)`: the start-up cost of a cycle verifying n tokens in AR
+  steps (`controller.break_even(n - 1, ...)`); `forget` in (0, 1]: the weight an older call keeps
+  per newer one (1: never forget); `ridge` > 0: the pull toward the previous estimate, relative
+  to the data's own weight; break-evens are clipped to [min_break_even,
+  max_break_even_per_token * n]; a call whose seconds the estimate mispredicts by more than
+  `restart_error` (relative) marks a change: older calls keep only `RESTART_WEIGHT` of their
+  weight."""
+
+  def __init__(self, prior: Callable[[int], float], *, forget: float = 0.6, ridge: float = 0.03,
+               min_break_even: float = 1.0, max_break_even_per_token: float = 4.0,
+               restart_error: float = 0.2):
+    self.prior = prior
+    self.forget = _check_positive(forget, "forget", upper=1.0)
+    self.ridge = _check_positive(ridge, "ridge")
+    self.min_break_even = _check_positive(min_break_even, "min_break_even")
+    self.max_break_even_per_token = _check_positive(max_break_even_per_token,
+                                                    "max_break_even_per_token")
+    self.restart_error = _check_positive(restart_error, "restart_error")
+    self._fits: dict[int, _Fit] = {}
+
+  def clip(self, n: int, break_even: float) -> float:
+    """`break_even` of a cycle verifying n tokens within [min_break_even, max... * n]."""
+    hi = max(self.min_break_even, self.max_break_even_per_token * max(n, 1))
+    return float(min(max(break_even, self.min_break_even), hi))
+
+  def _fit(self, rows: int) -> _Fit:
+    if rows not in self._fits:
+      self._fits[rows] = _Fit(self.prior)
+    return self._fits[rows]
+
+  def observe(self, seconds: float, counts_N: Sequence[int] | np.ndarray, rows: int) -> bool:
+    """Takes one loop call: its wall `seconds`, `counts_N[n]` target forwards of verify length n
+    (0: AR steps) and the loop state's `rows`. False (nothing learned) for a call without
+    forwards or without a positive finite time."""
+    counts = np.asarray(counts_N)
+    if counts.ndim != 1 or np.any(counts < 0):
+      raise BadInputError(f"counts_N={counts_N!r}: expected non-negative forward counts per "
+                          "verify length")
+    if isinstance(rows, bool) or int(rows) != rows or rows < 1:
+      raise BadInputError(f"rows={rows!r}: expected a batch size >= 1")
+    seconds = float(seconds)
+    if not counts.sum() or not math.isfinite(seconds) or seconds <= 0:
+      return False
+    used = {int(n): int(c) for n, c in enumerate(counts) if c}
+    self._fit(int(rows)).update(seconds, used, self.forget, self.ridge, self.clip,
+                                self.restart_error)
+    return True
+
+  def break_even(self, n: int, rows: int) -> float:
+    """The cost of a cycle verifying n tokens (n - 1 drafts, a drafter pass) in AR steps at
+    batch size `rows`: the current fit, or the prior before the calls tell it."""
+    return self._fit(int(rows)).break_even(int(n), self.clip)
+
+  def break_even_N(self, max_verify: int, rows: int) -> np.ndarray:
+    """[max_verify + 1] float32: entry n the break-even of a cycle verifying n tokens (entry 0,
+    an AR step, 1): what `LoopState.break_even_N` holds."""
+    return np.asarray([1.0] + [self.break_even(n, rows) for n in range(1, max_verify + 1)],
+                      np.float32)
+
+  def estimate(self, rows: int) -> CostEstimate:
+    fit = self._fit(int(rows))
+    known = fit.theta is not None
+    cycle_lengths = [n for n in fit.lengths if n > 0]
+    th = fit.theta
+    return CostEstimate(
+        rows=int(rows), calls=fit.calls, ar_step_s=float(th[0]) if known else None,
+        cycle_s=({n: float(th[fit.lengths.index(n)]) for n in cycle_lengths} if known else {}),
+        break_even={n: self.break_even(n, rows) for n in cycle_lengths})
+
+  def estimates(self) -> list[CostEstimate]:
+    """Every batch size's estimate that has seen a call or been asked for."""
+    return [self.estimate(rows) for rows in sorted(self._fits)]

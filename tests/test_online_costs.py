@@ -1,0 +1,256 @@
+"""The priced controller's costs kept current from the engine's timed loop calls
+(`decoding/online_costs.py`, `LoopState.break_even_N`).
+
+The estimator alone: it recovers known per-forward costs from (forward counts, seconds) calls,
+follows a step change within a few calls, keeps its prior's ratio where the calls cannot tell
+it (one kind of forward only) and ignores calls without forwards or time. The engine with a
+fake clock (time passes as its forwards run, at prices the test sets): making cycles dearer mid-run
+raises the break-even and the loop then takes more AR steps, cheaper lowers it, within a few
+loop calls, with no compilation, on the one-request path and the batched one; greedy outputs
+stay AR's throughout.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from bp_jax.decoding.online_costs import OnlineCosts
+from bp_jax.errors import BadInputError
+from compile_counting import BackendCompiles
+from toy_models import toy_engine, toy_requests, zeros_drafter_pair
+
+V, B = 64, 4
+N = B  # a priced cycle of block size 4 verifies 3 drafts: forwards over N = 4 tokens
+# Given start-up costs: a b=4 cycle costs 1.2 AR steps (an accelerator's prices).
+CHEAP = dict(controller_costs="1,1.05,1.1", controller_draft_cost=0.1)
+AR_S = 1e-3  # the fake clock's seconds per AR step
+
+
+def _calls(num: int, seed: int = 0) -> list[tuple[int, int]]:
+  """(AR steps, cycles) of `num` loop calls that mix them in varied proportions."""
+  rng = np.random.default_rng(seed)
+  return [(int(rng.integers(0, 40)), int(rng.integers(1, 40))) for _ in range(num)]
+
+
+def _counts(n_ar: int, n_cycle: int) -> list[int]:
+  counts = [0] * (N + 1)
+  counts[0], counts[N] = n_ar, n_cycle
+  return counts
+
+
+# -- the estimator ------------------------------------------------------------------------------
+def test_recovers_known_costs_and_follows_a_step_change():
+  est = OnlineCosts(lambda n: 3.0)
+  assert est.break_even(N, rows=1) == pytest.approx(3.0)  # the prior before any call
+  calls = _calls(24)
+  for n_ar, n_cycle in calls[:12]:
+    assert est.observe(AR_S * n_ar + 5 * AR_S * n_cycle, _counts(n_ar, n_cycle), rows=1)
+  e = est.estimate(1)
+  assert e.calls == 12 and e.ar_step_s == pytest.approx(AR_S, rel=0.02)
+  assert e.cycle_s[N] == pytest.approx(5 * AR_S, rel=0.02)
+  assert e.break_even[N] == pytest.approx(5.0, rel=0.02)
+  assert est.break_even_N(B, rows=1).tolist() == pytest.approx([1.0, 3.0, 3.0, 3.0, 5.0],
+                                                                rel=0.02)
+  # Cycles get cheaper (5 -> 2 AR steps): past the midpoint within 4 calls, there in 12.
+  seen = []
+  for n_ar, n_cycle in calls[12:]:
+    est.observe(AR_S * n_ar + 2 * AR_S * n_cycle, _counts(n_ar, n_cycle), rows=1)
+    seen.append(est.break_even(N, rows=1))
+  assert min(seen[:4]) < 3.5, seen
+  assert seen[-1] == pytest.approx(2.0, rel=0.05), seen
+  # Another batch size is its own fit: still the prior.
+  assert est.break_even(N, rows=8) == pytest.approx(3.0)
+
+
+def test_keeps_its_prior_on_degenerate_calls():
+  est = OnlineCosts(lambda n: 3.0)
+  # Calls that run cycles only cannot tell them from AR steps: the ratio stays the prior's
+  # while the scale follows the time (here, everything dearer by 3x).
+  for i, scale in enumerate((1.0, 1.0, 3.0, 3.0)):
+    est.observe(scale * 3 * AR_S * (10 + i), _counts(0, 10 + i), rows=1)
+    assert est.break_even(N, rows=1) == pytest.approx(3.0)
+  assert est.estimate(1).cycle_s[N] == pytest.approx(9 * AR_S, rel=0.05)
+  ar_only = OnlineCosts(lambda n: 3.0)  # and AR steps only: the same
+  for n_ar in (5, 9, 20):
+    ar_only.observe(2 * AR_S * n_ar, _counts(n_ar, 0), rows=1)
+    assert ar_only.break_even(N, rows=1) == pytest.approx(3.0)
+  assert ar_only.estimate(1).ar_step_s == pytest.approx(2 * AR_S)
+  # No forwards, no time, or a time that is not a number: not an observation.
+  before = est.estimate(1)
+  assert not est.observe(0.5, _counts(0, 0), rows=1)
+  assert not est.observe(0.0, _counts(3, 3), rows=1)
+  assert not est.observe(float("nan"), _counts(3, 3), rows=1)
+  assert est.estimate(1) == before
+
+
+def test_clips_to_sane_bounds_and_checks_its_inputs():
+  est = OnlineCosts(lambda n: 3.0)
+  for n_ar, n_cycle in _calls(10):  # cycles 100x an AR step: clipped at 4 per token verified
+    est.observe(AR_S * n_ar + 100 * AR_S * n_cycle, _counts(n_ar, n_cycle), rows=1)
+  assert est.break_even(N, rows=1) == pytest.approx(4.0 * N)
+  cheap = OnlineCosts(lambda n: 3.0)
+  for n_ar, n_cycle in _calls(10):  # cycles cheaper than an AR step: at least one AR step
+    cheap.observe(AR_S * n_ar + 0.2 * AR_S * n_cycle, _counts(n_ar, n_cycle), rows=1)
+  assert cheap.break_even(N, rows=1) == pytest.approx(1.0)
+  with pytest.raises(BadInputError, match="forget=0"):
+    OnlineCosts(lambda n: 3.0, forget=0)
+  with pytest.raises(BadInputError, match="forget=1.5"):
+    OnlineCosts(lambda n: 3.0, forget=1.5)
+  with pytest.raises(BadInputError, match="ridge=-1"):
+    OnlineCosts(lambda n: 3.0, ridge=-1)
+  with pytest.raises(BadInputError, match="counts_N="):
+    est.observe(1.0, [-1, 2], rows=1)
+  with pytest.raises(BadInputError, match="rows=0"):
+    est.observe(1.0, [1, 2], rows=0)
+
+
+# -- the engine, on a fake clock ----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def models():
+  return zeros_drafter_pair(V)
+
+
+@pytest.fixture(scope="module")
+def requests():
+  prompts, _ = toy_requests(8, seed=4)
+  return prompts, [36] * len(prompts)
+
+
+@pytest.fixture(scope="module")
+def ar_outputs(models, requests):
+  eng = toy_engine(models, "none")
+  prompts, max_news = requests
+  return [eng.generate(p, max_new_tokens=m).output_ids for p, m in zip(prompts, max_news)]
+
+
+class FakeClock:
+  """Time that passes as the engine's target forwards run (`Engine.forwards_run`, counted
+  before each loop call's clock stops): `prices[n]` seconds per forward over n tokens after a
+  drafter pass, `prices[0]` per AR step."""
+
+  def __init__(self, cycle_in_ar_steps: float):
+    self.engine = None
+    self.set(cycle_in_ar_steps)
+
+  def set(self, cycle_in_ar_steps: float) -> None:
+    self.prices = {0: AR_S, N: cycle_in_ar_steps * AR_S}
+
+  def __call__(self) -> float:
+    return sum(self.prices.get(n, 0.0) * c for n, c in self.engine.forwards_run.items())
+
+
+def _engine(models, clock: FakeClock, batch_size: int = 1):
+  eng = toy_engine(models, "priced", batch_size=batch_size, sync_cycles=2, online_costs=True,
+                   **CHEAP)
+  eng.clock = clock
+  clock.engine = eng
+  return eng
+
+
+def _ar_share(gens) -> float:
+  return sum(g.ar_steps for g in gens) / sum(g.ar_steps + g.drafter_passes for g in gens)
+
+
+def test_one_request_path_follows_dearer_then_cheaper_cycles(models, requests, ar_outputs):
+  """Each request is one loop call: the break-even follows the fake clock's cycle price within
+  a few requests, the loop takes more AR steps under the dearer price and fewer again after,
+  the tokens stay AR's, and nothing compiles once every shape has run."""
+  clock = FakeClock(1.2)
+  eng = _engine(models, clock)
+  prompts, max_news = requests
+  run = lambda: [eng.generate(p, max_new_tokens=m, block_size=B)
+                 for p, m in zip(prompts, max_news)]
+  assert [g.output_ids for g in run()] == ar_outputs  # compiles every prefill bucket
+  assert eng.cost_estimate["online"] is True
+  assert eng.prices.break_even(N, 1) == pytest.approx(1.2, rel=0.05)
+  with BackendCompiles() as compiles:
+    cheap = run()
+    clock.set(4.5)  # verifies dearer mid-run: every b=4 cycle (at most 4 tokens) is now a miss
+    dear, seen = [], []
+    for p, m in zip(prompts, max_news):
+      dear.append(eng.generate(p, max_new_tokens=m, block_size=B))
+      seen.append(eng.prices.break_even(N, 1))
+    clock.set(1.2)
+    cheap_again = run()
+  assert compiles.n == 0
+  assert max(seen[:3]) > 2.85, seen  # past the midpoint within 3 calls
+  assert seen[-1] == pytest.approx(4.5, rel=0.1), seen
+  assert eng.prices.break_even(N, 1) == pytest.approx(1.2, rel=0.1)
+  # The loop followed: the last dear requests took far more AR steps than the cheap ones.
+  assert _ar_share(dear[4:]) > _ar_share(cheap) + 0.3
+  assert _ar_share(cheap_again[4:]) < _ar_share(dear[4:]) - 0.3
+  for gens in (cheap, dear, cheap_again):
+    assert [g.output_ids for g in gens] == ar_outputs
+  est = eng.cost_estimate["by_batch_size"]["1"]
+  assert est["calls"] == 4 * len(prompts) and est["break_even"][str(N)] == pytest.approx(
+      1.2, rel=0.1)
+  assert eng.compiled.counts["spec_loop"] == 1
+
+
+def test_batched_path_follows_dearer_cycles(models, requests, ar_outputs):
+  """The scheduler writes the current break-even into each bucket's carry before every loop
+  call (2 cycles each here) and feeds the estimate after it: dearer cycles raise the
+  break-even and the rows take more AR steps; one compiled batched loop throughout."""
+  clock = FakeClock(1.2)
+  eng = _engine(models, clock, batch_size=3)
+  prompts, max_news = requests
+  run = lambda: eng.generate_batch(prompts, max_new_tokens=max_news, block_size=B)
+  assert [g.output_ids for g in run()] == ar_outputs
+  assert eng.prices.break_even(N, 3) == pytest.approx(1.2, rel=0.05)
+  with BackendCompiles() as compiles:
+    cheap = run()
+    clock.set(4.5)
+    dear = run()
+    rising = eng.prices.break_even(N, 3)
+    dear_more = run()
+  assert compiles.n == 0
+  assert rising == pytest.approx(4.5, rel=0.1)
+  assert _ar_share(dear_more) > _ar_share(cheap) + 0.3
+  for gens in (cheap, dear, dear_more):
+    assert [g.output_ids for g in gens] == ar_outputs
+  by_rows = eng.cost_estimate["by_batch_size"]
+  assert set(by_rows) == {"3"} and by_rows["3"]["calls"] > 20
+
+
+def test_real_clock_outputs_stay_ar_and_off_keeps_the_start_up_costs(models, requests,
+                                                                     ar_outputs):
+  """On the real clock (toy forwards: noisy, overhead-heavy timings) the estimate moves but the
+  tokens stay AR's; with `online_costs=False` the break-even stays the start-up one."""
+  prompts, max_news = requests
+  on = toy_engine(models, "priced", online_costs=True, **CHEAP)
+  assert [on.generate(p, max_new_tokens=m, block_size=B).output_ids
+          for p, m in zip(prompts, max_news)] == ar_outputs
+  assert on.cost_estimate["by_batch_size"]["1"]["calls"] == len(prompts)
+  off = toy_engine(models, "priced", batch_size=3, sync_cycles=2, online_costs=False, **CHEAP)
+  assert [g.output_ids for g in off.generate_batch(prompts, max_new_tokens=max_news,
+                                                  block_size=B)] == ar_outputs
+  est = off.cost_estimate
+  assert est["online"] is False and est["by_batch_size"]["3"]["calls"] == 0
+  assert off.prices.break_even(N, 3) == pytest.approx(1.2)
+  assert sum(off.forwards_run.values()) > 0
+  # Given costs are kept by default; measured ones are updated (test_priced runs those).
+  assert toy_engine(models, "priced", **CHEAP).cost_estimate["online"] is False
+  assert toy_engine(models, "backoff", ar_fallback=4).cost_estimate is None
+
+
+def test_the_summary_shows_the_online_estimate(models, requests):
+  """The decode summary's controller-costs line says what the online estimate learned."""
+  from bp_jax.decode_job import records as rec
+  clock = FakeClock(3.0)
+  eng = _engine(models, clock)
+  prompts, max_news = requests
+  for p, m in zip(prompts[:4], max_news[:4]):
+    eng.generate(p, max_new_tokens=m, block_size=B)
+  c = rec.controller_costs_of(eng)
+  assert c["source"] == "given" and c["online"]["by_batch_size"]["1"]["calls"] == 4
+  line = rec.costs_line(c)
+  assert line.startswith("given: verify 1,1.05,1.1 AR steps")
+  found = re.search(r"; online \(4 calls, batch 1\): a cycle over 4 tokens costs ([0-9.]+) AR "
+                    r"steps \(([0-9.]+) ms per AR step\)", line)
+  assert found, line
+  assert float(found[1]) == pytest.approx(3.0, rel=0.05)  # the fake clock's price
+  assert float(found[2]) == pytest.approx(1e3 * AR_S, rel=0.05)
+  assert rec.online_line(None) == "" and rec.online_line({"online": False}) == ""
