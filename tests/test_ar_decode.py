@@ -3,7 +3,6 @@ transformers' generate, stop tokens, seeded sampling and its distribution, compi
 
 from __future__ import annotations
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch

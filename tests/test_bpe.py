@@ -1,6 +1,5 @@
 """Tests for bp_jax.text.bpe: a small byte-level BPE tokenizer trained on Python source."""
 
-import glob
 import os
 
 import pytest
