@@ -11,13 +11,15 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # The suite's time is mostly XLA:CPU compiling small programs that then run for milliseconds.
-# LLVM's optimisation level 0 compiles them in ~0.57x the time with the same
-# tokens (docs/results/suite.md); tests time nothing, so they and the scripts they start run so.
-# Set before JAX creates its CPU backend (no test module is imported yet); a caller's own
-# choice of the level is kept.
-if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                             " --xla_backend_optimization_level=0").strip()
+# LLVM's optimisation level 0 compiles them in ~0.57x the time with the same tokens, and XLA's
+# older elemental emitters (`--xla_cpu_use_fusion_emitters=false`) in ~0.65x of that again
+# (docs/results/suite.md); tests time nothing, so they and the scripts they start run so. Set
+# before JAX creates its CPU backend (no test module is imported yet); a caller's own choice of
+# either flag is kept.
+for _flag, _value in (("xla_backend_optimization_level", "0"),
+                      ("xla_cpu_use_fusion_emitters", "false")):
+  if _flag not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --{_flag}={_value}".strip()
 
 
 @pytest.fixture(scope="session")
@@ -97,3 +99,17 @@ def run_cli(tmp_path_factory):
     return CliResult(proc)
 
   return run
+
+
+# The files that take longest (setup + calls, docs/results/suite.md), started first: with
+# `--dist loadfile` each file runs whole on one worker, and a long file started last would run
+# alone at the end while the other worker idles. The rest follow in their usual order.
+SLOWEST_FILES = ("test_sharding.py", "test_labels.py", "test_controller.py",
+                 "test_batched_decode.py", "test_decode_options.py", "test_decode_cli.py",
+                 "test_spec_decode.py", "test_priced.py", "test_rejection_sampling.py",
+                 "test_drafter_convert.py", "test_policy.py", "test_serve.py")
+
+
+def pytest_collection_modifyitems(config, items):
+  rank = {name: i for i, name in enumerate(SLOWEST_FILES)}
+  items.sort(key=lambda item: rank.get(item.path.name, len(SLOWEST_FILES)))  # stable

@@ -87,7 +87,7 @@ def test_priced_needs_costs_and_the_command_line_carries_it():
 
 
 # -- the loops ----------------------------------------------------------------------------------
-@pytest.mark.parametrize("kw", [CHEAP, DEAR, DEAREST, {}])
+@pytest.mark.parametrize("kw", [CHEAP, DEAREST, {}])  # DEAR's outputs: test_dearer_costs...
 def test_greedy_outputs_are_ar_and_batched_rows_equal_their_request_alone(models, ar_outputs,
                                                                           kw):
   one = _engine(models, **kw)
