@@ -40,6 +40,13 @@ Prompts: by default the labelling half of HumanEval under configs/demo.py's spli
 evaluation half docs/results/controller.md uses). Example:
 
   python -m benchmarks.controllers --num_prompts 24 --repeats 3 --out /tmp/controllers
+
+At T > 0 (`--temperature`, `--top_k`) prompt i is sampled with seed i by every method; under
+`--verify exact` (the default) every method then gives AR's tokens for that seed, which the
+`same as AR` column checks:
+
+  python -m benchmarks.controllers --temperature 1 --drafter demo/drafter_sampling \
+    --methods backoff,priced_online --half eval --num_prompts 40
 """
 
 from __future__ import annotations
@@ -82,6 +89,13 @@ flags.DEFINE_string("controller_costs", "", "confidence*: relative costs of targ
                     "1, 2, 4, ... tokens ('' = measured here; give --controller_draft_cost too)")
 flags.DEFINE_float("controller_draft_cost", -1.0, "confidence*: one drafter pass in AR steps "
                    "(< 0 = measured here)")
+flags.DEFINE_float("temperature", 0.0, "sampling temperature (0 = greedy); at T > 0 prompt i is "
+                   "decoded with seed i by every method, so under --verify=exact every method "
+                   "gives AR's tokens (use --drafter demo/drafter_sampling)")
+flags.DEFINE_integer("top_k", 0, "top-k of the sampling at T > 0 (0 = the whole vocabulary)")
+flags.DEFINE_enum("verify", "exact", ["exact", "rejection"], "verify rule of the speculative "
+                  "methods: exact keeps the target's own draw (AR's tokens for a seed), "
+                  "rejection samples the target's distribution with other tokens")
 flags.DEFINE_string("cost_cache", "default", "folder caching measured costs ('default' = "
                     "~/.cache/bp_jax/costs, '' = measure every run)")
 FLAGS = flags.FLAGS
@@ -96,14 +110,15 @@ def parse_methods(text: str) -> list[str]:
 
 
 def engine_options(method: str, costs: dict) -> dict:
-  """The `LoopOptions` fields of a method (its loop form); `costs`: the confidence methods'
-  `controller_costs` and `controller_draft_cost`."""
+  """The `LoopOptions` fields of a method (its loop form, with --verify for the speculative
+  ones); `costs`: the confidence methods' `controller_costs` and `controller_draft_cost`."""
   fb = dict(ar_fallback_accept=FLAGS.ar_fallback_accept, **costs)
   cal = dict(controller="confidence", ar_fallback=FLAGS.ar_fallback,
              controller_calibration=control.load_calibration(FLAGS.calibration, "--calibration"),
              **fb) if "_cal" in method else {}
   plain = dict(ar_fallback_accept=FLAGS.ar_fallback_accept)
-  return {"ar": dict(controller="none"), "none": dict(controller="none"),
+  verify = {} if method == "ar" else {"verify": FLAGS.verify}
+  return {**verify, **{"ar": dict(controller="none"), "none": dict(controller="none"),
           "backoff": dict(controller="backoff", ar_fallback=FLAGS.ar_fallback, **plain),
           "confidence_1step": dict(controller="confidence", ar_fallback=1, **fb),
           "confidence": dict(controller="confidence", ar_fallback=FLAGS.ar_fallback, **fb),
@@ -114,7 +129,7 @@ def engine_options(method: str, costs: dict) -> dict:
                          **fb),
           "priced_online": dict(controller="priced", ar_fallback=FLAGS.ar_fallback,
                                 online_costs=True, **fb),
-          }[method]
+          }[method]}
 
 
 def method_order(methods: list[str], index: int) -> list[str]:
@@ -163,13 +178,15 @@ def controller_costs(target, drafter) -> tuple[dict, str]:
           "cached" if hit else "measured")
 
 
-def decode_group(engine: Engine, group: list, block_size: int) -> list[Generation]:
-  """One group of prompts decoded by `engine`: one request alone, or a batch."""
+def decode_group(engine: Engine, group: list, block_size: int, first: int) -> list[Generation]:
+  """One group of prompts decoded by `engine`: one request alone, or a batch; the group's
+  prompts are prompts `first`, `first` + 1, ... of the run, each sampled with its index as
+  seed (every method alike)."""
+  kw = dict(max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature,
+            top_k=FLAGS.top_k, block_size=block_size)
   if len(group) == 1:
-    return [engine.generate(group[0][1], max_new_tokens=FLAGS.max_new_tokens,
-                            block_size=block_size)]
-  return engine.generate_batch([ids for _, ids in group], max_new_tokens=FLAGS.max_new_tokens,
-                               block_size=block_size)
+    return [engine.generate(group[0][1], seed=first, **kw)]
+  return engine.generate_batch([ids for _, ids in group], seeds=first, **kw)
 
 
 def intervals(groups: dict[str, list[list[Generation]]], methods: list[str]) -> dict:
@@ -211,7 +228,7 @@ def main(_):
     runs: dict[str, list[list[Generation]]] = {m: [] for m in methods}
     for _ in range(FLAGS.repeats):
       for m in method_order(methods, i):
-        runs[m].append(decode_group(engines[m], group, size[m]))
+        runs[m].append(decode_group(engines[m], group, size[m], i * B))
     for m in methods:
       for j in range(len(group)):
         check_repeats_agree([r[j] for r in runs[m]])
@@ -223,7 +240,9 @@ def main(_):
   ar_rate = rows["ar"]["decode_tokens_per_s"]
   for r in rows.values():
     r["speedup_vs_ar"] = round(r["decode_tokens_per_s"] / ar_rate, 3)
-  print(f"\n  {len(prompts)} HumanEval {FLAGS.half}-half prompts, T=0, "
+  sampling = (f"T={FLAGS.temperature:g}" + (f", top_k {FLAGS.top_k}" if FLAGS.top_k else "") +
+              f", verify {FLAGS.verify}" if FLAGS.temperature > 0 else "T=0")
+  print(f"\n  {len(prompts)} HumanEval {FLAGS.half}-half prompts, {sampling}, "
         f"{FLAGS.max_new_tokens} new tokens, b={FLAGS.block_size}, batch {B}, fastest of "
         f"{FLAGS.repeats}, interleaved (alternating order)")
   print(f"  {'method':<17}{'tok/s':>9}{'vs AR':>7}{'tau/cycle':>10}{'tok/fwd':>8}"
@@ -248,6 +267,8 @@ def main(_):
     report = {"prompts": [k for k, _ in prompts], "half": FLAGS.half,
               "repeats": FLAGS.repeats, "max_new_tokens": FLAGS.max_new_tokens,
               "block_size": FLAGS.block_size, "batch_size": B, "ar_fallback": FLAGS.ar_fallback,
+              "temperature": FLAGS.temperature, "top_k": FLAGS.top_k, "verify": FLAGS.verify,
+              "drafter": FLAGS.drafter,
               "intervals": cis,
               "ar_fallback_accept": FLAGS.ar_fallback_accept, "methods": rows,
               "controller_costs": {**costs, "source": source}, "cost_estimates": online}
