@@ -211,7 +211,8 @@ def test_batched_path_follows_dearer_cycles(models, requests, ar_outputs):
   assert _ar_share(dear_more) > _ar_share(cheap) + 0.3
   for gens in (cheap, dear, dear_more):
     assert [g.output_ids for g in gens] == ar_outputs
-  by_rows = eng.cost_estimate["by_batch_size"]
+  by_rows = eng.cost_estimate["by_batch_size"]  # online_costs=True: batched calls update it
+  assert eng.cost_estimate["online_batches"] is True
   assert set(by_rows) == {"3"} and by_rows["3"]["calls"] > 20
 
 
@@ -228,7 +229,8 @@ def test_real_clock_outputs_stay_ar_and_off_keeps_the_start_up_costs(models, req
   assert [g.output_ids for g in off.generate_batch(prompts, max_new_tokens=max_news,
                                                   block_size=B)] == ar_outputs
   est = off.cost_estimate
-  assert est["online"] is False and est["by_batch_size"]["3"]["calls"] == 0
+  assert est["online"] is est["online_batches"] is False
+  assert est["by_batch_size"]["3"]["calls"] == 0
   assert off.prices.break_even(N, 3) == pytest.approx(1.2)
   assert sum(off.forwards_run.values()) > 0
   # Given costs are kept by default; measured ones are updated (test_priced runs those).
@@ -254,3 +256,8 @@ def test_the_summary_shows_the_online_estimate(models, requests):
   assert float(found[1]) == pytest.approx(3.0, rel=0.05)  # the fake clock's price
   assert float(found[2]) == pytest.approx(1e3 * AR_S, rel=0.05)
   assert rec.online_line(None) == "" and rec.online_line({"online": False}) == ""
+  # Under auto a batch keeps its start-up costs, and the line says so.
+  batched = {"online": True, "online_batches": False,
+             "by_batch_size": {"4": {"calls": 0, "break_even": {4: 1.2}, "ar_step_s": None}}}
+  assert rec.online_line(batched) == ("; batch 4: the start-up costs (batched calls update them "
+                                      "only with --config.controller_online_costs=on)")

@@ -88,9 +88,11 @@ class LoopOptions:
     controller_poor_miss: `confidence` counts a poorly accepted cycle as a miss too.
     controller_calibration: acceptance rates per p bin replacing the drafter's p (None: raw p).
     online_costs: `priced` keeps its costs current from the engine's timed loop calls
-      (`online_costs.OnlineCosts`; a runtime value of the loop state, no recompilation): True,
-      False (the start-up costs throughout), or None: on when the engine measures the costs,
-      off when they are given. Host-side only: no compiled loop depends on it.
+      (`online_costs.OnlineCosts`; a runtime value of the loop state, no recompilation): True
+      (every loop call), False (the start-up costs throughout), or None: one-request calls
+      when the engine measures the costs (batches keep the start-up costs: their calls rarely
+      run AR steps, which leaves an AR step's price unidentified), off when they are given.
+      Host-side only: no compiled loop depends on it.
     ar_fallback: at most this many AR steps in a row after poor cycles (0: none; `confidence`
       and `priced`: 16).
     ar_fallback_accept: a cycle accepting at most this many drafts is poor (`backoff`; unused by
