@@ -22,13 +22,17 @@ Methods (`--methods`, comma-separated):
                     (`online_costs=True`: the start-up costs are the prior,
                     `bp_jax.decoding.online_costs`).
 
-With --batch_size B > 1 every method decodes the prompts B at a time (`Engine.generate_batch`,
-one batch of B consecutive prompts per group, the same groups for every method, interleaved per
-group), and the intervals resample groups instead of prompts.
+With --batch_size B > 1 every method decodes the prompts in groups of --group_size consecutive
+prompts (default 4B; the same groups for every method, interleaved per group), each group
+streamed through B slots with continuous refill (`Engine.generate_batch`: a finished request's
+slot takes the next one, as a server's would); the intervals then resample requests, each with
+its share of the loop calls it decoded in (`Generation.decode_s`). --group_size B gives one
+static batch per group (every request of a group starts together, the batch's slowest sets its
+time).
 
 Intervals: each method's speedup over AR (and `priced`'s over `backoff`, `priced_online`'s over
 `priced`, when both run) with a
-95% paired bootstrap interval over prompts (groups) of its fastest decodes (bp_jax/eval/bootstrap).
+95% paired bootstrap interval over prompts (requests) of its fastest decodes (bp_jax/eval/bootstrap).
 
 The confidence methods and priced price their choices with the costs given (--controller_costs with
 --controller_draft_cost), or else with costs measured once here on this machine (one target
@@ -81,8 +85,11 @@ flags.DEFINE_integer("ar_fallback_accept", 1, "a cycle accepting <= this many dr
 flags.DEFINE_string("methods", ",".join(METHODS[:6]), f"comma-separated, of {list(METHODS)}")
 flags.DEFINE_string("calibration", "", "confidence_cal*: calibration JSON "
                     "(python -m benchmarks.controller_calibration --out)")
-flags.DEFINE_integer("batch_size", 1, "requests decoded at once (> 1: groups of this many "
-                     "prompts through generate_batch; intervals over groups)")
+flags.DEFINE_integer("batch_size", 1, "requests decoded at once (> 1: groups of --group_size "
+                     "prompts streamed through generate_batch)")
+flags.DEFINE_integer("group_size", 0, "with --batch_size > 1: prompts per interleaved group, "
+                     "streamed through the batch's slots with continuous refill (0 = 4 x "
+                     "--batch_size; --batch_size itself = one static batch per group)")
 flags.DEFINE_integer("bootstrap_reps", 2000, "bootstrap resamples of the intervals")
 flags.DEFINE_string("out", "", "folder for controllers.json (empty: print only)")
 flags.DEFINE_string("controller_costs", "", "confidence*: relative costs of target forwards over "
@@ -191,9 +198,9 @@ def decode_group(engine: Engine, group: list, block_size: int, first: int) -> li
 
 def intervals(groups: dict[str, list[list[Generation]]], methods: list[str]) -> dict:
   """Each method's speedup over AR (and priced's over backoff) with its 95% paired bootstrap
-  interval over the groups (prompts when one request at a time)."""
-  fig = lambda m: ([sum(g.new_tokens for g in grp) for grp in groups[m]],
-                   [sum(g.decode_s for g in grp) for grp in groups[m]])
+  interval over the requests (in a batch each with its share of the calls it decoded in)."""
+  fig = lambda m: ([g.new_tokens for grp in groups[m] for g in grp],
+                   [g.decode_s for grp in groups[m] for g in grp])
   pairs = [(m, "ar") for m in methods if m != "ar"]
   for a, b in (("priced", "backoff"), ("priced_online", "priced")):
     if a in methods and b in methods:
@@ -209,6 +216,9 @@ def main(_):
   methods = parse_methods(FLAGS.methods)
   if FLAGS.repeats < 1 or FLAGS.max_new_tokens < 1 or FLAGS.block_size < 2:
     raise BadInputError("--repeats and --max_new_tokens must be >= 1, --block_size >= 2")
+  if FLAGS.group_size and FLAGS.group_size < FLAGS.batch_size:
+    raise BadInputError(f"--group_size={FLAGS.group_size}: give 0 (4 x --batch_size) or at "
+                        f"least --batch_size={FLAGS.batch_size}")
   target, drafter, tok, stop_ids = common.load_models(FLAGS)
   prompts = common.demo_prompts(tok, FLAGS.half, limit=FLAGS.num_prompts)
   costs, source = controller_costs(target, drafter)
@@ -222,13 +232,14 @@ def main(_):
              for m in methods}
   size = {m: 1 if m == "ar" else FLAGS.block_size for m in methods}
   B = FLAGS.batch_size
-  groups = [prompts[i:i + B] for i in range(0, len(prompts), B)]
+  G = 1 if B == 1 else FLAGS.group_size or 4 * B
+  groups = [prompts[i:i + G] for i in range(0, len(prompts), G)]
   best: dict[str, list[list[Generation]]] = {m: [] for m in methods}
   for i, group in enumerate(groups):
     runs: dict[str, list[list[Generation]]] = {m: [] for m in methods}
     for _ in range(FLAGS.repeats):
       for m in method_order(methods, i):
-        runs[m].append(decode_group(engines[m], group, size[m], i * B))
+        runs[m].append(decode_group(engines[m], group, size[m], i * G))
     for m in methods:
       for j in range(len(group)):
         check_repeats_agree([r[j] for r in runs[m]])
@@ -243,7 +254,8 @@ def main(_):
   sampling = (f"T={FLAGS.temperature:g}" + (f", top_k {FLAGS.top_k}" if FLAGS.top_k else "") +
               f", verify {FLAGS.verify}" if FLAGS.temperature > 0 else "T=0")
   print(f"\n  {len(prompts)} HumanEval {FLAGS.half}-half prompts, {sampling}, "
-        f"{FLAGS.max_new_tokens} new tokens, b={FLAGS.block_size}, batch {B}, fastest of "
+        f"{FLAGS.max_new_tokens} new tokens, b={FLAGS.block_size}, batch {B}"
+        f"{f' (groups of {G} streamed)' if B > 1 else ''}, fastest of "
         f"{FLAGS.repeats}, interleaved (alternating order)")
   print(f"  {'method':<17}{'tok/s':>9}{'vs AR':>7}{'tau/cycle':>10}{'tok/fwd':>8}"
         f"{'k mean':>7}{'drafts':>7}{'AR steps':>9}{'est cost/tok':>13}{'same as AR':>11}")
@@ -254,8 +266,7 @@ def main(_):
           f"{fmt(r['mean_verified_drafts'], '.2f'):>7}{r['drafter_passes']:>7}"
           f"{r['ar_steps']:>9}{r['est_cost_per_token']:>13.3f}"
           f"{r['identical_to_ar']:>8}/{len(prompts)}")
-  unit = "prompts" if B == 1 else f"groups of {B}"
-  print(f"  speedups, 95% paired bootstrap intervals over {len(groups)} {unit}:")
+  print(f"  speedups, 95% paired bootstrap intervals over {len(prompts)} requests:")
   for pair, c in cis.items():
     print(f"    {pair:<20}{c['ratio']:.3f}x [{c['lo']:.3f}, {c['hi']:.3f}]")
   online = {m: engines[m].cost_estimate for m in methods if m.startswith("priced")}
@@ -266,7 +277,8 @@ def main(_):
   if FLAGS.out:
     report = {"prompts": [k for k, _ in prompts], "half": FLAGS.half,
               "repeats": FLAGS.repeats, "max_new_tokens": FLAGS.max_new_tokens,
-              "block_size": FLAGS.block_size, "batch_size": B, "ar_fallback": FLAGS.ar_fallback,
+              "block_size": FLAGS.block_size, "batch_size": B, "group_size": G,
+              "ar_fallback": FLAGS.ar_fallback,
               "temperature": FLAGS.temperature, "top_k": FLAGS.top_k, "verify": FLAGS.verify,
               "drafter": FLAGS.drafter,
               "intervals": cis,

@@ -20,6 +20,7 @@ from flax import nnx
 from bp_jax.decode_job.block_choice import batch_options
 from bp_jax.decoding.engine import LEARNED, Engine
 from bp_jax.decoding.options import BatchOptions, LoopOptions, ShapeOptions
+from bp_jax.decoding.scheduler import Scheduler
 from bp_jax.errors import BadInputError
 from bp_jax.policy.features import feature_dims
 from bp_jax.policy.mlp import BlockPolicy, PolicyArch
@@ -176,6 +177,31 @@ def test_continuous_batching_refills_slots_in_arrival_order(models, stop_id):
   assert order == list(range(6))
   assert in_flight_at[0] == 0 and set(in_flight_at[1:]) == {1}  # row 0 kept the long request
   assert len(outs[0].output_ids) > 3 or outs[0].output_ids[-1] == stop_id
+
+
+@pytest.mark.parametrize("b", [1, 4])
+def test_a_freed_slot_is_refilled_after_the_cycle_that_freed_it(models, stop_id, b):
+  """With requests waiting, a loop call returns as soon as one of its rows finishes (not after
+  `sync_cycles`), so the next request takes the slot at once; with none waiting, the call runs
+  on. Neither changes a token, and the early return compiles nothing."""
+  eng = _engine(models, stop_id, 2, sync_cycles=64)
+  prompts, _ = _requests(3, seed=11)
+  max_news = [2, 40, 40]
+  reqs = [eng.batch_request(i, p, m, seed=i, block_size=b)
+          for i, (p, m) in enumerate(zip(prompts, max_news))]
+  sched = Scheduler(eng, reqs, track_progress=True)
+  first = sched.step()
+  # Request 0 finished in this call and request 2 waited: request 1 decoded about as long as
+  # request 0 did (one cycle), not its 39 remaining tokens.
+  assert set(first.finished) == {0}
+  assert len(first.progress[1]) < 10 < max_news[1]
+  second = sched.step()  # request 2 took the freed slot; nothing waits now: the call runs on
+  assert set(second.progress) == {1, 2}
+  assert all(len(t) == max_news[i] or stop_id in t for i, t in second.progress.items())
+  outs = sched.run()
+  alone = _alone(eng, prompts, max_news, [b] * 3)
+  assert [g.output_ids for g in outs] == [g.output_ids for g in alone]
+  assert eng.compiled.counts["batch_ar_loop" if b == 1 else "batch_spec_loop"] == 1
 
 
 def test_batched_loops_compile_once_per_bucket_and_batch(models, stop_id):

@@ -1,6 +1,7 @@
 """benchmarks/controllers.py on the demo at a tiny size: the comparison issue 19's figures come
 from cannot rot. At T = 1 (the sampling drafter, verify exact) every method gives AR's tokens
-for each prompt's seed, here in batches of 2 (seeds i, i + 1 for the batch of prompts i, i + 1)."""
+for each prompt's seed, here 3 prompts streamed through 2 slots (prompt i sampled with seed i,
+whichever slot and batch-mates it gets)."""
 
 from __future__ import annotations
 
@@ -16,19 +17,20 @@ def test_sampled_comparison_gives_ar_tokens_for_each_seed(tmp_path):
   out = tmp_path / "bench"
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
   proc = subprocess.run(
-      [sys.executable, "-m", "benchmarks.controllers", "--num_prompts=2", "--repeats=1",
+      [sys.executable, "-m", "benchmarks.controllers", "--num_prompts=3", "--repeats=1",
        "--max_new_tokens=12", "--methods=priced_online", "--half=eval",
        "--temperature=1", "--top_k=20", "--drafter=demo/drafter_sampling",
        "--batch_size=2", f"--cost_cache={tmp_path / 'costs'}", "--bootstrap_reps=50",
        f"--out={out}"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
-  assert "2 HumanEval eval-half prompts, T=1, top_k 20, verify exact" in proc.stdout
+  assert "3 HumanEval eval-half prompts, T=1, top_k 20, verify exact" in proc.stdout
   report = json.loads((out / "controllers.json").read_text())
   assert (report["temperature"], report["top_k"], report["verify"]) == (1.0, 20, "exact")
   assert report["drafter"] == "demo/drafter_sampling" and report["batch_size"] == 2
+  assert report["group_size"] == 8 and "batch 2 (groups of 8 streamed)" in proc.stdout
   assert set(report["methods"]) == {"ar", "priced_online"}
   for name, row in report["methods"].items():
-    assert row["identical_to_ar"] == 2, name  # AR's tokens for each prompt's seed
+    assert row["identical_to_ar"] == 3, name  # AR's tokens for each prompt's seed
     assert row["new_tokens"] > 2
   assert report["methods"]["priced_online"]["drafter_passes"] > 0
   assert set(report["intervals"]) == {"priced_online/ar"}

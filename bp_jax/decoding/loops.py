@@ -222,7 +222,7 @@ def make_batched_ar_loop(graphdef, opts: LoopOptions = LoopOptions()) -> Callabl
                      stop_ids)[0]
 
     s = _loop_caches(s, opts.scan_layers)
-    return _run(lambda s: jnp.any(s.active_B()) & s.fits(1, window), body, s, opts.sync_cycles)
+    return _run(lambda s: s.decodes() & s.fits(1, window), body, s, opts.sync_cycles)
 
   return ar_loop
 
@@ -366,7 +366,7 @@ def make_batched_spec_loop(graphdef, draft_graphdef, opts: LoopOptions) -> Calla
       return jax.lax.while_loop(wants_ar, ar_step, s)
 
     s = _loop_caches(s, opts.scan_layers)
-    return _run(lambda s: jnp.any(s.active_B()) & s.fits(b, window), body, s, opts.sync_cycles)
+    return _run(lambda s: s.decodes() & s.fits(b, window), body, s, opts.sync_cycles)
 
   return spec_loop
 

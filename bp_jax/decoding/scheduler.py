@@ -11,14 +11,15 @@ Each block size in use (a bucket) has a batched loop state of `batch_size` slots
 2. moves prefilled requests into free slots of their bucket (`loops.make_insert`: a slot-sized
    copy into the donated state), oldest first;
 3. runs the bucket with the most requests in flight (ties: the smallest block size) for
-   `sync_cycles` cycles (0: until none of its rows decodes: static batching) in one call,
+   `sync_cycles` cycles (0: until none of its rows decodes: static batching) in one call, or
+   while requests wait for a slot only until one of its rows finishes (`LoopState.min_active`),
    attending over the smallest window of cache slots (`programs.window_buckets`) with room for
    its furthest row (the call returns early when a row would pass it);
 4. reads back which rows finished (stop token or max_new_tokens), turns each into its
    `Generation` and frees its slot; then goes back to 1.
 
-So a long request never holds a batch hostage: the others' slots are refilled around it after at
-most `sync_cycles` cycles. Every row decodes at its own position with its own seed key and its
+So a long request never holds a batch hostage: the others' slots are refilled around it after the
+cycle that freed them (when requests wait; at most `sync_cycles` cycles otherwise). Every row decodes at its own position with its own seed key and its
 own sampling settings and stop ids (`LoopState.sp_B`, `stop_BK`: traced values, one compiled
 loop for every setting), so its tokens are those it gets decoded alone.
 
@@ -101,6 +102,7 @@ class _Bucket:
     # forwards are the difference.
     self.counted_N = np.zeros(carry.forward_counts_N.shape, np.int64)
     self.break_even_N: np.ndarray | None = None  # the break-even last written into the carry
+    self.min_active = 0                          # the `min_active` last written into it
 
   def priced(self, break_even_N: np.ndarray | None) -> None:
     """The carry with the priced controller's current break-even (None: it has none), placed
@@ -111,6 +113,14 @@ class _Bucket:
     self.carry = self.carry.replace(break_even_N=jax.device_put(
         break_even_N, self.carry.break_even_N.sharding))
     self.break_even_N = break_even_N
+
+  def refill_on_finish(self, rows: int) -> None:
+    """The carry's `min_active` (the next call returns once fewer than `rows` rows decode; 0:
+    it runs its cycles), placed only when it changed."""
+    if rows != self.min_active:
+      self.carry = self.carry.replace(min_active=jax.device_put(
+          np.int32(rows), self.carry.min_active.sharding))
+      self.min_active = rows
 
   def free_rows(self) -> list[int]:
     return [i for i, r in enumerate(self.rows) if r is None]
@@ -148,6 +158,12 @@ class Scheduler:
 
   def _waiting(self) -> int:
     return sum(len(q) for q in self.ready.values())
+
+  def _wanted(self, block_size: int) -> bool:
+    """Whether a request waits for a slot of this bucket (prefilled for it, or queued for it or
+    for a learned size)."""
+    return bool(self.ready[block_size]) or any(
+        isinstance(r.block_size, str) or r.block_size == block_size for r in self.queue)
 
   def _may_prefill(self, req: BatchRequest) -> bool:
     if isinstance(req.block_size, str):  # learned: the bucket is known after the prefill
@@ -191,6 +207,9 @@ class Scheduler:
                 if r is not None and not done[i] and n_gen[i] < max_new[i]]
     if decoding:
       bucket.priced(self.engine.break_even_N(b, self.engine.batch_size))
+      # Requests wait for a slot (this bucket's, or a learned one's whose bucket is not known
+      # yet): the call returns when a row finishes, so its slot is refilled at once.
+      bucket.refill_on_finish(len(decoding) if self._wanted(b) else 0)
       fn, args = self.engine.slots_program(b, bucket.carry, self.forced,
                                            max_pos=int(max(pos[i] for i in decoding)))
       t0 = self.engine.clock()

@@ -81,6 +81,10 @@ class LoopState:
   # n - 1 drafts); the host diffs it around a timed loop call (`online_costs`). One width for
   # every block size of an engine, so that one slot insertion serves all their states.
   forward_counts_N: jax.Array
+  # [] int32: a batched loop call returns as soon as fewer rows than this decode (0: it runs
+  # its cycles); the scheduler sets it to the rows decoding when requests wait for a slot, so
+  # a slot freed mid-call is refilled after the cycle that freed it, not `sync_cycles` later.
+  min_active: jax.Array
   draft_cache: KVCache | None = None  # the drafter's context cache (speculative loops only)
   forced_BS: jax.Array | None = None  # [B, S] int32 the tests' forced drafts (-1: the drafter's)
   # [N] float32 the priced controller's break-even per verify length n: a cycle verifying n
@@ -102,7 +106,8 @@ class LoopState:
                misses_B=zeros(), wait_B=zeros(),
                seed_keys_B=jax.random.split(jax.random.key(0), B), sp_B=row_params(B),
                stop_BK=jnp.full((B, MAX_ROW_STOP_IDS), -1, jnp.int32),
-               forward_counts_N=jnp.zeros((max_verify + 1,), jnp.int32), draft_cache=draft_cache,
+               forward_counts_N=jnp.zeros((max_verify + 1,), jnp.int32),
+               min_active=jnp.zeros((), jnp.int32), draft_cache=draft_cache,
                forced_BS=forced_BS,
                break_even_N=(None if break_even_N is None
                              else jnp.asarray(break_even_N, jnp.float32)))
@@ -141,6 +146,11 @@ class LoopState:
   def active_B(self) -> jax.Array:
     """[B] bool: rows still decoding (not stopped, below their max_new_tokens)."""
     return (~self.done_B) & (self.n_gen_B < self.max_new_B)
+
+  def decodes(self) -> jax.Array:
+    """[] bool: some row decodes, and no fewer than `min_active` rows do."""
+    n = jnp.sum(self.active_B(), dtype=jnp.int32)
+    return (n > 0) & (n >= self.min_active)
 
   def pointer_B(self, active_B: jax.Array) -> jax.Array:
     """[B] the cache pointer a forward uses per row: its position, or the cache length for a
