@@ -72,7 +72,24 @@ def test_dearer_verifies_make_more_cycles_misses():
   ctl = controller_of(opts)
   assert isinstance(ctl, Priced) and ctl.cap == control.DEFAULT_SKIP_CAP
   assert ctl.buckets == (B - 1,)
-  assert np.asarray(ctl.miss_B(B - 1, a_B, jnp.bool_(True))).tolist() == miss(DEAR)
+  # A batch decides once for all its rows, by the committed rows' mean (2.5 tokens here; -1
+  # committed nothing and does not count): a miss at 4.0 AR steps, none at 1.2.
+  assert np.asarray(ctl.miss_B(B - 1, a_B, jnp.bool_(True))).tolist() == [True] * 5
+  cheap = controller_of(LoopOptions(controller="priced", block_size=B, **CHEAP).in_effect())
+  assert np.asarray(cheap.miss_B(B - 1, a_B, jnp.bool_(True))).tolist() == [False] * 5
+
+
+def test_a_batch_misses_when_its_rows_mean_is_below_the_price():
+  batch = lambda a, price: np.asarray(control.batch_below_break_even(
+      jnp.asarray(a), jnp.float32(price))).tolist()
+  assert batch([3, 2, 2, 2], 4.0) == [True] * 4        # 13 tokens < 4 x 4.0
+  assert batch([3, 3, -1], 4.0) == [False] * 3         # 8 tokens = 2 x 4.0: as fast as AR
+  assert batch([0, 0, 6, 6], 4.0) == [False] * 4       # the mean, not each row: 16 >= 16
+  assert batch([-1, -1], 4.0) == [False] * 2           # nothing committed: no decision
+  # One row: the per-row rule.
+  for a in range(4):
+    assert batch([a], 2.5) == np.asarray(control.below_break_even(jnp.asarray([a]),
+                                                                  2.5)).tolist()
 
 
 def test_priced_needs_costs_and_the_command_line_carries_it():
@@ -106,14 +123,17 @@ def test_greedy_outputs_are_ar_and_batched_rows_equal_their_request_alone(models
     assert est["by_batch_size"]["3"]["calls"] == 0
 
 
-def test_dearer_costs_take_more_ar_steps(models, ar_outputs):
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_dearer_costs_take_more_ar_steps(models, ar_outputs, batch_size):
   """The same requests under dearer given costs count more cycles as misses: more AR steps and
-  fewer drafter passes, the same tokens."""
+  fewer drafter passes, the same tokens; in a batch too (the rows back off together)."""
   prompts, max_news = _requests(6)
   steps, passes = {}, {}
   for name, kw in (("cheap", CHEAP), ("dear", DEAR), ("dearest", DEAREST)):
-    outs = [_engine(models, **kw).generate(p, max_new_tokens=m, block_size=B)
-            for p, m in zip(prompts, max_news)]
+    eng = _engine(models, batch_size=batch_size, **kw)
+    outs = ([eng.generate(p, max_new_tokens=m, block_size=B) for p, m in zip(prompts, max_news)]
+            if batch_size == 1 else
+            eng.generate_batch(prompts, max_new_tokens=max_news, block_size=B))
     assert [g.output_ids for g in outs] == ar_outputs
     steps[name] = sum(g.ar_steps for g in outs)
     passes[name] = sum(g.drafter_passes for g in outs)

@@ -12,7 +12,8 @@ Controllers:
   backoff     as none, plus the AR fallback steps after poor cycles (`--config.ar_fallback`);
   confidence  the cost rule below, from the drafter's own probabilities (no extra pass);
   priced      as backoff, with the miss rule priced: a cycle is a miss when the tokens it
-              committed per unit cost fall below an AR step's (`priced_miss`).
+              committed per unit cost fall below an AR step's (`priced_miss`; in a batch,
+              the rows' mean, `batch_below_break_even`).
 
 The priced back-off. A cycle verifying k drafts costs draft_cost + verify_cost(k+1) (the
 drafter pass and one target forward over k+1 tokens), i.e. `break_even(k)` =
@@ -24,7 +25,11 @@ unused. Where a cycle costs 4.3 AR steps (a 2-core CPU, b=8) a cycle committing 
 miss; where it costs 1.5 (an accelerator) only a cycle committing 1 token (no draft accepted)
 is. The costs are the engine's (measured or given, below), as for confidence; the threshold
 itself is a runtime value of the loop state (`LoopState.break_even_N`), which the engine keeps
-current from its timed loop calls (`online_costs`).
+current from its timed loop calls (`online_costs`). A batch decides once for all its rows
+(`batch_below_break_even`): its cycle is a miss when its decoding rows committed fewer tokens
+on average than the cycle's cost in AR steps at that batch size, and then every row takes the
+AR steps together (a per-row rule hardly ever backs a batch off: the batch steps only when all
+its rows ask to, and the cycle's time is paid for all of them alike).
 
 The confidence rule. Per draft position i, p_i is the drafter's probability of its drafted
 token (softmax of its logits; the argmax's probability under `exact`). Verifying k drafts
@@ -168,8 +173,21 @@ def priced_miss(a_B: jax.Array, k: int, costs: Sequence[float], draft_cost: floa
                 ) -> jax.Array:
   """[B] bool: the rows whose cycle (k drafts verified, a_B accepted; -1: nothing committed)
   committed fewer tokens, a_B + 1, than its cost in AR steps (`break_even`), i.e. fewer tokens
-  per unit cost than AR steps commit (one per step)."""
+  per unit cost than AR steps commit (one per step): the rule for one row."""
   return below_break_even(a_B, break_even(k, costs, draft_cost))
+
+
+def batch_below_break_even(a_B: jax.Array, break_even_: float | jax.Array) -> jax.Array:
+  """[B] bool, one value for the whole batch: whether the rows that committed (a_B >= 0)
+  committed fewer tokens in all, sum(a_B + 1), than `break_even_` times their number. A batch's
+  cycle costs `break_even_` of the batch's AR steps, each committing one token per row, so this
+  is the batch's miss: AR steps over the same rows would have committed more in the same time.
+  False when no row committed; for one row it is `below_break_even`."""
+  committed_B = a_B >= 0
+  total = jnp.sum(jnp.where(committed_B, a_B + 1, 0)).astype(jnp.float32)
+  rows = jnp.sum(committed_B).astype(jnp.float32)
+  miss = (rows > 0) & (total < jnp.asarray(break_even_, jnp.float32) * rows)
+  return jnp.broadcast_to(miss, a_B.shape)
 
 
 def below_break_even(a_B: jax.Array, break_even_: float | jax.Array) -> jax.Array:

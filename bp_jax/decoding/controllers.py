@@ -58,10 +58,11 @@ class Backoff(Plain):
 class Priced(Plain):
   """`priced`: as `backoff`, and a cycle is a miss when it committed fewer tokens than it cost
   AR steps (draft pass + verify of the k+1 tokens), so its miss rule follows the machine's
-  prices. The price is a runtime value, `break_even_N[k + 1]` of the loop state, which the
-  engine keeps current from its timed loop calls (`online_costs`) with no recompilation; a
-  state without one (None) reads the start-up costs `costs`/`draft_cost`
-  (`controller.priced_miss`)."""
+  prices. One decision for the whole batch: the miss is the decoding rows' mean against the
+  price (`controller.batch_below_break_even`), and every row backs off together. The price is
+  a runtime value, `break_even_N[k + 1]` of the loop state, which the engine keeps current
+  from its timed loop calls (`online_costs`) with no recompilation; a state without one (None)
+  reads the start-up costs `costs`/`draft_cost` (`controller.break_even`)."""
   cap: int = control.DEFAULT_SKIP_CAP
   costs: tuple[float, ...] = (1.0,)   # relative verify costs (the engine's, measured or given)
   draft_cost: float = 0.0
@@ -69,8 +70,10 @@ class Priced(Plain):
   def miss_B(self, k: int, a_B: jax.Array, draft_next: jax.Array,
              break_even_N: jax.Array | None = None) -> jax.Array:
     if break_even_N is None:
-      return control.priced_miss(a_B, k, self.costs, self.draft_cost)
-    return control.below_break_even(a_B, break_even_N[k + 1])
+      price = control.break_even(k, self.costs, self.draft_cost)
+    else:
+      price = break_even_N[k + 1]
+    return control.batch_below_break_even(a_B, price)
 
 
 @dataclasses.dataclass(frozen=True)
