@@ -28,6 +28,8 @@ class SamplingParams(NamedTuple):
     the top-k-truncated distribution (1.0 = off). Tokens tied with the last kept one are kept.
   min_p: keep tokens whose probability is at least min_p times the most likely one's (0 = off),
     computed on the same (temperature-scaled) distribution.
+  top_k and top_p may both be None inside a traced function: off, decided at trace time (a
+  vmapped branch on their values would compute the sort behind them whatever they hold).
   """
   temperature: jax.Array
   top_k: jax.Array
@@ -104,12 +106,15 @@ def processed_logits(logits: jax.Array, sp: SamplingParams) -> jax.Array:
   """float32 logits [..., V] / temperature, -inf outside the top-k / top-p / min-p set: the
   distribution every mode samples (softmax of this). Only for temperature > 0. `sp`: scalars,
   or per row (leaves [B] for logits [B, ..., V]). The sort behind top-k / top-p runs only when
-  one of them is set for some row (a real branch); rows without either keep every token."""
+  one of them is set for some row (a real branch); rows without either keep every token, and
+  with both None (`SamplingParams`) it is not traced at all."""
   nd = logits.ndim
-  temperature, top_k, top_p, min_p = (_rows(v, nd) for v in sp)
+  temperature, min_p = _rows(sp.temperature, nd), _rows(sp.min_p, nd)
   x = logits.astype(jnp.float32) / jnp.maximum(temperature, 1e-6)
-  truncating = jnp.any((top_k > 0) | (top_p < 1.0))
-  x = jax.lax.cond(truncating, lambda x: _truncate_sorted(x, top_k, top_p), lambda x: x, x)
+  if sp.top_k is not None or sp.top_p is not None:  # both None: off (`SamplingParams`)
+    top_k, top_p = _rows(sp.top_k, nd), _rows(sp.top_p, nd)
+    truncating = jnp.any((top_k > 0) | (top_p < 1.0))
+    x = jax.lax.cond(truncating, lambda x: _truncate_sorted(x, top_k, top_p), lambda x: x, x)
   floor = jnp.max(x, axis=-1, keepdims=True) + jnp.log(jnp.maximum(min_p, 1e-30))
   return jnp.where((min_p > 0) & (x < floor), -jnp.inf, x)
 
