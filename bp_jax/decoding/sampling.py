@@ -87,19 +87,45 @@ def first_argmax(x: jax.Array) -> jax.Array:
   return jnp.min(jnp.where(at_max, jnp.arange(V, dtype=jnp.int32), V), axis=-1)
 
 
-def _truncate_sorted(x: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-  """x [..., V] scaled logits with -inf outside the top-k and then the top-p set (one sort)."""
+def _ordered(x: jax.Array) -> jax.Array:
+  """uint32 keys of float32 values in the same order (-inf lowest; no NaN)."""
+  bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+  return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(0x80000000))
+
+
+def _bisect(holds, shape) -> jax.Array:
+  """uint32 keys [shape]: per row the smallest key at which `holds(key [..., 1]) -> [..., 1]
+  bool` is true, for a predicate false below some key and true from it on, true at the
+  largest key (32 halvings of the key range)."""
+  def halve(_, lo_hi):
+    lo, hi = lo_hi
+    mid = lo + ((hi - lo) >> 1)
+    ok = holds(mid)
+    return jnp.where(ok, lo, mid + 1), jnp.where(ok, mid, hi)
+  lo = jnp.zeros(shape, jnp.uint32)
+  hi = jnp.full(shape, 0xFFFFFFFF, jnp.uint32)
+  return jax.lax.fori_loop(0, 32, halve, (lo, hi))[1]
+
+
+def _truncate(x: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+  """x [..., V] scaled logits with -inf outside the top-k and then the top-p set, found as
+  thresholds by bisection over the values (reductions only: no sort, which costs XLA:CPU ~5
+  ms on [8, 4096] logits). The k-th largest value: the largest t with at least k values >= t
+  (ties with it kept). Of the values kept, the most likely first until the mass before a token
+  reaches top_p: the smallest kept value v whose strictly larger values weigh < top_p (ties
+  with it kept); the mass is the top-k-truncated distribution's (its ties included)."""
   V = x.shape[-1]
-  srt = -jnp.sort(-x, axis=-1)                                   # descending
+  key = _ordered(x)
+  shape = x.shape[:-1] + (1,)
   k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)
-  rank = jnp.arange(V, dtype=jnp.int32)
-  srt_k = jnp.where(rank < k, srt, -jnp.inf)
-  p_sorted = jax.nn.softmax(srt_k, axis=-1)
-  before = jnp.cumsum(p_sorted, axis=-1) - p_sorted              # mass strictly more likely
-  in_p = (before < top_p) | (top_p >= 1.0)
-  n_keep = jnp.maximum(jnp.sum(in_p & (rank < k), axis=-1, keepdims=True), 1)
-  threshold = jnp.take_along_axis(srt, n_keep - 1, axis=-1)
-  return jnp.where(x >= threshold, x, -jnp.inf)
+  # The k-th value: the smallest key with fewer than k values above it is that value's key.
+  kth = _bisect(lambda t: jnp.sum(key > t, axis=-1, keepdims=True) < k, shape)
+  x = jnp.where(key >= kth, x, -jnp.inf)
+  p = jax.nn.softmax(x, axis=-1)
+  last = _bisect(lambda t: jnp.sum(jnp.where(key > t, p, 0.0), axis=-1, keepdims=True)
+                 < top_p, shape)
+  last = jnp.where(top_p >= 1.0, kth, jnp.maximum(last, kth))
+  return jnp.where(_ordered(x) >= last, x, -jnp.inf)
 
 
 def processed_logits(logits: jax.Array, sp: SamplingParams) -> jax.Array:
@@ -114,7 +140,7 @@ def processed_logits(logits: jax.Array, sp: SamplingParams) -> jax.Array:
   if sp.top_k is not None or sp.top_p is not None:  # both None: off (`SamplingParams`)
     top_k, top_p = _rows(sp.top_k, nd), _rows(sp.top_p, nd)
     truncating = jnp.any((top_k > 0) | (top_p < 1.0))
-    x = jax.lax.cond(truncating, lambda x: _truncate_sorted(x, top_k, top_p), lambda x: x, x)
+    x = jax.lax.cond(truncating, lambda x: _truncate(x, top_k, top_p), lambda x: x, x)
   floor = jnp.max(x, axis=-1, keepdims=True) + jnp.log(jnp.maximum(min_p, 1e-30))
   return jnp.where((min_p > 0) & (x < floor), -jnp.inf, x)
 
