@@ -20,7 +20,10 @@ Methods (`--methods`, comma-separated):
                     start-up costs throughout (`online_costs=False`);
   priced_online     priced with its costs kept current from its own timed loop calls
                     (`online_costs=True`: the start-up costs are the prior,
-                    `bp_jax.decoding.online_costs`).
+                    `bp_jax.decoding.online_costs`);
+  priced_long       priced whose misses back off up to --long_ar_fallback AR steps (2, 4, ...,
+                    64 by default) instead of --ar_fallback: fewer probing cycles where
+                    drafting keeps losing.
 
 With --batch_size B > 1 every method decodes the prompts in groups of --group_size consecutive
 prompts (default 4B; the same groups for every method, interleaved per group), each group
@@ -30,9 +33,9 @@ its share of the loop calls it decoded in (`Generation.decode_s`). --group_size 
 static batch per group (every request of a group starts together, the batch's slowest sets its
 time).
 
-Intervals: each method's speedup over AR (and `priced`'s over `backoff`, `priced_online`'s over
-`priced`, when both run) with a
-95% paired bootstrap interval over prompts (requests) of its fastest decodes (bp_jax/eval/bootstrap).
+Intervals: each method's speedup over AR (and `priced`'s over `backoff`, `priced_online`'s and
+`priced_long`'s over `priced`, when both run) with a 95% paired bootstrap interval over prompts
+(requests) of its fastest decodes (bp_jax/eval/bootstrap).
 
 The confidence methods and priced price their choices with the costs given (--controller_costs with
 --controller_draft_cost), or else with costs measured once here on this machine (one target
@@ -75,7 +78,7 @@ from bp_jax.eval.bootstrap import bootstrap_speedup
 from bp_jax.errors import BadInputError
 
 METHODS = ("ar", "none", "backoff", "confidence_1step", "confidence", "confidence_poor",
-           "confidence_cal", "confidence_cal_poor", "priced", "priced_online")
+           "confidence_cal", "confidence_cal_poor", "priced", "priced_online", "priced_long")
 
 common.define_flags("target", "drafter", "dtype", "max_len", "max_new_tokens", "block_size",
                     num_prompts=24, repeats=3,
@@ -84,6 +87,7 @@ common.define_flags("target", "drafter", "dtype", "max_len", "max_new_tokens", "
 flags.DEFINE_enum("half", "label", ["label", "eval"], "HumanEval half of configs/demo.py's "
                   "split.")
 flags.DEFINE_integer("ar_fallback", 16, "most AR steps in a row of backoff and confidence*")
+flags.DEFINE_integer("long_ar_fallback", 64, "most AR steps in a row of priced_long")
 flags.DEFINE_integer("ar_fallback_accept", 1, "a cycle accepting <= this many drafts is poor")
 flags.DEFINE_string("methods", ",".join(METHODS[:6]), f"comma-separated, of {list(METHODS)}")
 flags.DEFINE_string("calibration", "", "confidence_cal*: calibration JSON "
@@ -139,6 +143,8 @@ def engine_options(method: str, costs: dict) -> dict:
                          **fb),
           "priced_online": dict(controller="priced", ar_fallback=FLAGS.ar_fallback,
                                 online_costs=True, **fb),
+          "priced_long": dict(controller="priced", ar_fallback=FLAGS.long_ar_fallback,
+                              online_costs=False, **fb),
           }[method]}
 
 
@@ -211,7 +217,7 @@ def intervals(groups: dict[str, list[list[Generation]]], methods: list[str]) -> 
   fig = lambda m: ([g.new_tokens for grp in groups[m] for g in grp],
                    [g.decode_s for grp in groups[m] for g in grp])
   pairs = [(m, "ar") for m in methods if m != "ar"]
-  for a, b in (("priced", "backoff"), ("priced_online", "priced")):
+  for a, b in (("priced", "backoff"), ("priced_online", "priced"), ("priced_long", "priced")):
     if a in methods and b in methods:
       pairs.append((a, b))
   out = {}
