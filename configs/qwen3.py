@@ -151,7 +151,7 @@ def get_config() -> ml_collections.ConfigDict:
   # at most ar_fallback, 16 when 0) | priced (backoff with a cost-priced miss rule: a cycle
   # is a miss when it committed fewer tokens than it cost AR steps, drafter pass + verify of
   # its k+1 tokens, from the costs below, so it never keeps drafting where drafting loses;
-  # misses back off 2, 4, ... AR steps, at most ar_fallback, 16 when 0; ar_fallback_accept
+  # misses back off 2, 4, ... AR steps, at most ar_fallback, 64 when 0; ar_fallback_accept
   # unused). Lossless either way.
   c.controller = "backoff"
   # confidence and priced: relative costs of one target forward over 1, 2, 4, 8, 16, 32 tokens (linear in

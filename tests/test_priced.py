@@ -67,10 +67,10 @@ def test_dearer_verifies_make_more_cycles_misses():
   assert miss(DEAREST) == [True] * 5                          # 9.0 > 4: never worth it
   # A cycle committing exactly its cost is as fast as AR: no miss.
   assert not bool(control.priced_miss(jnp.asarray([1]), 1, (1.0, 1.0), 1.0)[0])
-  # Through the options: `priced` is the controller in effect with its costs, 16 steps at most.
+  # Through the options: `priced` is the controller in effect with its costs, 64 steps at most.
   opts = LoopOptions(controller="priced", block_size=B, **DEAR).in_effect()
   ctl = controller_of(opts)
-  assert isinstance(ctl, Priced) and ctl.cap == control.DEFAULT_SKIP_CAP
+  assert isinstance(ctl, Priced) and ctl.cap == control.PRICED_SKIP_CAP == 64
   assert ctl.buckets == (B - 1,)
   # A batch decides once for all its rows, by the committed rows' mean (2.5 tokens here; -1
   # committed nothing and does not count): a miss at 4.0 AR steps, none at 1.2.

@@ -20,7 +20,7 @@ drafter pass and one target forward over k+1 tokens), i.e. `break_even(k)` =
 (draft_cost + verify_cost(k+1)) / verify_cost(1) AR steps; it commits a+1 tokens (a drafts
 accepted plus the bonus token). It is a miss when a+1 < break_even(k): AR steps would have
 committed more for the same time. The rows then take 2, 4, ... AR steps (at most
-`--config.ar_fallback`, 16 when 0), as after backoff's poor cycles; `ar_fallback_accept` is
+`--config.ar_fallback`, 64 when 0), as after backoff's poor cycles; `ar_fallback_accept` is
 unused. Where a cycle costs 4.3 AR steps (a 2-core CPU, b=8) a cycle committing 4 tokens is a
 miss; where it costs 1.5 (an accelerator) only a cycle committing 1 token (no draft accepted)
 is. The costs are the engine's (measured or given, below), as for confidence; the threshold
@@ -74,6 +74,11 @@ CONTROLLERS = ("none", "backoff", "confidence", "priced")
 PRICED = ("confidence", "priced")
 # confidence with ar_fallback = 0: the longest run of AR steps its declined cycles back off to.
 DEFAULT_SKIP_CAP = 16
+# priced with ar_fallback = 0: the same for its misses. Longer: each probing cycle where
+# drafting keeps losing costs its price less what it commits (on the demo at T = 1, about 3 AR
+# steps per cycle), and a cap of 64 ran 1.069x a cap of 16 there, 1.005x at T = 0 (batch 1,
+# docs/results/controller.md "Every batch size").
+PRICED_SKIP_CAP = 64
 FIXED_PREFIX = "fixed:"  # tests only: "fixed:k" verifies k drafts every cycle (a bucket)
 
 
@@ -97,10 +102,12 @@ def loop_form(controller: str | None, ar_fallback: int) -> tuple[str, int]:
   """(the controller in effect, the most AR steps in one run of them): None reads `backoff`;
   `backoff` without fallback steps is the plain loop (`none`), which takes none; `confidence`
   backs its skipped drafter passes off up to `ar_fallback` steps (0: `DEFAULT_SKIP_CAP`), and
-  `priced` its misses likewise."""
+  `priced` its misses likewise (0: `PRICED_SKIP_CAP`)."""
   controller = controller or "backoff"
   if controller == "backoff" and int(ar_fallback) == 0:
     controller = "none"
+  if controller == "priced":
+    return controller, int(ar_fallback) or PRICED_SKIP_CAP
   if controller in PRICED:
     return controller, int(ar_fallback) or DEFAULT_SKIP_CAP
   return controller, (int(ar_fallback) if controller == "backoff" else 0)

@@ -63,7 +63,7 @@ class Priced(Plain):
   a runtime value, `break_even_N[k + 1]` of the loop state, which the engine keeps current
   from its timed loop calls (`online_costs`) with no recompilation; a state without one (None)
   reads the start-up costs `costs`/`draft_cost` (`controller.break_even`)."""
-  cap: int = control.DEFAULT_SKIP_CAP
+  cap: int = control.PRICED_SKIP_CAP
   costs: tuple[float, ...] = (1.0,)   # relative verify costs (the engine's, measured or given)
   draft_cost: float = 0.0
 

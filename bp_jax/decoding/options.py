@@ -156,7 +156,7 @@ class LoopOptions:
   def in_effect(self) -> "LoopOptions":
     """These options with the loop form in effect (`controller.loop_form`): `backoff` without
     fallback steps reads `none`, `none` takes no AR steps, `confidence` and `priced` back off
-    up to `ar_fallback` steps (0: `controller.DEFAULT_SKIP_CAP`)."""
+    up to `ar_fallback` steps (0: `controller.DEFAULT_SKIP_CAP`, `PRICED_SKIP_CAP`)."""
     controller, ar_fallback = control.loop_form(self.controller, self.ar_fallback)
     return self.replace(controller=controller, ar_fallback=ar_fallback)
 
