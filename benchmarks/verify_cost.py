@@ -1,0 +1,93 @@
+"""Times the verify rules' sampling work alone: one cycle's `propose` and `verify` of each rule
+(`bp_jax.decoding.verify`) on random logits, with a batch's per-row sampling settings, as the
+speculative loop calls them. No model runs: this is the cost a cycle pays at T > 0 on top of
+its forwards, and what top-k / top-p add to it.
+
+Each call is jitted once and then timed over --reps calls (mean); the settings are T = 1 with
+nothing truncated, then --top_k / --top_p. Example (the demo's shapes, b = 8, vocabulary 4096):
+
+  python -m benchmarks.verify_cost --batch_size 1 --block_size 8 --vocab 4096
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import flags
+
+from benchmarks import common
+from bp_jax import cli
+from bp_jax.decoding import verify
+from bp_jax.decoding.sampling import SamplingParams
+from bp_jax.errors import BadInputError
+
+flags.DEFINE_integer("batch_size", 1, "rows of the batch (each with its own settings)")
+flags.DEFINE_integer("block_size", 8, "block size b: b-1 drafts, b target positions")
+flags.DEFINE_integer("vocab", 4096, "vocabulary size of the logits")
+flags.DEFINE_integer("top_k", 20, "top-k of the truncated settings")
+flags.DEFINE_float("top_p", 0.95, "top-p of the truncated settings")
+flags.DEFINE_integer("reps", 50, "timed calls per measurement (their mean is reported)")
+flags.DEFINE_string("out", "", "folder for verify_cost.json (empty: print only)")
+FLAGS = flags.FLAGS
+
+
+def row_settings(B: int, top_k: int, top_p: float) -> SamplingParams:
+  """[B] settings: T = 1 for every row, with top_k / top_p (0 / 1.0: off)."""
+  return SamplingParams(jnp.ones((B,), jnp.float32), jnp.full((B,), top_k, jnp.int32),
+                        jnp.full((B,), top_p, jnp.float32), jnp.zeros((B,), jnp.float32))
+
+
+def mean_ms(fn, args, reps: int) -> float:
+  """Mean milliseconds of `reps` calls of the jitted `fn` (after one untimed call)."""
+  fn = jax.jit(fn)
+  jax.block_until_ready(fn(*args))
+  t0 = time.perf_counter()
+  for _ in range(reps):
+    out = fn(*args)
+  jax.block_until_ready(out)
+  return 1e3 * (time.perf_counter() - t0) / reps
+
+
+def measure(B: int, b: int, V: int, top_k: int, top_p: float, reps: int) -> dict:
+  """{rule: {settings: {"propose_ms", "verify_ms"}}} for both rules, untruncated and truncated."""
+  rng = np.random.default_rng(0)
+  target_BbV = jnp.asarray(rng.normal(size=(B, b, V)), jnp.float32)
+  draft_BkV = jnp.asarray(rng.normal(size=(B, b - 1, V)), jnp.float32)
+  keys_B = jax.vmap(jax.random.key)(jnp.arange(B))
+  pos_B = jnp.arange(B, dtype=jnp.int32) * 10 + 50
+  out: dict = {}
+  for name, rule in verify.RULES.items():
+    for label, sp in (("T=1", row_settings(B, 0, 1.0)),
+                      (f"T=1, top_k {top_k}, top_p {top_p:g}", row_settings(B, top_k, top_p))):
+      drafts_Bk = rule.propose(draft_BkV, sp, keys_B, pos_B)
+      out.setdefault(name, {})[label] = {
+          "propose_ms": round(mean_ms(rule.propose, (draft_BkV, sp, keys_B, pos_B), reps), 4),
+          "verify_ms": round(mean_ms(rule.verify, (target_BbV, draft_BkV, drafts_Bk, sp,
+                                                   keys_B, pos_B), reps), 4)}
+  return out
+
+
+def main(_):
+  if min(FLAGS.batch_size, FLAGS.vocab, FLAGS.reps) < 1 or FLAGS.block_size < 2:
+    raise BadInputError("--batch_size, --vocab and --reps must be >= 1, --block_size >= 2")
+  B, b, V = FLAGS.batch_size, FLAGS.block_size, FLAGS.vocab
+  report = measure(B, b, V, FLAGS.top_k, FLAGS.top_p, FLAGS.reps)
+  print(f"  batch {B}, b={b}, vocabulary {V}, {jax.default_backend()}, mean of {FLAGS.reps} "
+        "calls")
+  print(f"  {'rule':<11}{'settings':<30}{'propose ms':>12}{'verify ms':>11}")
+  for name, by in report.items():
+    for label, t in by.items():
+      print(f"  {name:<11}{label:<30}{t['propose_ms']:>12.3f}{t['verify_ms']:>11.3f}")
+  if FLAGS.out:
+    common.write_json(os.path.join(FLAGS.out, "verify_cost.json"),
+                      {"batch_size": B, "block_size": b, "vocab": V, "reps": FLAGS.reps,
+                       "backend": jax.default_backend(), "rules": report}, indent=1)
+    print(f"  wrote {os.path.join(FLAGS.out, 'verify_cost.json')}")
+
+
+if __name__ == "__main__":
+  cli.run(main, __doc__)
