@@ -131,13 +131,7 @@ def cycle_breakdown(engine: Engine, b: int, reps: int = 20) -> dict:
   res = {}
   for name, fn, args in (("draft_ms", draft, (ts, ds, toks, dcache)),
                          ("verify_ms", verify, (ts, toks, cache))):
-    f = jax.jit(fn)
-    jax.block_until_ready(f(*args))
-    t0 = time.perf_counter()
-    for _ in range(reps):
-      out = f(*args)
-    jax.block_until_ready(out)
-    res[name] = (time.perf_counter() - t0) / reps * 1e3
+    res[name] = common.mean_ms(fn, args, reps)
   return res
 
 

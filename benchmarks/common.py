@@ -131,6 +131,21 @@ def _parent_made(path: str) -> str:
   return path
 
 
+def mean_ms(fn, args: tuple, reps: int) -> float:
+  """Mean milliseconds of `reps` calls of `fn` jitted (after one untimed call: compilation)."""
+  import time
+
+  import jax
+
+  fn = jax.jit(fn)
+  jax.block_until_ready(fn(*args))
+  t0 = time.perf_counter()
+  for _ in range(reps):
+    out = fn(*args)
+  jax.block_until_ready(out)
+  return 1e3 * (time.perf_counter() - t0) / reps
+
+
 def write_json(path: str, obj: Any, indent: int = 2) -> None:
   """Writes `obj` to `path` as JSON, making its folder first."""
   with open(_parent_made(path), "w", encoding="utf-8") as f:

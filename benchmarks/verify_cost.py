@@ -12,7 +12,6 @@ nothing truncated, then --top_k / --top_p. Example (the demo's shapes, b = 8, vo
 from __future__ import annotations
 
 import os
-import time
 
 import jax
 import jax.numpy as jnp
@@ -41,17 +40,6 @@ def row_settings(B: int, top_k: int, top_p: float) -> SamplingParams:
                         jnp.full((B,), top_p, jnp.float32), jnp.zeros((B,), jnp.float32))
 
 
-def mean_ms(fn, args, reps: int) -> float:
-  """Mean milliseconds of `reps` calls of the jitted `fn` (after one untimed call)."""
-  fn = jax.jit(fn)
-  jax.block_until_ready(fn(*args))
-  t0 = time.perf_counter()
-  for _ in range(reps):
-    out = fn(*args)
-  jax.block_until_ready(out)
-  return 1e3 * (time.perf_counter() - t0) / reps
-
-
 def measure(B: int, b: int, V: int, top_k: int, top_p: float, reps: int) -> dict:
   """{rule: {settings: {"propose_ms", "verify_ms"}}} for both rules, untruncated and truncated."""
   rng = np.random.default_rng(0)
@@ -64,10 +52,11 @@ def measure(B: int, b: int, V: int, top_k: int, top_p: float, reps: int) -> dict
     for label, sp in (("T=1", row_settings(B, 0, 1.0)),
                       (f"T=1, top_k {top_k}, top_p {top_p:g}", row_settings(B, top_k, top_p))):
       drafts_Bk = rule.propose(draft_BkV, sp, keys_B, pos_B)
+      propose_args = (draft_BkV, sp, keys_B, pos_B)
+      verify_args = (target_BbV, draft_BkV, drafts_Bk, sp, keys_B, pos_B)
       out.setdefault(name, {})[label] = {
-          "propose_ms": round(mean_ms(rule.propose, (draft_BkV, sp, keys_B, pos_B), reps), 4),
-          "verify_ms": round(mean_ms(rule.verify, (target_BbV, draft_BkV, drafts_Bk, sp,
-                                                   keys_B, pos_B), reps), 4)}
+          "propose_ms": round(common.mean_ms(rule.propose, propose_args, reps), 4),
+          "verify_ms": round(common.mean_ms(rule.verify, verify_args, reps), 4)}
   return out
 
 
