@@ -40,6 +40,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -133,8 +134,6 @@ def _parent_made(path: str) -> str:
 
 def mean_ms(fn, args: tuple, reps: int) -> float:
   """Mean milliseconds of `reps` calls of `fn` jitted (after one untimed call: compilation)."""
-  import time
-
   import jax
 
   fn = jax.jit(fn)

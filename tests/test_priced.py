@@ -60,13 +60,14 @@ def test_dearer_verifies_make_more_cycles_misses():
   """The same acceptances (-1: nothing committed, 0..3 drafts of 3) are misses under dear costs
   and not under cheap ones: the miss rule follows the costs."""
   a_B = jnp.asarray([-1, 0, 1, 2, 3])
-  miss = lambda kw: np.asarray(control.priced_miss(
-      a_B, 3, control.parse_costs(kw["controller_costs"]), kw["controller_draft_cost"])).tolist()
+  miss = lambda kw: np.asarray(control.below_break_even(a_B, control.break_even(
+      3, control.parse_costs(kw["controller_costs"]), kw["controller_draft_cost"]))).tolist()
   assert miss(CHEAP) == [True, True, False, False, False]     # commits 2+ tokens >= 1.2
   assert miss(DEAR) == [True, True, True, True, False]        # commits 4 tokens >= 4.0
   assert miss(DEAREST) == [True] * 5                          # 9.0 > 4: never worth it
   # A cycle committing exactly its cost is as fast as AR: no miss.
-  assert not bool(control.priced_miss(jnp.asarray([1]), 1, (1.0, 1.0), 1.0)[0])
+  assert not bool(control.below_break_even(jnp.asarray([1]),
+                                           control.break_even(1, (1.0, 1.0), 1.0))[0])
   # Through the options: `priced` is the controller in effect with its costs, 64 steps at most.
   opts = LoopOptions(controller="priced", block_size=B, **DEAR).in_effect()
   ctl = controller_of(opts)

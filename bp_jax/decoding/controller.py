@@ -12,8 +12,8 @@ Controllers:
   backoff     as none, plus the AR fallback steps after poor cycles (`--config.ar_fallback`);
   confidence  the cost rule below, from the drafter's own probabilities (no extra pass);
   priced      as backoff, with the miss rule priced: a cycle is a miss when the tokens it
-              committed per unit cost fall below an AR step's (`priced_miss`; in a batch,
-              the rows' mean, `batch_below_break_even`).
+              committed per unit cost fall below an AR step's (`below_break_even`; in a
+              batch, the rows' mean, `batch_below_break_even`).
 
 The priced back-off. A cycle verifying k drafts costs draft_cost + verify_cost(k+1) (the
 drafter pass and one target forward over k+1 tokens), i.e. `break_even(k)` =
@@ -176,14 +176,6 @@ def break_even(k: int, costs: Sequence[float], draft_cost: float) -> float:
   return (draft_cost + verify_cost(k + 1, costs)) / verify_cost(1, costs)
 
 
-def priced_miss(a_B: jax.Array, k: int, costs: Sequence[float], draft_cost: float
-                ) -> jax.Array:
-  """[B] bool: the rows whose cycle (k drafts verified, a_B accepted; -1: nothing committed)
-  committed fewer tokens, a_B + 1, than its cost in AR steps (`break_even`), i.e. fewer tokens
-  per unit cost than AR steps commit (one per step): the rule for one row."""
-  return below_break_even(a_B, break_even(k, costs, draft_cost))
-
-
 def batch_below_break_even(a_B: jax.Array, break_even_: float | jax.Array) -> jax.Array:
   """[B] bool, one value for the whole batch: whether the rows that committed (a_B >= 0)
   committed fewer tokens in all, sum(a_B + 1), than `break_even_` times their number. A batch's
@@ -198,8 +190,9 @@ def batch_below_break_even(a_B: jax.Array, break_even_: float | jax.Array) -> ja
 
 
 def below_break_even(a_B: jax.Array, break_even_: float | jax.Array) -> jax.Array:
-  """[B] bool: the rows whose cycle committed fewer tokens, a_B + 1, than `break_even_` (its
-  cost in AR steps: a compile-time float or a traced [] float32, the loop state's
+  """[B] bool, the rule for one row: the rows whose cycle (a_B drafts accepted; -1: nothing
+  committed) committed fewer tokens, a_B + 1, than `break_even_` (its cost in AR steps,
+  `break_even`: a compile-time float or a traced [] float32, the loop state's
   `break_even_N[k + 1]`)."""
   return (a_B + 1).astype(jnp.float32) < jnp.asarray(break_even_, jnp.float32)
 

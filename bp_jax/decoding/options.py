@@ -93,8 +93,8 @@ class LoopOptions:
       when the engine measures the costs (batches keep the start-up costs: their calls rarely
       run AR steps, which leaves an AR step's price unidentified), off when they are given.
       Host-side only: no compiled loop depends on it.
-    ar_fallback: at most this many AR steps in a row after poor cycles (0: none; `confidence`
-      and `priced`: 16).
+    ar_fallback: at most this many AR steps in a row after poor cycles (0: none; `confidence`:
+      16, `priced`: 64).
     ar_fallback_accept: a cycle accepting at most this many drafts is poor (`backoff`; unused by
       `priced`, whose misses are priced by the costs).
     scan_layers: run layers with `lax.scan` over stacked weights (else unrolled, per-layer
