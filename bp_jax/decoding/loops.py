@@ -237,6 +237,12 @@ def _forced(s: LoopState, drafted_Bk: jax.Array) -> jax.Array:
   return jnp.where(forced_Bk >= 0, forced_Bk, drafted_Bk)
 
 
+# Positions of drafter context one write adds after AR steps (`pending_BPX`): a write of C
+# positions costs about one of a single position on small-M matmuls, and C rounds up the room a
+# row keeps for its pending ones.
+CONTEXT_CHUNK = 8
+
+
 def make_batched_spec_loop(graphdef, draft_graphdef, opts: LoopOptions) -> Callable:
   """spec_loop(state, draft_state, loop_state, stop_ids) -> loop_state: speculative
   decoding of every row of a `LoopState`, each at its own position, until no row decodes or,
@@ -258,7 +264,8 @@ def make_batched_spec_loop(graphdef, draft_graphdef, opts: LoopOptions) -> Calla
   then drafts again. The batch takes AR steps while every decoding row asks for them (a row
   alone: exactly its own schedule). An AR step is one target forward over `tok` whose
   chosen-layer features still become drafter context, so the next cycle drafts from the full
-  context. Every token is still the target's own sample at its position (same keys), so the
+  context: they wait in `LoopState.pending_BPX` and the next cycle adds them, CONTEXT_CHUNK
+  positions per drafter context write (one write per AR step cost ~8% of the step on the demo). Every token is still the target's own sample at its position (same keys), so the
   output is unchanged; only the time differs. `records.is_cycle_BS` tells cycles from AR steps
   (τ counts cycles only); `records.verified_BS` holds k + 1 for a forward verifying k drafts
   after a drafter pass, 0 for one without (the AR steps). `confidence` verifies k of the b-1
@@ -281,6 +288,8 @@ def make_batched_spec_loop(graphdef, draft_graphdef, opts: LoopOptions) -> Calla
   opts = opts.in_effect()
   b, window = opts.block_size, opts.window
   rule, ctl = verify_rules.RULES[opts.verify], controllers.controller_of(opts)
+  # Room for the AR steps a row may take between two drafter passes (at most the cap).
+  pending_len = -(-ctl.cap // CONTEXT_CHUNK) * CONTEXT_CHUNK
 
   def spec_loop(state, draft_state, s: LoopState, stop_ids) -> LoopState:
     model, drafter = nnx.merge(graphdef, state), nnx.merge(draft_graphdef, draft_state)
@@ -335,6 +344,8 @@ def make_batched_spec_loop(graphdef, draft_graphdef, opts: LoopOptions) -> Calla
     def cycle(s):
       """Draft, let the controller pick k, verify k: with several buckets, one nested loop of
       zero or one trips per bucket (exactly one runs)."""
+      if ctl.cap:
+        s = flush_context(s)
       draft_Bk, draft_logits_BkV = draft(s)
       idx, draft_next = ctl.choose(draft_logits_BkV, draft_Bk, s.active_B())
       if len(ctl.buckets) == 1:
@@ -347,11 +358,34 @@ def make_batched_spec_loop(graphdef, draft_graphdef, opts: LoopOptions) -> Calla
     # ------------------------------------------------------------------------------------------
 
     def ar_step(s):
-      """A fallback AR step: the target over `tok` alone, no drafter pass."""
-      out, active_B, pointer_B = forward(s, s.tok_B[:, None])
-      new, _ = commit(s, out, _ar_draw(s, out), jnp.zeros_like(s.pos_B), active_B,
-                      pointer_B, False, 0)
-      return new.replace(wait_B=jnp.where(active_B, s.wait_B - 1, s.wait_B))
+      """A fallback AR step: the target over `tok` alone, no drafter pass; its drafter inputs
+      wait in `pending_BPX` (`flush_context` adds them before the next drafter pass)."""
+      out, active_B, _ = forward(s, s.tok_B[:, None])
+      new, _ = _commit(s, out, _ar_draw(s, out), jnp.zeros_like(s.pos_B), active_B, False, 0,
+                       stop_ids)
+      rows_B = jnp.arange(s.pos_B.shape[0])
+      at_B = jnp.where(active_B, s.pos_B - s.draft_cache.lengths, pending_len)
+      pending = s.pending_BPX.at[rows_B, at_B].set(
+          drafter.context_inputs(out.layer_hiddens)[:, 0], mode="drop")
+      return new.replace(pending_BPX=pending, wait_B=jnp.where(active_B, s.wait_B - 1, s.wait_B))
+
+    def flush_context(s):
+      """The state with each decoding row's pending drafter inputs added to its context (slots
+      `draft_cache.lengths` .. pos - 1), CONTEXT_CHUNK positions per drafter context write, as
+      many writes as the row with the most needs (none after a cycle)."""
+      active_B, base_B = s.active_B(), s.draft_cache.lengths
+      left_B = jnp.where(active_B, s.pos_B - base_B, 0)
+      nowhere = s.seq_BS.shape[1]  # a row with nothing left writes past the cache: dropped
+
+      def add(j_cache):
+        j, cache = j_cache
+        x_BCX = jax.lax.dynamic_slice_in_dim(s.pending_BPX, j * CONTEXT_CHUNK, CONTEXT_CHUNK, 1)
+        at_B = jnp.where(left_B > j * CONTEXT_CHUNK, base_B + j * CONTEXT_CHUNK, nowhere)
+        return j + 1, drafter.add_context_inputs(x_BCX, cache.with_lengths(at_B), draft_layers)
+
+      _, cache = jax.lax.while_loop(lambda jc: jnp.any(left_B > jc[0] * CONTEXT_CHUNK), add,
+                                    (jnp.int32(0), s.draft_cache))
+      return s.replace(draft_cache=cache.with_lengths(jnp.where(active_B, s.pos_B, base_B)))
 
     def wants_ar(s):
       active_B = s.active_B()
@@ -366,7 +400,12 @@ def make_batched_spec_loop(graphdef, draft_graphdef, opts: LoopOptions) -> Calla
       return jax.lax.while_loop(wants_ar, ar_step, s)
 
     s = _loop_caches(s, opts.scan_layers)
-    return _run(lambda s: s.decodes() & s.fits(b, window), body, s, opts.sync_cycles)
+    if not ctl.cap:
+      return _run(lambda s: s.decodes() & s.fits(b, window), body, s, opts.sync_cycles)
+    width = len(layer_ids) * drafter.cfg.layers.hidden_size
+    s = s.replace(pending_BPX=jnp.zeros((s.pos_B.shape[0], pending_len, width), drafter.dtype))
+    s = _run(lambda s: s.decodes() & s.fits(b, window), body, s, opts.sync_cycles)
+    return flush_context(s).replace(pending_BPX=None)
 
   return spec_loop
 

@@ -91,6 +91,12 @@ class LoopState:
   # tokens costs break_even_N[n] AR steps (a runtime value the host may replace between loop
   # calls, `online_costs`; None: the start-up costs, compile-time constants).
   break_even_N: jax.Array | None = None
+  # [B, P, X] the drafter inputs (`DFlashDrafter.context_inputs`) of the AR steps a row took
+  # since its drafter context was last written, entry i at position `draft_cache.lengths + i`:
+  # a speculative loop adds them to the context before its next drafter pass, P at most at a
+  # time in chunks, instead of one drafter context write per AR step (`loops`). Only inside a
+  # speculative loop call (None outside: nothing pending when a call returns).
+  pending_BPX: jax.Array | None = None
 
   @classmethod
   def empty(cls, seq_BS: jax.Array, cache: KVCache, draft_cache: KVCache | None = None,

@@ -87,15 +87,22 @@ class DFlashDrafter(nnx.Module):
     return KVCache.create(c.num_hidden_layers, batch, max_len, c.num_key_value_heads, c.head_dim,
                           self.dtype)
 
-  def context_features(self, target_hiddens_nBCD: jax.Array) -> jax.Array:
-    """c [B, C, D] = hidden_norm(fc(concat_n hiddens)), concatenated in `target_layer_ids` order."""
-    n, _, _, D = target_hiddens_nBCD.shape
+  def context_inputs(self, target_hiddens_nBCD: jax.Array) -> jax.Array:
+    """[B, C, n * D] the target's chosen-layer hidden states concatenated in `target_layer_ids`
+    order (layer-major, as the rows of `fc`), in the drafter's dtype: what `fc` projects."""
+    n = target_hiddens_nBCD.shape[0]
     if n != len(self.cfg.target_layer_ids):
       raise ValueError(f"expected hidden states of {len(self.cfg.target_layer_ids)} target layers, "
                        f"got {n}")
-    # Rows of fc are the concat's features, layer-major; fc is used as stored (no weight copy).
-    concat_BCX = jnp.concatenate(list(target_hiddens_nBCD.astype(self.dtype)), axis=-1)
-    return L.rms_norm(concat_BCX @ self.fc[...], self.hidden_norm[...],
+    return jnp.concatenate(list(target_hiddens_nBCD.astype(self.dtype)), axis=-1)
+
+  def context_features(self, target_hiddens_nBCD: jax.Array) -> jax.Array:
+    """c [B, C, D] = hidden_norm(fc(concat_n hiddens)), concatenated in `target_layer_ids` order."""
+    return self._project_context(self.context_inputs(target_hiddens_nBCD))
+
+  def _project_context(self, inputs_BCX: jax.Array) -> jax.Array:
+    # fc is used as stored (no weight copy).
+    return L.rms_norm(inputs_BCX @ self.fc[...], self.hidden_norm[...],
                       self.cfg.layers.rms_norm_eps)
 
   def add_context(self, target_hiddens_nBCD: jax.Array, cache: KVCache,
@@ -108,8 +115,14 @@ class DFlashDrafter(nnx.Module):
     `layers`: per-layer parameters (`self.layers.per_layer()`), taken once outside a decode
     loop; None slices them here.
     """
+    return self.add_context_inputs(self.context_inputs(target_hiddens_nBCD), cache, layers)
+
+  def add_context_inputs(self, inputs_BCX: jax.Array, cache: KVCache,
+                         layers: list[dict[str, jax.Array]] | None = None) -> KVCache:
+    """`add_context` from the concatenated hidden states (`context_inputs`), e.g. kept aside
+    while the target took AR steps and added in one go before the next drafter pass."""
     c = self.cfg.layers
-    ctx_BCD = self.context_features(target_hiddens_nBCD)
+    ctx_BCD = self._project_context(inputs_BCX)
     C = ctx_BCD.shape[1]
     pos_BC = cache.lengths[:, None] + jnp.arange(C, dtype=jnp.int32)[None, :]
     cos_BCH, sin_BCH = L.rope_cos_sin(pos_BC, c.head_dim, c.rope_theta)

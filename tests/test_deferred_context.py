@@ -1,0 +1,86 @@
+"""The drafter context of AR steps, added late: the speculative loop keeps an AR step's drafter
+inputs aside (`LoopState.pending_BPX`) and writes them into the drafter's context cache before
+the next drafter pass, CONTEXT_CHUNK positions at a time. The context a loop call leaves must be
+the one a prefill over the same tokens builds, whatever mix of cycles and AR steps made it."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from bp_jax.decoding import loops
+from bp_jax.decoding.options import LoopOptions
+from bp_jax.decoding.sampling import sampling_params
+from bp_jax.decoding.state import MAX_ROW_STOP_IDS, LoopState
+from bp_jax.models.config import DFlashConfig, Qwen3Config
+from bp_jax.models.dflash import DFlashDrafter
+from bp_jax.models.qwen3 import Qwen3
+
+S, V, B_SIZE = 128, 64, 4
+
+
+def _pair():
+  cfg = Qwen3Config(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=8, rope_theta=1e4,
+                    tie_word_embeddings=False, max_position_embeddings=S)
+  target = Qwen3(cfg, rngs=nnx.Rngs(0))
+  layers = Qwen3Config(**{**cfg.__dict__, "num_hidden_layers": 2})
+  drafter = DFlashDrafter(DFlashConfig(layers=layers, block_size=B_SIZE, num_target_layers=3,
+                                       mask_token_id=V - 1, target_layer_ids=(0, 2)),
+                          rngs=nnx.Rngs(2))
+  return target, drafter
+
+
+def _context_of(target, drafter, tokens: list[int]):
+  """(k [L, n, K, H], v) of the drafter context a prefill over `tokens` builds."""
+  n = len(tokens)
+  out = target(jnp.asarray([tokens], jnp.int32), target.init_cache(1, S),
+               drafter.cfg.target_layer_ids)
+  ctx = drafter.add_context(out.layer_hiddens, drafter.init_cache(1, S))
+  k, v = ctx.with_lengths(jnp.asarray([n])).as_LBSKH()
+  return np.asarray(k[:, 0, :n]), np.asarray(v[:, 0, :n])
+
+
+def test_context_after_ar_steps_is_the_prefills(monkeypatch):
+  """Two rows at different positions, every cycle a miss (back-off 2, 4, 8, 16 AR steps, so a
+  call ends with 16 pending positions: two chunks), one call of 4 cycles: every decoding row's
+  context cache at slots [0, pos) equals a prefill's over the row's tokens. A flush that skipped
+  a chunk, wrote at the wrong slot or never ran fails here (the drafts alone would not show
+  it: the output is lossless either way)."""
+  target, drafter = _pair()
+  graph, state = nnx.split(target)
+  dgraph, dstate = nnx.split(drafter)
+  opts = LoopOptions(block_size=B_SIZE, controller="backoff", ar_fallback=16,
+                     ar_fallback_accept=B_SIZE - 1, sync_cycles=4)
+  prefill = jax.jit(loops.make_prefill(graph, dgraph))
+  insert = jax.jit(loops.make_insert())
+  spec = jax.jit(loops.make_batched_spec_loop(graph, dgraph, opts))
+  stop_ids = jnp.asarray([-1], jnp.int32)
+  greedy = sampling_params(0.0, 0, 1.0, 0.0)
+  s = LoopState.empty(jnp.zeros((2, S), jnp.int32), target.init_cache(2, S),
+                      drafter.init_cache(2, S), max_verify=B_SIZE)
+  rng = np.random.default_rng(0)
+  prompts = [rng.integers(1, V - 1, n).tolist() for n in (5, 19)]
+  for row, prompt in enumerate(prompts):
+    n = len(prompt)
+    toks = jnp.zeros((1, 32), jnp.int32).at[0, :n].set(jnp.asarray(prompt))
+    pre = prefill(state, dstate, toks, jnp.int32(n), target.init_cache(1, S),
+                  drafter.init_cache(1, S), jax.random.key(row), greedy)
+    s = insert(s, jnp.int32(row), pre.cache, pre.draft_cache, pre.first_tok, jnp.int32(n),
+               jnp.int32(90), jax.random.key(row), stop_ids, greedy,
+               jnp.full((MAX_ROW_STOP_IDS,), -1, jnp.int32))
+  s = spec(state, dstate, s, stop_ids)
+  assert s.pending_BPX is None
+  counts = np.asarray(s.forward_counts_N)
+  assert counts[B_SIZE] == 4 and counts[0] == 2 + 4 + 8 + 16, counts  # batch forwards
+  ctx = s.draft_cache.stacked()
+  k, v = ctx.as_LBSKH()
+  for row, prompt in enumerate(prompts):
+    pos = int(s.pos_B[row])
+    assert int(ctx.lengths[row]) == pos >= len(prompt) + 4 + 30
+    tokens = prompt + np.asarray(s.seq_BS[row, len(prompt):pos]).tolist()  # seq: from n on
+    want_k, want_v = _context_of(target, drafter, tokens)
+    np.testing.assert_allclose(np.asarray(k[:, row, :pos]), want_k, atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(np.asarray(v[:, row, :pos]), want_v, atol=2e-5, rtol=2e-5)
