@@ -31,15 +31,17 @@ def get_config() -> ml_collections.ConfigDict:
   c.dtype = "float32"
   c.matmul_precision = "highest"  # full f32 matmuls on TPU/GPU too (see configs/qwen3.py)
   c.block_size = DRAFT_BLOCK_SIZE  # the fixed size (and the fallback without a policy)
-  # On this CPU a b=8 cycle costs ~4 AR steps: after a cycle that accepts <= 1 draft, run 2, 4,
-  # ... (at most 16) plain AR steps before drafting again (lossless; see configs/qwen3.py).
+  # The per-cycle controller: priced = after a cycle that committed fewer tokens than it cost
+  # AR steps (drafter pass + verify, by the costs the engine measures on this machine at
+  # start-up and keeps current from its own loop calls), run 2, 4, ... (at most ar_fallback)
+  # plain AR steps before drafting again (lossless). On this CPU a b=8 cycle costs ~4-5 AR
+  # steps, on an accelerator ~1: the same rule drafts less here and nearly always there. Try
+  # --config.controller=backoff (a miss = a cycle accepting <= ar_fallback_accept drafts, at
+  # any cost), confidence (verify 0, 1, 3 or 7 drafts per cycle by the drafter's confidence
+  # and the measured costs, configs/qwen3.py) or none (the paper's loop). Labels and the
+  # shipped policy were made under backoff's loop, which priced shares (same ar_fallback).
   c.ar_fallback = 16
-  # The per-cycle verify-length controller: backoff = the fallback above; try
-  # --config.controller=confidence (verify 0, 1, 3 or 7 drafts per cycle by the drafter's
-  # confidence and the costs the engine measures on this machine at start-up, configs/qwen3.py),
-  # priced (backoff whose misses are the cycles committing fewer tokens than they cost AR
-  # steps, by those measured costs) or none (the paper's loop).
-  c.controller = "backoff"
+  c.controller = "priced"
   # confidence only: the drafter's p is underconfident (p 0.65 -> 83% accepted); this table of
   # acceptance per p bin was fitted on 48 HumanEval labelling-half prompts (HumanEval/134 on,
   # benchmarks/controller_calibration.py --skip 24 --num_prompts 48) and replaces p in the rule.

@@ -152,8 +152,10 @@ def get_config() -> ml_collections.ConfigDict:
   # is a miss when it committed fewer tokens than it cost AR steps, drafter pass + verify of
   # its k+1 tokens, from the costs below, so it never keeps drafting where drafting loses;
   # misses back off 2, 4, ... AR steps, at most ar_fallback, 64 when 0; ar_fallback_accept
-  # unused). Lossless either way.
-  c.controller = "backoff"
+  # unused). Lossless either way. priced is the default: where a cycle costs about one AR step
+  # (an accelerator) it drafts nearly always; where drafting loses (a CPU, T > 0, large
+  # batches) it falls back to AR steps.
+  c.controller = "priced"
   # confidence and priced: relative costs of one target forward over 1, 2, 4, 8, 16, 32 tokens (linear in
   # between) and of one drafter pass, same unit (AR steps), e.g. "1.0,2.01,2.25,2.58" and 1.58;
   # both given or both "measure": the engine times its own forwards on this machine at start-up

@@ -150,11 +150,23 @@ def test_one_loop_per_block_size(models):
   assert_one_spec_loop(_engine(models, **DEAR), B)
 
 
-def test_label_sets_refuse_priced():
-  """Label sets replay back-off's miss rule: they refuse a loop whose misses are priced."""
+def test_priced_is_labelled_as_backoff():
+  """Label sets replay back-off's miss rule: `priced` (back-off's loop, misses priced) labels,
+  reports and looks up oracle tables as backoff at the same ar_fallback, so its decode settings
+  are back-off's; `confidence`, which no label set replays, is still refused."""
+  from bp_jax.data.label_sets import decode_settings
+  from bp_jax.decode_job.block_choice import labelling_loop_options, loop_options
   from bp_jax.train.labels import labels_stage
-  from configs import qwen3 as qwen3_config
-  cfg = qwen3_config.get_config()
-  cfg.controller, cfg.controller_costs, cfg.controller_draft_cost = "priced", "1,2", "1.0"
-  with pytest.raises(BadInputError, match="--config.controller=priced: label sets"):
+  from configs import demo
+  cfg = demo.get_config()
+  cfg.controller_costs, cfg.controller_draft_cost = "1,2", "1.0"
+  settings = {}
+  for name in ("backoff", "priced"):
+    cfg.controller = name
+    assert labelling_loop_options(cfg) == {**loop_options(cfg), "controller": "backoff"}
+    settings[name] = decode_settings(128, 0.0, False, loop_options(cfg))
+  assert settings["priced"] == settings["backoff"]
+  assert settings["priced"]["controller"] == "backoff" and settings["priced"]["ar_fallback"] == 16
+  cfg.controller = "confidence"
+  with pytest.raises(BadInputError, match="--config.controller=confidence: label sets"):
     labels_stage(cfg)

@@ -65,11 +65,12 @@ def decode_settings(max_new_tokens: int, temperature: float, chat: bool,
                     loop: Mapping[str, Any],
                     sampling: Mapping[str, Any] | None = None) -> dict[str, Any]:
   """The settings a label set's measurements depend on; `loop` is `block_choice.loop_options`,
-  `sampling` `block_choice.sampling_options` (top_k, top_p, min_p; None = off)."""
-  from bp_jax.decoding.controller import loop_form
+  `sampling` `block_choice.sampling_options` (top_k, top_p, min_p; None = off). The controller
+  is the one label sets are measured under (`controller.labelled_as`: `priced` as backoff)."""
+  from bp_jax.decoding.controller import labelled_as, loop_form
 
   sampling = {**SAMPLING_SETTINGS, **(sampling or {})}
-  controller, _ = loop_form(loop.get("controller"), int(loop["ar_fallback"]))
+  controller, _ = loop_form(labelled_as(loop.get("controller")), int(loop["ar_fallback"]))
   return {"controller": controller, "max_new_tokens": int(max_new_tokens),
           "temperature": float(temperature), "chat": bool(chat),
           "scan_layers": bool(loop["scan_layers"]),

@@ -132,6 +132,14 @@ def loop_options(cfg) -> dict[str, Any]:
               str(cfg.get("controller_calibration", "") or ""))}
 
 
+def labelling_loop_options(cfg) -> dict[str, Any]:
+  """`loop_options` in the form label sets are measured under (`controller.labelled_as`:
+  `priced` as `backoff` at the same `ar_fallback`)."""
+  from bp_jax.decoding.controller import labelled_as
+  loop = loop_options(cfg)
+  return {**loop, "controller": labelled_as(loop["controller"])}
+
+
 MEASURE = "measure"  # --config.controller_costs / controller_draft_cost: measure where it runs
 
 

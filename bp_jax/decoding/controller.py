@@ -113,6 +113,16 @@ def loop_form(controller: str | None, ar_fallback: int) -> tuple[str, int]:
   return controller, (int(ar_fallback) if controller == "backoff" else 0)
 
 
+def labelled_as(controller: str | None) -> str | None:
+  """The controller whose loop label sets measure for a decode with `controller`: `priced`
+  runs back-off's loop (the same cycles, AR steps and back-off schedule) with misses priced
+  by costs measured where it runs, and label sets price cycles by their own cost table and
+  replay back-off's miss rule, so `priced` is labelled as `backoff` (labels made for backoff
+  serve it unchanged); the others as themselves (`confidence`, whose verify lengths no label
+  set replays, is refused by the labels stage)."""
+  return "backoff" if controller == "priced" else controller
+
+
 def backoff_steps(misses_B: jax.Array, cap: int) -> jax.Array:
   """[B] int32 AR steps to take after `misses_B` consecutive misses (>= 1): 2, 4, 8, ... at
   most `cap` (the schedule of `backoff`'s poor cycles and of `confidence`'s declined ones)."""

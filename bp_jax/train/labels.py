@@ -278,19 +278,20 @@ def load_models(cfg: Any, stage: str) -> tuple[Any, Any, Any, str]:
 
 def build_engine(cfg: Any, target: Any, drafter: Any, tok: Any, sizes: Sequence[int],
                  prompt_lens: Sequence[int], max_new: int, **override: Any):
-  """An engine with the candidate sizes, its loops in decode.py's form (`--config.scan_layers`;
-  `override`: loop options replaced), so measured cycle costs are the ones decode.py pays;
-  every request is checked first."""
+  """An engine with the candidate sizes, its loops in decode.py's form as labels are measured
+  (`block_choice.labelling_loop_options`: `priced` as `backoff`; `override`: loop options
+  replaced), so measured cycle costs are the ones decode.py pays; every request is checked
+  first."""
   from bp_jax.decoding.engine import Engine
   from bp_jax.decoding.options import LoopOptions, ShapeOptions
-  from bp_jax.decode_job.block_choice import loop_options, parse_int_list
+  from bp_jax.decode_job.block_choice import labelling_loop_options, parse_int_list
   from bp_jax.text.tokenizer import stop_token_ids
 
   buckets = parse_int_list(cfg.get("length_buckets", ""), "--config.length_buckets") or None
   engine = Engine(target, stop_ids=stop_token_ids(tok), drafter=drafter,
                   shapes=ShapeOptions(max_len=int(cfg.max_len), length_buckets=buckets,
                                       block_sizes=tuple(sizes)),
-                  loop=LoopOptions(**{**loop_options(cfg), **override}))
+                  loop=LoopOptions(**{**labelling_loop_options(cfg), **override}))
   for n in prompt_lens:
     engine.check_request(n, max_new, max(sizes))
   return engine
@@ -351,15 +352,16 @@ def labels_stage(cfg: Any) -> None:
   """
   from tqdm import tqdm
 
-  from bp_jax.decode_job.block_choice import loop_options, sampling_options
+  from bp_jax.decode_job.block_choice import labelling_loop_options, sampling_options
   from bp_jax.train.regenerate import model_fingerprint, read_stamp, write_stamp
 
   bp = cfg.blockpilot
-  loop = loop_options(cfg)  # the measured loops' form: cycle costs and labels depend on it
-  if loop["controller"] in ("confidence", "priced"):
-    raise BadInputError(f"--config.controller={loop['controller']}: label sets price every "
-                        "cycle as a whole-block verify and replay backoff's miss rule (the cost "
-                        "table); label with --config.controller=none or backoff")
+  # The measured loops' form (cycle costs and labels depend on it): `priced` labels as backoff.
+  loop = labelling_loop_options(cfg)
+  if loop["controller"] == "confidence":
+    raise BadInputError("--config.controller=confidence: label sets price every cycle as a "
+                        "whole-block verify and replay backoff's miss rule (the cost table); "
+                        "label with --config.controller=none, backoff or priced")
   sampling = sampling_options(cfg)
   target, drafter, tok, fingerprint = load_models(cfg, "labels")
   sizes = candidate_sizes(bp, drafter.cfg.block_size)
