@@ -165,8 +165,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.controller_draft_cost = "measure"
   c.controller_cost_cache = "default"
   # priced: keep the costs current from the loop calls' own wall times (the start-up costs are
-  # the prior; bp_jax/decoding/online_costs.py): "auto" (when measured, from one-request calls;
-  # batches keep the start-up costs), "on" (every call, batches too) or "off".
+  # the prior and the floor; bp_jax/decoding/online_costs.py): "auto" (when measured, from every
+  # loop call, batches too), "on" (also when given) or "off".
   c.controller_online_costs = "auto"
   # confidence: also count a cycle that verified more than ar_fallback_accept drafts and
   # accepted at most that many as a declined one (backs off into AR steps as backoff does).

@@ -95,6 +95,17 @@ def test_clips_to_sane_bounds_and_checks_its_inputs():
   for n_ar, n_cycle in _calls(10):  # cycles cheaper than an AR step: at least one AR step
     cheap.observe(AR_S * n_ar + 0.2 * AR_S * n_cycle, _counts(n_ar, n_cycle), rows=1)
   assert cheap.break_even(N, rows=1) == pytest.approx(1.0)
+  # With the prior as a floor (the engine's): cheaper cycles stop at the prior, dearer ones
+  # still move the fit up.
+  floored = OnlineCosts(lambda n: 3.0, prior_floor=1.0)
+  for n_ar, n_cycle in _calls(10):
+    floored.observe(AR_S * n_ar + 0.2 * AR_S * n_cycle, _counts(n_ar, n_cycle), rows=1)
+  assert floored.break_even(N, rows=1) == pytest.approx(3.0)
+  for n_ar, n_cycle in _calls(10, seed=1):
+    floored.observe(AR_S * n_ar + 5 * AR_S * n_cycle, _counts(n_ar, n_cycle), rows=1)
+  assert floored.break_even(N, rows=1) == pytest.approx(5.0, rel=0.05)
+  with pytest.raises(BadInputError, match="prior_floor=-1"):
+    OnlineCosts(lambda n: 3.0, prior_floor=-1)
   with pytest.raises(BadInputError, match="forget=0"):
     OnlineCosts(lambda n: 3.0, forget=0)
   with pytest.raises(BadInputError, match="forget=1.5"):
@@ -212,7 +223,7 @@ def test_batched_path_follows_dearer_cycles(models, requests, ar_outputs):
   for gens in (cheap, dear, dear_more):
     assert [g.output_ids for g in gens] == ar_outputs
   by_rows = eng.cost_estimate["by_batch_size"]  # online_costs=True: batched calls update it
-  assert eng.cost_estimate["online_batches"] is True
+  assert eng.cost_estimate["online"] is True
   assert set(by_rows) == {"3"} and by_rows["3"]["calls"] > 20
 
 
@@ -229,7 +240,7 @@ def test_real_clock_outputs_stay_ar_and_off_keeps_the_start_up_costs(models, req
   assert [g.output_ids for g in off.generate_batch(prompts, max_new_tokens=max_news,
                                                   block_size=B)] == ar_outputs
   est = off.cost_estimate
-  assert est["online"] is est["online_batches"] is False
+  assert est["online"] is False
   assert est["by_batch_size"]["3"]["calls"] == 0
   assert off.prices.break_even(N, 3) == pytest.approx(1.2)
   assert sum(off.forwards_run.values()) > 0
@@ -256,8 +267,6 @@ def test_the_summary_shows_the_online_estimate(models, requests):
   assert float(found[1]) == pytest.approx(3.0, rel=0.05)  # the fake clock's price
   assert float(found[2]) == pytest.approx(1e3 * AR_S, rel=0.05)
   assert rec.online_line(None) == "" and rec.online_line({"online": False}) == ""
-  # Under auto a batch keeps its start-up costs, and the line says so.
-  batched = {"online": True, "online_batches": False,
-             "by_batch_size": {"4": {"calls": 0, "break_even": {4: 1.2}, "ar_step_s": None}}}
-  assert rec.online_line(batched) == ("; batch 4: the start-up costs (batched calls update them "
-                                      "only with --config.controller_online_costs=on)")
+  batched = {"online": True,
+             "by_batch_size": {"4": {"calls": 0, "break_even": {}, "ar_step_s": None}}}
+  assert rec.online_line(batched) == "; online (0 calls, batch 4): no cycle yet"

@@ -116,12 +116,11 @@ def test_greedy_outputs_are_ar_and_batched_rows_equal_their_request_alone(models
   many = _engine(models, batch_size=3, **kw)
   together = many.generate_batch(prompts, max_new_tokens=max_news, block_size=B)
   assert [g.output_ids for g in together] == ar_outputs
-  if not kw:  # measured costs: one-request calls update them, batched calls keep them (auto)
+  if not kw:  # measured costs: every loop call updates them (auto), one request or a batch
     ran = sum(m > 1 for m in max_news)  # a request of one new token runs no loop call
     assert one.cost_estimate["by_batch_size"]["1"]["calls"] == ran
     est = many.cost_estimate
-    assert (est["online"], est["online_batches"]) == (True, False)
-    assert est["by_batch_size"]["3"]["calls"] == 0
+    assert est["online"] is True and est["by_batch_size"]["3"]["calls"] > 0
 
 
 @pytest.mark.parametrize("batch_size", [1, 3])

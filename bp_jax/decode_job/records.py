@@ -142,14 +142,10 @@ def online_line(online: dict | None) -> str:
     return ""
   parts = []
   for rows, e in online["by_batch_size"].items():
-    if int(rows) > 1 and not online.get("online_batches"):
-      parts.append(f"batch {rows}: the start-up costs (batched calls update them only with "
-                   "--config.controller_online_costs=on)")
-      continue
     evens = ", ".join(f"a cycle over {n} tokens costs {b:.2f}" for n, b in e["break_even"].items())
     ar = f" ({1e3 * e['ar_step_s']:.3f} ms per AR step)" if e["ar_step_s"] else ""
-    parts.append(f"online ({e['calls']} calls, batch {rows}): {evens or 'no cycle yet'} AR "
-                 f"steps{ar}")
+    parts.append(f"online ({e['calls']} calls, batch {rows}): "
+                 f"{evens + ' AR steps' if evens else 'no cycle yet'}{ar}")
   return "; " + "; ".join(parts)
 
 

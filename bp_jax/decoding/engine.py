@@ -98,7 +98,7 @@ class Engine:
     # Target forwards of every loop call so far, by verify length (0: AR steps; n: cycles
     # verifying n tokens), counted before each call's clock stops.
     self.forwards_run: collections.Counter = collections.Counter()
-    self.prices, self.online, self.online_batches = self._online_prices(self.programs.options)
+    self.prices, self.online = self._online_prices(self.programs.options)
     self.p_graph = self.p_state = self.policy_key = None
     self.policy_sizes: tuple[int, ...] = ()
     self.mesh = mesh
@@ -125,21 +125,21 @@ class Engine:
     self.measured_costs, self.costs_from_cache = measured, hit
     return loop.replace(controller_costs=table, controller_draft_cost=draft)
 
-  def _online_prices(self, opts: LoopOptions) -> tuple[OnlineCosts | None, bool, bool]:
-    """(the priced controller's runtime prices, whether one-request calls update them, whether
-    batched calls do): None for another controller; prior: the start-up costs. Per
-    `LoopOptions.online_costs`: True updates from every call; None (auto) from one-request calls
-    when the engine measured the costs; False never. Auto leaves batches at the start-up costs:
-    in a batch AR steps run only while every row asks for them, so the calls hardly tell an AR
-    step's price apart, and the fit can sink to a break-even of 1 that then asks for no AR step
-    that could correct it (measured: docs/results/controller.md)."""
+  def _online_prices(self, opts: LoopOptions) -> tuple[OnlineCosts | None, bool]:
+    """(the priced controller's runtime prices, whether the loop calls update them): None for
+    another controller; prior: the start-up costs, which the
+    prices never go below (`OnlineCosts.prior_floor` 1: a fit that lost sight of AR steps
+    cannot sink to a cycle "costing" one AR step, where no cycle is a miss and no AR step runs
+    that could correct it; docs/results/controller.md). Per `LoopOptions.online_costs`: True
+    updates from every call; None (auto) from every call when the engine measured the costs;
+    False never."""
     if opts.controller != "priced" or self.drafter is None:
-      return None, False, False
+      return None, False
     costs, draft = opts.controller_costs, opts.controller_draft_cost
-    prices = OnlineCosts(lambda n: control.break_even(n - 1, costs, draft))
+    prices = OnlineCosts(lambda n: control.break_even(n - 1, costs, draft), prior_floor=1.0)
     online = (self.measured_costs is not None if opts.online_costs is None
               else opts.online_costs)
-    return prices, online, opts.online_costs is True
+    return prices, online
 
   def break_even_N(self, block_size: int, rows: int) -> np.ndarray | None:
     """[N] float32 (N = the largest block size + 1, for every bucket alike) the priced
@@ -161,21 +161,19 @@ class Engine:
     for n in np.flatnonzero(counts_N):
       self.forwards_run[int(n)] += int(counts_N[n])
     secs = self.clock() - t0
-    if block_size > 1 and (self.online_batches if rows > 1 else self.online):
+    if block_size > 1 and self.online:
       self.prices.observe(secs, counts_N, rows)
     return secs
 
   @property
   def cost_estimate(self) -> dict | None:
-    """What the priced controller prices cycles with now: whether one-request and batched loop
-    calls update it (`online`, `online_batches`), and per
-    batch size the seconds per AR step and per cycle and each cycle's break-even in AR steps
-    (`online_costs.CostEstimate`); None for another controller."""
+    """What the priced controller prices cycles with now: whether its loop calls update it
+    (`online`), and per batch size the seconds per AR step and per cycle and each cycle's
+    break-even in AR steps (`online_costs.CostEstimate`); None for another controller."""
     if self.prices is None:
       return None
     self.prices.estimate(self.batch_size)  # the engine's own batch size, even before a call
-    return {"online": self.online, "online_batches": self.online_batches,
-            "by_batch_size": {str(e.rows): e.to_json() for e in self.prices.estimates()}}
+    return {"online": self.online, "by_batch_size": {str(e.rows): e.to_json() for e in self.prices.estimates()}}
 
   @property
   def costs_source(self) -> str | None:

@@ -15,6 +15,13 @@ exponentially forgetting least-squares fit of them (`forget`: the weight each ol
 per newer one; 0.6: a change is followed within two or three calls), whence the controller's
 break-even: a cycle verifying n tokens costs `secs_N[n] / secs_N[0]` AR steps.
 
+An AR step's price is learned only from calls that ran AR steps. Where cycles keep paying, no
+cycle is a miss, no AR step runs, and the fit keeps whatever ratio it last had: if that is the
+floor (a cycle "costs" one AR step), nothing can raise it again. The engine therefore bounds the
+break-even below by its start-up prior (`prior_floor` 1): the start-up costs time forwards alone
+and underprice a loop's real cycle (every fit measured on the demo settled above them, by 1.2-2x;
+the one that fell below sank to the floor, at batch 4), so the fit corrects them upward only.
+
 One call gives one equation for several unknowns, and calls of a run often mix their forwards in
 about the same proportion (or run one kind only), so the fit is regularized toward the previous
 estimate scaled to the data (a random-walk prior): a direction the calls do not tell apart keeps
@@ -138,14 +145,17 @@ class OnlineCosts:
   steps (`controller.break_even(n - 1, ...)`); `forget` in (0, 1]: the weight an older call keeps
   per newer one (1: never forget); `ridge` > 0: the pull toward the previous estimate, relative
   to the data's own weight; break-evens are clipped to [min_break_even,
-  max_break_even_per_token * n]; a call whose seconds the estimate mispredicts by more than
-  `restart_error` (relative) marks a change: older calls keep only `RESTART_WEIGHT` of their
-  weight."""
+  max_break_even_per_token * n], and from below also to `prior_floor` times the prior (0: no
+  such bound); a call whose seconds the estimate mispredicts by more than `restart_error`
+  (relative) marks a change: older calls keep only `RESTART_WEIGHT` of their weight."""
 
   def __init__(self, prior: Callable[[int], float], *, forget: float = 0.6, ridge: float = 0.03,
                min_break_even: float = 1.0, max_break_even_per_token: float = 4.0,
-               restart_error: float = 0.2):
+               restart_error: float = 0.2, prior_floor: float = 0.0):
     self.prior = prior
+    self.prior_floor = float(prior_floor)
+    if not math.isfinite(self.prior_floor) or self.prior_floor < 0:
+      raise BadInputError(f"prior_floor={prior_floor!r}: expected a number >= 0")
     self.forget = _check_positive(forget, "forget", upper=1.0)
     self.ridge = _check_positive(ridge, "ridge")
     self.min_break_even = _check_positive(min_break_even, "min_break_even")
@@ -155,9 +165,11 @@ class OnlineCosts:
     self._fits: dict[int, _Fit] = {}
 
   def clip(self, n: int, break_even: float) -> float:
-    """`break_even` of a cycle verifying n tokens within [min_break_even, max... * n]."""
-    hi = max(self.min_break_even, self.max_break_even_per_token * max(n, 1))
-    return float(min(max(break_even, self.min_break_even), hi))
+    """`break_even` of a cycle verifying n tokens within [max(min_break_even, prior_floor *
+    prior(n)), max_break_even_per_token * n]."""
+    lo = max(self.min_break_even, self.prior_floor * float(self.prior(n)) if n else 0.0)
+    hi = max(lo, self.max_break_even_per_token * max(n, 1))
+    return float(min(max(break_even, lo), hi))
 
   def _fit(self, rows: int) -> _Fit:
     if rows not in self._fits:

@@ -89,9 +89,9 @@ class LoopOptions:
     controller_calibration: acceptance rates per p bin replacing the drafter's p (None: raw p).
     online_costs: `priced` keeps its costs current from the engine's timed loop calls
       (`online_costs.OnlineCosts`; a runtime value of the loop state, no recompilation): True
-      (every loop call), False (the start-up costs throughout), or None: one-request calls
-      when the engine measures the costs (batches keep the start-up costs: their calls rarely
-      run AR steps, which leaves an AR step's price unidentified), off when they are given.
+      (every loop call), False (the start-up costs throughout), or None: every call when the
+      engine measures the costs, off when they are given. The start-up costs bound the prices
+      below (`OnlineCosts.prior_floor`).
       Host-side only: no compiled loop depends on it.
     ar_fallback: at most this many AR steps in a row after poor cycles (0: none; `confidence`:
       16, `priced`: 64).
