@@ -19,8 +19,9 @@ Methods (`--methods`, comma-separated):
                     cycle is a miss when it committed fewer tokens than it cost AR steps, at the
                     start-up costs throughout (`online_costs=False`);
   priced_online     priced with its costs kept current from its own timed loop calls
-                    (`online_costs=True`: the start-up costs are the prior,
-                    `bp_jax.decoding.online_costs`);
+                    (`online_costs=True`: the start-up costs are the prior and the floor,
+                    `bp_jax.decoding.online_costs`): what the default configs decode with
+                    (`--config.controller=priced`, costs measured, online costs auto);
   priced_long       priced whose misses back off up to --long_ar_fallback AR steps (2, 4, ...,
                     64 by default) instead of --ar_fallback: fewer probing cycles where
                     drafting keeps losing.
