@@ -17,10 +17,14 @@ Methods (`--methods`, comma-separated):
   confidence_cal_poor  both;
   priced            backoff with the cost-priced miss rule (`--config.controller=priced`): a
                     cycle is a miss when it committed fewer tokens than it cost AR steps, at the
-                    start-up costs throughout (`online_costs=False`);
+                    start-up costs throughout (`online_costs=False`); every request drafts
+                    first (`start_backoff=False`, as priced_online and priced_long);
   priced_online     priced with its costs kept current from its own timed loop calls
                     (`online_costs=True`: the start-up costs are the prior and the floor,
-                    `bp_jax.decoding.online_costs`): what the default configs decode with
+                    `bp_jax.decoding.online_costs`);
+  priced_default    priced_online whose requests start deep in the back-off where recent
+                    requests' drafting lost (`start_backoff=True`, one request at a time,
+                    `bp_jax.decoding.start_backoff`): what the default configs decode with
                     (`--config.controller=priced`, costs measured, online costs auto);
   priced_long       priced whose misses back off up to --long_ar_fallback AR steps (2, 4, ...,
                     64 by default) instead of --ar_fallback: fewer probing cycles where
@@ -79,7 +83,8 @@ from bp_jax.eval.bootstrap import bootstrap_speedup
 from bp_jax.errors import BadInputError
 
 METHODS = ("ar", "none", "backoff", "confidence_1step", "confidence", "confidence_poor",
-           "confidence_cal", "confidence_cal_poor", "priced", "priced_online", "priced_long")
+           "confidence_cal", "confidence_cal_poor", "priced", "priced_online", "priced_long",
+           "priced_default")
 
 common.define_flags("target", "drafter", "dtype", "max_len", "max_new_tokens", "block_size",
                     num_prompts=24, repeats=3,
@@ -141,11 +146,13 @@ def engine_options(method: str, costs: dict) -> dict:
                                   controller_poor_miss=True, **fb),
           "confidence_cal": cal, "confidence_cal_poor": dict(cal, controller_poor_miss=True),
           "priced": dict(controller="priced", ar_fallback=FLAGS.ar_fallback, online_costs=False,
-                         **fb),
+                         start_backoff=False, **fb),
           "priced_online": dict(controller="priced", ar_fallback=FLAGS.ar_fallback,
-                                online_costs=True, **fb),
+                                online_costs=True, start_backoff=False, **fb),
           "priced_long": dict(controller="priced", ar_fallback=FLAGS.long_ar_fallback,
-                              online_costs=False, **fb),
+                              online_costs=False, start_backoff=False, **fb),
+          "priced_default": dict(controller="priced", ar_fallback=FLAGS.ar_fallback,
+                                 online_costs=True, start_backoff=True, **fb),
           }[method]}
 
 
@@ -214,11 +221,12 @@ def seconds_per_token(gens: list[Generation]) -> float:
 
 def intervals(groups: dict[str, list[list[Generation]]], methods: list[str]) -> dict:
   """Each method's speedup over AR (and priced's over backoff, priced_online's and
-  priced_long's over priced) with its 95% paired bootstrap interval over the requests (in a batch each with its share of the calls it decoded in)."""
+  priced_long's over priced, priced_default's over priced_online) with its 95% paired bootstrap interval over the requests (in a batch each with its share of the calls it decoded in)."""
   fig = lambda m: ([g.new_tokens for grp in groups[m] for g in grp],
                    [g.decode_s for grp in groups[m] for g in grp])
   pairs = [(m, "ar") for m in methods if m != "ar"]
-  for a, b in (("priced", "backoff"), ("priced_online", "priced"), ("priced_long", "priced")):
+  for a, b in (("priced", "backoff"), ("priced_online", "priced"), ("priced_long", "priced"),
+               ("priced_default", "priced_online")):
     if a in methods and b in methods:
       pairs.append((a, b))
   out = {}

@@ -43,17 +43,13 @@ def _context_of(target, drafter, tokens: list[int]):
   return np.asarray(k[:, 0, :n]), np.asarray(v[:, 0, :n])
 
 
-def test_context_after_ar_steps_is_the_prefills(monkeypatch):
-  """Two rows at different positions, every cycle a miss (back-off 2, 4, 8, 16 AR steps, so a
-  call ends with 16 pending positions: two chunks), one call of 4 cycles: every decoding row's
-  context cache at slots [0, pos) equals a prefill's over the row's tokens. A flush that skipped
-  a chunk, wrote at the wrong slot or never ran fails here (the drafts alone would not show
-  it: the output is lossless either way)."""
-  target, drafter = _pair()
+def _run(target, drafter, sync_cycles: int, max_news: tuple[int, int], min_active: int = 0):
+  """(the state after one batched loop call over two rows at different positions, their
+  prompts); every cycle is a miss (back-off 2, 4, 8, 16 AR steps)."""
   graph, state = nnx.split(target)
   dgraph, dstate = nnx.split(drafter)
   opts = LoopOptions(block_size=B_SIZE, controller="backoff", ar_fallback=16,
-                     ar_fallback_accept=B_SIZE - 1, sync_cycles=4)
+                     ar_fallback_accept=B_SIZE - 1, sync_cycles=sync_cycles)
   prefill = jax.jit(loops.make_prefill(graph, dgraph))
   insert = jax.jit(loops.make_insert())
   spec = jax.jit(loops.make_batched_spec_loop(graph, dgraph, opts))
@@ -63,24 +59,51 @@ def test_context_after_ar_steps_is_the_prefills(monkeypatch):
                       drafter.init_cache(2, S), max_verify=B_SIZE)
   rng = np.random.default_rng(0)
   prompts = [rng.integers(1, V - 1, n).tolist() for n in (5, 19)]
-  for row, prompt in enumerate(prompts):
+  for row, (prompt, max_new) in enumerate(zip(prompts, max_news)):
     n = len(prompt)
     toks = jnp.zeros((1, 32), jnp.int32).at[0, :n].set(jnp.asarray(prompt))
     pre = prefill(state, dstate, toks, jnp.int32(n), target.init_cache(1, S),
                   drafter.init_cache(1, S), jax.random.key(row), greedy)
     s = insert(s, jnp.int32(row), pre.cache, pre.draft_cache, pre.first_tok, jnp.int32(n),
-               jnp.int32(90), jax.random.key(row), stop_ids, greedy,
+               jnp.int32(max_new), jax.random.key(row), stop_ids, greedy,
                jnp.full((MAX_ROW_STOP_IDS,), -1, jnp.int32))
-  s = spec(state, dstate, s, stop_ids)
+  s = spec(state, dstate, s.replace(min_active=jnp.int32(min_active)), stop_ids)
   assert s.pending_BPX is None
-  counts = np.asarray(s.forward_counts_N)
-  assert counts[B_SIZE] == 4 and counts[0] == 2 + 4 + 8 + 16, counts  # batch forwards
+  return s, prompts
+
+
+def _assert_context_is_the_prefills(target, drafter, s, row: int, prompt: list[int]) -> None:
   ctx = s.draft_cache.stacked()
   k, v = ctx.as_LBSKH()
+  pos = int(s.pos_B[row])
+  assert int(ctx.lengths[row]) == pos
+  tokens = prompt + np.asarray(s.seq_BS[row, len(prompt):pos]).tolist()  # seq: from n on
+  want_k, want_v = _context_of(target, drafter, tokens)
+  np.testing.assert_allclose(np.asarray(k[:, row, :pos]), want_k, atol=2e-5, rtol=2e-5)
+  np.testing.assert_allclose(np.asarray(v[:, row, :pos]), want_v, atol=2e-5, rtol=2e-5)
+
+
+def test_context_after_ar_steps_is_the_prefills():
+  """Two rows at different positions, every cycle a miss, one call of 5 cycles (AR steps 2, 4,
+  8, 16 between them, the last run pending as two chunks before the 5th cycle): each row's
+  context cache at slots [0, pos) equals a prefill's over the row's tokens. A flush that
+  skipped a chunk, wrote at the wrong slot or never ran fails here (the drafts alone would not
+  show it: the output is lossless either way)."""
+  target, drafter = _pair()
+  s, prompts = _run(target, drafter, 5, (90, 90))
+  counts = np.asarray(s.forward_counts_N)
+  assert counts[B_SIZE] == 5 and counts[0] == 2 + 4 + 8 + 16, counts  # batch forwards
   for row, prompt in enumerate(prompts):
-    pos = int(s.pos_B[row])
-    assert int(ctx.lengths[row]) == pos >= len(prompt) + 4 + 30
-    tokens = prompt + np.asarray(s.seq_BS[row, len(prompt):pos]).tolist()  # seq: from n on
-    want_k, want_v = _context_of(target, drafter, tokens)
-    np.testing.assert_allclose(np.asarray(k[:, row, :pos]), want_k, atol=2e-5, rtol=2e-5)
-    np.testing.assert_allclose(np.asarray(v[:, row, :pos]), want_v, atol=2e-5, rtol=2e-5)
+    assert int(s.pos_B[row]) >= len(prompt) + 5 + 30
+    _assert_context_is_the_prefills(target, drafter, s, row, prompt)
+
+
+def test_a_call_that_ends_on_ar_steps_adds_their_context():
+  """A call that returns after AR steps with no cycle since (here: the other row finished
+  during them, `min_active`, so no cycle follows) adds the row's pending context before it
+  returns."""
+  target, drafter = _pair()
+  s, prompts = _run(target, drafter, 0, (24, 90), min_active=2)
+  last = int(s.records.forwards_B[1]) - 1
+  assert int(s.n_gen_B[0]) >= 24 and not bool(s.records.is_cycle_BS[1, last])
+  _assert_context_is_the_prefills(target, drafter, s, 1, prompts[1])

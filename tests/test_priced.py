@@ -169,3 +169,48 @@ def test_priced_is_labelled_as_backoff():
   cfg.controller = "confidence"
   with pytest.raises(BadInputError, match="--config.controller=confidence: label sets"):
     labels_stage(cfg)
+
+
+# -- where a request starts the back-off (`start_backoff`) --------------------------------------
+def test_start_backoff_starts_deep_after_losing_requests_and_explores():
+  """Before enough cycles, or when the recent cycles paid, a request drafts first; after
+  requests whose cycles committed below 0.8 x the price, it starts with START_WAIT AR steps and
+  the misses after which one more backs off the whole cap; every 4th request drafts first."""
+  from bp_jax.decoding.start_backoff import START_WAIT, StartBackoff
+  starts = StartBackoff()
+  assert starts.tau() is None and starts.start(4.0, 16) == (0, 0)  # nothing seen yet
+  for _ in range(4):
+    starts.observe([2, 1, 3])  # 2 tokens per cycle
+  starts.observe([])  # a request without cycles counts for nothing
+  assert starts.tau() == pytest.approx(2.0)
+  seen = [starts.start(4.0, 16) for _ in range(7)]  # 2 < 0.8 x 4: deep, but every 4th explores
+  assert seen == [(4, START_WAIT)] * 2 + [(0, 0)] + [(4, START_WAIT)] * 3 + [(0, 0)]
+  assert int(control.backoff_steps(jnp.asarray(4 + 1), 16)) == 16  # the next miss: the cap
+  assert starts.start(2.4, 64) == (0, 0)  # 2 >= 0.8 x 2.4: drafting pays about even
+  assert starts.start(9.0, 64) == (6, START_WAIT)
+  for _ in range(8):  # the recent requests' cycles now pay: draft first again
+    starts.observe([4, 4])
+  assert starts.start(4.0, 16) == (0, 0)
+
+
+def test_requests_start_deep_where_drafting_loses_and_stay_lossless(models, ar_outputs):
+  """Under the dearest costs (every cycle a miss) the first requests draft first and later ones
+  mostly start with AR steps (fewer drafter passes for the same tokens); greedy output stays
+  AR's, and nothing recompiles for the start. With start_backoff=False every request drafts
+  first."""
+  prompts, max_news = _requests(6)
+  runs = {}
+  for on in (True, False):
+    eng = _engine(models, start_backoff=on, **DEAREST)
+    gens = [eng.generate(p, max_new_tokens=m, block_size=B)
+            for _ in range(3) for p, m in zip(prompts, max_news)]
+    assert [g.output_ids for g in gens] == ar_outputs * 3
+    assert eng.compiled.counts["spec_loop"] == 1
+    runs[on] = gens
+  first_is_cycle = lambda g: bool(g.forward_is_cycle[0]) if g.forward_is_cycle else None
+  fresh = [first_is_cycle(g) for g in runs[False]]
+  assert all(f in (True, None) for f in fresh)  # every request drafts first (None: no forward)
+  deep = [first_is_cycle(g) for g in runs[True][6:]]
+  assert deep.count(False) >= len(deep) // 2, deep
+  assert (sum(g.drafter_passes for g in runs[True]) <
+          sum(g.drafter_passes for g in runs[False]))

@@ -127,7 +127,9 @@ def build_engine(cfg, extra_sizes: Sequence[int] = ()) -> tuple[Engine, Any, Any
     engine = Engine(target, stop_ids=stop_token_ids(tok), drafter=drafter, mesh=mesh,
                     shapes=ShapeOptions(max_len=cfg.max_len, length_buckets=buckets,
                                         block_sizes=sizes),
-                    loop=LoopOptions(**loop_options(cfg), online_costs=online_costs(cfg)),
+                    loop=LoopOptions(**loop_options(cfg), online_costs=online_costs(cfg),
+                                     start_backoff=bool(cfg.get("controller_start_backoff",
+                                                                True))),
                     batching=BatchOptions(**batch_options(cfg)),
                     cost_cache=str(cfg.get("controller_cost_cache", "default")))
   return engine, tok, prints

@@ -28,6 +28,7 @@ from bp_jax.decoding.costs import ForwardCosts, forward_costs
 from bp_jax.decoding.buckets import default_length_buckets, pick_bucket
 from bp_jax.decoding.generation import Generation, generation_of
 from bp_jax.decoding.online_costs import OnlineCosts
+from bp_jax.decoding.start_backoff import StartBackoff
 from bp_jax.decoding.options import BatchOptions, LoopOptions, ShapeOptions
 from bp_jax.decoding.policy_binding import check_policy_fits
 from bp_jax.decoding.programs import (WARMUP_TOKENS, LoopPrograms, request_window,
@@ -99,6 +100,9 @@ class Engine:
     # verifying n tokens), counted before each call's clock stops.
     self.forwards_run: collections.Counter = collections.Counter()
     self.prices, self.online = self._online_prices(self.programs.options)
+    # Where a request starts the priced back-off (one request at a time): `start_backoff`.
+    self.starts = (StartBackoff() if self.prices is not None and self.loop_options.start_backoff
+                   else None)
     self.p_graph = self.p_state = self.policy_key = None
     self.policy_sizes: tuple[int, ...] = ()
     self.mesh = mesh
@@ -235,13 +239,20 @@ class Engine:
     return fn, args
 
   def _loop_args(self, pre, n, max_new, sampling, seed_key, block_size,
-                 forced_seq=None) -> tuple:
+                 forced_seq=None, start: tuple[int, int] = (0, 0)) -> tuple:
     if block_size == 1:
       return (self.t_state, self.seq, self.cache, pre.first_tok, n, max_new, sampling,
               seed_key, self._stop_arr)
     return (self.t_state, self.d_state, self.seq, self.cache, self.draft_cache, pre.first_tok, n,
             max_new, sampling, seed_key, self._stop_arr, forced_seq,
-            self._on_device(self.break_even_N(block_size, 1)))
+            self._on_device(self.break_even_N(block_size, 1)), jnp.asarray(start, jnp.int32))
+
+  def _start(self, block_size: int) -> tuple[int, int]:
+    """(misses, AR steps) a one-request loop of `block_size` starts with (`start_backoff`)."""
+    if self.starts is None or block_size == 1:
+      return 0, 0
+    break_even = float(self.break_even_N(block_size, 1)[block_size])
+    return self.starts.start(break_even, self.ar_fallback)
 
   def request_window(self, prompt_len: int, max_new_tokens: int, block_size: int) -> int | None:
     """The attention window of a one-request loop (`programs.request_window`): room for the
@@ -350,7 +361,7 @@ class Engine:
     forced = forced_continuation is not None
     forced_seq = self._forced_seq(n, forced_continuation) if forced else None
     loop_args = self._loop_args(pre, n_arr, jnp.int32(max_new_tokens), sp, seed_key,
-                                block_size, forced_seq)
+                                block_size, forced_seq, self._start(block_size))
     warm_args = self._loop_args(pre, n_arr, jnp.int32(min(max_new_tokens, WARMUP_TOKENS)), sp,
                                 seed_key, block_size, forced_seq)
     window = self.request_window(n, max_new_tokens, block_size)
@@ -370,9 +381,12 @@ class Engine:
                                               self.stop_ids).any():
       raise RuntimeError(f"the decode loop stopped at {n_gen} of {max_new_tokens} tokens with "
                          f"no stop token (window {window}): a bug, please report it")
-    return generation_of(out.seq[0], out.accept_lens, out.is_cycle, out.verified, forwards, n,
-                         n_gen, self.stop_ids, max_new_tokens, block_size, prefill_s, decode_s,
-                         probs, features)
+    gen = generation_of(out.seq[0], out.accept_lens, out.is_cycle, out.verified, forwards, n,
+                        n_gen, self.stop_ids, max_new_tokens, block_size, prefill_s, decode_s,
+                        probs, features)
+    if self.starts is not None and block_size > 1:
+      self.starts.observe(gen.acceptance_lengths)
+    return gen
 
 
   # -- many requests at once (continuous batching per bucket, `scheduler`) ------------------

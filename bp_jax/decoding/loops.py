@@ -262,7 +262,10 @@ def make_batched_spec_loop(graphdef, draft_graphdef, opts: LoopOptions) -> Calla
   after a cycle that accepts at most `ar_fallback_accept` drafts, a row asks for plain AR steps
   instead of cycles, 2, 4, 8, ... in a row for consecutive poor cycles (at most `ar_fallback`),
   then drafts again. The batch takes AR steps while every decoding row asks for them (a row
-  alone: exactly its own schedule). An AR step is one target forward over `tok` whose
+  alone: exactly its own schedule). A loop iteration runs the AR steps the rows ask for first,
+  then one cycle (while the rows decode and it fits), so a row that starts with AR steps
+  (`LoopState.start_row`'s `start_2`, the engine's `start_backoff`) takes them before its first
+  cycle, and a call ends on a cycle unless its rows stop. An AR step is one target forward over `tok` whose
   chosen-layer features still become drafter context, so the next cycle drafts from the full
   context: they wait in `LoopState.pending_BPX` and the next cycle adds them, CONTEXT_CHUNK
   positions per drafter context write (one write per AR step cost ~8% of the step on the demo). Every token is still the target's own sample at its position (same keys), so the
@@ -392,12 +395,15 @@ def make_batched_spec_loop(graphdef, draft_graphdef, opts: LoopOptions) -> Calla
       return jnp.any(active_B) & jnp.all(~active_B | (s.wait_B > 0)) & s.fits(1, window)
 
     def body(s):
-      s = cycle(s)
       if not ctl.cap:
-        return s
-      # The AR steps the rows' misses asked for, as a nested loop (zero trips otherwise): a
-      # `lax.cond` between a cycle and a step would copy every cache buffer at every step.
-      return jax.lax.while_loop(wants_ar, ar_step, s)
+        return cycle(s)
+      # The AR steps the rows ask for (after misses, or from the start: `LoopState.start_row`),
+      # then a cycle while the rows still decode and it fits, each a nested loop (of zero or
+      # one trips for the cycle): a `lax.cond` would copy every cache buffer at every step.
+      s = jax.lax.while_loop(wants_ar, ar_step, s)
+      once = lambda t: (jnp.bool_(False), cycle(t[1]))
+      return jax.lax.while_loop(lambda t: t[0] & t[1].decodes() & t[1].fits(b, window), once,
+                                (jnp.bool_(True), s))[1]
 
     s = _loop_caches(s, opts.scan_layers)
     if not ctl.cap:
@@ -419,10 +425,11 @@ def _single(s: LoopState) -> LoopOut:
 
 
 def _one_row(seq_1S, cache, draft_cache, first_tok, n, max_new, sampling, seed_key, stop_ids,
-             forced_1S=None, max_verify: int = 1, break_even_N=None) -> LoopState:
+             forced_1S=None, max_verify: int = 1, break_even_N=None,
+             start_2=None) -> LoopState:
   s = LoopState.empty(seq_1S, cache, draft_cache, forced_1S, max_verify, break_even_N)
   return s.start_row(0, first_tok, n, max_new, seed_key, stop_ids, sampling,
-                     forced_S=None if forced_1S is None else forced_1S[0])
+                     forced_S=None if forced_1S is None else forced_1S[0], start_2=start_2)
 
 
 def make_ar_loop(graphdef, opts: LoopOptions = LoopOptions()) -> Callable:
@@ -441,17 +448,18 @@ def make_ar_loop(graphdef, opts: LoopOptions = LoopOptions()) -> Callable:
 
 def make_spec_loop(graphdef, draft_graphdef, opts: LoopOptions) -> Callable:
   """spec_loop(state, draft_state, seq, cache, draft_cache, first_tok, n, max_new, sampling,
-  seed_key, stop_ids[, forced_seq[, break_even_N]]) -> LoopOut: one request,
+  seed_key, stop_ids[, forced_seq[, break_even_N[, start_2]]]) -> LoopOut: one request,
   `make_batched_spec_loop` (see it for the cycle, the controllers, forced drafts and the
   window) on a one-row state; `forced_seq` [1, S] (None: the drafter's drafts);
   `break_even_N` [N >= block_size + 1] the priced controller's runtime break-even
-  (`LoopState.break_even_N`; None: the start-up costs)."""
+  (`LoopState.break_even_N`; None: the start-up costs); `start_2` [2] int32 the misses and
+  AR steps the request starts with (`LoopState.start_row`; None: none)."""
   batched = make_batched_spec_loop(graphdef, draft_graphdef, opts)
 
   def spec_loop(state, draft_state, seq_1S, cache, draft_cache, first_tok, n, max_new,
-                sampling, seed_key, stop_ids, forced_1S=None, break_even_N=None):
+                sampling, seed_key, stop_ids, forced_1S=None, break_even_N=None, start_2=None):
     s = _one_row(seq_1S, cache, draft_cache, first_tok, n, max_new, sampling, seed_key,
-                 stop_ids, forced_1S, opts.block_size, break_even_N)
+                 stop_ids, forced_1S, opts.block_size, break_even_N, start_2)
     return _single(batched(state, draft_state, s, stop_ids))
 
   return spec_loop

@@ -92,6 +92,11 @@ class LoopOptions:
       (every loop call), False (the start-up costs throughout), or None: every call when the
       engine measures the costs, off when they are given. The start-up costs bound the prices
       below (`OnlineCosts.prior_floor`).
+    start_backoff: `priced`, one request at a time: a request starts deep in the back-off
+      (`start_backoff.START_WAIT` AR steps, then a miss backs off the whole cap) when the
+      recent requests' cycles committed clearly fewer tokens than a cycle costs, every 4th
+      request still starting with a cycle (`start_backoff.StartBackoff`); False: every
+      request drafts first. Host-side only.
       Host-side only: no compiled loop depends on it.
     ar_fallback: at most this many AR steps in a row after poor cycles (0: none; `confidence`:
       16, `priced`: 64).
@@ -112,6 +117,7 @@ class LoopOptions:
   controller_poor_miss: bool = False
   controller_calibration: tuple[float, ...] | None = None
   online_costs: bool | None = None
+  start_backoff: bool = True
   ar_fallback: int = 0
   ar_fallback_accept: int = 1
   scan_layers: bool = False
@@ -144,6 +150,7 @@ class LoopOptions:
                                                            "controller_calibration")),
          controller_poor_miss=bool(self.controller_poor_miss),
          online_costs=None if self.online_costs is None else bool(self.online_costs),
+         start_backoff=bool(self.start_backoff),
          ar_fallback=int(self.ar_fallback), ar_fallback_accept=int(self.ar_fallback_accept),
          scan_layers=bool(self.scan_layers), block_size=int(self.block_size),
          sync_cycles=int(self.sync_cycles), forced_drafts=bool(self.forced_drafts))

@@ -120,11 +120,15 @@ class LoopState:
 
   def start_row(self, row, first_tok, n, max_new, seed_key, stop_ids, sampling=None,
                 row_stop_K: jax.Array | None = None,
-                forced_S: jax.Array | None = None) -> "LoopState":
+                forced_S: jax.Array | None = None,
+                start_2: jax.Array | None = None) -> "LoopState":
     """Slot `row` starting a request whose prompt (n tokens) and first generated token are in
     place: the caches' rows are the caller's to fill (`KVCache.put_rows`). `sampling`: the
     request's settings (SamplingParams scalars or a temperature; None: greedy); `row_stop_K`:
-    its own stop ids besides `stop_ids` ([MAX_ROW_STOP_IDS], -1 padded; None: none)."""
+    its own stop ids besides `stop_ids` ([MAX_ROW_STOP_IDS], -1 padded; None: none);
+    `start_2`: [2] int32 the consecutive misses and the AR steps the row starts with (a
+    speculative loop takes those steps before its first cycle; None: 0, 0: it drafts first)."""
+    start_2 = jnp.zeros((2,), jnp.int32) if start_2 is None else jnp.asarray(start_2, jnp.int32)
     sp = as_sampling(0.0 if sampling is None else sampling)
     row_stop = (jnp.full((MAX_ROW_STOP_IDS,), -1, jnp.int32) if row_stop_K is None
                 else jnp.asarray(row_stop_K, jnp.int32))
@@ -135,7 +139,8 @@ class LoopState:
         done_B=self.done_B.at[row].set(is_stop(first_tok, stop_ids)
                                        | is_stop(first_tok, row_stop)),
         bad_B=self.bad_B.at[row].set(False), records=self.records.cleared(row),
-        misses_B=self.misses_B.at[row].set(0), wait_B=self.wait_B.at[row].set(0),
+        misses_B=self.misses_B.at[row].set(start_2[0]),
+        wait_B=self.wait_B.at[row].set(start_2[1]),
         seed_keys_B=self.seed_keys_B.at[row].set(seed_key), sp_B=set_row(self.sp_B, row, sp),
         stop_BK=self.stop_BK.at[row].set(row_stop))
     if forced_S is not None:

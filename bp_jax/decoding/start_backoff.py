@@ -1,0 +1,63 @@
+"""Where a request starts the priced controller's back-off: from the acceptance recent requests saw.
+
+Each request starts drafting (misses 0, no AR steps asked for) and, where drafting loses, backs
+off 2, 4, 8, ... AR steps between probing cycles: 6-10 probing cycles per 128-token request at
+T = 1 on the demo (τ ≈ 2.2 against a cycle costing 5-8 AR steps), each losing several AR steps'
+worth. A new request is likely to draft about as well as the requests just before it, so when
+their cycles committed clearly fewer tokens than a cycle costs, the next request starts deep in
+the back-off: `START_WAIT` AR steps first, then a probing cycle, after which each miss backs off
+the whole cap. Every `explore_every`-th request still starts drafting, so that the acceptance
+and the online prices (which learn a cycle's price from calls that run cycles) stay current.
+
+Host-side only: the start is two runtime scalars of the loop state (`LoopState.start_row`), so
+nothing recompiles; the tokens are the target's own whatever the start (lossless).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Sequence
+
+from bp_jax.decoding import controller as control
+
+# AR steps a request starting deep takes before its first probing cycle.
+START_WAIT = control.PRICED_SKIP_CAP
+
+
+@dataclasses.dataclass
+class StartBackoff:
+  """The recent requests' cycles and the start of the next one (see the module doc).
+
+  window: requests whose cycles count; min_cycles: cycles needed before any deep start;
+  explore_every: every this-many-th request starts drafting regardless; margin: a deep start
+  needs the recent committed tokens per cycle below `margin` x the cycle's break-even."""
+  window: int = 8
+  min_cycles: int = 8
+  explore_every: int = 4
+  margin: float = 0.8
+  _recent: collections.deque = dataclasses.field(init=False)
+  _started: int = dataclasses.field(default=0, init=False)
+
+  def __post_init__(self):
+    self._recent = collections.deque(maxlen=self.window)
+
+  def observe(self, acceptance_lengths: Sequence[int]) -> None:
+    """One finished request's committed tokens per cycle (`Generation.acceptance_lengths`)."""
+    if len(acceptance_lengths):
+      self._recent.append((int(sum(acceptance_lengths)), len(acceptance_lengths)))
+
+  def tau(self) -> float | None:
+    """Committed tokens per cycle over the recent requests' cycles (None: too few cycles)."""
+    cycles = sum(c for _, c in self._recent)
+    return None if cycles < self.min_cycles else sum(t for t, _ in self._recent) / cycles
+
+  def start(self, break_even: float, cap: int) -> tuple[int, int]:
+    """(misses, AR steps) the next request starts with: (0, 0) to draft first; a deep start
+    (the misses after which one more backs off `cap` steps, START_WAIT) when the recent cycles
+    committed below `margin` x `break_even` tokens and this request does not explore."""
+    self._started += 1
+    tau = self.tau()
+    if tau is None or self._started % self.explore_every == 0 or tau >= self.margin * break_even:
+      return 0, 0
+    return max(int(cap), 1).bit_length() - 1, START_WAIT
