@@ -95,17 +95,19 @@ def test_clips_to_sane_bounds_and_checks_its_inputs():
   for n_ar, n_cycle in _calls(10):  # cycles cheaper than an AR step: at least one AR step
     cheap.observe(AR_S * n_ar + 0.2 * AR_S * n_cycle, _counts(n_ar, n_cycle), rows=1)
   assert cheap.break_even(N, rows=1) == pytest.approx(1.0)
-  # With the prior as a floor (the engine's): cheaper cycles stop at the prior, dearer ones
-  # still move the fit up.
-  floored = OnlineCosts(lambda n: 3.0, prior_floor=1.0)
+  # With the prior as a batch's floor (the engine's): a batch's cheaper cycles stop at the
+  # prior, dearer ones still move its fit up; one request's fit is not bounded so.
+  floored = OnlineCosts(lambda n: 3.0, batch_prior_floor=1.0)
   for n_ar, n_cycle in _calls(10):
-    floored.observe(AR_S * n_ar + 0.2 * AR_S * n_cycle, _counts(n_ar, n_cycle), rows=1)
-  assert floored.break_even(N, rows=1) == pytest.approx(3.0)
+    for rows in (1, 4):
+      floored.observe(AR_S * n_ar + 0.2 * AR_S * n_cycle, _counts(n_ar, n_cycle), rows=rows)
+  assert floored.break_even(N, rows=4) == pytest.approx(3.0)
+  assert floored.break_even(N, rows=1) == pytest.approx(1.0)
   for n_ar, n_cycle in _calls(10, seed=1):
-    floored.observe(AR_S * n_ar + 5 * AR_S * n_cycle, _counts(n_ar, n_cycle), rows=1)
-  assert floored.break_even(N, rows=1) == pytest.approx(5.0, rel=0.05)
-  with pytest.raises(BadInputError, match="prior_floor=-1"):
-    OnlineCosts(lambda n: 3.0, prior_floor=-1)
+    floored.observe(AR_S * n_ar + 5 * AR_S * n_cycle, _counts(n_ar, n_cycle), rows=4)
+  assert floored.break_even(N, rows=4) == pytest.approx(5.0, rel=0.05)
+  with pytest.raises(BadInputError, match="batch_prior_floor=-1"):
+    OnlineCosts(lambda n: 3.0, batch_prior_floor=-1)
   with pytest.raises(BadInputError, match="forget=0"):
     OnlineCosts(lambda n: 3.0, forget=0)
   with pytest.raises(BadInputError, match="forget=1.5"):

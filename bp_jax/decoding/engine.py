@@ -131,16 +131,16 @@ class Engine:
 
   def _online_prices(self, opts: LoopOptions) -> tuple[OnlineCosts | None, bool]:
     """(the priced controller's runtime prices, whether the loop calls update them): None for
-    another controller; prior: the start-up costs, which the
-    prices never go below (`OnlineCosts.prior_floor` 1: a fit that lost sight of AR steps
-    cannot sink to a cycle "costing" one AR step, where no cycle is a miss and no AR step runs
-    that could correct it; docs/results/controller.md). Per `LoopOptions.online_costs`: True
+    another controller; prior: the start-up costs, which a batch's prices never go below
+    (`OnlineCosts.batch_prior_floor` 1: a batched fit that lost sight of AR steps cannot sink to
+    a cycle "costing" one AR step, where no cycle is a miss and no AR step runs that could
+    correct it; docs/results/controller.md). Per `LoopOptions.online_costs`: True
     updates from every call; None (auto) from every call when the engine measured the costs;
     False never."""
     if opts.controller != "priced" or self.drafter is None:
       return None, False
     costs, draft = opts.controller_costs, opts.controller_draft_cost
-    prices = OnlineCosts(lambda n: control.break_even(n - 1, costs, draft), prior_floor=1.0)
+    prices = OnlineCosts(lambda n: control.break_even(n - 1, costs, draft), batch_prior_floor=1.0)
     online = (self.measured_costs is not None if opts.online_costs is None
               else opts.online_costs)
     return prices, online

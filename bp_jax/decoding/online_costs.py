@@ -17,10 +17,13 @@ break-even: a cycle verifying n tokens costs `secs_N[n] / secs_N[0]` AR steps.
 
 An AR step's price is learned only from calls that ran AR steps. Where cycles keep paying, no
 cycle is a miss, no AR step runs, and the fit keeps whatever ratio it last had: if that is the
-floor (a cycle "costs" one AR step), nothing can raise it again. The engine therefore bounds the
-break-even below by its start-up prior (`prior_floor` 1): the start-up costs time forwards alone
-and underprice a loop's real cycle (every fit measured on the demo settled above them, by 1.2-2x;
-the one that fell below sank to the floor, at batch 4), so the fit corrects them upward only.
+floor (a cycle "costs" one AR step), nothing can raise it again. A batch takes AR steps only
+while every row asks for them, so its calls often run none: the engine bounds a batch's
+break-even below by the start-up prior (`batch_prior_floor` 1; every batched fit measured on the
+demo settled above it, at 3.6-5 against 2.8-3.1, except one that sank to the floor, at batch 4).
+One request backs off after every miss, so its calls keep running AR steps; its fit is not
+bounded so (at T = 0 on the demo it settled at 2.5 AR steps per cycle against a start-up 4.8
+and ran as fast as back-off; bounded at 4.8 it ran 4% slower than back-off, in another run).
 
 One call gives one equation for several unknowns, and calls of a run often mix their forwards in
 about the same proportion (or run one kind only), so the fit is regularized toward the previous
@@ -145,17 +148,18 @@ class OnlineCosts:
   steps (`controller.break_even(n - 1, ...)`); `forget` in (0, 1]: the weight an older call keeps
   per newer one (1: never forget); `ridge` > 0: the pull toward the previous estimate, relative
   to the data's own weight; break-evens are clipped to [min_break_even,
-  max_break_even_per_token * n], and from below also to `prior_floor` times the prior (0: no
-  such bound); a call whose seconds the estimate mispredicts by more than `restart_error`
-  (relative) marks a change: older calls keep only `RESTART_WEIGHT` of their weight."""
+  max_break_even_per_token * n], and those of a batch (rows > 1) from below also to
+  `batch_prior_floor` times the prior (0: no such bound); a call whose seconds the estimate
+  mispredicts by more than `restart_error` (relative) marks a change: older calls keep only
+  `RESTART_WEIGHT` of their weight."""
 
   def __init__(self, prior: Callable[[int], float], *, forget: float = 0.6, ridge: float = 0.03,
                min_break_even: float = 1.0, max_break_even_per_token: float = 4.0,
-               restart_error: float = 0.2, prior_floor: float = 0.0):
+               restart_error: float = 0.2, batch_prior_floor: float = 0.0):
     self.prior = prior
-    self.prior_floor = float(prior_floor)
-    if not math.isfinite(self.prior_floor) or self.prior_floor < 0:
-      raise BadInputError(f"prior_floor={prior_floor!r}: expected a number >= 0")
+    self.batch_prior_floor = float(batch_prior_floor)
+    if not math.isfinite(self.batch_prior_floor) or self.batch_prior_floor < 0:
+      raise BadInputError(f"batch_prior_floor={batch_prior_floor!r}: expected a number >= 0")
     self.forget = _check_positive(forget, "forget", upper=1.0)
     self.ridge = _check_positive(ridge, "ridge")
     self.min_break_even = _check_positive(min_break_even, "min_break_even")
@@ -164,12 +168,16 @@ class OnlineCosts:
     self.restart_error = _check_positive(restart_error, "restart_error")
     self._fits: dict[int, _Fit] = {}
 
-  def clip(self, n: int, break_even: float) -> float:
-    """`break_even` of a cycle verifying n tokens within [max(min_break_even, prior_floor *
-    prior(n)), max_break_even_per_token * n]."""
-    lo = max(self.min_break_even, self.prior_floor * float(self.prior(n)) if n else 0.0)
+  def clip(self, n: int, break_even: float, rows: int = 1) -> float:
+    """`break_even` of a cycle verifying n tokens within [min_break_even (and, in a batch of
+    `rows` > 1, batch_prior_floor * prior(n)), max_break_even_per_token * n]."""
+    floor = self.batch_prior_floor * float(self.prior(n)) if n and rows > 1 else 0.0
+    lo = max(self.min_break_even, floor)
     hi = max(lo, self.max_break_even_per_token * max(n, 1))
     return float(min(max(break_even, lo), hi))
+
+  def _clip_of(self, rows: int) -> Callable[[int, float], float]:
+    return lambda n, break_even: self.clip(n, break_even, int(rows))
 
   def _fit(self, rows: int) -> _Fit:
     if rows not in self._fits:
@@ -190,14 +198,14 @@ class OnlineCosts:
     if not counts.sum() or not math.isfinite(seconds) or seconds <= 0:
       return False
     used = {int(n): int(c) for n, c in enumerate(counts) if c}
-    self._fit(int(rows)).update(seconds, used, self.forget, self.ridge, self.clip,
+    self._fit(int(rows)).update(seconds, used, self.forget, self.ridge, self._clip_of(rows),
                                 self.restart_error)
     return True
 
   def break_even(self, n: int, rows: int) -> float:
     """The cost of a cycle verifying n tokens (n - 1 drafts, a drafter pass) in AR steps at
     batch size `rows`: the current fit, or the prior before the calls tell it."""
-    return self._fit(int(rows)).break_even(int(n), self.clip)
+    return self._fit(int(rows)).break_even(int(n), self._clip_of(rows))
 
   def break_even_N(self, max_verify: int, rows: int) -> np.ndarray:
     """[max_verify + 1] float32: entry n the break-even of a cycle verifying n tokens (entry 0,

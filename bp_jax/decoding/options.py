@@ -90,8 +90,8 @@ class LoopOptions:
     online_costs: `priced` keeps its costs current from the engine's timed loop calls
       (`online_costs.OnlineCosts`; a runtime value of the loop state, no recompilation): True
       (every loop call), False (the start-up costs throughout), or None: every call when the
-      engine measures the costs, off when they are given. The start-up costs bound the prices
-      below (`OnlineCosts.prior_floor`).
+      engine measures the costs, off when they are given. The start-up costs bound a batch's
+      prices below (`OnlineCosts.batch_prior_floor`).
     start_backoff: `priced`, one request at a time: a request starts deep in the back-off
       (`start_backoff.START_WAIT` AR steps, then a miss backs off the whole cap) when the
       recent requests' cycles committed clearly fewer tokens than a cycle costs, every 4th
