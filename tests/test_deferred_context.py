@@ -66,7 +66,7 @@ def _run(target, drafter, sync_cycles: int, max_news: tuple[int, int], min_activ
                   drafter.init_cache(1, S), jax.random.key(row), greedy)
     s = insert(s, jnp.int32(row), pre.cache, pre.draft_cache, pre.first_tok, jnp.int32(n),
                jnp.int32(max_new), jax.random.key(row), stop_ids, greedy,
-               jnp.full((MAX_ROW_STOP_IDS,), -1, jnp.int32), jnp.zeros((2,), jnp.int32))
+               jnp.full((MAX_ROW_STOP_IDS,), -1, jnp.int32))
   s = spec(state, dstate, s.replace(min_active=jnp.int32(min_active)), stop_ids)
   assert s.pending_BPX is None
   return s, prompts

@@ -177,16 +177,15 @@ def _run(cond_rows: Callable, body: Callable, s: LoopState, sync_cycles: int) ->
 
 def make_insert() -> Callable:
   """insert(state, row, cache, draft_cache, first_tok, n, max_new, seed_key, stop_ids,
-  sampling, row_stop_K, start_2[, forced_S]) -> state: a request prefilled into one-sequence
-  caches (`make_prefill`) takes slot `row` of a batched `LoopState` with its own sampling
-  settings (`sampling.SamplingParams` scalars), stop ids and start of the back-off (`start_2`,
-  `LoopState.start_row`); compiled once per state shape, whatever the values; the state is
-  donated."""
+  sampling, row_stop_K[, forced_S]) -> state: a request prefilled into one-sequence caches
+  (`make_prefill`) takes slot `row` of a batched `LoopState` with its own sampling settings
+  (`sampling.SamplingParams` scalars) and stop ids (`LoopState.start_row`); compiled once per
+  state shape, whatever the values; the state is donated."""
 
   def insert(s, row, cache, draft_cache, first_tok, n, max_new, seed_key, stop_ids, sampling,
-             row_stop_K, start_2, *forced):
+             row_stop_K, *forced):
     s = s.start_row(row, first_tok, n, max_new, seed_key, stop_ids, sampling, row_stop_K,
-                    *forced, start_2=start_2)
+                    *forced)
     s = s.replace(cache=s.cache.put_rows(cache, row))
     if draft_cache is not None:
       s = s.replace(draft_cache=s.draft_cache.put_rows(draft_cache, row))

@@ -189,9 +189,7 @@ class Scheduler:
         if not waiting:
           break
         staged = waiting.popleft()
-        fn, args = self.engine.insert_program(
-            bucket.carry, row, staged.req, staged.pre,
-            start=self.engine.request_start(b, self.engine.batch_size))
+        fn, args = self.engine.insert_program(bucket.carry, row, staged.req, staged.pre)
         t0 = time.perf_counter()
         bucket.carry = fn(*args)
         jax.block_until_ready(bucket.carry.pos_B)
@@ -256,7 +254,6 @@ class Scheduler:
       try:
         self.results[index] = self._generation(staged, seq, accept, is_cycle, verified,
                                                int(forwards), int(n_gen[i]), bool(bad))
-        self.engine.request_done(self.results[index])
         self._report.finished[index] = self.results[index]
       except BadInputError as e:  # NaN/inf logits: this request alone fails
         self._report.failed[index] = e
