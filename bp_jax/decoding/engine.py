@@ -177,7 +177,8 @@ class Engine:
     if self.prices is None:
       return None
     self.prices.estimate(self.batch_size)  # the engine's own batch size, even before a call
-    return {"online": self.online, "by_batch_size": {str(e.rows): e.to_json() for e in self.prices.estimates()}}
+    return {"online": self.online,
+            "by_batch_size": {str(e.rows): e.to_json() for e in self.prices.estimates()}}
 
   @property
   def costs_source(self) -> str | None:

@@ -237,9 +237,9 @@ def _forced(s: LoopState, drafted_Bk: jax.Array) -> jax.Array:
   return jnp.where(forced_Bk >= 0, forced_Bk, drafted_Bk)
 
 
-# Positions of drafter context one write adds after AR steps (`pending_BPX`): a write of C
-# positions costs about one of a single position on small-M matmuls, and C rounds up the room a
-# row keeps for its pending ones.
+# Positions of drafter context one write adds after AR steps (`pending_BPX`): a run of 64 AR
+# steps is added in 8 writes instead of 64, and the room a row keeps for its pending positions
+# is the cap rounded up to a multiple of it.
 CONTEXT_CHUNK = 8
 
 
@@ -264,13 +264,14 @@ def make_batched_spec_loop(graphdef, draft_graphdef, opts: LoopOptions) -> Calla
   then drafts again. The batch takes AR steps while every decoding row asks for them (a row
   alone: exactly its own schedule). A loop iteration runs the AR steps the rows ask for first,
   then one cycle (while the rows decode and it fits), so a row that starts with AR steps
-  (`LoopState.start_row`'s `start_2`, the engine's `start_backoff`) takes them before its first
-  cycle, and a call ends on a cycle unless its rows stop. An AR step is one target forward over `tok` whose
-  chosen-layer features still become drafter context, so the next cycle drafts from the full
-  context: they wait in `LoopState.pending_BPX` and the next cycle adds them, CONTEXT_CHUNK
-  positions per drafter context write (one write per AR step cost ~8% of the step on the demo). Every token is still the target's own sample at its position (same keys), so the
-  output is unchanged; only the time differs. `records.is_cycle_BS` tells cycles from AR steps
-  (τ counts cycles only); `records.verified_BS` holds k + 1 for a forward verifying k drafts
+  (`LoopState.start_row`'s `start_2`, the engine's `start_backoff`) takes them before its
+  first cycle, and a call ends on a cycle unless its rows stop. An AR step is one target
+  forward over `tok` whose chosen-layer features still become drafter context, so the next
+  cycle drafts from the full context: they wait in `LoopState.pending_BPX` and the next cycle
+  adds them, CONTEXT_CHUNK positions per drafter context write (one write per AR step cost ~8%
+  of the step on the demo). Every token is still the target's own sample at its position
+  (same keys), so the output is unchanged; only the time differs. `records.is_cycle_BS` tells
+  cycles from AR steps (τ counts cycles only); `records.verified_BS` holds k + 1 for a forward verifying k drafts
   after a drafter pass, 0 for one without (the AR steps). `confidence` verifies k of the b-1
   drafts, k from `controller.verify_buckets(b)` chosen per cycle (one k for the batch) by
   `controller.choose` with the cost table; a cycle whose best rate is below the AR rate is a
@@ -406,12 +407,12 @@ def make_batched_spec_loop(graphdef, draft_graphdef, opts: LoopOptions) -> Calla
                                 (jnp.bool_(True), s))[1]
 
     s = _loop_caches(s, opts.scan_layers)
+    run = lambda s: _run(lambda s: s.decodes() & s.fits(b, window), body, s, opts.sync_cycles)
     if not ctl.cap:
-      return _run(lambda s: s.decodes() & s.fits(b, window), body, s, opts.sync_cycles)
+      return run(s)
     width = len(layer_ids) * drafter.cfg.layers.hidden_size
     s = s.replace(pending_BPX=jnp.zeros((s.pos_B.shape[0], pending_len, width), drafter.dtype))
-    s = _run(lambda s: s.decodes() & s.fits(b, window), body, s, opts.sync_cycles)
-    return flush_context(s).replace(pending_BPX=None)
+    return flush_context(run(s)).replace(pending_BPX=None)
 
   return spec_loop
 

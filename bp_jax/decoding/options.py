@@ -91,13 +91,13 @@ class LoopOptions:
       (`online_costs.OnlineCosts`; a runtime value of the loop state, no recompilation): True
       (every loop call), False (the start-up costs throughout), or None: every call when the
       engine measures the costs, off when they are given. The start-up costs bound a batch's
-      prices below (`OnlineCosts.batch_prior_floor`).
+      prices below (`OnlineCosts.batch_prior_floor`). Host-side only: no compiled loop
+      depends on it.
     start_backoff: `priced`, one request at a time: a request starts deep in the back-off
       (`start_backoff.START_WAIT` AR steps, then a miss backs off the whole cap) when the
       recent requests' cycles committed clearly fewer tokens than a cycle costs, every 4th
       request still starting with a cycle (`start_backoff.StartBackoff`); False: every
-      request drafts first. Host-side only.
-      Host-side only: no compiled loop depends on it.
+      request drafts first. Host-side only (runtime scalars of the loop state).
     ar_fallback: at most this many AR steps in a row after poor cycles (0: none; `confidence`:
       16, `priced`: 64).
     ar_fallback_accept: a cycle accepting at most this many drafts is poor (`backoff`; unused by
