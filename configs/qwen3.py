@@ -115,7 +115,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.verify = "rejection"     # measured better at T > 0 on the demo (docs/sampling)
   # Many requests at once: up to batch_size requests decode together in one compiled loop per
   # block-size bucket (1 = one request at a time, the plain loop); the loop returns to the host
-  # every sync_cycles cycles so that finished requests free their slots for queued ones
+  # every sync_cycles target forwards (cycles; an AR step of the priced back-off counts one) so
+  # that finished requests free their slots for queued ones
   # (continuous batching; 0 = a batch runs until all its requests finish). docs/design.md §9.
   c.batch_size = 1
   c.sync_cycles = 16
@@ -168,7 +169,7 @@ def get_config() -> ml_collections.ConfigDict:
   # the prior and the floor; bp_jax/decoding/online_costs.py): "auto" (when measured, from every
   # loop call, batches too), "on" (also when given) or "off".
   c.controller_online_costs = "auto"
-  # priced, one request at a time: a request starts with 64 AR steps and backs off the whole cap
+  # priced: a request (alone or in a batch's slot) starts with 64 AR steps and backs off the cap
   # after a miss when the recent requests' cycles committed clearly fewer tokens than a cycle
   # costs (every 4th request still drafts first, so the acceptance and costs stay current;
   # bp_jax/decoding/start_backoff.py); False: every request drafts first.

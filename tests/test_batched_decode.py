@@ -167,10 +167,10 @@ def test_continuous_batching_refills_slots_in_arrival_order(models, stop_id):
   order, in_flight_at = [], []
   real_insert = eng.insert_program
 
-  def spy(carry, row, req, pre):
+  def spy(carry, row, req, pre, **kw):
     order.append(req.index)
     in_flight_at.append(row)
-    return real_insert(carry, row, req, pre)
+    return real_insert(carry, row, req, pre, **kw)
 
   eng.insert_program = spy
   outs = eng.generate_batch(prompts, max_new_tokens=max_news, block_size=1)

@@ -66,7 +66,7 @@ def _run(target, drafter, sync_cycles: int, max_news: tuple[int, int], min_activ
                   drafter.init_cache(1, S), jax.random.key(row), greedy)
     s = insert(s, jnp.int32(row), pre.cache, pre.draft_cache, pre.first_tok, jnp.int32(n),
                jnp.int32(max_new), jax.random.key(row), stop_ids, greedy,
-               jnp.full((MAX_ROW_STOP_IDS,), -1, jnp.int32))
+               jnp.full((MAX_ROW_STOP_IDS,), -1, jnp.int32), jnp.zeros((2,), jnp.int32))
   s = spec(state, dstate, s.replace(min_active=jnp.int32(min_active)), stop_ids)
   assert s.pending_BPX is None
   return s, prompts
@@ -84,13 +84,14 @@ def _assert_context_is_the_prefills(target, drafter, s, row: int, prompt: list[i
 
 
 def test_context_after_ar_steps_is_the_prefills():
-  """Two rows at different positions, every cycle a miss, one call of 5 cycles (AR steps 2, 4,
-  8, 16 between them, the last run pending as two chunks before the 5th cycle): each row's
+  """Two rows at different positions, every cycle a miss, one call of 35 target forwards: 5
+  cycles and AR steps 2, 4, 8, 16 between them (the last run pending as two chunks before the
+  5th cycle): each row's
   context cache at slots [0, pos) equals a prefill's over the row's tokens. A flush that
   skipped a chunk, wrote at the wrong slot or never ran fails here (the drafts alone would not
   show it: the output is lossless either way)."""
   target, drafter = _pair()
-  s, prompts = _run(target, drafter, 5, (90, 90))
+  s, prompts = _run(target, drafter, 5 + 30, (90, 90))
   counts = np.asarray(s.forward_counts_N)
   assert counts[B_SIZE] == 5 and counts[0] == 2 + 4 + 8 + 16, counts  # batch forwards
   for row, prompt in enumerate(prompts):
@@ -107,3 +108,17 @@ def test_a_call_that_ends_on_ar_steps_adds_their_context():
   last = int(s.records.forwards_B[1]) - 1
   assert int(s.n_gen_B[0]) >= 24 and not bool(s.records.is_cycle_BS[1, last])
   _assert_context_is_the_prefills(target, drafter, s, 1, prompts[1])
+
+
+def test_a_call_counts_its_budget_in_target_forwards():
+  """`sync_cycles` bounds a call's target forwards, AR steps included: a call of 6 under every
+  cycle a miss runs cycle, 2 AR steps, cycle, 2 of the next 4 AR steps, and returns with the
+  other 2 still asked for (a run of AR steps does not hold the host for its length) and their
+  predecessors' context added."""
+  target, drafter = _pair()
+  s, prompts = _run(target, drafter, 6, (90, 90))
+  counts = np.asarray(s.forward_counts_N)
+  assert counts[B_SIZE] == 2 and counts[0] == 4 and counts.sum() == 6, counts
+  np.testing.assert_array_equal(np.asarray(s.wait_B), [2, 2])
+  for row, prompt in enumerate(prompts):
+    _assert_context_is_the_prefills(target, drafter, s, row, prompt)

@@ -214,3 +214,19 @@ def test_requests_start_deep_where_drafting_loses_and_stay_lossless(models, ar_o
   assert deep.count(False) >= len(deep) // 2, deep
   assert (sum(g.drafter_passes for g in runs[True]) <
           sum(g.drafter_passes for g in runs[False]))
+
+
+def test_batched_rows_start_deep_where_drafting_loses(models, ar_outputs):
+  """A request taking a batch's slot starts where the requests before it say (as one request
+  alone does): under the dearest costs later rows start with AR steps, fewer drafter passes
+  than with every row drafting first, the same tokens, one insertion and one loop program."""
+  prompts, max_news = _requests(6)
+  passes = {}
+  for on in (True, False):
+    eng = _engine(models, batch_size=3, start_backoff=on, **DEAREST)
+    for _ in range(3):
+      outs = eng.generate_batch(prompts, max_new_tokens=max_news, block_size=B)
+      assert [g.output_ids for g in outs] == ar_outputs
+    passes[on] = sum(g.drafter_passes for g in outs)
+    assert eng.compiled.counts["insert"] == 1 and eng.compiled.counts["batch_spec_loop"] == 1
+  assert passes[True] < passes[False], passes

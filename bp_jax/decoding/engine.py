@@ -248,12 +248,18 @@ class Engine:
             max_new, sampling, seed_key, self._stop_arr, forced_seq,
             self._on_device(self.break_even_N(block_size, 1)), jnp.asarray(start, jnp.int32))
 
-  def _start(self, block_size: int) -> tuple[int, int]:
-    """(misses, AR steps) a one-request loop of `block_size` starts with (`start_backoff`)."""
+  def request_start(self, block_size: int, rows: int = 1) -> tuple[int, int]:
+    """(misses, AR steps) the next request in a loop of `block_size` and `rows` slots starts
+    with (`start_backoff`; (0, 0): it drafts first)."""
     if self.starts is None or block_size == 1:
       return 0, 0
-    break_even = float(self.break_even_N(block_size, 1)[block_size])
+    break_even = float(self.break_even_N(block_size, rows)[block_size])
     return self.starts.start(break_even, self.ar_fallback)
+
+  def request_done(self, gen: Generation) -> None:
+    """A finished request's cycles inform where the next ones start (`start_backoff`)."""
+    if self.starts is not None and gen.block_size > 1:
+      self.starts.observe(gen.acceptance_lengths)
 
   def request_window(self, prompt_len: int, max_new_tokens: int, block_size: int) -> int | None:
     """The attention window of a one-request loop (`programs.request_window`): room for the
@@ -362,7 +368,7 @@ class Engine:
     forced = forced_continuation is not None
     forced_seq = self._forced_seq(n, forced_continuation) if forced else None
     loop_args = self._loop_args(pre, n_arr, jnp.int32(max_new_tokens), sp, seed_key,
-                                block_size, forced_seq, self._start(block_size))
+                                block_size, forced_seq, self.request_start(block_size))
     warm_args = self._loop_args(pre, n_arr, jnp.int32(min(max_new_tokens, WARMUP_TOKENS)), sp,
                                 seed_key, block_size, forced_seq)
     window = self.request_window(n, max_new_tokens, block_size)
@@ -385,8 +391,7 @@ class Engine:
     gen = generation_of(out.seq[0], out.accept_lens, out.is_cycle, out.verified, forwards, n,
                         n_gen, self.stop_ids, max_new_tokens, block_size, prefill_s, decode_s,
                         probs, features)
-    if self.starts is not None and block_size > 1:
-      self.starts.observe(gen.acceptance_lengths)
+    self.request_done(gen)
     return gen
 
 
@@ -504,11 +509,12 @@ class Engine:
       self.raise_nonfinite(n, "the prefill")
 
   def insert_program(self, carry: LoopState, row: int, req: BatchRequest, pre,
-                     sp=None) -> tuple:
+                     sp=None, start: tuple[int, int] = (0, 0)) -> tuple:
     """(compiled insertion, its arguments): calling it returns `carry` (donated) with slot
     `row` holding the prefilled request, with its sampling settings `sp` (SamplingParams; None:
-    the request's own) and its stop ids. Compiles on first use, before any clock
-    starts; one compilation for every setting."""
+    the request's own), its stop ids and the (misses, AR steps) it starts with (`start`,
+    `request_start`). Compiles on first use, before any clock starts; one compilation for
+    every setting."""
     n = len(req.prompt_ids)
     forced = (() if req.forced_continuation is None else
               (self._forced_seq(n, req.forced_continuation)[0],))
@@ -519,7 +525,7 @@ class Engine:
     row_stop[:len(req.stop_token_ids)] = req.stop_token_ids
     args = (carry, jnp.int32(row), pre.cache, draft_cache, pre.first_tok, jnp.int32(n),
             jnp.int32(req.max_new_tokens), jax.random.key(req.seed), self._stop_arr, sp,
-            jnp.asarray(row_stop)) + forced
+            jnp.asarray(row_stop), jnp.asarray(start, jnp.int32)) + forced
     return self.programs.insert(args), args
 
   def slots_program(self, block_size: int, carry: LoopState, forced: bool = False,

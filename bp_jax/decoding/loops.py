@@ -163,29 +163,39 @@ def _commit(s: LoopState, out, y_Bt: jax.Array, a_B: jax.Array, active_B: jax.Ar
                    forward_counts_N=s.forward_counts_N.at[verified].add(1)), a_B
 
 
-def _run(cond_rows: Callable, body: Callable, s: LoopState, sync_cycles: int) -> LoopState:
-  """Runs `body` while some row decodes (`cond_rows`), at most `sync_cycles` times when > 0
-  (then the host gets the state back to refill finished slots), in one `while_loop`."""
-  if sync_cycles <= 0:
-    return jax.lax.while_loop(cond_rows, body, s)
+def _forwards(s: LoopState) -> jax.Array:
+  """[] int32 the batch's target forwards since its state was made (cycles and AR steps)."""
+  return jnp.sum(s.forward_counts_N)
 
-  def cond(i_s):
-    return (i_s[0] < sync_cycles) & cond_rows(i_s[1])
 
-  return jax.lax.while_loop(cond, lambda i_s: (i_s[0] + 1, body(i_s[1])), (jnp.int32(0), s))[1]
+def _in_budget(s0: LoopState, sync_forwards: int) -> Callable:
+  """s -> [] bool: whether a loop call that started at `s0` may run another target forward (at
+  most `sync_forwards` in all when > 0; always when 0)."""
+  if sync_forwards <= 0:
+    return lambda s: jnp.bool_(True)
+  start = _forwards(s0)
+  return lambda s: _forwards(s) - start < sync_forwards
+
+
+def _run(cond_rows: Callable, body: Callable, s: LoopState, in_budget: Callable) -> LoopState:
+  """Runs `body` (one or more target forwards) in one `while_loop` while some row decodes
+  (`cond_rows`) and the call's forward budget (`_in_budget`) is not spent; the host then gets
+  the state back to refill finished slots."""
+  return jax.lax.while_loop(lambda s: cond_rows(s) & in_budget(s), body, s)
 
 
 def make_insert() -> Callable:
   """insert(state, row, cache, draft_cache, first_tok, n, max_new, seed_key, stop_ids,
-  sampling, row_stop_K[, forced_S]) -> state: a request prefilled into one-sequence caches
-  (`make_prefill`) takes slot `row` of a batched `LoopState` with its own sampling settings
-  (`sampling.SamplingParams` scalars) and stop ids (`LoopState.start_row`); compiled once per
-  state shape, whatever the values; the state is donated."""
+  sampling, row_stop_K, start_2[, forced_S]) -> state: a request prefilled into one-sequence
+  caches (`make_prefill`) takes slot `row` of a batched `LoopState` with its own sampling
+  settings (`sampling.SamplingParams` scalars), stop ids and start of the back-off (`start_2`,
+  `LoopState.start_row`); compiled once per state shape, whatever the values; the state is
+  donated."""
 
   def insert(s, row, cache, draft_cache, first_tok, n, max_new, seed_key, stop_ids, sampling,
-             row_stop_K, *forced):
+             row_stop_K, start_2, *forced):
     s = s.start_row(row, first_tok, n, max_new, seed_key, stop_ids, sampling, row_stop_K,
-                    *forced)
+                    *forced, start_2=start_2)
     s = s.replace(cache=s.cache.put_rows(cache, row))
     if draft_cache is not None:
       s = s.replace(draft_cache=s.draft_cache.put_rows(draft_cache, row))
@@ -222,7 +232,8 @@ def make_batched_ar_loop(graphdef, opts: LoopOptions = LoopOptions()) -> Callabl
                      stop_ids)[0]
 
     s = _loop_caches(s, opts.scan_layers)
-    return _run(lambda s: s.decodes() & s.fits(1, window), body, s, opts.sync_cycles)
+    return _run(lambda s: s.decodes() & s.fits(1, window), body, s,
+                _in_budget(s, opts.sync_cycles))
 
   return ar_loop
 
@@ -246,7 +257,8 @@ CONTEXT_CHUNK = 8
 def make_batched_spec_loop(graphdef, draft_graphdef, opts: LoopOptions) -> Callable:
   """spec_loop(state, draft_state, loop_state, stop_ids) -> loop_state: speculative
   decoding of every row of a `LoopState`, each at its own position, until no row decodes or,
-  with `opts.sync_cycles` > 0, after that many cycles.
+  with `opts.sync_cycles` > 0, after that many target forwards (cycles, and AR steps counted
+  one each: a run of AR steps does not hold the host, a stream or a cancel for its length).
 
   One cycle (b = `opts.block_size`): the drafter proposes b-1 tokens after each row's `tok` in
   one pass, the target verifies the rows' tokens [tok, d_1..d_k] in one forward (k = b-1, or
@@ -300,6 +312,7 @@ def make_batched_spec_loop(graphdef, draft_graphdef, opts: LoopOptions) -> Calla
     layers, draft_layers = _layers_of(model, opts.scan_layers), _layers_of(drafter,
                                                                            opts.scan_layers)
     layer_ids, mask_id = drafter.cfg.target_layer_ids, drafter.cfg.mask_token_id
+    in_budget = _in_budget(s, opts.sync_cycles)  # the call's target forwards
 
     # ---- the cycle: draft -> verify -> accept, roll back, record -> back off ----------------
     def draft(s):
@@ -393,7 +406,8 @@ def make_batched_spec_loop(graphdef, draft_graphdef, opts: LoopOptions) -> Calla
 
     def wants_ar(s):
       active_B = s.active_B()
-      return jnp.any(active_B) & jnp.all(~active_B | (s.wait_B > 0)) & s.fits(1, window)
+      return (jnp.any(active_B) & jnp.all(~active_B | (s.wait_B > 0)) & s.fits(1, window)
+              & in_budget(s))
 
     def body(s):
       if not ctl.cap:
@@ -403,11 +417,12 @@ def make_batched_spec_loop(graphdef, draft_graphdef, opts: LoopOptions) -> Calla
       # one trips for the cycle): a `lax.cond` would copy every cache buffer at every step.
       s = jax.lax.while_loop(wants_ar, ar_step, s)
       once = lambda t: (jnp.bool_(False), cycle(t[1]))
-      return jax.lax.while_loop(lambda t: t[0] & t[1].decodes() & t[1].fits(b, window), once,
-                                (jnp.bool_(True), s))[1]
+      return jax.lax.while_loop(
+          lambda t: t[0] & t[1].decodes() & t[1].fits(b, window) & in_budget(t[1]), once,
+          (jnp.bool_(True), s))[1]
 
     s = _loop_caches(s, opts.scan_layers)
-    run = lambda s: _run(lambda s: s.decodes() & s.fits(b, window), body, s, opts.sync_cycles)
+    run = lambda s: _run(lambda s: s.decodes() & s.fits(b, window), body, s, in_budget)
     if not ctl.cap:
       return run(s)
     width = len(layer_ids) * drafter.cfg.layers.hidden_size

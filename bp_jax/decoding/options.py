@@ -62,8 +62,8 @@ class ShapeOptions:
 @dataclasses.dataclass(frozen=True)
 class BatchOptions:
   """batch_size: slots per block-size bucket (1: one request at a time, the one-request loops);
-  sync_cycles: cycles between the host's refills of finished slots (0: a batch runs until all
-  its rows finish)."""
+  sync_cycles: target forwards (cycles; the priced controller's AR steps count one each)
+  between the host's refills of finished slots (0: a batch runs until all its rows finish)."""
   batch_size: int = 1
   sync_cycles: int = 16
 
@@ -93,9 +93,9 @@ class LoopOptions:
       engine measures the costs, off when they are given. The start-up costs bound a batch's
       prices below (`OnlineCosts.batch_prior_floor`). Host-side only: no compiled loop
       depends on it.
-    start_backoff: `priced`, one request at a time: a request starts deep in the back-off
-      (`start_backoff.START_WAIT` AR steps, then a miss backs off the whole cap) when the
-      recent requests' cycles committed clearly fewer tokens than a cycle costs, every 4th
+    start_backoff: `priced`: a request (alone, or taking a batch's slot) starts deep in the
+      back-off (`start_backoff.START_WAIT` AR steps, then a miss backs off the whole cap) when
+      the recent requests' cycles committed clearly fewer tokens than a cycle costs, every 4th
       request still starting with a cycle (`start_backoff.StartBackoff`); False: every
       request drafts first. Host-side only (runtime scalars of the loop state).
     ar_fallback: at most this many AR steps in a row after poor cycles (0: none; `confidence`:
@@ -107,7 +107,8 @@ class LoopOptions:
   Per compiled loop (`LoopPrograms` fills them in):
     block_size: tokens per cycle (1: plain AR decoding).
     window: attention reads cache slots [0, window) only (None: all).
-    sync_cycles: return to the host after this many cycles (0: when no row decodes).
+    sync_cycles: return to the host after this many target forwards, cycles and AR steps
+      alike (0: when no row decodes).
     forced_drafts: the tests' perfect drafter (the carry's `forced_BS`; `exact` only).
   """
   verify: str = "exact"

@@ -11,7 +11,8 @@ Each block size in use (a bucket) has a batched loop state of `batch_size` slots
 2. moves prefilled requests into free slots of their bucket (`loops.make_insert`: a slot-sized
    copy into the donated state), oldest first;
 3. runs the bucket with the most requests in flight (ties: the smallest block size) for
-   `sync_cycles` cycles (0: until none of its rows decodes: static batching) in one call, or
+   `sync_cycles` target forwards (cycles, and AR steps of the priced back-off; 0: until none of
+   its rows decodes: static batching) in one call, or
    while requests wait for a slot only until one of its rows finishes (`LoopState.min_active`),
    attending over the smallest window of cache slots (`programs.window_buckets`) with room for
    its furthest row (the call returns early when a row would pass it);
@@ -19,9 +20,10 @@ Each block size in use (a bucket) has a batched loop state of `batch_size` slots
    `Generation` and frees its slot; then goes back to 1.
 
 So a long request never holds a batch hostage: the others' slots are refilled around it after the
-cycle that freed them (when requests wait; at most `sync_cycles` cycles otherwise). Every row decodes at its own position with its own seed key and its
-own sampling settings and stop ids (`LoopState.sp_B`, `stop_BK`: traced values, one compiled
-loop for every setting), so its tokens are those it gets decoded alone.
+cycle that freed them (when requests wait; at most `sync_cycles` forwards otherwise). Every row
+decodes at its own position with its own seed key and its own sampling settings and stop ids
+(`LoopState.sp_B`, `stop_BK`: traced values, one compiled loop for every setting), so its
+tokens are those it gets decoded alone.
 
 A server drives the same scheduler one step at a time (`submit`, `step`, `cancel`): requests
 arrive between steps, `step` reports each finished request, each failed one (NaN/inf logits:
@@ -189,7 +191,9 @@ class Scheduler:
         if not waiting:
           break
         staged = waiting.popleft()
-        fn, args = self.engine.insert_program(bucket.carry, row, staged.req, staged.pre)
+        fn, args = self.engine.insert_program(
+            bucket.carry, row, staged.req, staged.pre,
+            start=self.engine.request_start(b, self.engine.batch_size))
         t0 = time.perf_counter()
         bucket.carry = fn(*args)
         jax.block_until_ready(bucket.carry.pos_B)
@@ -254,6 +258,7 @@ class Scheduler:
       try:
         self.results[index] = self._generation(staged, seq, accept, is_cycle, verified,
                                                int(forwards), int(n_gen[i]), bool(bad))
+        self.engine.request_done(self.results[index])
         self._report.finished[index] = self.results[index]
       except BadInputError as e:  # NaN/inf logits: this request alone fails
         self._report.failed[index] = e

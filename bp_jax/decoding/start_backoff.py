@@ -9,8 +9,9 @@ the back-off: `START_WAIT` AR steps first, then a probing cycle, after which eac
 the whole cap. Every `explore_every`-th request still starts drafting, so that the acceptance
 and the online prices (which learn a cycle's price from calls that run cycles) stay current.
 
-Host-side only: the start is two runtime scalars of the loop state (`LoopState.start_row`), so
-nothing recompiles; the tokens are the target's own whatever the start (lossless).
+Host-side only: the start is two runtime scalars of the loop state (`LoopState.start_row`, for
+one request and for a request taking a batch's slot alike), so nothing recompiles; the tokens
+are the target's own whatever the start (lossless).
 """
 
 from __future__ import annotations
