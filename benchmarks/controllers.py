@@ -22,10 +22,12 @@ Methods (`--methods`, comma-separated):
   priced_online     priced with its costs kept current from its own timed loop calls
                     (`online_costs=True`: the start-up costs are the prior and the floor,
                     `bp_jax.decoding.online_costs`);
-  priced_default    priced_online whose requests start deep in the back-off where recent
-                    requests' drafting lost (`start_backoff=True`, one request at a time,
-                    `bp_jax.decoding.start_backoff`): what the default configs decode with
-                    (`--config.controller=priced`, costs measured, online costs auto);
+  priced_default    priced_online whose requests (alone or taking a batch's slot) start deep
+                    in the back-off where recent requests' drafting lost (`start_backoff=True`,
+                    `bp_jax.decoding.start_backoff`) and whose misses back off up to
+                    --priced_cap AR steps: what the default configs decode with
+                    (`--config.controller=priced`, costs measured, online costs auto,
+                    configs/demo.py's `controller_priced_cap`);
   priced_long       priced whose misses back off up to --long_ar_fallback AR steps (2, 4, ...,
                     64 by default) instead of --ar_fallback: fewer probing cycles where
                     drafting keeps losing.
@@ -94,6 +96,8 @@ flags.DEFINE_enum("half", "label", ["label", "eval"], "HumanEval half of configs
                   "split.")
 flags.DEFINE_integer("ar_fallback", 16, "most AR steps in a row of backoff and confidence*")
 flags.DEFINE_integer("long_ar_fallback", 64, "most AR steps in a row of priced_long")
+flags.DEFINE_integer("priced_cap", 64, "most AR steps in a row of priced_default (configs/"
+                     "demo.py's controller_priced_cap; 0: --ar_fallback)")
 flags.DEFINE_integer("ar_fallback_accept", 1, "a cycle accepting <= this many drafts is poor")
 flags.DEFINE_string("methods", ",".join(METHODS[:6]), f"comma-separated, of {list(METHODS)}")
 flags.DEFINE_string("calibration", "", "confidence_cal*: calibration JSON "
@@ -152,7 +156,8 @@ def engine_options(method: str, costs: dict) -> dict:
           "priced_long": dict(controller="priced", ar_fallback=FLAGS.long_ar_fallback,
                               online_costs=False, start_backoff=False, **fb),
           "priced_default": dict(controller="priced", ar_fallback=FLAGS.ar_fallback,
-                                 online_costs=True, start_backoff=True, **fb),
+                                 priced_cap=FLAGS.priced_cap, online_costs=True,
+                                 start_backoff=True, **fb),
           }[method]}
 
 
@@ -307,7 +312,7 @@ def main(_):
     report = {"prompts": [k for k, _ in prompts], "half": FLAGS.half,
               "repeats": FLAGS.repeats, "max_new_tokens": FLAGS.max_new_tokens,
               "block_size": FLAGS.block_size, "batch_size": B, "group_size": G,
-              "ar_fallback": FLAGS.ar_fallback,
+              "ar_fallback": FLAGS.ar_fallback, "priced_cap": FLAGS.priced_cap,
               "temperature": FLAGS.temperature, "top_k": FLAGS.top_k, "verify": FLAGS.verify,
               "drafter": FLAGS.drafter,
               "intervals": cis,

@@ -42,6 +42,10 @@ def get_config() -> ml_collections.ConfigDict:
   # shipped policy were made under backoff's loop, which priced shares (same ar_fallback).
   c.ar_fallback = 16
   c.controller = "priced"
+  # priced's misses back off up to 64 AR steps (not ar_fallback's 16, which stays the form the
+  # labels were measured under): where drafting loses (T = 1 here) a request probes once per
+  # ~64 tokens instead of once per ~16 (docs/results/controller.md).
+  c.controller_priced_cap = 64
   # confidence only: the drafter's p is underconfident (p 0.65 -> 83% accepted); this table of
   # acceptance per p bin was fitted on 48 HumanEval labelling-half prompts (HumanEval/134 on,
   # benchmarks/controller_calibration.py --skip 24 --num_prompts 48) and replaces p in the rule.

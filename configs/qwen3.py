@@ -174,6 +174,9 @@ def get_config() -> ml_collections.ConfigDict:
   # costs (every 4th request still drafts first, so the acceptance and costs stay current;
   # bp_jax/decoding/start_backoff.py); False: every request drafts first.
   c.controller_start_backoff = True
+  # priced: at most this many AR steps in a row after misses (0: ar_fallback, 64 when that is 0
+  # too). Its own cap, so that ar_fallback can stay the back-off label sets were measured under.
+  c.controller_priced_cap = 0
   # confidence: also count a cycle that verified more than ar_fallback_accept drafts and
   # accepted at most that many as a declined one (backs off into AR steps as backoff does).
   c.controller_poor_miss = False

@@ -316,3 +316,27 @@ def test_loop_options_carry_the_controller(tmp_path):
                       )["ar_fallback"] == 0
   with pytest.raises(BadInputError, match="--config.controller"):
     loop_options(ml_collections.ConfigDict(dict(controller="maybe")))
+
+
+def test_priced_has_its_own_cap_and_labels_keep_ar_fallback():
+  """`controller_priced_cap` sets priced's longest run of AR steps apart from `ar_fallback`,
+  which stays the back-off label sets are measured under: the demo's labels (ar_fallback 16)
+  still match a decode whose priced backs off up to 64 steps; 0 falls back to ar_fallback."""
+  from bp_jax.data.label_sets import decode_settings
+  from bp_jax.decode_job.block_choice import labelling_loop_options
+
+  def cfg(**kw):
+    return ml_collections.ConfigDict(dict(controller="priced", ar_fallback=16, **kw))
+
+  long, plain = loop_options(cfg(controller_priced_cap=64)), loop_options(cfg())
+  assert (long["priced_cap"], plain["priced_cap"]) == (64, 0)
+  assert LoopOptions(**long).in_effect().ar_fallback == 64
+  assert LoopOptions(**plain).in_effect().ar_fallback == 16
+  assert LoopOptions(controller="priced").in_effect().ar_fallback == control.PRICED_SKIP_CAP
+  labelled = labelling_loop_options(cfg(controller_priced_cap=64))
+  assert (labelled["controller"], labelled["ar_fallback"], labelled["priced_cap"]) == (
+      "backoff", 16, 0)
+  assert (decode_settings(128, 0.0, False, long) == decode_settings(128, 0.0, False, plain)
+          == decode_settings(128, 0.0, False, labelled))
+  with pytest.raises(BadInputError, match=re.escape("--config.controller_priced_cap=-1")):
+    loop_options(cfg(controller_priced_cap=-1))

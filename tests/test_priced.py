@@ -162,7 +162,8 @@ def test_priced_is_labelled_as_backoff():
   settings = {}
   for name in ("backoff", "priced"):
     cfg.controller = name
-    assert labelling_loop_options(cfg) == {**loop_options(cfg), "controller": "backoff"}
+    assert labelling_loop_options(cfg) == {**loop_options(cfg), "controller": "backoff",
+                                           "priced_cap": 0}
     settings[name] = decode_settings(128, 0.0, False, loop_options(cfg))
   assert settings["priced"] == settings["backoff"]
   assert settings["priced"]["controller"] == "backoff" and settings["priced"]["ar_fallback"] == 16

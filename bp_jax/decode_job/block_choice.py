@@ -110,7 +110,7 @@ def random_candidates(cfg, drafter_block_size: int | None) -> tuple[int, ...]:
 
 def loop_options(cfg) -> dict[str, Any]:
   """The decode loops' form set by a config, as `Engine` keyword arguments: `scan_layers`,
-  `ar_fallback`, `ar_fallback_accept`, `verify`, `controller`, `controller_costs`,
+  `ar_fallback`, `priced_cap`, `ar_fallback_accept`, `verify`, `controller`, `controller_costs`,
   `controller_draft_cost` (None for `measure`), `controller_poor_miss`,
   `controller_calibration` (the rates of the JSON file at that path, None for '')
   (configs/qwen3.py; checked, a bad value names its flag)."""
@@ -123,6 +123,7 @@ def loop_options(cfg) -> dict[str, Any]:
   return {"scan_layers": bool(cfg.get("scan_layers", False)),
           "ar_fallback": (int(cfg.get("ar_fallback", 0))
                           if controller in ("backoff", "confidence", "priced") else 0),
+          "priced_cap": _priced_cap(cfg) if controller == "priced" else 0,
           "ar_fallback_accept": int(cfg.get("ar_fallback_accept", 1)),
           "verify": check_verify_mode(str(cfg.get("verify", "exact"))),
           "controller": controller,
@@ -132,12 +133,20 @@ def loop_options(cfg) -> dict[str, Any]:
               str(cfg.get("controller_calibration", "") or ""))}
 
 
+def _priced_cap(cfg) -> int:
+  cap = cfg.get("controller_priced_cap", 0)
+  if isinstance(cap, bool) or not isinstance(cap, int) or cap < 0:
+    raise BadInputError(f"--config.controller_priced_cap={cap!r}: expected an integer >= 0 "
+                        "(0: ar_fallback, or 64 when that is 0 too)")
+  return cap
+
+
 def labelling_loop_options(cfg) -> dict[str, Any]:
   """`loop_options` in the form label sets are measured under (`controller.labelled_as`:
-  `priced` as `backoff` at the same `ar_fallback`)."""
+  `priced` as `backoff` at the same `ar_fallback`; priced's own cap is not part of it)."""
   from bp_jax.decoding.controller import labelled_as
   loop = loop_options(cfg)
-  return {**loop, "controller": labelled_as(loop["controller"])}
+  return {**loop, "controller": labelled_as(loop["controller"]), "priced_cap": 0}
 
 
 MEASURE = "measure"  # --config.controller_costs / controller_draft_cost: measure where it runs

@@ -98,16 +98,18 @@ def check_controller(name: str, flag: str = "--config.controller") -> str:
   return name
 
 
-def loop_form(controller: str | None, ar_fallback: int) -> tuple[str, int]:
+def loop_form(controller: str | None, ar_fallback: int, priced_cap: int = 0
+              ) -> tuple[str, int]:
   """(the controller in effect, the most AR steps in one run of them): None reads `backoff`;
   `backoff` without fallback steps is the plain loop (`none`), which takes none; `confidence`
   backs its skipped drafter passes off up to `ar_fallback` steps (0: `DEFAULT_SKIP_CAP`), and
-  `priced` its misses likewise (0: `PRICED_SKIP_CAP`)."""
+  `priced` its misses up to `priced_cap` (0: `ar_fallback`, and `PRICED_SKIP_CAP` when that is
+  0 too)."""
   controller = controller or "backoff"
   if controller == "backoff" and int(ar_fallback) == 0:
     controller = "none"
   if controller == "priced":
-    return controller, int(ar_fallback) or PRICED_SKIP_CAP
+    return controller, int(priced_cap) or int(ar_fallback) or PRICED_SKIP_CAP
   if controller in PRICED:
     return controller, int(ar_fallback) or DEFAULT_SKIP_CAP
   return controller, (int(ar_fallback) if controller == "backoff" else 0)

@@ -100,6 +100,9 @@ class LoopOptions:
       request drafts first. Host-side only (runtime scalars of the loop state).
     ar_fallback: at most this many AR steps in a row after poor cycles (0: none; `confidence`:
       16, `priced`: 64).
+    priced_cap: `priced`: at most this many AR steps in a row after misses (0: `ar_fallback`,
+      64 when that is 0 too): a cap of its own, so that a config may keep `ar_fallback` as the
+      back-off its label sets were measured under (`controller.labelled_as`).
     ar_fallback_accept: a cycle accepting at most this many drafts is poor (`backoff`; unused by
       `priced`, whose misses are priced by the costs).
     scan_layers: run layers with `lax.scan` over stacked weights (else unrolled, per-layer
@@ -120,6 +123,7 @@ class LoopOptions:
   online_costs: bool | None = None
   start_backoff: bool = True
   ar_fallback: int = 0
+  priced_cap: int = 0
   ar_fallback_accept: int = 1
   scan_layers: bool = False
   block_size: int = 1
@@ -128,7 +132,7 @@ class LoopOptions:
   forced_drafts: bool = False
 
   def __post_init__(self):
-    for name in ("ar_fallback", "ar_fallback_accept", "sync_cycles"):
+    for name in ("ar_fallback", "priced_cap", "ar_fallback_accept", "sync_cycles"):
       _int_at_least(getattr(self, name), 0, name)
     _int_at_least(self.block_size, 1, "block_size")
     check_verify_mode(self.verify, "verify")
@@ -152,7 +156,8 @@ class LoopOptions:
          controller_poor_miss=bool(self.controller_poor_miss),
          online_costs=None if self.online_costs is None else bool(self.online_costs),
          start_backoff=bool(self.start_backoff),
-         ar_fallback=int(self.ar_fallback), ar_fallback_accept=int(self.ar_fallback_accept),
+         ar_fallback=int(self.ar_fallback), priced_cap=int(self.priced_cap),
+         ar_fallback_accept=int(self.ar_fallback_accept),
          scan_layers=bool(self.scan_layers), block_size=int(self.block_size),
          sync_cycles=int(self.sync_cycles), forced_drafts=bool(self.forced_drafts))
     if self.forced_drafts and self.verify != "exact":
@@ -163,10 +168,12 @@ class LoopOptions:
 
   def in_effect(self) -> "LoopOptions":
     """These options with the loop form in effect (`controller.loop_form`): `backoff` without
-    fallback steps reads `none`, `none` takes no AR steps, `confidence` and `priced` back off
-    up to `ar_fallback` steps (0: `controller.DEFAULT_SKIP_CAP`, `PRICED_SKIP_CAP`)."""
-    controller, ar_fallback = control.loop_form(self.controller, self.ar_fallback)
-    return self.replace(controller=controller, ar_fallback=ar_fallback)
+    fallback steps reads `none`, `none` takes no AR steps, `confidence` backs off up to
+    `ar_fallback` steps (0: `controller.DEFAULT_SKIP_CAP`) and `priced` up to `priced_cap`
+    (0: `ar_fallback`, or `PRICED_SKIP_CAP`); `ar_fallback` then holds the cap in effect."""
+    controller, ar_fallback = control.loop_form(self.controller, self.ar_fallback,
+                                                self.priced_cap)
+    return self.replace(controller=controller, ar_fallback=ar_fallback, priced_cap=0)
 
   def needs_costs(self) -> bool:
     """Whether the loop form in effect prices its choices (`confidence`, `priced`) and has no
