@@ -103,16 +103,27 @@ def test_cache_hits_for_equal_keys_and_misses_when_shapes_change(models, tmp_pat
     json.dump(entry, f)
   _, hit = costs.forward_costs(target, drafter, 1, B, MAX_LEN, cache_dir=folder)
   assert not hit and len(calls) == 7
+  # Same model name, another generation (cloud VMs report "AMD EPYC" for several): a miss.
+  with open(path) as f:
+    entry = json.load(f)
+  entry["key"]["machine"]["cpu_id"] = "AuthenticAMD/25/1/1"
+  with open(path, "w") as f:
+    json.dump(entry, f)
+  _, hit = costs.forward_costs(target, drafter, 1, B, MAX_LEN, cache_dir=folder)
+  assert not hit and len(calls) == 8
   with open(path, "w") as f:
     f.write("{not json")
   _, hit = costs.forward_costs(target, drafter, 1, B, MAX_LEN, cache_dir=folder)
-  assert not hit and len(calls) == 8
+  assert not hit and len(calls) == 9
   assert not [n for n in os.listdir(folder) if n.endswith(".tmp")]
   # "" = no cache: measured every time, nothing written.
   for _ in range(2):
     assert not costs.forward_costs(target, drafter, 1, B, MAX_LEN, cache_dir="")[1]
-  assert len(calls) == 10 and len(os.listdir(folder)) == 5
+  assert len(calls) == 11 and len(os.listdir(folder)) == 5
   assert key["machine"] == costs.machine_fingerprint()
+  if os.path.exists("/proc/cpuinfo"):  # Linux: the CPU's generation and features are in it
+    assert key["machine"]["cpu_id"].count("/") == 3 and "?" not in key["machine"]["cpu_id"]
+    assert len(key["machine"]["cpu_flags"]) == 12
 
 
 def test_given_costs_come_as_a_pair():

@@ -11,7 +11,8 @@ a CPU several times more), so they are measured on the engine's own shapes, not 
                          size, block size and cache length (a mid-cache position); each timed
                          as a jitted loop of `reps` forwards, the median of `repeats` rounds
                          in which the forwards take turns (a few seconds at demo size);
-  forward_costs          the same, cached per machine (`machine_fingerprint`), model weights
+  forward_costs          the same, cached per machine (`machine_fingerprint`: CPU model,
+                         generation, cache and feature flags, devices), model weights
                          (`models.fingerprint`), shapes and dtype in
                          `$XDG_CACHE_HOME/bp_jax/costs/` (written atomically; cache_dir="" = no
                          cache).
@@ -35,23 +36,47 @@ FORMAT = 1
 DEFAULT = "default"  # cost_cache value meaning default_dir()
 
 
-def _cpu_model() -> str:
+# /proc/cpuinfo fields that tell two CPUs apart where "model name" does not (a cloud VM may
+# report "AMD EPYC" for parts of different generations, whose small matmuls cost differently:
+# a cache made on one priced the other's cycles 1.3x too dear).
+_CPU_FIELDS = ("vendor_id", "cpu family", "model", "model name", "stepping", "cache size")
+
+
+def _cpu_info() -> dict[str, str]:
+  """The first processor's `_CPU_FIELDS` and a digest of its feature flags (e.g. AVX-512)."""
+  info: dict[str, str] = {}
   try:
     with open("/proc/cpuinfo", encoding="utf-8") as f:
       for line in f:
-        if line.startswith("model name"):
-          return line.split(":", 1)[1].strip()
+        if not line.strip():
+          break  # the first processor's block only
+        name, _, value = line.partition(":")
+        name, value = name.strip(), value.strip()
+        if name in _CPU_FIELDS:
+          info[name] = value
+        elif name == "flags":
+          info["flags"] = hashlib.sha256(" ".join(sorted(value.split())).encode()).hexdigest()[:12]
   except OSError:
     pass
-  return platform.processor() or "unknown"
+  return info
+
+
+def _cpu_model() -> str:
+  return _cpu_info().get("model name") or platform.processor() or "unknown"
 
 
 def machine_fingerprint() -> dict[str, Any]:
-  """What makes two machines price a step alike: CPU model and count, JAX backend and devices."""
+  """What makes two machines price a step alike: CPU model, generation, cache and features
+  (`_cpu_info`), CPU count, JAX backend and devices."""
   import jax
 
   devices = jax.devices()
-  return {"cpu": _cpu_model(), "cpu_count": os.cpu_count(), "machine": platform.machine(),
+  cpu = _cpu_info()
+  return {"cpu": _cpu_model(),
+          "cpu_id": "/".join(cpu.get(k, "?") for k in ("vendor_id", "cpu family", "model",
+                                                         "stepping")),
+          "cpu_cache": cpu.get("cache size", "?"), "cpu_flags": cpu.get("flags", "?"),
+          "cpu_count": os.cpu_count(), "machine": platform.machine(),
           "jax": jax.__version__, "backend": jax.default_backend(),
           "devices": f"{len(devices)} x {devices[0].device_kind}"}
 
