@@ -303,6 +303,10 @@ def main(_):
   print(f"  speedups, 95% paired bootstrap intervals over {len(prompts)} requests:")
   for pair, c in cis.items():
     print(f"    {pair:<20}{c['ratio']:.3f}x [{c['lo']:.3f}, {c['hi']:.3f}]")
+  slot_use = {m: engines[m].slot_use for m in methods if engines[m].slot_use is not None}
+  if slot_use:  # batches: the idle slots (e.g. each group's tail) cost as much as busy ones
+    print("  slot use (share of batched slot time holding a decoding request, every repeat): "
+          + ", ".join(f"{m} {u:.3f}" for m, u in slot_use.items()))
   online = {m: engines[m].cost_estimate for m in methods if m.startswith("priced")}
   for m, est in online.items():
     for rows_, e in est["by_batch_size"].items():
@@ -317,7 +321,8 @@ def main(_):
               "drafter": FLAGS.drafter,
               "intervals": cis,
               "ar_fallback_accept": FLAGS.ar_fallback_accept, "methods": rows,
-              "controller_costs": {**costs, "source": source}, "cost_estimates": online}
+              "controller_costs": {**costs, "source": source}, "cost_estimates": online,
+              "slot_use": slot_use}
     common.write_json(os.path.join(FLAGS.out, "controllers.json"), report, indent=1)
     print(f"  wrote {os.path.join(FLAGS.out, 'controllers.json')}")
 

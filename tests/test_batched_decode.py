@@ -284,3 +284,24 @@ def test_attention_windows_follow_the_rows_and_change_nothing(models, stop_id, s
   cache_shape = re.compile(r"= f32\[([0-9]+,)?6,(256,8|8,256)\]\{[0-9,]*\} copy\(")
   assert not [line for line in hlo.splitlines() if cache_shape.search(line)]
   assert re.search(r"f32\[6,256,8\]", hlo)  # the pattern names the cache buffers
+
+
+def test_slot_use_counts_the_idle_slots_of_a_batchs_tail(models, stop_id):
+  """`Engine.slot_use`: the share of batched slot time holding a decoding request. On a clock
+  where every loop call lasts 1 s, a long request beside short ones leaves its neighbour slot
+  idle once they are done: slot use is the decoding rows of each call over its slots, summed,
+  below 1; before any batched call it is None."""
+  target, drafter = models
+  ticks = iter(range(10 ** 6))
+  eng = Engine(target, stop_ids=[stop_id], drafter=drafter,
+               shapes=ShapeOptions(max_len=MAX_LEN, length_buckets=BUCKETS, block_sizes=SIZES),
+               batching=BatchOptions(batch_size=2, sync_cycles=4), clock=lambda: next(ticks))
+  assert eng.slot_use is None
+  prompts, _ = _requests(3, seed=7)
+  reqs = [eng.batch_request(i, p, m, seed=i, block_size=1)
+          for i, (p, m) in enumerate(zip(prompts, [40, 3, 3]))]
+  sched, rows = Scheduler(eng, reqs), []
+  while sched.busy():
+    rows.append(sched.step().rows)
+  assert eng.slot_use == pytest.approx(sum(rows) / (2 * len(rows)))
+  assert 0.5 <= eng.slot_use < 0.8 and rows.count(1) >= 5, rows

@@ -209,13 +209,14 @@ def test_batched_decode_writes_the_same_records_as_one_at_a_time(cfg):
   batch size and the calls' timings, and one request's start the requests before it: back-off
   here, whose choices depend on the tokens alone.)"""
   cfg.update(dict(compare="ar", repeats=2, controller="backoff"))
-  one, _ = run_decode.run(cfg)
+  one, s_one = run_decode.run(cfg)
   cfg.update(dict(batch_size=2, sync_cycles=4))
   many, s = run_decode.run(cfg)
   assert [r["id"] for r in many] == [r["id"] for r in one]
   for key in ("output_ids", "block_size", "acceptance_lengths", "forward_lengths", "tau"):
     assert [r[key] for r in many] == [r[key] for r in one], key
   assert (s["batch_size"], s["sync_cycles"], s["mesh"]) == (2, 4, "none")
+  assert 0 < s["slot_use"] <= 1 and "slot_use" not in s_one  # batched calls only
   assert s["main"]["identical_to_ar"] == s["compare"]["ar"]["identical_to_ar"] == len(PROMPTS)
   assert s["compilations_by_function"]["batch_ar_loop"] == 1
   with open(cfg.output) as f:

@@ -321,6 +321,8 @@ def _run(cfg) -> tuple[list[dict], dict]:
   summary["block_policy"] = choice.name
   summary.update(batch_size=engine.batch_size, sync_cycles=engine.sync_cycles,
                  mesh=describe(engine.mesh))
+  if engine.slot_use is not None:  # batched: the share of slot time holding a decoding row
+    summary["slot_use"] = round(engine.slot_use, 4)
   summary["compile_cache"] = cache_dir
   if engine.drafter is not None:
     summary["drafter"] = drafter_path(cfg) + (

@@ -99,6 +99,9 @@ class Engine:
     # Target forwards of every loop call so far, by verify length (0: AR steps; n: cycles
     # verifying n tokens), counted before each call's clock stops.
     self.forwards_run: collections.Counter = collections.Counter()
+    # Batched loop calls so far: seconds x slots, and seconds x slots holding a decoding row
+    # (`slot_use`).
+    self.slot_seconds = self.decoding_slot_seconds = 0.0
     self.prices, self.online = self._online_prices(self.programs.options)
     # Where a request starts the priced back-off (one request at a time): `start_backoff`.
     self.starts = (StartBackoff() if self.prices is not None and self.loop_options.start_backoff
@@ -157,17 +160,32 @@ class Engine:
   def _on_device(x: np.ndarray | None) -> jax.Array | None:
     return None if x is None else jnp.asarray(x)
 
-  def loop_ran(self, t0: float, counts_N, rows: int, block_size: int) -> float:
+  def loop_ran(self, t0: float, counts_N, rows: int, block_size: int,
+               decoding: int | None = None) -> float:
     """Books a loop call that started at `clock()` time t0 and ran `counts_N` target forwards
-    per verify length (returned and read back already): counts them, stops the clock, and feeds
-    the online prices with a spec loop's call; returns its seconds."""
+    per verify length (returned and read back already) over `rows` slots, `decoding` of them
+    holding a decoding request when it started (a batched call): counts them, stops the clock,
+    and feeds the online prices with a spec loop's call; returns its seconds."""
     counts_N = np.asarray(counts_N)
     for n in np.flatnonzero(counts_N):
       self.forwards_run[int(n)] += int(counts_N[n])
     secs = self.clock() - t0
     if block_size > 1 and self.online:
       self.prices.observe(secs, counts_N, rows)
+    if decoding is not None:
+      self.slot_seconds += secs * rows
+      self.decoding_slot_seconds += secs * decoding
     return secs
+
+  @property
+  def slot_use(self) -> float | None:
+    """The share of the batched loop calls' slot time (seconds x slots) in which a slot held a
+    decoding request, over every call so far (None before one): a step costs the same with
+    idle slots, so 1 - slot_use is the batch's idle share (e.g. its tail, when the last
+    requests of a batch end at scattered times)."""
+    if self.slot_seconds <= 0:
+      return None
+    return self.decoding_slot_seconds / self.slot_seconds
 
   @property
   def cost_estimate(self) -> dict | None:

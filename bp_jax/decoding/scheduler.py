@@ -220,7 +220,8 @@ class Scheduler:
       bucket.carry = fn(*args)
       jax.block_until_ready(bucket.carry.pos_B)
       counted_N = np.asarray(jax.device_get(bucket.carry.forward_counts_N))
-      secs = self.engine.loop_ran(t0, counted_N - bucket.counted_N, self.engine.batch_size, b)
+      secs = self.engine.loop_ran(t0, counted_N - bucket.counted_N, self.engine.batch_size, b,
+                                  decoding=len(decoding))
       bucket.counted_N = counted_N
       share = secs / len(decoding)
       for i in decoding:
