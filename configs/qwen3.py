@@ -169,7 +169,7 @@ def get_config() -> ml_collections.ConfigDict:
   # the prior and the floor; bp_jax/decoding/online_costs.py): "auto" (when measured, from every
   # loop call, batches too), "on" (also when given) or "off".
   c.controller_online_costs = "auto"
-  # priced: a request (alone or in a batch's slot) starts with 64 AR steps and backs off the cap
+  # priced: a request (alone or in a batch's slot) starts with the cap's AR steps and backs off it
   # after a miss when the recent requests' cycles committed clearly fewer tokens than a cycle
   # costs (every 4th request still drafts first, so the acceptance and costs stay current;
   # bp_jax/decoding/start_backoff.py); False: every request drafts first.

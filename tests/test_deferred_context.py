@@ -43,9 +43,11 @@ def _context_of(target, drafter, tokens: list[int]):
   return np.asarray(k[:, 0, :n]), np.asarray(v[:, 0, :n])
 
 
-def _run(target, drafter, sync_cycles: int, max_news: tuple[int, int], min_active: int = 0):
+def _run(target, drafter, sync_cycles: int, max_news: tuple[int, int], min_active: int = 0,
+         start: tuple[int, int] = (0, 0)):
   """(the state after one batched loop call over two rows at different positions, their
-  prompts); every cycle is a miss (back-off 2, 4, 8, 16 AR steps)."""
+  prompts); every cycle is a miss (back-off 2, 4, 8, 16 AR steps); each row starts with
+  `start` (misses, AR steps)."""
   graph, state = nnx.split(target)
   dgraph, dstate = nnx.split(drafter)
   opts = LoopOptions(block_size=B_SIZE, controller="backoff", ar_fallback=16,
@@ -66,7 +68,7 @@ def _run(target, drafter, sync_cycles: int, max_news: tuple[int, int], min_activ
                   drafter.init_cache(1, S), jax.random.key(row), greedy)
     s = insert(s, jnp.int32(row), pre.cache, pre.draft_cache, pre.first_tok, jnp.int32(n),
                jnp.int32(max_new), jax.random.key(row), stop_ids, greedy,
-               jnp.full((MAX_ROW_STOP_IDS,), -1, jnp.int32), jnp.zeros((2,), jnp.int32))
+               jnp.full((MAX_ROW_STOP_IDS,), -1, jnp.int32), jnp.asarray(start, jnp.int32))
   s = spec(state, dstate, s.replace(min_active=jnp.int32(min_active)), stop_ids)
   assert s.pending_BPX is None
   return s, prompts
@@ -120,5 +122,23 @@ def test_a_call_counts_its_budget_in_target_forwards():
   counts = np.asarray(s.forward_counts_N)
   assert counts[B_SIZE] == 2 and counts[0] == 4 and counts.sum() == 6, counts
   np.testing.assert_array_equal(np.asarray(s.wait_B), [2, 2])
+  for row, prompt in enumerate(prompts):
+    _assert_context_is_the_prefills(target, drafter, s, row, prompt)
+
+
+def test_a_deep_start_keeps_the_context_of_its_ar_steps():
+  """A row that starts deep (`start_backoff.StartBackoff`, the cap of 16 AR steps here) takes
+  its AR steps before its first cycle, and their context is a prefill's: a deep start longer than
+  the cap (64 steps, as before this test) overflowed the loop's room for pending context and
+  left the drafter a wrong one (the output stays lossless; the drafts do not)."""
+  from bp_jax.decoding.start_backoff import StartBackoff
+  target, drafter = _pair()
+  starts = StartBackoff(min_cycles=1, explore_every=10 ** 6)
+  starts.observe([1])
+  start = starts.start(break_even=4.0, cap=16)
+  assert start == (4, 16)
+  s, prompts = _run(target, drafter, 16 + 1 + 3, (90, 90), start=start)
+  is_cycle = np.asarray(s.records.is_cycle_BS[:, :20])
+  assert (is_cycle.sum(axis=1) == 1).all() and is_cycle[:, 16].all()  # 16 AR steps, a cycle
   for row, prompt in enumerate(prompts):
     _assert_context_is_the_prefills(target, drafter, s, row, prompt)

@@ -175,9 +175,9 @@ def test_priced_is_labelled_as_backoff():
 # -- where a request starts the back-off (`start_backoff`) --------------------------------------
 def test_start_backoff_starts_deep_after_losing_requests_and_explores():
   """Before enough cycles, or when the recent cycles paid, a request drafts first; after
-  requests whose cycles committed below 0.8 x the price, it starts with START_WAIT AR steps and
+  requests whose cycles committed below 0.8 x the price, it starts with the cap's AR steps and
   the misses after which one more backs off the whole cap; every 4th request drafts first."""
-  from bp_jax.decoding.start_backoff import START_WAIT, StartBackoff
+  from bp_jax.decoding.start_backoff import StartBackoff
   starts = StartBackoff()
   assert starts.tau() is None and starts.start(4.0, 16) == (0, 0)  # nothing seen yet
   for _ in range(4):
@@ -185,10 +185,12 @@ def test_start_backoff_starts_deep_after_losing_requests_and_explores():
   starts.observe([])  # a request without cycles counts for nothing
   assert starts.tau() == pytest.approx(2.0)
   seen = [starts.start(4.0, 16) for _ in range(7)]  # 2 < 0.8 x 4: deep, but every 4th explores
-  assert seen == [(4, START_WAIT)] * 2 + [(0, 0)] + [(4, START_WAIT)] * 3 + [(0, 0)]
+  # A deep start waits the cap (16 here), never more: the loop keeps room for that many AR
+  # steps' pending drafter context.
+  assert seen == [(4, 16)] * 2 + [(0, 0)] + [(4, 16)] * 3 + [(0, 0)]
   assert int(control.backoff_steps(jnp.asarray(4 + 1), 16)) == 16  # the next miss: the cap
   assert starts.start(2.4, 64) == (0, 0)  # 2 >= 0.8 x 2.4: drafting pays about even
-  assert starts.start(9.0, 64) == (6, START_WAIT)
+  assert starts.start(9.0, 64) == (6, 64)
   for _ in range(8):  # the recent requests' cycles now pay: draft first again
     starts.observe([4, 4])
   assert starts.start(4.0, 16) == (0, 0)

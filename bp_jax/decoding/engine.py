@@ -103,7 +103,7 @@ class Engine:
     # (`slot_use`).
     self.slot_seconds = self.decoding_slot_seconds = 0.0
     self.prices, self.online = self._online_prices(self.programs.options)
-    # Where a request starts the priced back-off (one request at a time): `start_backoff`.
+    # Where a request starts the priced back-off (alone or in a batch's slot): `start_backoff`.
     self.starts = (StartBackoff() if self.prices is not None and self.loop_options.start_backoff
                    else None)
     self.p_graph = self.p_state = self.policy_key = None

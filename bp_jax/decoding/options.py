@@ -94,7 +94,7 @@ class LoopOptions:
       prices below (`OnlineCosts.batch_prior_floor`). Host-side only: no compiled loop
       depends on it.
     start_backoff: `priced`: a request (alone, or taking a batch's slot) starts deep in the
-      back-off (`start_backoff.START_WAIT` AR steps, then a miss backs off the whole cap) when
+      back-off (the cap's AR steps, then a miss backs off the whole cap) when
       the recent requests' cycles committed clearly fewer tokens than a cycle costs, every 4th
       request still starting with a cycle (`start_backoff.StartBackoff`); False: every
       request drafts first. Host-side only (runtime scalars of the loop state).

@@ -5,8 +5,9 @@ off 2, 4, 8, ... AR steps between probing cycles: 6-10 probing cycles per 128-to
 T = 1 on the demo (τ ≈ 2.2 against a cycle costing 5-8 AR steps), each losing several AR steps'
 worth. A new request is likely to draft about as well as the requests just before it, so when
 their cycles committed clearly fewer tokens than a cycle costs, the next request starts deep in
-the back-off: `START_WAIT` AR steps first, then a probing cycle, after which each miss backs off
-the whole cap. Every `explore_every`-th request still starts drafting, so that the acceptance
+the back-off: the cap's AR steps first (the most one run of them may hold: the loop keeps room
+for that many steps' drafter context, `loops.CONTEXT_CHUNK`), then a probing cycle, after which
+each miss backs off the whole cap. Every `explore_every`-th request still starts drafting, so that the acceptance
 and the online prices (which learn a cycle's price from calls that run cycles) stay current.
 
 Host-side only: the start is two runtime scalars of the loop state (`LoopState.start_row`, for
@@ -19,12 +20,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 from typing import Sequence
-
-from bp_jax.decoding import controller as control
-
-# AR steps a request starting deep takes before its first probing cycle.
-START_WAIT = control.PRICED_SKIP_CAP
-
 
 @dataclasses.dataclass
 class StartBackoff:
@@ -55,10 +50,12 @@ class StartBackoff:
 
   def start(self, break_even: float, cap: int) -> tuple[int, int]:
     """(misses, AR steps) the next request starts with: (0, 0) to draft first; a deep start
-    (the misses after which one more backs off `cap` steps, START_WAIT) when the recent cycles
-    committed below `margin` x `break_even` tokens and this request does not explore."""
+    (the misses after which one more backs off `cap` steps, and `cap` steps: never more, the
+    loop's room for pending drafter context) when the recent cycles committed below `margin` x
+    `break_even` tokens and this request does not explore."""
     self._started += 1
     tau = self.tau()
     if tau is None or self._started % self.explore_every == 0 or tau >= self.margin * break_even:
       return 0, 0
-    return max(int(cap), 1).bit_length() - 1, START_WAIT
+    cap = max(int(cap), 1)
+    return cap.bit_length() - 1, cap
