@@ -226,7 +226,9 @@ def seconds_per_token(gens: list[Generation]) -> float:
 
 def intervals(groups: dict[str, list[list[Generation]]], methods: list[str]) -> dict:
   """Each method's speedup over AR (and priced's over backoff, priced_online's and
-  priced_long's over priced, priced_default's over priced_online) with its 95% paired bootstrap interval over the requests (in a batch each with its share of the calls it decoded in)."""
+  priced_long's over priced, priced_default's over priced_online) with its 95% paired
+  bootstrap interval over the requests (in a batch each with its share of the calls it decoded
+  in)."""
   fig = lambda m: ([g.new_tokens for grp in groups[m] for g in grp],
                    [g.decode_s for grp in groups[m] for g in grp])
   pairs = [(m, "ar") for m in methods if m != "ar"]

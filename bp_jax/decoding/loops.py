@@ -283,9 +283,10 @@ def make_batched_spec_loop(graphdef, draft_graphdef, opts: LoopOptions) -> Calla
   adds them, CONTEXT_CHUNK positions per drafter context write (one write per AR step cost ~8%
   of the step on the demo). Every token is still the target's own sample at its position
   (same keys), so the output is unchanged; only the time differs. `records.is_cycle_BS` tells
-  cycles from AR steps (τ counts cycles only); `records.verified_BS` holds k + 1 for a forward verifying k drafts
-  after a drafter pass, 0 for one without (the AR steps). `confidence` verifies k of the b-1
-  drafts, k from `controller.verify_buckets(b)` chosen per cycle (one k for the batch) by
+  cycles from AR steps (τ counts cycles only); `records.verified_BS` holds k + 1 for a forward
+  verifying k drafts after a drafter pass, 0 for one without (the AR steps). `confidence`
+  verifies k of the b-1 drafts, k from `controller.verify_buckets(b)` chosen per cycle (one k
+  for the batch) by
   `controller.choose` with the cost table; a cycle whose best rate is below the AR rate is a
   miss (with `controller_poor_miss`, also one that verified more than `ar_fallback_accept`
   drafts and accepted at most that many), and after it the rows take AR steps as `backoff`

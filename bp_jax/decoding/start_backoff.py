@@ -7,8 +7,9 @@ worth. A new request is likely to draft about as well as the requests just befor
 their cycles committed clearly fewer tokens than a cycle costs, the next request starts deep in
 the back-off: the cap's AR steps first (the most one run of them may hold: the loop keeps room
 for that many steps' drafter context, `loops.CONTEXT_CHUNK`), then a probing cycle, after which
-each miss backs off the whole cap. Every `explore_every`-th request still starts drafting, so that the acceptance
-and the online prices (which learn a cycle's price from calls that run cycles) stay current.
+each miss backs off the whole cap. Every `explore_every`-th request still starts drafting, so
+that the acceptance and the online prices (which learn a cycle's price from calls that run
+cycles) stay current.
 
 Host-side only: the start is two runtime scalars of the loop state (`LoopState.start_row`, for
 one request and for a request taking a batch's slot alike), so nothing recompiles; the tokens

@@ -25,10 +25,11 @@ own stream (`stream_key`), and every draw is keyed by its absolute position; the
 draws invert the running sum of their distribution with one uniform each
 (`sampling.draw_by_cdf`: a quarter of the Gumbel draws' cost on XLA:CPU, where the b-1 draft
 draws over the vocabulary cost about half an AR step of the demo); the target's draws keep
-`draw`, so plain AR decoding and `exact` give the tokens they always gave for a seed. A key's draw decides a
-committed token at most once: a draw at position x is only consulted when every earlier draft
-of its cycle was accepted, and then position x is committed in that cycle; a later cycle
-redrawing at x (after an earlier rejection) meets a draw that influenced nothing yet.
+`draw`, so plain AR decoding and `exact` give the tokens they always gave for a seed. A key's
+draw decides a committed token at most once: a draw at position x is only consulted when every
+earlier draft of its cycle was accepted, and then position x is committed in that cycle; a
+later cycle redrawing at x (after an earlier rejection) meets a draw that influenced nothing
+yet.
 """
 
 from __future__ import annotations
