@@ -23,7 +23,7 @@ Random streams: the draft draws, the acceptance uniforms and the residual draws 
 own stream (`stream_key`), and every draw is keyed by its absolute position; the bonus token
 (and every AR step) uses the target's stream, as in plain AR decoding. The draft and residual
 draws invert the running sum of their distribution with one uniform each
-(`sampling.draw_by_cdf`: a quarter of the Gumbel draws' cost on XLA:CPU, where the b-1 draft
+(`sampling.draw_by_cdf`: a third of the Gumbel draws' cost on XLA:CPU, where the b-1 draft
 draws over the vocabulary cost about half an AR step of the demo); the target's draws keep
 `draw`, so plain AR decoding and `exact` give the tokens they always gave for a seed. A key's
 draw decides a committed token at most once: a draw at position x is only consulted when every
@@ -179,10 +179,14 @@ class RejectionSampling(VerifyRule):
     def rejection(args):
       return rejection_sample(*args, sp, seed_key, pos)
 
-    def greedy(args):
+    def greedy(args):  # T = 0: the argmax, no draw (what `exact_match` samples there)
       target_logits, _, draft = args
-      return exact_match(target_logits, draft, sp, seed_key, pos)
+      y = first_argmax(target_logits)
+      return y, accept_length(draft, y)
 
+    # Under `_per_row`'s vmap over rows with their own temperatures this `cond` becomes a
+    # select that computes both sides for every row: the greedy side must stay cheap (a
+    # `sample` there drew b Gumbel vectors over the vocabulary per row and cycle for nothing).
     return jax.lax.cond(sp.temperature > 0, rejection, greedy,
                         (target_logits_bV, draft_logits_kV, draft_k))
 
