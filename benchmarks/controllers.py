@@ -24,7 +24,9 @@ Methods (`--methods`, comma-separated):
                     `bp_jax.decoding.online_costs`);
   priced_default    priced_online whose requests (alone or taking a batch's slot) start deep
                     in the back-off where recent requests' drafting lost (`start_backoff=True`,
-                    `bp_jax.decoding.start_backoff`) and whose misses back off up to
+                    `bp_jax.decoding.start_backoff`; with --start_plain a request alone
+                    that would start deep runs the plain AR loop, `Engine.starts_plain`)
+                    and whose misses back off up to
                     --priced_cap AR steps: what the default configs decode with
                     (`--config.controller=priced`, costs measured, online costs auto,
                     configs/demo.py's `controller_priced_cap`);
@@ -98,6 +100,8 @@ flags.DEFINE_integer("ar_fallback", 16, "most AR steps in a row of backoff and c
 flags.DEFINE_integer("long_ar_fallback", 64, "most AR steps in a row of priced_long")
 flags.DEFINE_integer("priced_cap", 64, "most AR steps in a row of priced_default (configs/"
                      "demo.py's controller_priced_cap; 0: --ar_fallback)")
+flags.DEFINE_bool("start_plain", True, "priced_default: a request alone that would start deep "
+                  "decodes in the plain AR loop (configs/qwen3.py's controller_start_plain)")
 flags.DEFINE_integer("ar_fallback_accept", 1, "a cycle accepting <= this many drafts is poor")
 flags.DEFINE_string("methods", ",".join(METHODS[:6]), f"comma-separated, of {list(METHODS)}")
 flags.DEFINE_string("calibration", "", "confidence_cal*: calibration JSON "
@@ -157,7 +161,7 @@ def engine_options(method: str, costs: dict) -> dict:
                               online_costs=False, start_backoff=False, **fb),
           "priced_default": dict(controller="priced", ar_fallback=FLAGS.ar_fallback,
                                  priced_cap=FLAGS.priced_cap, online_costs=True,
-                                 start_backoff=True, **fb),
+                                 start_backoff=True, start_plain=FLAGS.start_plain, **fb),
           }[method]}
 
 
@@ -183,6 +187,7 @@ def method_figures(gens: list[Generation], ar_gens: list[Generation], costs: dic
           "tokens_per_forward": round(float(np.mean(lengths)), 4) if lengths else None,
           "mean_verified_drafts": round(float(np.mean(verified)), 4) if verified else None,
           "drafter_passes": len(verified), "target_forwards": len(lengths),
+          "plain_starts": sum(g.plain_start for g in gens),
           "cycles": sum(g.cycles for g in gens), "ar_steps": sum(g.ar_steps for g in gens),
           # The cost table's estimate of this decode in AR steps per committed token.
           "est_cost_per_token": round(units / max(sum(lengths), 1), 4),
@@ -294,13 +299,15 @@ def main(_):
         f"{f' (groups of {G} streamed)' if B > 1 else ''}, fastest of "
         f"{FLAGS.repeats}, interleaved (alternating order)")
   print(f"  {'method':<17}{'tok/s':>9}{'vs AR':>7}{'tau/cycle':>10}{'tok/fwd':>8}"
-        f"{'k mean':>7}{'drafts':>7}{'AR steps':>9}{'est cost/tok':>13}{'same as AR':>11}")
+        f"{'k mean':>7}{'drafts':>7}{'AR steps':>9}{'plain':>6}{'est cost/tok':>13}"
+        f"{'same as AR':>11}")
   fmt = lambda x, s: "-" if x is None else format(x, s)
   for m, r in rows.items():
     print(f"  {m:<17}{r['decode_tokens_per_s']:>9,.0f}{r['speedup_vs_ar']:>6.2f}x"
           f"{fmt(r['tau_per_cycle'], '.2f'):>10}{fmt(r['tokens_per_forward'], '.2f'):>8}"
           f"{fmt(r['mean_verified_drafts'], '.2f'):>7}{r['drafter_passes']:>7}"
-          f"{r['ar_steps']:>9}{r['est_cost_per_token']:>13.3f}"
+          f"{r['ar_steps']:>9}{r['plain_starts'] if m != 'ar' else '-':>6}"
+          f"{r['est_cost_per_token']:>13.3f}"
           f"{r['identical_to_ar']:>8}/{len(prompts)}")
   print(f"  speedups, 95% paired bootstrap intervals over {len(prompts)} requests:")
   for pair, c in cis.items():
@@ -319,6 +326,7 @@ def main(_):
               "repeats": FLAGS.repeats, "max_new_tokens": FLAGS.max_new_tokens,
               "block_size": FLAGS.block_size, "batch_size": B, "group_size": G,
               "ar_fallback": FLAGS.ar_fallback, "priced_cap": FLAGS.priced_cap,
+              "start_plain": FLAGS.start_plain,
               "temperature": FLAGS.temperature, "top_k": FLAGS.top_k, "verify": FLAGS.verify,
               "drafter": FLAGS.drafter,
               "intervals": cis,

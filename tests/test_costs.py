@@ -232,6 +232,13 @@ def test_summary_says_which_costs_and_the_verify_lengths_chosen(models, tmp_path
                    r"drafter 0\.5\n", capsys.readouterr().out)
   plain = _engine(models, tmp_path, controller="backoff", ar_fallback=4)
   s = rec.summarize(records, plain, cfg, wall_s=1.0)
-  assert s["controller_costs"] is None
+  assert s["controller_costs"] is None and s["plain_starts"] == 0
   rec.print_summary(s)
-  assert "controller costs" not in capsys.readouterr().out
+  out = capsys.readouterr().out
+  assert "controller costs" not in out and "decoded plain" not in out
+  # A request the priced start decoded in the plain AR loop (`Engine.starts_plain`) is counted.
+  s = rec.summarize(records + [dict(_record([0, 0, 0]), plain_start=True, block_size=1)],
+                    given, cfg, wall_s=1.0)
+  assert s["plain_starts"] == 1
+  rec.print_summary(s)
+  assert re.search(r"decoded plain by the priced start\s+1 of 3 requests", capsys.readouterr().out)

@@ -156,8 +156,10 @@ class FakeClock:
 
 
 def _engine(models, clock: FakeClock, batch_size: int = 1):
+  # start_plain=False: requests that start deep stay in the speculative loop, whose calls these
+  # tests follow (a plain start's AR loop: tests/test_priced.py).
   eng = toy_engine(models, "priced", batch_size=batch_size, sync_cycles=2, online_costs=True,
-                   **CHEAP)
+                   start_plain=False, **CHEAP)
   eng.clock = clock
   clock.engine = eng
   return eng

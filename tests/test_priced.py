@@ -200,11 +200,11 @@ def test_requests_start_deep_where_drafting_loses_and_stay_lossless(models, ar_o
   """Under the dearest costs (every cycle a miss) the first requests draft first and later ones
   mostly start with AR steps (fewer drafter passes for the same tokens); greedy output stays
   AR's, and nothing recompiles for the start. With start_backoff=False every request drafts
-  first."""
+  first. (start_plain=False: the deep start's AR steps run in the speculative loop.)"""
   prompts, max_news = _requests(6)
   runs = {}
   for on in (True, False):
-    eng = _engine(models, start_backoff=on, **DEAREST)
+    eng = _engine(models, start_backoff=on, start_plain=False, **DEAREST)
     gens = [eng.generate(p, max_new_tokens=m, block_size=B)
             for _ in range(3) for p, m in zip(prompts, max_news)]
     assert [g.output_ids for g in gens] == ar_outputs * 3
@@ -219,6 +219,39 @@ def test_requests_start_deep_where_drafting_loses_and_stay_lossless(models, ar_o
           sum(g.drafter_passes for g in runs[False]))
 
 
+def test_a_request_alone_that_would_start_deep_decodes_plain(models, ar_outputs):
+  """start_plain (the default): where the recent requests' drafting lost (dearest costs), a
+  request alone that would start deep runs the plain AR loop: no drafter pass, its forwards AR
+  steps (not τ = 1 cycles), block size 1, AR's very tokens; every 4th request still drafts, so
+  τ stays current. Without start_plain no request runs plain and more drafter passes run."""
+  prompts, max_news = _requests(6)
+  runs = {}
+  for plain in (True, False):
+    eng = _engine(models, start_plain=plain, **DEAREST)
+    gens = [eng.generate(p, max_new_tokens=m, block_size=B)
+            for _ in range(3) for p, m in zip(prompts, max_news)]
+    assert [g.output_ids for g in gens] == ar_outputs * 3
+    assert eng.compiled.counts["spec_loop"] == 1
+    runs[plain] = gens
+  plain_gens = [g for g in runs[True] if g.plain_start]
+  assert len(plain_gens) >= 6, [g.plain_start for g in runs[True]]
+  for g in plain_gens:
+    assert (g.block_size, g.drafter_passes, g.cycles, g.tau) == (1, 0, 0, None)
+    assert g.ar_steps == g.target_forwards  # none when the prefill's token was the last
+  assert sum(g.ar_steps for g in plain_gens) > 0
+  assert any(g.drafter_passes for g in runs[True][6:])  # the explorers draft
+  assert not any(g.plain_start for g in runs[False])
+
+
+def test_precompile_includes_the_plain_loop_a_start_may_take(models):
+  """A one-request engine that may start requests plain compiles the AR loop with its buckets,
+  so that no plain start compiles mid-run; without start_plain it does not."""
+  for plain, want in ((True, {"spec_loop": 1, "ar_loop": 1}), (False, {"spec_loop": 1})):
+    eng = _engine(models, start_plain=plain, **DEAREST)
+    by_function = eng.precompile([B], length_buckets=(16,))["by_function"]
+    assert {k: v for k, v in by_function.items() if k != "prefill"} == want, by_function
+
+
 def test_batched_rows_start_deep_where_drafting_loses(models, ar_outputs):
   """A request taking a batch's slot starts where the requests before it say (as one request
   alone does): under the dearest costs later rows start with AR steps, fewer drafter passes
@@ -230,6 +263,7 @@ def test_batched_rows_start_deep_where_drafting_loses(models, ar_outputs):
     for _ in range(3):
       outs = eng.generate_batch(prompts, max_new_tokens=max_news, block_size=B)
       assert [g.output_ids for g in outs] == ar_outputs
+      assert not any(g.plain_start for g in outs)  # a batch's rows share its loop
     passes[on] = sum(g.drafter_passes for g in outs)
     assert eng.compiled.counts["insert"] == 1 and eng.compiled.counts["batch_spec_loop"] == 1
   assert passes[True] < passes[False], passes

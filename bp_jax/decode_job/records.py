@@ -33,7 +33,7 @@ def record_of(i: int, prompt, g: Generation, tok, block_policy: str = "fixed") -
           "mean_verified_drafts": (None if g.mean_verified_drafts is None
                                    else round(g.mean_verified_drafts, 4)),
           "verified_histogram": verified_histogram(g.verified_drafts),
-          "target_forwards": g.target_forwards,
+          "target_forwards": g.target_forwards, "plain_start": g.plain_start,
           "tau": None if g.tau is None else round(g.tau, 4),
           "tokens_per_forward": (None if g.tokens_per_forward is None
                                  else round(g.tokens_per_forward, 4)),
@@ -73,6 +73,7 @@ def figures(records: list[dict]) -> dict:
           "cycles": sum(r["cycles"] for r in records),
           "ar_steps": sum(r["ar_steps"] for r in records),
           "drafter_passes": len(verified),
+          "plain_starts": sum(bool(r.get("plain_start")) for r in records),
           "mean_verified_drafts": round(float(np.mean(verified)), 4) if verified else None}
 
 
@@ -173,6 +174,8 @@ def print_summary(s: dict) -> None:
              ("tokens per target forward", _fmt(s["tokens_per_forward"], ".3f")),
              ("drafts verified per drafter pass", _fmt(s.get("mean_verified_drafts"), ".3f"))]
             if spec else []),
+          *([("decoded plain by the priced start", f"{s['plain_starts']} of {s['prompts']} "
+              "requests (recent requests' drafting lost)")] if s.get("plain_starts") else []),
           *([(f"verify length per cycle (batch {s['verify_lengths_chosen']['batch_size']})",
               lengths_line(s["verify_lengths_chosen"]["lengths"]))]
             if spec and s.get("verify_lengths_chosen", {}).get("lengths") else []),

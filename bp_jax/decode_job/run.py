@@ -129,7 +129,8 @@ def build_engine(cfg, extra_sizes: Sequence[int] = ()) -> tuple[Engine, Any, Any
                                         block_sizes=sizes),
                     loop=LoopOptions(**loop_options(cfg), online_costs=online_costs(cfg),
                                      start_backoff=bool(cfg.get("controller_start_backoff",
-                                                                True))),
+                                                                True)),
+                                     start_plain=bool(cfg.get("controller_start_plain", True))),
                     batching=BatchOptions(**batch_options(cfg)),
                     cost_cache=str(cfg.get("controller_cost_cache", "default")))
   return engine, tok, prints

@@ -161,16 +161,18 @@ class Engine:
     return None if x is None else jnp.asarray(x)
 
   def loop_ran(self, t0: float, counts_N, rows: int, block_size: int,
-               decoding: int | None = None) -> float:
+               decoding: int | None = None, plain_start: bool = False) -> float:
     """Books a loop call that started at `clock()` time t0 and ran `counts_N` target forwards
     per verify length (returned and read back already) over `rows` slots, `decoding` of them
     holding a decoding request when it started (a batched call): counts them, stops the clock,
-    and feeds the online prices with a spec loop's call; returns its seconds."""
+    and feeds the online prices with a spec loop's call, or a plain start's (`starts_plain`:
+    AR steps alone, the price of an AR step where calls of cycles and AR steps mixed in like
+    proportions cannot tell it apart); returns its seconds."""
     counts_N = np.asarray(counts_N)
     for n in np.flatnonzero(counts_N):
       self.forwards_run[int(n)] += int(counts_N[n])
     secs = self.clock() - t0
-    if block_size > 1 and self.online:
+    if (block_size > 1 or plain_start) and self.online:
       self.prices.observe(secs, counts_N, rows)
     if decoding is not None:
       self.slot_seconds += secs * rows
@@ -274,6 +276,14 @@ class Engine:
     break_even = float(self.break_even_N(block_size, rows)[block_size])
     return self.starts.start(break_even, self.ar_fallback)
 
+  def starts_plain(self, block_size: int, start: tuple[int, int], forced: bool = False) -> bool:
+    """Whether a request decoded alone whose `request_start` is deep (`start_backoff`) runs the
+    plain AR loop instead (`LoopOptions.start_plain`): the recent requests' cycles committed
+    clearly fewer tokens than a cycle costs, so it takes no probing cycle at all (each costs
+    several AR steps where drafting loses); every `StartBackoff.explore_every`-th request still
+    drafts. Never for the tests' forced drafts (they test the speculative loop)."""
+    return (block_size > 1 and start[1] > 0 and not forced and self.loop_options.start_plain)
+
   def request_done(self, gen: Generation) -> None:
     """A finished request's cycles inform where the next ones start (`start_backoff`)."""
     if self.starts is not None and gen.block_size > 1:
@@ -319,6 +329,10 @@ class Engine:
     pre = decode_loops.PrefillOut(z, self.cache, self.draft_cache, None, None)
     for b in block_sizes:
       self.check_block_size(b)
+    # A request that would start deep may run the plain AR loop (`starts_plain`), a bucket or not.
+    plain = ((1,) if 1 not in block_sizes and any(b > 1 for b in block_sizes)
+             and self.starts is not None and self.loop_options.start_plain else ())
+    for b in tuple(block_sizes) + plain:
       windows = [request_window(n + b, self.max_len) for n in request_lengths] or [None]
       for window in dict.fromkeys(windows):
         self.programs.loop(b, self._loop_args(pre, z, z, sp, key, b), window=window)
@@ -385,8 +399,12 @@ class Engine:
                 else None)
     forced = forced_continuation is not None
     forced_seq = self._forced_seq(n, forced_continuation) if forced else None
+    start = self.request_start(block_size)
+    plain = self.starts_plain(block_size, start, forced)
+    if plain:  # its drafting is what recent requests lost: plain AR decoding, no probing cycle
+      block_size, start = 1, (0, 0)
     loop_args = self._loop_args(pre, n_arr, jnp.int32(max_new_tokens), sp, seed_key,
-                                block_size, forced_seq, self.request_start(block_size))
+                                block_size, forced_seq, start)
     warm_args = self._loop_args(pre, n_arr, jnp.int32(min(max_new_tokens, WARMUP_TOKENS)), sp,
                                 seed_key, block_size, forced_seq)
     window = self.request_window(n, max_new_tokens, block_size)
@@ -395,7 +413,8 @@ class Engine:
     t2 = self.clock()
     out = fn(*loop_args)
     n_gen = int(out.n_gen)
-    decode_s = self.loop_ran(t2, np.asarray(out.forward_counts), 1, block_size)
+    decode_s = self.loop_ran(t2, np.asarray(out.forward_counts), 1, block_size,
+                             plain_start=plain)
     self.seq, self.cache = out.seq, out.cache
     if out.draft_cache is not None:
       self.draft_cache = out.draft_cache
@@ -408,7 +427,7 @@ class Engine:
                          f"no stop token (window {window}): a bug, please report it")
     gen = generation_of(out.seq[0], out.accept_lens, out.is_cycle, out.verified, forwards, n,
                         n_gen, self.stop_ids, max_new_tokens, block_size, prefill_s, decode_s,
-                        probs, features)
+                        probs, features, plain_start=plain)
     self.request_done(gen)
     return gen
 

@@ -62,6 +62,9 @@ class Generation:
   # shrunk expected value ratios for a value head (`BlockPolicy.decide`).
   policy_probs: list[float] | None = None
   features: dict[str, np.ndarray] | None = None  # prefill features [F] (return_features=True)
+  # Decoded in the plain AR loop because the priced back-off would start it deep (its forwards
+  # are AR steps, `Engine.starts_plain`); `block_size` is then 1.
+  plain_start: bool = False
 
   @property
   def new_tokens(self) -> int:
@@ -125,14 +128,17 @@ def forward_cost_units(verified: Sequence[int], costs: Sequence[float],
 def generation_of(seq_S, accept_S, is_cycle_S, verified_S, forwards: int, n: int, n_gen: int,
                   stop_ids: Sequence[int], max_new: int, block_size: int, prefill_s: float,
                   decode_s: float, policy_probs: list[float] | None = None,
-                  features: dict[str, np.ndarray] | None = None) -> Generation:
+                  features: dict[str, np.ndarray] | None = None,
+                  plain_start: bool = False) -> Generation:
   """A request's `Generation` from its loop row: tokens at absolute positions `seq_S` (prompt of
   n, then n_gen generated), committed tokens, cycle flags and verified tokens per forward (first
-  `forwards`), trimmed at the stop token and max_new_tokens."""
+  `forwards`), trimmed at the stop token and max_new_tokens. `plain_start`: the AR loop ran
+  it in place of a deep start (`Engine.starts_plain`): its forwards are AR steps, not τ = 1
+  cycles."""
   ids = trim_at_stop(np.asarray(seq_S)[n:n + n_gen], stop_ids, max_new)
   # Sliced on the host: a device array sliced to each new length would compile a slice.
   lengths = clip_forward_lengths(np.asarray(accept_S)[:forwards].tolist(), len(ids) - 1)
-  is_cycle = [bool(c) for c in np.asarray(is_cycle_S)[:len(lengths)]]
+  is_cycle = [bool(c) and not plain_start for c in np.asarray(is_cycle_S)[:len(lengths)]]
   verified = [int(v) for v in np.asarray(verified_S)[:len(lengths)]]
   return Generation(ids, prefill_s, decode_s, block_size, lengths, is_cycle, verified, n,
-                    policy_probs, features)
+                    policy_probs, features, plain_start)

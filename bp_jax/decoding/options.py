@@ -98,6 +98,10 @@ class LoopOptions:
       the recent requests' cycles committed clearly fewer tokens than a cycle costs, every 4th
       request still starting with a cycle (`start_backoff.StartBackoff`); False: every
       request drafts first. Host-side only (runtime scalars of the loop state).
+    start_plain: with `start_backoff`, a request decoded alone (not in a batch's slot) that
+      would start deep runs the plain AR loop instead, with no probing cycle
+      (`Engine.starts_plain`); False: it takes the cap's AR steps in the speculative loop and
+      then probes.
     ar_fallback: at most this many AR steps in a row after poor cycles (0: none; `confidence`:
       16, `priced`: 64).
     priced_cap: `priced`: at most this many AR steps in a row after misses (0: `ar_fallback`,
@@ -122,6 +126,7 @@ class LoopOptions:
   controller_calibration: tuple[float, ...] | None = None
   online_costs: bool | None = None
   start_backoff: bool = True
+  start_plain: bool = True
   ar_fallback: int = 0
   priced_cap: int = 0
   ar_fallback_accept: int = 1
@@ -155,7 +160,7 @@ class LoopOptions:
                                                            "controller_calibration")),
          controller_poor_miss=bool(self.controller_poor_miss),
          online_costs=None if self.online_costs is None else bool(self.online_costs),
-         start_backoff=bool(self.start_backoff),
+         start_backoff=bool(self.start_backoff), start_plain=bool(self.start_plain),
          ar_fallback=int(self.ar_fallback), priced_cap=int(self.priced_cap),
          ar_fallback_accept=int(self.ar_fallback_accept),
          scan_layers=bool(self.scan_layers), block_size=int(self.block_size),
