@@ -106,8 +106,15 @@ def test_clips_to_sane_bounds_and_checks_its_inputs():
   for n_ar, n_cycle in _calls(10, seed=1):
     floored.observe(AR_S * n_ar + 5 * AR_S * n_cycle, _counts(n_ar, n_cycle), rows=4)
   assert floored.break_even(N, rows=4) == pytest.approx(5.0, rel=0.05)
+  # One request's floor (the engine's: half the prior) bounds its fit alone.
+  half = OnlineCosts(lambda n: 3.0, batch_prior_floor=1.0, one_prior_floor=0.5)
+  for n_ar, n_cycle in _calls(10):
+    half.observe(AR_S * n_ar + 0.2 * AR_S * n_cycle, _counts(n_ar, n_cycle), rows=1)
+  assert half.break_even(N, rows=1) == pytest.approx(1.5)
   with pytest.raises(BadInputError, match="batch_prior_floor=-1"):
     OnlineCosts(lambda n: 3.0, batch_prior_floor=-1)
+  with pytest.raises(BadInputError, match="one_prior_floor=-0.5"):
+    OnlineCosts(lambda n: 3.0, one_prior_floor=-0.5)
   with pytest.raises(BadInputError, match="forget=0"):
     OnlineCosts(lambda n: 3.0, forget=0)
   with pytest.raises(BadInputError, match="forget=1.5"):
@@ -237,9 +244,10 @@ def test_real_clock_outputs_stay_ar_and_off_keeps_the_start_up_costs(models, req
   tokens stay AR's; with `online_costs=False` the break-even stays the start-up one."""
   prompts, max_news = requests
   on = toy_engine(models, "priced", online_costs=True, **CHEAP)
-  assert [on.generate(p, max_new_tokens=m, block_size=B).output_ids
-          for p, m in zip(prompts, max_news)] == ar_outputs
-  assert on.cost_estimate["by_batch_size"]["1"]["calls"] == len(prompts)
+  gens = [on.generate(p, max_new_tokens=m, block_size=B) for p, m in zip(prompts, max_news)]
+  assert [g.output_ids for g in gens] == ar_outputs
+  # Every speculative loop call is an observation (a plain start's AR loop is none).
+  assert on.cost_estimate["by_batch_size"]["1"]["calls"] == sum(not g.plain_start for g in gens)
   off = toy_engine(models, "priced", batch_size=3, sync_cycles=2, online_costs=False, **CHEAP)
   assert [g.output_ids for g in off.generate_batch(prompts, max_new_tokens=max_news,
                                                   block_size=B)] == ar_outputs

@@ -137,13 +137,15 @@ class Engine:
     another controller; prior: the start-up costs, which a batch's prices never go below
     (`OnlineCosts.batch_prior_floor` 1: a batched fit that lost sight of AR steps cannot sink to
     a cycle "costing" one AR step, where no cycle is a miss and no AR step runs that could
-    correct it; docs/results/controller.md). Per `LoopOptions.online_costs`: True
+    correct it; docs/results/controller.md), one request's never below half of them
+    (`one_prior_floor`). Per `LoopOptions.online_costs`: True
     updates from every call; None (auto) from every call when the engine measured the costs;
     False never."""
     if opts.controller != "priced" or self.drafter is None:
       return None, False
     costs, draft = opts.controller_costs, opts.controller_draft_cost
-    prices = OnlineCosts(lambda n: control.break_even(n - 1, costs, draft), batch_prior_floor=1.0)
+    prices = OnlineCosts(lambda n: control.break_even(n - 1, costs, draft), batch_prior_floor=1.0,
+                         one_prior_floor=0.5)
     online = (self.measured_costs is not None if opts.online_costs is None
               else opts.online_costs)
     return prices, online
@@ -161,18 +163,22 @@ class Engine:
     return None if x is None else jnp.asarray(x)
 
   def loop_ran(self, t0: float, counts_N, rows: int, block_size: int,
-               decoding: int | None = None, plain_start: bool = False) -> float:
+               decoding: int | None = None) -> float:
     """Books a loop call that started at `clock()` time t0 and ran `counts_N` target forwards
     per verify length (returned and read back already) over `rows` slots, `decoding` of them
     holding a decoding request when it started (a batched call): counts them, stops the clock,
-    and feeds the online prices with a spec loop's call, or a plain start's (`starts_plain`:
-    AR steps alone, the price of an AR step where calls of cycles and AR steps mixed in like
-    proportions cannot tell it apart); returns its seconds."""
+    and feeds the online prices with a spec loop's call; returns its seconds.
+
+    A plain start's AR loop (`starts_plain`) is not fed: on a VM whose speed moved by a third
+    between calls, one such call, slower than the calls before, priced the AR step above what
+    the older calls' cycles and AR steps together took, their cycles near zero: the
+    break-even fell to its floor of 1 and the next requests drafted every cycle (batch 1,
+    T = 1, /tmp/s30/fit.py)."""
     counts_N = np.asarray(counts_N)
     for n in np.flatnonzero(counts_N):
       self.forwards_run[int(n)] += int(counts_N[n])
     secs = self.clock() - t0
-    if (block_size > 1 or plain_start) and self.online:
+    if block_size > 1 and self.online:
       self.prices.observe(secs, counts_N, rows)
     if decoding is not None:
       self.slot_seconds += secs * rows
@@ -413,8 +419,7 @@ class Engine:
     t2 = self.clock()
     out = fn(*loop_args)
     n_gen = int(out.n_gen)
-    decode_s = self.loop_ran(t2, np.asarray(out.forward_counts), 1, block_size,
-                             plain_start=plain)
+    decode_s = self.loop_ran(t2, np.asarray(out.forward_counts), 1, block_size)
     self.seq, self.cache = out.seq, out.cache
     if out.draft_cache is not None:
       self.draft_cache = out.draft_cache

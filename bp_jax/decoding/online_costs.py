@@ -10,7 +10,8 @@ drafter pass). A call is one observation
 
 of the per-forward seconds `secs_N` (a call's fixed cost, building its state and converting
 caches, is spread over its forwards: small beside a real model's forwards; a free overhead term
-made the fit unstable, as the calls of a run run similar numbers of forwards). `OnlineCosts` keeps, per batch size (`rows`: the loop state's slots), an
+made the fit unstable, as the calls of a run run similar numbers of forwards). `OnlineCosts`
+keeps, per batch size (`rows`: the loop state's slots), an
 exponentially forgetting least-squares fit of them (`forget`: the weight each older call keeps
 per newer one; 0.6: a change is followed within two or three calls), whence the controller's
 break-even: a cycle verifying n tokens costs `secs_N[n] / secs_N[0]` AR steps.
@@ -21,9 +22,13 @@ floor (a cycle "costs" one AR step), nothing can raise it again. A batch takes A
 while every row asks for them, so its calls often run none: the engine bounds a batch's
 break-even below by the start-up prior (`batch_prior_floor` 1; every batched fit measured on the
 demo settled above it, at 3.6-5 against 2.8-3.1, except one that sank to the floor, at batch 4).
-One request backs off after every miss, so its calls keep running AR steps; its fit is not
-bounded so (at T = 0 on the demo it settled at 2.5 AR steps per cycle against a start-up 4.8
-and ran as fast as back-off; bounded at 4.8 it ran 4% slower than back-off, in another run).
+One request backs off after every miss, so its calls keep running AR steps; its fit is
+bounded only at half the prior (`one_prior_floor` 0.5: at T = 0 on the demo it settled at 2.5
+AR steps per cycle against a start-up 4.8 and ran as fast as back-off; bounded at 4.8 it ran 4%
+slower than back-off, in another run). That lower bound is for a VM whose speed moves by a
+third between calls: a call slower than the ones before prices the AR step above what the
+older calls took in all, their cycles near zero, and the break-even fell to 1 (every cycle
+then pays: batch 1, T = 1, the next requests drafted every cycle; /tmp/s30/fit.py).
 
 One call gives one equation for several unknowns, and calls of a run often mix their forwards in
 about the same proportion (or run one kind only), so the fit is regularized toward the previous
@@ -52,6 +57,13 @@ def _check_positive(value: float, name: str, upper: float | None = None) -> floa
   if not math.isfinite(value) or value <= 0 or (upper is not None and value > upper):
     bound = f" and <= {upper}" if upper is not None else ""
     raise BadInputError(f"{name}={value!r}: expected a number > 0{bound}")
+  return value
+
+
+def _check_floor(value: float, name: str) -> float:
+  value = float(value)
+  if not math.isfinite(value) or value < 0:
+    raise BadInputError(f"{name}={value!r}: expected a number >= 0")
   return value
 
 
@@ -148,18 +160,18 @@ class OnlineCosts:
   steps (`controller.break_even(n - 1, ...)`); `forget` in (0, 1]: the weight an older call keeps
   per newer one (1: never forget); `ridge` > 0: the pull toward the previous estimate, relative
   to the data's own weight; break-evens are clipped to [min_break_even,
-  max_break_even_per_token * n], and those of a batch (rows > 1) from below also to
-  `batch_prior_floor` times the prior (0: no such bound); a call whose seconds the estimate
-  mispredicts by more than `restart_error` (relative) marks a change: older calls keep only
-  `RESTART_WEIGHT` of their weight."""
+  max_break_even_per_token * n], and from below also to `batch_prior_floor` (a batch, rows >
+  1) or `one_prior_floor` (one request) times the prior (0: no such bound); a call whose
+  seconds the estimate mispredicts by more than `restart_error` (relative) marks a change:
+  older calls keep only `RESTART_WEIGHT` of their weight."""
 
   def __init__(self, prior: Callable[[int], float], *, forget: float = 0.6, ridge: float = 0.03,
                min_break_even: float = 1.0, max_break_even_per_token: float = 4.0,
-               restart_error: float = 0.2, batch_prior_floor: float = 0.0):
+               restart_error: float = 0.2, batch_prior_floor: float = 0.0,
+               one_prior_floor: float = 0.0):
     self.prior = prior
-    self.batch_prior_floor = float(batch_prior_floor)
-    if not math.isfinite(self.batch_prior_floor) or self.batch_prior_floor < 0:
-      raise BadInputError(f"batch_prior_floor={batch_prior_floor!r}: expected a number >= 0")
+    self.batch_prior_floor = _check_floor(batch_prior_floor, "batch_prior_floor")
+    self.one_prior_floor = _check_floor(one_prior_floor, "one_prior_floor")
     self.forget = _check_positive(forget, "forget", upper=1.0)
     self.ridge = _check_positive(ridge, "ridge")
     self.min_break_even = _check_positive(min_break_even, "min_break_even")
@@ -169,9 +181,10 @@ class OnlineCosts:
     self._fits: dict[int, _Fit] = {}
 
   def clip(self, n: int, break_even: float, rows: int = 1) -> float:
-    """`break_even` of a cycle verifying n tokens within [min_break_even (and, in a batch of
-    `rows` > 1, batch_prior_floor * prior(n)), max_break_even_per_token * n]."""
-    floor = self.batch_prior_floor * float(self.prior(n)) if n and rows > 1 else 0.0
+    """`break_even` of a cycle verifying n tokens within [min_break_even (and the floor of
+    `rows`: batch_prior_floor or one_prior_floor times prior(n)), max_break_even_per_token * n]."""
+    share = self.batch_prior_floor if rows > 1 else self.one_prior_floor
+    floor = share * float(self.prior(n)) if n else 0.0
     lo = max(self.min_break_even, floor)
     hi = max(lo, self.max_break_even_per_token * max(n, 1))
     return float(min(max(break_even, lo), hi))
