@@ -10,7 +10,6 @@ steps.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
@@ -196,6 +195,29 @@ def test_start_backoff_starts_deep_after_losing_requests_and_explores():
   for _ in range(8):  # the recent requests' cycles now pay: draft first again
     starts.observe([4, 4])
   assert starts.start(4.0, 16) == (0, 0)
+
+
+def test_a_batch_miss_backs_every_row_off_to_the_deepest_level():
+  """priced's miss is the batch's: its rows back off as one, to the deepest decoding row's
+  misses + 1 (a row that had just started drafting no longer asks for 2, 4, 8, ... steps and a
+  batch cycle each time while the others wait up to the cap); per row (backoff) each row
+  counts its own; a cycle that is no miss resets both, rows not decoding keep theirs."""
+  from bp_jax.decoding.state import LoopState
+  from bp_jax.models.kv_cache import KVCache
+  assert controller_of(LoopOptions(block_size=B, controller="priced", ar_fallback=16,
+                                   **CHEAP)).shared_backoff
+  assert not controller_of(LoopOptions(block_size=B, controller="backoff",
+                                       ar_fallback=16)).shared_backoff
+  s = LoopState.empty(jnp.zeros((4, 16), jnp.int32), KVCache.create(1, 4, 16, 1, 4, jnp.float32))
+  s = s.replace(misses_B=jnp.asarray([0, 5, 2, 9], jnp.int32))
+  active = jnp.asarray([True, True, True, False])
+  miss = jnp.ones((4,), bool)
+  shared = s.backed_off(miss, active, 16, shared=True)
+  assert shared.misses_B.tolist() == [6, 6, 6, 9] and shared.wait_B.tolist() == [16, 16, 16, 0]
+  own = s.backed_off(miss, active, 16)
+  assert own.misses_B.tolist() == [1, 6, 3, 9] and own.wait_B.tolist() == [2, 16, 8, 0]
+  hit = s.backed_off(jnp.zeros((4,), bool), active, 16, shared=True)
+  assert hit.misses_B.tolist() == [0, 0, 0, 9] and hit.wait_B.tolist() == [0, 0, 0, 0]
 
 
 def test_requests_start_deep_where_drafting_loses_and_stay_lossless(models, ar_outputs):

@@ -5,6 +5,8 @@ A controller has
   buckets  the numbers of drafts k a cycle may verify (one bucket: no choice to make);
   cap      the most AR steps in one run of them after a miss (0: cycles are never misses and
            the loop takes no AR steps);
+  shared_backoff  whether a miss backs the batch off as one (`LoopState.backed_off`): a
+           controller whose miss is the batch's decision;
   choose(draft_logits_BkV, draft_Bk, active_B) -> (index into `buckets` [], draft_next [] bool)
            after the drafter's pass;
   miss_B(k, a_B, draft_next, break_even_N=None) -> [B] bool: which rows' cycle (verifying k
@@ -29,6 +31,7 @@ class Plain:
   """`none`: every cycle verifies all b-1 drafts (the paper's loop)."""
   block_size: int
   cap = 0
+  shared_backoff = False
 
   @property
   def buckets(self) -> tuple[int, ...]:
@@ -59,13 +62,15 @@ class Priced(Plain):
   """`priced`: as `backoff`, and a cycle is a miss when it committed fewer tokens than it cost
   AR steps (draft pass + verify of the k+1 tokens), so its miss rule follows the machine's
   prices. One decision for the whole batch: the miss is the decoding rows' mean against the
-  price (`controller.batch_below_break_even`), and every row backs off together. The price is
+  price (`controller.batch_below_break_even`), and every row backs off together, to the
+  deepest row's level (`shared_backoff`). The price is
   a runtime value, `break_even_N[k + 1]` of the loop state, which the engine keeps current
   from its timed loop calls (`online_costs`) with no recompilation; a state without one (None)
   reads the start-up costs `costs`/`draft_cost` (`controller.break_even`)."""
   cap: int = control.PRICED_SKIP_CAP
   costs: tuple[float, ...] = (1.0,)   # relative verify costs (the engine's, measured or given)
   draft_cost: float = 0.0
+  shared_backoff = True  # the batch's miss: every row backs off to the deepest row's level
 
   def miss_B(self, k: int, a_B: jax.Array, draft_next: jax.Array,
              break_even_N: jax.Array | None = None) -> jax.Array:

@@ -356,7 +356,8 @@ def make_batched_spec_loop(graphdef, draft_graphdef, opts: LoopOptions) -> Calla
                                 s.seed_keys_B, s.pos_B)
       new, a_B = commit(s, out, y_Bt, a_B, active_B, pointer_B, True, k + 1)
       if ctl.cap:
-        new = new.backed_off(ctl.miss_B(k, a_B, draft_next, s.break_even_N), active_B, ctl.cap)
+        new = new.backed_off(ctl.miss_B(k, a_B, draft_next, s.break_even_N), active_B, ctl.cap,
+                             ctl.shared_backoff)
       return new
 
     def cycle(s):

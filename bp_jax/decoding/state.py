@@ -197,11 +197,17 @@ class LoopState:
         n_gen_B=self.n_gen_B + a_B + 1, done_B=self.done_B | (active_B & (stop_hit | bad_B)),
         bad_B=self.bad_B | bad_B)
 
-  def backed_off(self, miss_B: jax.Array, active_B: jax.Array, cap: int) -> "LoopState":
+  def backed_off(self, miss_B: jax.Array, active_B: jax.Array, cap: int,
+                 shared: bool = False) -> "LoopState":
     """Each decoding row's consecutive misses after this cycle and the AR steps it asks for:
     2, 4, 8, ... at most `cap` (`controller.backoff_steps`); a cycle that is no miss resets
-    both."""
-    misses_B = jnp.where(miss_B, self.misses_B + 1, 0)
+    both. `shared` (a controller whose miss is the batch's, `priced`): a missing row takes the
+    decoding rows' deepest back-off plus one, so that the batch backs off as one. Per row, a
+    row that had just started drafting (every 4th request explores) asked for 2, 4, 8, ...
+    steps while the others waited up to the cap, and the batch ran a cycle for all its rows
+    each time that row asked: batch 8, T = 1, 528 row-cycles against 156 shared."""
+    deepest = jnp.max(jnp.where(active_B, self.misses_B, 0))
+    misses_B = jnp.where(miss_B, (deepest if shared else self.misses_B) + 1, 0)
     wait_B = jnp.where(miss_B, backoff_steps(misses_B, cap), 0)
     return self.replace(misses_B=jnp.where(active_B, misses_B, self.misses_B),
                         wait_B=jnp.where(active_B, wait_B, self.wait_B))
