@@ -262,6 +262,11 @@ def test_attention_windows_follow_the_rows_and_change_nothing(models, stop_id, s
   assert window_buckets(320) == (128, 256, 320) and window_buckets(256) == (128, 256)
   assert window_for(100, 4, 2, 320) == 128 and window_for(121, 4, 2, 320) == 256
   assert window_for(100, 4, 0, 320) is None and window_for(260, 4, 2, 320) is None
+  # Rows that all ask for AR steps first need one slot per step: 121 + 16 fits in 128 where
+  # 16 forwards of cycles of 4 would not (rows backed off attend over the smaller window).
+  assert window_for(105, 4, 16, 320) == 256 and window_for(105, 4, 16, 320, ar_steps=16) == 128
+  assert window_for(105, 4, 16, 320, ar_steps=99) == 128  # at most the call's forwards
+  assert window_for(105, 4, 16, 320, ar_steps=2) == 256
   target, drafter = models
   long = Engine(target, stop_ids=[stop_id], drafter=drafter,
                 shapes=ShapeOptions(max_len=256, length_buckets=BUCKETS, block_sizes=SIZES),

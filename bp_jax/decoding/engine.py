@@ -280,7 +280,7 @@ class Engine:
     if self.starts is None or block_size == 1:
       return 0, 0
     break_even = float(self.break_even_N(block_size, rows)[block_size])
-    return self.starts.start(break_even, self.ar_fallback)
+    return self.starts.start(break_even, self.ar_fallback, rows)
 
   def starts_plain(self, block_size: int, start: tuple[int, int], forced: bool = False) -> bool:
     """Whether a request decoded alone whose `request_start` is deep (`start_backoff`) runs the
@@ -571,17 +571,18 @@ class Engine:
     return self.programs.insert(args), args
 
   def slots_program(self, block_size: int, carry: LoopState, forced: bool = False,
-                    max_pos: int | None = None) -> tuple:
+                    max_pos: int | None = None, ar_steps: int = 0) -> tuple:
     """(compiled batched loop of a bucket, its arguments with `carry` donated): one call runs
     `sync_cycles` cycles, or until no row decodes (0), each row with its own sampling settings
     (`LoopState.sp_B`), attending over the window that the
-    furthest decoding row (`max_pos`) needs (`programs.window_for`). Compiles the loop and runs
+    furthest decoding row (`max_pos`) needs (`programs.window_for`; `ar_steps`: the AR steps
+    every decoding row asks for first, which need one slot each). Compiles the loop and runs
     it once on an idle copy of the carry (its first run's fixed cost) on first use, before any
     clock starts."""
     states = (self.t_state,) if block_size == 1 else (self.t_state, self.d_state)
     args = states + (carry, self._stop_arr)
     window = (None if max_pos is None else
-              window_for(max_pos, block_size, self.sync_cycles, self.max_len))
+              window_for(max_pos, block_size, self.sync_cycles, self.max_len, ar_steps))
     fn = self.programs.batched_loop(block_size, self.batch_size, self.sync_cycles, window, args,
                                     forced)
     key = self.programs.batched_loop_key(block_size, self.batch_size, self.sync_cycles, window,

@@ -65,14 +65,19 @@ def request_window(extent: int, max_len: int) -> int | None:
   return None if w >= max_len else w
 
 
-def window_for(max_pos: int, block_size: int, sync_cycles: int, max_len: int) -> int | None:
+def window_for(max_pos: int, block_size: int, sync_cycles: int, max_len: int,
+               ar_steps: int = 0) -> int | None:
   """The window of a batched loop call whose furthest decoding row is at `max_pos`: room for
   about half of `sync_cycles` full cycles (the loop returns early when a row reaches the
   window's end); None (all slots) for static batching (sync_cycles = 0) or past the largest
-  power of two."""
+  power of two. `ar_steps`: the AR steps every decoding row still asks for before the batch
+  may run a cycle (the least `LoopState.wait_B` of the priced back-off): the call's first
+  forwards advance one position each, so they need one slot each, not a cycle's room (a batch
+  backed off took a window up to twice the AR loop's, and every AR step read it)."""
   if sync_cycles <= 0:
     return None
-  need = max_pos + block_size * (1 + sync_cycles // 2)
+  steps = min(max(int(ar_steps), 0), sync_cycles)
+  need = max_pos + steps + block_size * (1 + (sync_cycles - steps) // 2)
   w = next((w for w in window_buckets(max_len) if w >= need), max_len)
   return None if w >= max_len else w
 

@@ -206,7 +206,8 @@ class Scheduler:
     b, bucket = max(((b, k) for b, k in self.buckets.items() if k.live()),
                     key=lambda bk: (bk[1].live(), -bk[0]))
     c = bucket.carry
-    n_gen, done, max_new, pos = jax.device_get((c.n_gen_B, c.done_B, c.max_new_B, c.pos_B))
+    n_gen, done, max_new, pos, wait = jax.device_get((c.n_gen_B, c.done_B, c.max_new_B,
+                                                      c.pos_B, c.wait_B))
     decoding = [i for i, r in enumerate(bucket.rows)
                 if r is not None and not done[i] and n_gen[i] < max_new[i]]
     if decoding:
@@ -215,7 +216,8 @@ class Scheduler:
       # yet): the call returns when a row finishes, so its slot is refilled at once.
       bucket.refill_on_finish(len(decoding) if self._wanted(b) else 0)
       fn, args = self.engine.slots_program(b, bucket.carry, self.forced,
-                                           max_pos=int(max(pos[i] for i in decoding)))
+                                           max_pos=int(max(pos[i] for i in decoding)),
+                                           ar_steps=int(min(wait[i] for i in decoding)))
       t0 = self.engine.clock()
       bucket.carry = fn(*args)
       jax.block_until_ready(bucket.carry.pos_B)

@@ -32,11 +32,15 @@ class StartBackoff:
   """The recent requests' cycles and the start of the next one (see the module doc).
 
   window: requests whose cycles count; min_cycles: cycles needed before any deep start;
-  explore_every: every this-many-th request starts drafting regardless; margin: a deep start
-  needs the recent committed tokens per cycle below `margin` x the cycle's break-even."""
+  explore_every: every this-many-th request decoded alone starts drafting regardless;
+  batch_explores: requests taking a batch's slot explore too (False: a batch's periodic
+  probes, one cycle for all its rows every cap steps, keep τ current, and an exploring row made
+  the whole batch run a cycle on entering it); margin: a deep start needs the recent committed
+  tokens per cycle below `margin` x the cycle's break-even."""
   window: int = 8
   min_cycles: int = 8
   explore_every: int = 4
+  batch_explores: bool = False
   margin: float = 0.8
   _recent: collections.deque = dataclasses.field(init=False)
   _started: int = dataclasses.field(default=0, init=False)
@@ -54,14 +58,15 @@ class StartBackoff:
     cycles = sum(c for _, c in self._recent)
     return None if cycles < self.min_cycles else sum(t for t, _ in self._recent) / cycles
 
-  def start(self, break_even: float, cap: int) -> tuple[int, int]:
-    """(misses, AR steps) the next request starts with: (0, 0) to draft first; a deep start
-    (the misses after which one more backs off `cap` steps, and `cap` steps: never more, the
-    loop's room for pending drafter context) when the recent cycles committed below `margin` x
-    `break_even` tokens and this request does not explore."""
+  def start(self, break_even: float, cap: int, rows: int = 1) -> tuple[int, int]:
+    """(misses, AR steps) the next request (in a loop of `rows` slots) starts with: (0, 0) to
+    draft first; a deep start (the misses after which one more backs off `cap` steps, and `cap`
+    steps: never more, the loop's room for pending drafter context) when the recent cycles
+    committed below `margin` x `break_even` tokens and this request does not explore."""
     self._started += 1
     tau = self.tau()
-    if tau is None or self._started % self.explore_every == 0 or tau >= self.margin * break_even:
+    explores = self._started % self.explore_every == 0 and (rows == 1 or self.batch_explores)
+    if tau is None or explores or tau >= self.margin * break_even:
       return 0, 0
     cap = max(int(cap), 1)
     return cap.bit_length() - 1, cap
