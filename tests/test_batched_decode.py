@@ -266,6 +266,8 @@ def test_attention_windows_follow_the_rows_and_change_nothing(models, stop_id, s
   # 16 forwards of cycles of 4 would not (rows backed off attend over the smaller window).
   assert window_for(105, 4, 16, 320) == 256 and window_for(105, 4, 16, 320, ar_steps=16) == 128
   assert window_for(105, 4, 16, 320, ar_steps=99) == 128  # at most the call's forwards
+  assert window_for(120, 1, 16, 320) == window_for(120, 4, 16, 320, ar_steps=16) == 256
+  assert window_for(118, 1, 16, 320) == window_for(118, 4, 16, 320, ar_steps=16) == 128
   assert window_for(105, 4, 16, 320, ar_steps=2) == 256
   target, drafter = models
   long = Engine(target, stop_ids=[stop_id], drafter=drafter,

@@ -190,6 +190,7 @@ def test_start_backoff_starts_deep_after_losing_requests_and_explores():
   # steps' pending drafter context.
   assert seen == [(4, 16)] * 2 + [(0, 0)] + [(4, 16)] * 3 + [(0, 0)]
   assert int(control.backoff_steps(jnp.asarray(4 + 1), 16)) == 16  # the next miss: the cap
+  assert all(starts.start(4.0, 16, rows=3) == (4, 16) for _ in range(8))  # a batch's: no explorer
   assert starts.start(2.4, 64) == (0, 0)  # 2 >= 0.8 x 2.4: drafting pays about even
   assert starts.start(9.0, 64) == (6, 64)
   for _ in range(8):  # the recent requests' cycles now pay: draft first again

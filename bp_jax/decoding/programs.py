@@ -73,11 +73,15 @@ def window_for(max_pos: int, block_size: int, sync_cycles: int, max_len: int,
   power of two. `ar_steps`: the AR steps every decoding row still asks for before the batch
   may run a cycle (the least `LoopState.wait_B` of the priced back-off): the call's first
   forwards advance one position each, so they need one slot each, not a cycle's room (a batch
-  backed off took a window up to twice the AR loop's, and every AR step read it)."""
+  backed off took a window up to twice the AR loop's, and every AR step read it); a call of AR
+  steps alone gets the AR loop's room (about half its steps)."""
   if sync_cycles <= 0:
     return None
-  steps = min(max(int(ar_steps), 0), sync_cycles)
-  need = max_pos + steps + block_size * (1 + (sync_cycles - steps) // 2)
+  steps = max(int(ar_steps), 0)
+  if steps >= sync_cycles:
+    need = max_pos + 1 + sync_cycles // 2
+  else:
+    need = max_pos + steps + block_size * (1 + (sync_cycles - steps) // 2)
   w = next((w for w in window_buckets(max_len) if w >= need), max_len)
   return None if w >= max_len else w
 
