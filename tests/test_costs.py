@@ -237,7 +237,7 @@ def test_summary_says_which_costs_and_the_verify_lengths_chosen(models, tmp_path
   out = capsys.readouterr().out
   assert "controller costs" not in out and "decoded plain" not in out
   # A request the priced start decoded in the plain AR loop (`Engine.starts_plain`) is counted.
-  s = rec.summarize(records + [dict(_record([0, 0, 0]), plain_start=True, block_size=1)],
+  s = rec.summarize(records + [dict(_record([0, 0, 0]), plain_start=True)],
                     given, cfg, wall_s=1.0)
   assert s["plain_starts"] == 1
   rec.print_summary(s)

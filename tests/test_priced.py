@@ -247,7 +247,7 @@ def test_requests_start_deep_where_drafting_loses_and_stay_lossless(models, ar_o
 def test_a_request_alone_that_would_start_deep_decodes_plain(models, ar_outputs):
   """start_plain (the default): where the recent requests' drafting lost (dearest costs), a
   request alone that would start deep runs the plain AR loop: no drafter pass, its forwards AR
-  steps (not τ = 1 cycles), block size 1, AR's very tokens; every 4th request still drafts, so
+  steps (not τ = 1 cycles), its bucket kept, AR's very tokens; every 4th request still drafts, so
   τ stays current. Without start_plain no request runs plain and more drafter passes run."""
   prompts, max_news = _requests(6)
   runs = {}
@@ -261,7 +261,7 @@ def test_a_request_alone_that_would_start_deep_decodes_plain(models, ar_outputs)
   plain_gens = [g for g in runs[True] if g.plain_start]
   assert len(plain_gens) >= 6, [g.plain_start for g in runs[True]]
   for g in plain_gens:
-    assert (g.block_size, g.drafter_passes, g.cycles, g.tau) == (1, 0, 0, None)
+    assert (g.block_size, g.drafter_passes, g.cycles, g.tau) == (B, 0, 0, None)
     assert g.ar_steps == g.target_forwards  # none when the prefill's token was the last
   assert sum(g.ar_steps for g in plain_gens) > 0
   assert any(g.drafter_passes for g in runs[True][6:])  # the explorers draft

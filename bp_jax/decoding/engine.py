@@ -407,19 +407,20 @@ class Engine:
     forced_seq = self._forced_seq(n, forced_continuation) if forced else None
     start = self.request_start(block_size)
     plain = self.starts_plain(block_size, start, forced)
-    if plain:  # its drafting is what recent requests lost: plain AR decoding, no probing cycle
-      block_size, start = 1, (0, 0)
+    # A plain start runs the AR loop (its drafting is what recent requests lost: no probing
+    # cycle); the request keeps its bucket, `Generation.plain_start` says how it ran.
+    run_size, start = (1, (0, 0)) if plain else (block_size, start)
     loop_args = self._loop_args(pre, n_arr, jnp.int32(max_new_tokens), sp, seed_key,
-                                block_size, forced_seq, start)
+                                run_size, forced_seq, start)
     warm_args = self._loop_args(pre, n_arr, jnp.int32(min(max_new_tokens, WARMUP_TOKENS)), sp,
-                                seed_key, block_size, forced_seq)
-    window = self.request_window(n, max_new_tokens, block_size)
-    self.programs.warm(block_size, warm_args, forced, window)
-    fn = self.programs.loop(block_size, loop_args, forced, window)
+                                seed_key, run_size, forced_seq)
+    window = self.request_window(n, max_new_tokens, run_size)
+    self.programs.warm(run_size, warm_args, forced, window)
+    fn = self.programs.loop(run_size, loop_args, forced, window)
     t2 = self.clock()
     out = fn(*loop_args)
     n_gen = int(out.n_gen)
-    decode_s = self.loop_ran(t2, np.asarray(out.forward_counts), 1, block_size)
+    decode_s = self.loop_ran(t2, np.asarray(out.forward_counts), 1, run_size)
     self.seq, self.cache = out.seq, out.cache
     if out.draft_cache is not None:
       self.draft_cache = out.draft_cache

@@ -63,7 +63,7 @@ class Generation:
   policy_probs: list[float] | None = None
   features: dict[str, np.ndarray] | None = None  # prefill features [F] (return_features=True)
   # Decoded in the plain AR loop because the priced back-off would start it deep (its forwards
-  # are AR steps, `Engine.starts_plain`); `block_size` is then 1.
+  # are AR steps, `Engine.starts_plain`); `block_size` stays the bucket it was given.
   plain_start: bool = False
 
   @property
