@@ -61,10 +61,6 @@ def _cpu_info() -> dict[str, str]:
   return info
 
 
-def _cpu_model() -> str:
-  return _cpu_info().get("model name") or platform.processor() or "unknown"
-
-
 def machine_fingerprint() -> dict[str, Any]:
   """What makes two machines price a step alike: CPU model, generation, cache and features
   (`_cpu_info`), CPU count, JAX backend and devices."""
@@ -72,7 +68,7 @@ def machine_fingerprint() -> dict[str, Any]:
 
   devices = jax.devices()
   cpu = _cpu_info()
-  return {"cpu": _cpu_model(),
+  return {"cpu": cpu.get("model name") or platform.processor() or "unknown",
           "cpu_id": "/".join(cpu.get(k, "?") for k in ("vendor_id", "cpu family", "model",
                                                          "stepping")),
           "cpu_cache": cpu.get("cache size", "?"), "cpu_flags": cpu.get("flags", "?"),

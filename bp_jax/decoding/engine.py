@@ -282,13 +282,19 @@ class Engine:
     break_even = float(self.break_even_N(block_size, rows)[block_size])
     return self.starts.start(break_even, self.ar_fallback, rows)
 
+  @property
+  def may_start_plain(self) -> bool:
+    """Whether a request decoded alone may run the plain AR loop in place of a deep start
+    (`starts_plain`): the priced start is on, with `LoopOptions.start_plain`."""
+    return self.starts is not None and self.loop_options.start_plain
+
   def starts_plain(self, block_size: int, start: tuple[int, int], forced: bool = False) -> bool:
     """Whether a request decoded alone whose `request_start` is deep (`start_backoff`) runs the
     plain AR loop instead (`LoopOptions.start_plain`): the recent requests' cycles committed
     clearly fewer tokens than a cycle costs, so it takes no probing cycle at all (each costs
     several AR steps where drafting loses); every `StartBackoff.explore_every`-th request still
     drafts. Never for the tests' forced drafts (they test the speculative loop)."""
-    return (block_size > 1 and start[1] > 0 and not forced and self.loop_options.start_plain)
+    return block_size > 1 and start[1] > 0 and not forced and self.may_start_plain
 
   def request_done(self, gen: Generation) -> None:
     """A finished request's cycles inform where the next ones start (`start_backoff`)."""
@@ -337,7 +343,7 @@ class Engine:
       self.check_block_size(b)
     # A request that would start deep may run the plain AR loop (`starts_plain`), a bucket or not.
     plain = ((1,) if 1 not in block_sizes and any(b > 1 for b in block_sizes)
-             and self.starts is not None and self.loop_options.start_plain else ())
+             and self.may_start_plain else ())
     for b in tuple(block_sizes) + plain:
       windows = [request_window(n + b, self.max_len) for n in request_lengths] or [None]
       for window in dict.fromkeys(windows):

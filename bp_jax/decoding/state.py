@@ -206,8 +206,8 @@ class LoopState:
     row that had just started drafting (every 4th request explores) asked for 2, 4, 8, ...
     steps while the others waited up to the cap, and the batch ran a cycle for all its rows
     each time that row asked: batch 8, T = 1, 528 row-cycles against 156 shared."""
-    deepest = jnp.max(jnp.where(active_B, self.misses_B, 0))
-    misses_B = jnp.where(miss_B, (deepest if shared else self.misses_B) + 1, 0)
+    level = jnp.max(jnp.where(active_B, self.misses_B, 0)) if shared else self.misses_B
+    misses_B = jnp.where(miss_B, level + 1, 0)
     wait_B = jnp.where(miss_B, backoff_steps(misses_B, cap), 0)
     return self.replace(misses_B=jnp.where(active_B, misses_B, self.misses_B),
                         wait_B=jnp.where(active_B, wait_B, self.wait_B))
