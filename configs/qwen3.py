@@ -111,7 +111,9 @@ def get_config() -> ml_collections.ConfigDict:
   # How a speculative cycle keeps drafts at T > 0 (T = 0 is greedy either way, identical to AR):
   # exact = the drafter's argmax, kept while it equals the target's own sample (token-identical
   # to AR for a seed); rejection = drafts drawn from the drafter's distribution, speculative
-  # rejection sampling (accepts a draft with probability min(1, p/q); same distribution as AR).
+  # rejection sampling (accepts a draft with probability min(1, p/q); same distribution as AR;
+  # its tokens for a seed depend on where cycles start, so under the priced controller's
+  # measured, online costs they may differ between runs: the summary says which).
   c.verify = "rejection"     # measured better at T > 0 on the demo (docs/sampling)
   # Many requests at once: up to batch_size requests decode together in one compiled loop per
   # block-size bucket (1 = one request at a time, the plain loop); the loop returns to the host

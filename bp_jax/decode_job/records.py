@@ -99,6 +99,15 @@ def controller_costs_of(engine) -> dict | None:
           "online": getattr(engine, "cost_estimate", None)}
 
 
+def outputs_repeat_for_seed(cfg, engine) -> bool:
+  """Whether another run with this config and seed writes the same outputs: always at T = 0, for
+  plain AR and for verify=exact (AR's own tokens for the seed); verify=rejection at T > 0 only
+  where the controller decides the same way every run (`Engine.timed_decisions`)."""
+  if cfg.mode != "spec" or same_tokens_as_ar(engine.verify, cfg.temperature):
+    return True
+  return not engine.timed_decisions
+
+
 def summarize(records: list[dict], engine, cfg, wall_s: float) -> dict:
   """The run's summary: `figures` of its records plus compilation, warm-up and memory."""
   accepts = [a for r in records for a in r["acceptance_lengths"]]
@@ -114,6 +123,7 @@ def summarize(records: list[dict], engine, cfg, wall_s: float) -> dict:
           v - 1 for r in records for v in r.get("forward_verified", []) if v > 0),
       "verify_lengths_chosen": verify_lengths_chosen(records, getattr(engine, "batch_size", 1)),
       "controller_costs": controller_costs_of(engine),
+      "outputs_repeat_for_seed": outputs_repeat_for_seed(cfg, engine),
       "block_sizes_used": dict(collections.Counter(str(r["block_size"]) for r in records)),
       "ids_beyond_tokenizer": sum(r["ids_beyond_tokenizer"] for r in records),
       "compilations": comp["compilations"], "compilations_by_function": comp["by_function"],
@@ -174,6 +184,11 @@ def print_summary(s: dict) -> None:
              ("tokens per target forward", _fmt(s["tokens_per_forward"], ".3f")),
              ("drafts verified per drafter pass", _fmt(s.get("mean_verified_drafts"), ".3f"))]
             if spec else []),
+          *([("outputs for a seed", "may differ between runs: verify=rejection at T > 0 draws "
+              "depend on where cycles start, which the priced controller picks from this "
+              "machine's timings (verify=exact, or given controller_costs with "
+              "controller_online_costs=off, repeat them)")]
+            if not s.get("outputs_repeat_for_seed", True) else []),
           *([("decoded plain by the priced start", f"{s['plain_starts']} of {s['prompts']} "
               "requests (recent requests' drafting lost)")] if s.get("plain_starts") else []),
           *([(f"verify length per cycle (batch {s['verify_lengths_chosen']['batch_size']})",

@@ -215,6 +215,15 @@ class Engine:
     opts = self.loop_options
     return "given" if opts.controller in control.PRICED and opts.controller_costs else None
 
+  @property
+  def timed_decisions(self) -> bool:
+    """Whether the controller's choices (verify lengths, back-offs, plain starts) follow this
+    machine's timings from run to run: priced from costs measured now, or kept current by the
+    loop calls' wall times. Where they do, verify=rejection at T > 0 draws other tokens for the
+    same seed in another run (its draws depend on where cycles start); costs given (or read
+    from the cost cache) with online costs off decide the same way every run."""
+    return self.prices is not None and (bool(self.online) or self.costs_source == "measured")
+
   # The loop form in effect and the compiled programs (read by reports, summaries and tests).
   loop_options = property(lambda self: self.programs.options)
   scan_layers = property(lambda self: self.loop_options.scan_layers)
