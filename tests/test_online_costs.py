@@ -65,6 +65,35 @@ def test_recovers_known_costs_and_follows_a_step_change():
   assert est.break_even(N, rows=8) == pytest.approx(3.0)
 
 
+def test_a_noisy_machine_moves_the_estimate_less_than_a_change_does():
+  """Calls whose time is off by a random factor (a VM whose speed moves by a quarter between
+  requests, lognormal sigma 0.25) keep the break-even near the truth, where restarting on every
+  mispredicted call (the old rule: forget 0.6, one call) let it swing to the clip's ends; a real
+  change (5 -> 2 AR steps per cycle) is still followed within a few calls."""
+  rng = np.random.default_rng(3)
+  calls = _calls(200, seed=5)
+  noise = np.exp(rng.normal(0.0, 0.25, len(calls)))
+
+  def spread(est):
+    seen = []
+    for (n_ar, n_cycle), f in zip(calls, noise):
+      est.observe(f * (AR_S * n_ar + 5 * AR_S * n_cycle), _counts(n_ar, n_cycle), rows=1)
+      seen.append(est.break_even(N, rows=1))
+    return np.quantile(np.abs(np.log(np.asarray(seen[20:]) / 5.0)), 0.75)
+
+  steady = spread(OnlineCosts(lambda n: 3.0))
+  old_rule = spread(OnlineCosts(lambda n: 3.0, forget=0.6, restart_calls=1))
+  assert steady < 0.8 * old_rule, (steady, old_rule)
+  est = OnlineCosts(lambda n: 3.0)
+  for n_ar, n_cycle in calls[:20]:
+    est.observe(AR_S * n_ar + 5 * AR_S * n_cycle, _counts(n_ar, n_cycle), rows=1)
+  seen = []
+  for n_ar, n_cycle in calls[20:28]:
+    est.observe(AR_S * n_ar + 2 * AR_S * n_cycle, _counts(n_ar, n_cycle), rows=1)
+    seen.append(est.break_even(N, rows=1))
+  assert min(seen[:3]) < 3.5 and seen[-1] == pytest.approx(2.0, rel=0.1), seen
+
+
 def test_keeps_its_prior_on_degenerate_calls():
   est = OnlineCosts(lambda n: 3.0)
   # Calls that run cycles only cannot tell them from AR steps: the ratio stays the prior's
@@ -117,6 +146,8 @@ def test_clips_to_sane_bounds_and_checks_its_inputs():
     OnlineCosts(lambda n: 3.0, one_prior_floor=-0.5)
   with pytest.raises(BadInputError, match="forget=0"):
     OnlineCosts(lambda n: 3.0, forget=0)
+  with pytest.raises(BadInputError, match="restart_calls=0"):
+    OnlineCosts(lambda n: 3.0, restart_calls=0)
   with pytest.raises(BadInputError, match="forget=1.5"):
     OnlineCosts(lambda n: 3.0, forget=1.5)
   with pytest.raises(BadInputError, match="ridge=-1"):

@@ -13,8 +13,7 @@ caches, is spread over its forwards: small beside a real model's forwards; a fre
 made the fit unstable, as the calls of a run run similar numbers of forwards). `OnlineCosts`
 keeps, per batch size (`rows`: the loop state's slots), an
 exponentially forgetting least-squares fit of them (`forget`: the weight each older call keeps
-per newer one; 0.6: a change is followed within two or three calls), whence the controller's
-break-even: a cycle verifying n tokens costs `secs_N[n] / secs_N[0]` AR steps.
+per newer one; 0.8), whence the controller's break-even: a cycle verifying n tokens costs `secs_N[n] / secs_N[0]` AR steps.
 
 An AR step's price is learned only from calls that ran AR steps. Where cycles keep paying, no
 cycle is a miss, no AR step runs, and the fit keeps whatever ratio it last had: if that is the
@@ -29,6 +28,14 @@ slower than back-off, in another run). That lower bound is for a VM whose speed 
 third between calls: a call slower than the ones before prices the AR step above what the
 older calls took in all, their cycles near zero, and the break-even fell to 1 (every cycle
 then pays: batch 1, T = 1, the next requests drafted every cycle; /tmp/s30/fit.py).
+
+A change of the costs shows as calls the estimate mispredicts, all the same way: after
+`restart_calls` (2) such calls in a row, each off by more than `restart_error` (20%), the calls
+before them keep only `RESTART_WEIGHT` of their weight, so a change is followed within two or
+three calls. One mispredicted call is not a change: on a VM whose speed moves by a quarter from
+request to request, restarting on every such call (with forget 0.6) left the estimate to the last
+call or two, and one run's break-even ranged 3.1-32 AR steps (5-95%) against ~4.2 measured in
+one process (`/tmp/s31/fitab.py`; now 2.9-9.3).
 
 One call gives one equation for several unknowns, and calls of a run often mix their forwards in
 about the same proportion (or run one kind only), so the fit is regularized toward the previous
@@ -94,6 +101,10 @@ class _Fit:
     self.b = np.zeros(1)                          # sum of forget^age x y
     self.theta: np.ndarray | None = None          # seconds per forward of each length
     self.calls = 0
+    # The last calls (at most `restart_calls`): the sums before each, its counts and seconds,
+    # and whether the estimate mispredicted it (+1 slower, -1 faster, 0 within the error).
+    self.recent: list[tuple[np.ndarray, np.ndarray, Mapping[int, int], float, int]] = []
+    self.noise = 0.0  # mean relative misprediction of the calls that were not off (`update`)
 
   def _grow(self, n: int) -> None:
     """Adds verify length n as a parameter: its prior ratio to an AR step, on the current scale."""
@@ -111,19 +122,22 @@ class _Fit:
     return np.asarray([self.prior(n) for n in self.lengths])
 
   def update(self, seconds: float, counts: Mapping[int, int], forget: float, ridge: float,
-             clip: Callable[[int, float], float], restart_error: float) -> None:
+             clip: Callable[[int, float], float], restart_error: float,
+             restart_calls: int) -> None:
     for n in sorted(counts):
       if n not in self.lengths:
         self._grow(n)
-    x = np.zeros(len(self.lengths))
-    for n, c in counts.items():
-      x[self.lengths.index(n)] = c
-    if self.theta is not None:  # a call the estimate mispredicts: the costs changed under it
-      predicted = float(x @ self.theta)
-      if abs(seconds - predicted) > restart_error * seconds:
-        forget = forget * RESTART_WEIGHT
+    x = self._x(counts)
+    error = 0.0 if self.theta is None else (seconds - float(x @ self.theta)) / seconds
+    off = abs(error) > max(restart_error, NOISE_MULTIPLE * self.noise)
+    if self.theta is not None and not off:  # the machine's own call-to-call noise
+      self.noise += NOISE_WEIGHT * (abs(error) - self.noise)
+    self.recent = (self.recent + [(self.A, self.b, counts, seconds,
+                                   int(np.sign(error)) if off else 0)])[-restart_calls:]
     self.A = forget * self.A + np.outer(x, x)
     self.b = forget * self.b + x * seconds
+    if len(self.recent) == restart_calls and abs(sum(c[4] for c in self.recent)) == restart_calls:
+      self._restart(forget)
     r = self.ratios()
     rAr = float(r @ self.A @ r)
     scale = float(self.b @ r) / rAr if rAr > 0 else 0.0
@@ -142,11 +156,42 @@ class _Fit:
     self.theta = theta
     self.calls += 1
 
+  def _x(self, counts: Mapping[int, int]) -> np.ndarray:
+    x = np.zeros(len(self.lengths))
+    for n, c in counts.items():
+      x[self.lengths.index(n)] = c
+    return x
+
+  def _restart(self, forget: float) -> None:
+    """The costs changed under the estimate: the last `restart_calls` calls each took more than
+    `restart_error` (relative) longer than predicted, or each that much less. The calls before
+    them keep `RESTART_WEIGHT` of their weight; the run's own calls keep theirs. One call off is
+    not a change: a VM whose speed moves by a third between calls mispredicts single calls
+    either way, and restarting on each left the estimate to the last call or two (batch 1,
+    T = 0 on the demo: break-even 1.7 to 11 AR steps within 40 requests, against ~4.2 in one
+    process)."""
+    L = len(self.lengths)
+    A0, b0 = self.recent[0][0], self.recent[0][1]
+    A = RESTART_WEIGHT * np.pad(A0, ((0, L - len(b0)), (0, L - len(b0))))
+    b = RESTART_WEIGHT * np.pad(b0, (0, L - len(b0)))
+    for _, _, counts, seconds, _ in self.recent:
+      x = self._x(counts)
+      A, b = forget * A + np.outer(x, x), forget * b + x * seconds
+    self.A, self.b, self.recent = A, b, []
+
   def break_even(self, n: int, clip: Callable[[int, float], float]) -> float:
     if n not in self.lengths or self.theta is None:
       return clip(n, self.prior(n))
     return clip(n, float(self.theta[self.lengths.index(n)] / self.theta[0]))
 
+
+# A call is off (a sign of a change) when mispredicted by more than `restart_error` and more
+# than NOISE_MULTIPLE x the machine's noise: the mean relative misprediction of the calls that
+# were not, forgetting NOISE_WEIGHT per call. On a quiet machine (or the tests' fake clock) the
+# noise is ~0 and `restart_error` decides; on a VM whose speed moves by a quarter between calls
+# the bar rises to ~50%, above its noise and below the changes that matter (a cycle 2x dearer).
+NOISE_MULTIPLE = 2.5
+NOISE_WEIGHT = 0.2
 
 # The weight older calls keep, beyond `forget`, after a call the estimate mispredicted by more than
 # `restart_error`: the calls before a change of the costs would otherwise pin the directions that
@@ -161,14 +206,15 @@ class OnlineCosts:
   per newer one (1: never forget); `ridge` > 0: the pull toward the previous estimate, relative
   to the data's own weight; break-evens are clipped to [min_break_even,
   max_break_even_per_token * n], and from below also to `batch_prior_floor` (a batch, rows >
-  1) or `one_prior_floor` (one request) times the prior (0: no such bound); a call whose
-  seconds the estimate mispredicts by more than `restart_error` (relative) marks a change:
-  older calls keep only `RESTART_WEIGHT` of their weight."""
+  1) or `one_prior_floor` (one request) times the prior (0: no such bound); `restart_calls`
+  calls in a row whose seconds the estimate mispredicts by more than `restart_error` (relative),
+  all the same way, mark a change: the calls before them keep only `RESTART_WEIGHT` of their
+  weight."""
 
-  def __init__(self, prior: Callable[[int], float], *, forget: float = 0.6, ridge: float = 0.03,
+  def __init__(self, prior: Callable[[int], float], *, forget: float = 0.8, ridge: float = 0.03,
                min_break_even: float = 1.0, max_break_even_per_token: float = 4.0,
-               restart_error: float = 0.2, batch_prior_floor: float = 0.0,
-               one_prior_floor: float = 0.0):
+               restart_error: float = 0.2, restart_calls: int = 2,
+               batch_prior_floor: float = 0.0, one_prior_floor: float = 0.0):
     self.prior = prior
     self.batch_prior_floor = _check_floor(batch_prior_floor, "batch_prior_floor")
     self.one_prior_floor = _check_floor(one_prior_floor, "one_prior_floor")
@@ -178,6 +224,9 @@ class OnlineCosts:
     self.max_break_even_per_token = _check_positive(max_break_even_per_token,
                                                     "max_break_even_per_token")
     self.restart_error = _check_positive(restart_error, "restart_error")
+    if isinstance(restart_calls, bool) or int(restart_calls) != restart_calls or restart_calls < 1:
+      raise BadInputError(f"restart_calls={restart_calls!r}: expected a whole number >= 1")
+    self.restart_calls = int(restart_calls)
     self._fits: dict[int, _Fit] = {}
 
   def clip(self, n: int, break_even: float, rows: int = 1) -> float:
@@ -212,7 +261,7 @@ class OnlineCosts:
       return False
     used = {int(n): int(c) for n, c in enumerate(counts) if c}
     self._fit(int(rows)).update(seconds, used, self.forget, self.ridge, self._clip_of(rows),
-                                self.restart_error)
+                                self.restart_error, self.restart_calls)
     return True
 
   def break_even(self, n: int, rows: int) -> float:
