@@ -37,14 +37,14 @@ Methods (`--methods`, comma-separated):
 With --batch_size B > 1 every method decodes the prompts in groups of --group_size consecutive
 prompts (default 4B; the same groups for every method, interleaved per group), each group
 streamed through B slots with continuous refill (`Engine.generate_batch`: a finished request's
-slot takes the next one, as a server's would); the intervals then resample requests, each with
-its share of the loop calls it decoded in (`Generation.decode_s`). --group_size B gives one
-static batch per group (every request of a group starts together, the batch's slowest sets its
-time).
+slot takes the next one, as a server's would); the intervals then resample the groups (a
+group's requests share its loop calls and its repeat's luck), so a batch row needs many groups
+for a narrow interval: a smaller --group_size gives more. --group_size B gives one static batch
+per group (every request of a group starts together, the batch's slowest sets its time).
 
 Intervals: each method's speedup over AR (and `priced`'s over `backoff`, `priced_online`'s and
-`priced_long`'s over `priced`, when both run) with a 95% paired bootstrap interval over prompts
-(requests) of its fastest decodes (bp_jax/eval/bootstrap).
+`priced_long`'s over `priced`, when both run) with a 95% paired bootstrap interval over the
+requests (batch 1) or the groups (batches) of its fastest decodes (bp_jax/eval/bootstrap).
 
 The confidence methods and priced price their choices with the costs given (--controller_costs with
 --controller_draft_cost), or else with costs measured once here on this machine (one target
@@ -229,13 +229,21 @@ def seconds_per_token(gens: list[Generation]) -> float:
   return sum(g.decode_s for g in gens) / max(sum(g.new_tokens for g in gens), 1)
 
 
-def intervals(groups: dict[str, list[list[Generation]]], methods: list[str]) -> dict:
+def intervals(groups: dict[str, list[list[Generation]]], methods: list[str],
+              batched: bool) -> dict:
   """Each method's speedup over AR (and priced's over backoff, priced_online's and
   priced_long's over priced, priced_default's over priced_online) with its 95% paired
-  bootstrap interval over the requests (in a batch each with its share of the calls it decoded
-  in)."""
-  fig = lambda m: ([g.new_tokens for grp in groups[m] for g in grp],
-                   [g.decode_s for grp in groups[m] for g in grp])
+  bootstrap interval over the requests decoded alone, or over the groups when `batched`: a
+  group's requests ran in the same loop calls, in the same repeat, so they share that run's
+  luck on a machine whose speed moves between runs; resampling them one by one as if
+  independent gave intervals too narrow to trust (batch 8, T = 1: 0.851x [0.835, 0.868] in the
+  table, 0.970x per loop call measured another way; docs/results/controller.md)."""
+  if batched:
+    fig = lambda m: ([sum(g.new_tokens for g in grp) for grp in groups[m]],
+                     [sum(g.decode_s for g in grp) for grp in groups[m]])
+  else:
+    fig = lambda m: ([g.new_tokens for grp in groups[m] for g in grp],
+                     [g.decode_s for grp in groups[m] for g in grp])
   pairs = [(m, "ar") for m in methods if m != "ar"]
   for a, b in (("priced", "backoff"), ("priced_online", "priced"), ("priced_long", "priced"),
                ("priced_default", "priced_online")):
@@ -244,7 +252,9 @@ def intervals(groups: dict[str, list[list[Generation]]], methods: list[str]) -> 
   out = {}
   for a, b in pairs:
     s = bootstrap_speedup(*fig(a), *fig(b), reps=FLAGS.bootstrap_reps)
-    out[f"{a}/{b}"] = {"ratio": round(s.ratio, 4), "lo": round(s.lo, 4), "hi": round(s.hi, 4)}
+    one = len(fig(a)[0]) < 2  # one unit: a ratio, no interval
+    out[f"{a}/{b}"] = {"ratio": round(s.ratio, 4), "lo": None if one else round(s.lo, 4),
+                       "hi": None if one else round(s.hi, 4)}
   return out
 
 
@@ -288,7 +298,7 @@ def main(_):
     print(f"  {i + 1}/{len(groups)} {', '.join(k for k, _ in group)}", flush=True)
   flat = {m: [g for grp in best[m] for g in grp] for m in methods}
   rows = {m: method_figures(flat[m], flat["ar"], costs) for m in methods}
-  cis = intervals(best, methods)
+  cis = intervals(best, methods, batched=B > 1)
   ar_rate = rows["ar"]["decode_tokens_per_s"]
   for r in rows.values():
     r["speedup_vs_ar"] = round(r["decode_tokens_per_s"] / ar_rate, 3)
@@ -309,9 +319,12 @@ def main(_):
           f"{r['ar_steps']:>9}{r['plain_starts'] if m != 'ar' else '-':>6}"
           f"{r['est_cost_per_token']:>13.3f}"
           f"{r['identical_to_ar']:>8}/{len(prompts)}")
-  print(f"  speedups, 95% paired bootstrap intervals over {len(prompts)} requests:")
+  resampled = (f"{len(groups)} group{'s' if len(groups) != 1 else ''} of up to {G} requests"
+               if B > 1 else f"{len(prompts)} requests")
+  print(f"  speedups, 95% paired bootstrap intervals over {resampled}:")
   for pair, c in cis.items():
-    print(f"    {pair:<20}{c['ratio']:.3f}x [{c['lo']:.3f}, {c['hi']:.3f}]")
+    ci = "(one unit: no interval)" if c["lo"] is None else f"[{c['lo']:.3f}, {c['hi']:.3f}]"
+    print(f"    {pair:<20}{c['ratio']:.3f}x {ci}")
   slot_use = {m: engines[m].slot_use for m in methods if engines[m].slot_use is not None}
   if slot_use:  # batches: the idle slots (e.g. each group's tail) cost as much as busy ones
     print("  slot use (share of batched slot time holding a decoding request, every repeat): "
@@ -329,7 +342,7 @@ def main(_):
               "start_plain": FLAGS.start_plain,
               "temperature": FLAGS.temperature, "top_k": FLAGS.top_k, "verify": FLAGS.verify,
               "drafter": FLAGS.drafter,
-              "intervals": cis,
+              "intervals": cis, "intervals_over": resampled,
               "ar_fallback_accept": FLAGS.ar_fallback_accept, "methods": rows,
               "controller_costs": {**costs, "source": source}, "cost_estimates": online,
               "slot_use": slot_use}

@@ -34,4 +34,9 @@ def test_sampled_comparison_gives_ar_tokens_for_each_seed(tmp_path):
     assert row["new_tokens"] > 2
   assert report["methods"]["priced_online"]["drafter_passes"] > 0
   assert set(report["intervals"]) == {"priced_online/ar"}
+  # A batch's requests share their group's loop calls: the interval resamples groups, and one
+  # group gives a ratio without one.
+  assert report["intervals_over"] == "1 group of up to 8 requests"
+  assert report["intervals"]["priced_online/ar"]["lo"] is None
+  assert "(one unit: no interval)" in proc.stdout
   assert report["cost_estimates"]["priced_online"]["by_batch_size"]["2"]["calls"] >= 1
