@@ -173,12 +173,13 @@ def get_config() -> ml_collections.ConfigDict:
   c.controller_online_costs = "auto"
   # priced: a request (alone or in a batch's slot) starts with the cap's AR steps and backs off it
   # after a miss when the recent requests' cycles committed clearly fewer tokens than a cycle
-  # costs (every 4th request still drafts first, so the acceptance and costs stay current;
-  # bp_jax/decoding/start_backoff.py); False: every request drafts first.
+  # costs (an explorer still drafts first, every 4th deep start, thinning to every 32nd while
+  # explorers lose, so the acceptance and costs stay current; bp_jax/decoding/start_backoff.py);
+  # False: every request drafts first.
   c.controller_start_backoff = True
   # priced, with controller_start_backoff: a request decoded alone (batch_size 1) that would start
   # deep runs the plain AR loop instead, with no probing cycle (each costs several AR steps where
-  # drafting loses; every 4th request still drafts); False: the deep start's AR steps, then probes.
+  # drafting loses; the explorers still draft); False: the deep start's AR steps, then probes.
   c.controller_start_plain = True
   # priced: at most this many AR steps in a row after misses (0: ar_fallback, 64 when that is 0
   # too). Its own cap, so that ar_fallback can stay the back-off label sets were measured under.

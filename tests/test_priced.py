@@ -185,10 +185,25 @@ def test_start_backoff_starts_deep_after_losing_requests_and_explores():
     starts.observe([2, 1, 3])  # 2 tokens per cycle
   starts.observe([])  # a request without cycles counts for nothing
   assert starts.tau() == pytest.approx(2.0)
-  seen = [starts.start(4.0, 16) for _ in range(7)]  # 2 < 0.8 x 4: deep, but every 4th explores
+  seen = [starts.start(4.0, 16) for _ in range(4)]  # 2 < 0.8 x 4: deep, but the 4th explores
   # A deep start waits the cap (16 here), never more: the loop keeps room for that many AR
   # steps' pending drafter context.
-  assert seen == [(4, 16)] * 2 + [(0, 0)] + [(4, 16)] * 3 + [(0, 0)]
+  assert seen == [(4, 16)] * 3 + [(0, 0)]
+  # Explorers that lose thin out: the next one 8 deep starts later, then 16, then every 32nd.
+  starts.observe([2, 1])  # the explorer's cycles: 1.5 tokens each, below 0.8 x 4
+  explored = []
+  for i in range(8 + 16 + 32 + 32):
+    if starts.start(4.0, 16) == (0, 0):
+      explored.append(i)
+      starts.observe([2, 1])  # the explorer's cycles: 1.5 tokens each, below 0.8 x 4
+  assert explored == [7, 23, 55, 87]
+  assert starts.start(4.0, 16) == (4, 16)
+  # An explorer whose cycles paid brings them back to every 4th.
+  while starts.start(4.0, 16) != (0, 0):
+    pass
+  starts.observe([5])
+  assert [starts.start(4.0, 16) for _ in range(4)] == [(4, 16)] * 3 + [(0, 0)]
+  starts.observe([1])
   assert int(control.backoff_steps(jnp.asarray(4 + 1), 16)) == 16  # the next miss: the cap
   assert all(starts.start(4.0, 16, rows=3) == (4, 16) for _ in range(8))  # a batch's: no explorer
   assert starts.start(2.4, 64) == (0, 0)  # 2 >= 0.8 x 2.4: drafting pays about even
@@ -196,6 +211,9 @@ def test_start_backoff_starts_deep_after_losing_requests_and_explores():
   for _ in range(8):  # the recent requests' cycles now pay: draft first again
     starts.observe([4, 4])
   assert starts.start(4.0, 16) == (0, 0)
+  for _ in range(8):  # and once they lose again, the 4th deep start explores again
+    starts.observe([2, 2])
+  assert [starts.start(4.0, 16) for _ in range(4)] == [(4, 16)] * 3 + [(0, 0)]
 
 
 def test_a_batch_miss_backs_every_row_off_to_the_deepest_level():

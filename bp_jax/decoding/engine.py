@@ -301,8 +301,7 @@ class Engine:
     """Whether a request decoded alone whose `request_start` is deep (`start_backoff`) runs the
     plain AR loop instead (`LoopOptions.start_plain`): the recent requests' cycles committed
     clearly fewer tokens than a cycle costs, so it takes no probing cycle at all (each costs
-    several AR steps where drafting loses); every `StartBackoff.explore_every`-th request still
-    drafts. Never for the tests' forced drafts (they test the speculative loop)."""
+    several AR steps where drafting loses); the explorers (`StartBackoff.start`) still draft. Never for the tests' forced drafts (they test the speculative loop)."""
     return block_size > 1 and start[1] > 0 and not forced and self.may_start_plain
 
   def request_done(self, gen: Generation) -> None:

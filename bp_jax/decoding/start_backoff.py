@@ -7,9 +7,10 @@ worth. A new request is likely to draft about as well as the requests just befor
 their cycles committed clearly fewer tokens than a cycle costs, the next request starts deep in
 the back-off: the cap's AR steps first (the most one run of them may hold: the loop keeps room
 for that many steps' drafter context, `loops.CONTEXT_CHUNK`), then a probing cycle, after which
-each miss backs off the whole cap. Every `explore_every`-th request still starts drafting, so
+each miss backs off the whole cap. The `explore_every`-th deep start still starts drafting, so
 that the acceptance and the online prices (which learn a cycle's price from calls that run
-cycles) stay current.
+cycles) stay current; while the explorers themselves lose, they thin out (4, 8, 16, then every
+`explore_max`-th: 32 deep starts apart), and one that pays brings them back to every 4th.
 
 A request decoded alone that would start deep runs the plain AR loop instead
 (`LoopOptions.start_plain`, `Engine.starts_plain`): no probing cycle at all, where each costs
@@ -32,7 +33,10 @@ class StartBackoff:
   """The recent requests' cycles and the start of the next one (see the module doc).
 
   window: requests whose cycles count; min_cycles: cycles needed before any deep start;
-  explore_every: every this-many-th request decoded alone starts drafting regardless;
+  explore_every: while requests start deep, the explore_every-th such request decoded alone
+  starts drafting regardless (an explorer); an explorer whose own cycles committed below
+  `margin` x the price doubles the gap to the next, up to explore_max, one whose cycles paid
+  (or a start that is not deep) brings it back to explore_every;
   batch_explores: requests taking a batch's slot explore too (False: a batch's periodic
   probes, one cycle for all its rows every cap steps, keep τ current, and an exploring row made
   the whole batch run a cycle on entering it); margin: a deep start needs the recent committed
@@ -40,18 +44,29 @@ class StartBackoff:
   window: int = 8
   min_cycles: int = 8
   explore_every: int = 4
+  explore_max: int = 32
   batch_explores: bool = False
   margin: float = 0.8
   _recent: collections.deque = dataclasses.field(init=False)
-  _started: int = dataclasses.field(default=0, init=False)
+  _deep: int = dataclasses.field(default=0, init=False)   # deep starts since the last explorer
+  _gap: int = dataclasses.field(default=0, init=False)    # deep starts before the next explorer
+  # The price an explorer started under, until its cycles come back (`observe`); None: none out.
+  _exploring: float | None = dataclasses.field(default=None, init=False)
 
   def __post_init__(self):
     self._recent = collections.deque(maxlen=self.window)
+    self._gap = self.explore_every
 
   def observe(self, acceptance_lengths: Sequence[int]) -> None:
     """One finished request's committed tokens per cycle (`Generation.acceptance_lengths`)."""
     if len(acceptance_lengths):
       self._recent.append((int(sum(acceptance_lengths)), len(acceptance_lengths)))
+    if self._exploring is not None:  # an explorer's own cycles: did drafting pay this time?
+      committed, cycles = int(sum(acceptance_lengths)), len(acceptance_lengths)
+      lost = cycles and committed < self.margin * self._exploring * cycles
+      self._gap = (min(2 * self._gap, max(self.explore_max, self.explore_every)) if lost
+                   else self.explore_every)
+      self._exploring = None
 
   def tau(self) -> float | None:
     """Committed tokens per cycle over the recent requests' cycles (None: too few cycles)."""
@@ -62,11 +77,21 @@ class StartBackoff:
     """(misses, AR steps) the next request (in a loop of `rows` slots) starts with: (0, 0) to
     draft first; a deep start (the misses after which one more backs off `cap` steps, and `cap`
     steps: never more, the loop's room for pending drafter context) when the recent cycles
-    committed below `margin` x `break_even` tokens and this request does not explore."""
-    self._started += 1
+    committed below `margin` x `break_even` tokens and this request does not explore.
+
+    Explorers thin out while they keep losing (4, 8, 16, 32 deep starts apart): each drafts a
+    whole request where the others decode plain, and at T = 1 on the demo one in four
+    exploring cost the default ~7% at batch 1 (0.914x AR over every repeat, against 0.988x
+    thinned; `/tmp/s31/statab.py`). An explorer that pays brings them back to every 4th: at
+    T = 0 a deep spell is the mistake, and thinning the explorers regardless kept it (0.963x
+    the every-4th rule)."""
     tau = self.tau()
-    explores = self._started % self.explore_every == 0 and (rows == 1 or self.batch_explores)
-    if tau is None or explores or tau >= self.margin * break_even:
+    if tau is None or tau >= self.margin * break_even:
+      self._deep, self._gap = 0, self.explore_every
+      return 0, 0
+    self._deep += 1
+    if (rows == 1 or self.batch_explores) and self._deep >= self._gap:
+      self._deep, self._exploring = 0, float(break_even)
       return 0, 0
     cap = max(int(cap), 1)
     return cap.bit_length() - 1, cap
