@@ -17,7 +17,7 @@ def test_sampled_comparison_gives_ar_tokens_for_each_seed(tmp_path):
   out = tmp_path / "bench"
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
   proc = subprocess.run(
-      [sys.executable, "-m", "benchmarks.controllers", "--num_prompts=3", "--repeats=1",
+      [sys.executable, "-m", "benchmarks.controllers", "--num_prompts=3", "--repeats=2",
        "--max_new_tokens=12", "--methods=priced_online", "--half=eval",
        "--temperature=1", "--top_k=20", "--drafter=demo/drafter_sampling",
        "--batch_size=2", f"--cost_cache={tmp_path / 'costs'}", "--bootstrap_reps=50",
@@ -39,4 +39,7 @@ def test_sampled_comparison_gives_ar_tokens_for_each_seed(tmp_path):
   assert report["intervals_over"] == "1 group of up to 8 requests"
   assert report["intervals"]["priced_online/ar"]["lo"] is None
   assert "(one unit: no interval)" in proc.stdout
+  # and the mean of the repeats beside the fastest of each
+  assert set(report["intervals_mean_of_repeats"]) == {"priced_online/ar"}
+  assert "(mean of the repeats)" in proc.stdout
   assert report["cost_estimates"]["priced_online"]["by_batch_size"]["2"]["calls"] >= 1
