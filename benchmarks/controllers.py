@@ -32,7 +32,11 @@ Methods (`--methods`, comma-separated):
                     configs/demo.py's `controller_priced_cap`);
   priced_long       priced whose misses back off up to --long_ar_fallback AR steps (2, 4, ...,
                     64 by default) instead of --ar_fallback: fewer probing cycles where
-                    drafting keeps losing.
+                    drafting keeps losing;
+  ar_full, priced_default_full
+                    ar and priced_default whose batched calls always compute all --batch_size
+                    slots (`BatchOptions.shrink=False`); the others run a batch's tail in
+                    fewer slots once no request waits (`Scheduler`), as decode.py does.
 
 With --batch_size B > 1 every method decodes the prompts in groups of --group_size consecutive
 prompts (default 4B; the same groups for every method, interleaved per group), each group
@@ -90,7 +94,7 @@ from bp_jax.errors import BadInputError
 
 METHODS = ("ar", "none", "backoff", "confidence_1step", "confidence", "confidence_poor",
            "confidence_cal", "confidence_cal_poor", "priced", "priced_online", "priced_long",
-           "priced_default")
+           "priced_default", "ar_full", "priced_default_full")
 
 common.define_flags("target", "drafter", "dtype", "max_len", "max_new_tokens", "block_size",
                     num_prompts=24, repeats=3,
@@ -139,9 +143,15 @@ def parse_methods(text: str) -> list[str]:
   return list(dict.fromkeys(["ar"] + methods))  # AR is the reference
 
 
+def loop_method(method: str) -> str:
+  """The method whose loop form `method` decodes with (a `_full` method: its base's)."""
+  return method[:-len("_full")] if method.endswith("_full") else method
+
+
 def engine_options(method: str, costs: dict) -> dict:
   """The `LoopOptions` fields of a method (its loop form, with --verify for the speculative
   ones); `costs`: the confidence methods' `controller_costs` and `controller_draft_cost`."""
+  method = loop_method(method)
   fb = dict(ar_fallback_accept=FLAGS.ar_fallback_accept, **costs)
   cal = dict(controller="confidence", ar_fallback=FLAGS.ar_fallback,
              controller_calibration=control.load_calibration(FLAGS.calibration, "--calibration"),
@@ -273,7 +283,8 @@ def intervals(groups: dict[str, list[list[Generation]]], methods: list[str],
                      [g.decode_s for grp in groups[m] for g in grp])
   pairs = [(m, "ar") for m in methods if m != "ar"]
   for a, b in (("priced", "backoff"), ("priced_online", "priced"), ("priced_long", "priced"),
-               ("priced_default", "priced_online")):
+               ("priced_default", "priced_online"), ("priced_default", "priced_default_full"),
+               ("priced_default_full", "ar_full")):
     if a in methods and b in methods:
       pairs.append((a, b))
   out = {}
@@ -301,9 +312,10 @@ def main(_):
                        shapes=ShapeOptions(max_len=FLAGS.max_len,
                                            block_sizes=(1, FLAGS.block_size)),
                        loop=LoopOptions(**engine_options(m, costs)),
-                       batching=BatchOptions(batch_size=FLAGS.batch_size))
+                       batching=BatchOptions(batch_size=FLAGS.batch_size,
+                                             shrink=not m.endswith("_full")))
              for m in methods}
-  size = {m: 1 if m == "ar" else FLAGS.block_size for m in methods}
+  size = {m: 1 if loop_method(m) == "ar" else FLAGS.block_size for m in methods}
   # Outputs that do not depend on the path decoding takes (greedy, or `exact` at T > 0): every
   # repeat must give the same tokens. Under `rejection` at T > 0 a method whose choices follow
   # timings (priced_online) draws other tokens, from the same distribution, on another repeat.

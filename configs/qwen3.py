@@ -122,6 +122,10 @@ def get_config() -> ml_collections.ConfigDict:
   # (continuous batching; 0 = a batch runs until all its requests finish). docs/design.md §9.
   c.batch_size = 1
   c.sync_cycles = 16
+  # A batch's tail (no request waiting for its bucket) decodes in fewer slots: the fewest of
+  # batch_size, batch_size/2, ..., 1 that hold its requests (one copy of their caches; one more
+  # compiled loop per size used); false = every call computes all batch_size slots.
+  c.shrink_batches = True
   c.seed = 0
   c.max_new_tokens = 128
   c.max_len = 1024           # cache slots per request: prompt + max_new_tokens + block_size - 1
@@ -173,9 +177,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.controller_online_costs = "auto"
   # priced: a request (alone or in a batch's slot) starts with the cap's AR steps and backs off it
   # after a miss when the recent requests' cycles committed clearly fewer tokens than a cycle
-  # costs (an explorer still drafts first, every 4th deep start, thinning to every 32nd while
-  # explorers lose, so the acceptance and costs stay current; bp_jax/decoding/start_backoff.py);
-  # False: every request drafts first.
+  # costs (every 4th deep start still drafts first, so the acceptance and costs stay current;
+  # bp_jax/decoding/start_backoff.py); False: every request drafts first.
   c.controller_start_backoff = True
   # priced, with controller_start_backoff: a request decoded alone (batch_size 1) that would start
   # deep runs the plain AR loop instead, with no probing cycle (each costs several AR steps where

@@ -61,12 +61,13 @@ def stop_id(models):
 
 
 def _engine(models, stop_id, batch_size: int, sync_cycles: int = 16, policy=None,
-            policy_sizes=(), **loop) -> Engine:
+            policy_sizes=(), shrink: bool = True, **loop) -> Engine:
   target, drafter = models
   return Engine(target, stop_ids=[stop_id], drafter=drafter,
                 shapes=ShapeOptions(max_len=MAX_LEN, length_buckets=BUCKETS, block_sizes=SIZES),
                 loop=LoopOptions(**loop),
-                batching=BatchOptions(batch_size=batch_size, sync_cycles=sync_cycles),
+                batching=BatchOptions(batch_size=batch_size, sync_cycles=sync_cycles,
+                                      shrink=shrink),
                 policy=policy, policy_sizes=policy_sizes)
 
 
@@ -205,20 +206,27 @@ def test_a_freed_slot_is_refilled_after_the_cycle_that_freed_it(models, stop_id,
 
 
 def test_batched_loops_compile_once_per_bucket_and_batch(models, stop_id):
-  eng = _engine(models, stop_id, 3, sync_cycles=2)
+  """Once per (block size, state size): without `shrink` one size, with it the tail's sizes too
+  (3, 2, 1: `Engine.slot_sizes`), each compiled on its first use only."""
   prompts, max_news = _requests(8, seed=8)
-  for _ in range(2):
+  for shrink in (False, True):
+    eng = _engine(models, stop_id, 3, sync_cycles=2, shrink=shrink)
     eng.generate_batch(prompts, max_new_tokens=max_news, block_size=[1, 4] * 4)
-  counts = eng.compiled.counts
-  assert counts["batch_ar_loop"] == 1 and counts["batch_spec_loop"] == 1
-  assert counts["insert"] == 2  # carries with and without a drafter cache
+    first = dict(eng.compiled.counts)
+    eng.generate_batch(prompts, max_new_tokens=max_news, block_size=[1, 4] * 4)
+    counts = eng.compiled.counts
+    assert dict(counts) == first  # nothing new the second time
+    sizes = len(eng.slot_sizes())
+    assert sizes == (3 if shrink else 1)
+    assert 1 <= counts["batch_ar_loop"] <= sizes and 1 <= counts["batch_spec_loop"] <= sizes
+    assert counts["insert"] == 2  # carries with and without a drafter cache
   assert counts["prefill"] <= len(BUCKETS)
 
 
 def test_batched_loops_update_the_caches_in_place(models, stop_id):
   """As tests/test_spec_decode.py checks for one request: the batched loops (with fallback
   steps) hold no copy of a cache buffer."""
-  eng = _engine(models, stop_id, 2, sync_cycles=2, ar_fallback=4)
+  eng = _engine(models, stop_id, 2, sync_cycles=2, ar_fallback=4, shrink=False)
   prompts, max_news = _requests(3, seed=9)
   eng.generate_batch(prompts, max_new_tokens=max_news, block_size=[1, 4, 4])
   # A cache buffer per layer is k [Z, S, H] / v [Z, H, S] (Z = 2 rows x 2 kv heads, H = 8),
@@ -286,7 +294,8 @@ def test_attention_windows_follow_the_rows_and_change_nothing(models, stop_id, s
   keys = [k for k in long.compiled.counts if k.startswith("batch_")]
   windows = {k[4] for k in long.compiled._fns if k[0].startswith("batch_")}
   assert windows == {128, "all"}  # rows moved from the first window to all slots
-  assert all(long.compiled.counts[k] <= len(window_buckets(256)) for k in keys)
+  assert all(long.compiled.counts[k] <= len(window_buckets(256)) * len(long.slot_sizes())
+             for k in keys)
   hlo = long.compiled._fns[("batch_spec_loop", 4, 3, 2, 128)].as_text()
   cache_shape = re.compile(r"= f32\[([0-9]+,)?6,(256,8|8,256)\]\{[0-9,]*\} copy\(")
   assert not [line for line in hlo.splitlines() if cache_shape.search(line)]
@@ -302,7 +311,8 @@ def test_slot_use_counts_the_idle_slots_of_a_batchs_tail(models, stop_id):
   ticks = iter(range(10 ** 6))
   eng = Engine(target, stop_ids=[stop_id], drafter=drafter,
                shapes=ShapeOptions(max_len=MAX_LEN, length_buckets=BUCKETS, block_sizes=SIZES),
-               batching=BatchOptions(batch_size=2, sync_cycles=4), clock=lambda: next(ticks))
+               batching=BatchOptions(batch_size=2, sync_cycles=4, shrink=False),
+               clock=lambda: next(ticks))
   assert eng.slot_use is None
   prompts, _ = _requests(3, seed=7)
   reqs = [eng.batch_request(i, p, m, seed=i, block_size=1)
@@ -312,3 +322,68 @@ def test_slot_use_counts_the_idle_slots_of_a_batchs_tail(models, stop_id):
     rows.append(sched.step().rows)
   assert eng.slot_use == pytest.approx(sum(rows) / (2 * len(rows)))
   assert 0.5 <= eng.slot_use < 0.8 and rows.count(1) >= 5, rows
+
+
+def _loop_rows(engine) -> list[int]:
+  """The row counts of the batched loop calls `engine` makes from now on (a spy)."""
+  rows, real = [], engine.slots_program
+
+  def spy(block_size, carry, *args, **kw):
+    rows.append(int(carry.pos_B.shape[0]))
+    return real(block_size, carry, *args, **kw)
+
+  engine.slots_program = spy
+  return rows
+
+
+@pytest.mark.parametrize("b", [1, 4])
+def test_a_batchs_tail_runs_in_fewer_slots_and_changes_nothing(models, stop_id, single, b):
+  """`BatchOptions.shrink`: once no request waits, the bucket's last requests move into a state
+  of 2, then 1 slot (`Engine.slot_sizes` of batch 4), each size compiled once with one resize
+  program per change: the same tokens and forwards as without it and as alone, and more of the
+  slot time holds a decoding request."""
+  prompts, max_news = _requests(11)
+  alone = _alone(single, prompts, max_news, [b] * 11)
+  on, off = (_engine(models, stop_id, 4, sync_cycles=3, shrink=s) for s in (True, False))
+  rows_on, rows_off = _loop_rows(on), _loop_rows(off)
+  outs = {e: e.generate_batch(prompts, max_new_tokens=max_news, block_size=b) for e in (on, off)}
+  for e in (on, off):
+    assert [g.output_ids for g in outs[e]] == [g.output_ids for g in alone]
+    assert [g.forward_lengths for g in outs[e]] == [g.forward_lengths for g in alone]
+  assert set(rows_off) == {4} and on.slot_sizes() == (4, 2, 1) and off.slot_sizes() == (4,)
+  assert rows_on[0] == 4 and min(rows_on) < 4 and rows_on == sorted(rows_on, reverse=True)
+  name = "batch_ar_loop" if b == 1 else "batch_spec_loop"
+  assert on.compiled.counts[name] == len(set(rows_on)) and off.compiled.counts[name] == 1
+  resizes = on.compiled.counts["resize"]
+  assert resizes == len(set(rows_on)) - 1 and "resize" not in off.compiled.counts
+  assert on.slot_use > off.slot_use
+  again = on.generate_batch(prompts, max_new_tokens=max_news, block_size=b)
+  assert [g.output_ids for g in again] == [g.output_ids for g in alone]
+  assert on.compiled.counts["resize"] == resizes  # nothing new the second time
+
+
+def test_a_shrunk_bucket_grows_back_when_requests_come(models, stop_id):
+  """A server's scheduler: a long request left alone in its bucket decodes in one slot; requests
+  that arrive later grow the bucket back to batch_size slots around it (its tokens, caches and
+  back-off carried over), and every request gets the tokens it gets alone."""
+  eng = _engine(models, stop_id, 4, sync_cycles=2, ar_fallback=4)
+  prompts, _ = _requests(6, seed=12)
+  max_news = [39, 2, 2, 2, 30, 30]
+  one = _engine(models, stop_id, 1, ar_fallback=4)
+  alone = _alone(one, prompts, max_news, [4] * 6)
+  reqs = [eng.batch_request(i, p, m, seed=i, block_size=4)
+          for i, (p, m) in enumerate(zip(prompts, max_news))]
+  sched, done = eng.scheduler(track_progress=False), {}
+  for req in reqs[:4]:
+    sched.submit(req)
+  while 0 not in done and len(sched.buckets.get(4).rows if 4 in sched.buckets else ()) != 1:
+    done.update(sched.step().finished)
+  assert 0 not in done and len(sched.buckets[4].rows) == 1  # the long request, alone
+  for req in reqs[4:]:
+    sched.submit(req)
+  done.update(sched.step().finished)
+  assert len(sched.buckets[4].rows) == 4
+  while sched.busy():
+    done.update(sched.step().finished)
+  assert [done[i].output_ids for i in range(6)] == [g.output_ids for g in alone]
+  assert ("resize", 1, 4, True, False) in eng.compiled  # grown from one slot back to four

@@ -225,7 +225,8 @@ def test_batched_decode_writes_the_same_records_as_one_at_a_time(cfg):
   assert (s["batch_size"], s["sync_cycles"], s["mesh"]) == (2, 4, "none")
   assert 0 < s["slot_use"] <= 1 and "slot_use" not in s_one  # batched calls only
   assert s["main"]["identical_to_ar"] == s["compare"]["ar"]["identical_to_ar"] == len(PROMPTS)
-  assert s["compilations_by_function"]["batch_ar_loop"] == 1
+  # one per state size: the batch's 2 slots and its tail's 1 (`--config.shrink_batches`)
+  assert s["shrink_batches"] is True and s["compilations_by_function"]["batch_ar_loop"] <= 2
   with open(cfg.output) as f:
     assert len(f.readlines()) == len(PROMPTS)
 

@@ -266,7 +266,8 @@ def test_batched_path_follows_dearer_cycles(models, requests, ar_outputs):
     assert [g.output_ids for g in gens] == ar_outputs
   by_rows = eng.cost_estimate["by_batch_size"]  # online_costs=True: batched calls update it
   assert eng.cost_estimate["online"] is True
-  assert set(by_rows) == {"3"} and by_rows["3"]["calls"] > 20
+  # The batch's tails ran in 2 and 1 slots (`BatchOptions.shrink`): their own estimates.
+  assert set(by_rows) <= {"1", "2", "3"} and by_rows["3"]["calls"] > 20
 
 
 def test_real_clock_outputs_stay_ar_and_off_keeps_the_start_up_costs(models, requests,

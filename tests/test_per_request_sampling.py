@@ -78,6 +78,9 @@ def test_per_row_stop_ids_and_no_compilation_for_new_values(models):
   # A row's own stop id (its second token): its first occurrence stops the row.
   stops = [[g.output_ids[1]] if len(g.output_ids) > 2 else [] for g in first]
   assert sum(bool(s) for s in stops) >= 3
+  # Every program a batch may take (its tail's sizes and windows too: rows that stop elsewhere
+  # shrink the batch at other calls), so that only new values could compile anything.
+  eng.precompile([4], all_windows=True)
   compiled = dict(eng.compiled.counts)
   with BackendCompiles() as c:
     again = eng.generate_batch(prompts, max_new_tokens=max_news, block_size=4, seeds=1,

@@ -177,7 +177,8 @@ def test_priced_is_labelled_as_backoff():
 def test_start_backoff_starts_deep_after_losing_requests_and_explores():
   """Before enough cycles, or when the recent cycles paid, a request drafts first; after
   requests whose cycles committed below 0.8 x the price, it starts with the cap's AR steps and
-  the misses after which one more backs off the whole cap; every 4th request drafts first."""
+  the misses after which one more backs off the whole cap; every 4th such request explores
+  (drafts first), whether explorers paid or not."""
   from bp_jax.decoding.start_backoff import StartBackoff
   starts = StartBackoff()
   assert starts.tau() is None and starts.start(4.0, 16) == (0, 0)  # nothing seen yet
@@ -185,25 +186,10 @@ def test_start_backoff_starts_deep_after_losing_requests_and_explores():
     starts.observe([2, 1, 3])  # 2 tokens per cycle
   starts.observe([])  # a request without cycles counts for nothing
   assert starts.tau() == pytest.approx(2.0)
-  seen = [starts.start(4.0, 16) for _ in range(4)]  # 2 < 0.8 x 4: deep, but the 4th explores
-  # A deep start waits the cap (16 here), never more: the loop keeps room for that many AR
-  # steps' pending drafter context.
-  assert seen == [(4, 16)] * 3 + [(0, 0)]
-  # Explorers that lose thin out: the next one 8 deep starts later, then 16, then every 32nd.
-  starts.observe([2, 1])  # the explorer's cycles: 1.5 tokens each, below 0.8 x 4
-  explored = []
-  for i in range(8 + 16 + 32 + 32):
-    if starts.start(4.0, 16) == (0, 0):
-      explored.append(i)
-      starts.observe([2, 1])  # the explorer's cycles: 1.5 tokens each, below 0.8 x 4
-  assert explored == [7, 23, 55, 87]
-  assert starts.start(4.0, 16) == (4, 16)
-  # An explorer whose cycles paid brings them back to every 4th.
-  while starts.start(4.0, 16) != (0, 0):
-    pass
-  starts.observe([5])
-  assert [starts.start(4.0, 16) for _ in range(4)] == [(4, 16)] * 3 + [(0, 0)]
-  starts.observe([1])
+  # 2 < 0.8 x 4: deep, the 4th explores. A deep start waits the cap (16 here), never more: the
+  # loop keeps room for that many AR steps' pending drafter context.
+  seen = [starts.start(4.0, 16) for _ in range(12)]
+  assert seen == ([(4, 16)] * 3 + [(0, 0)]) * 3
   assert int(control.backoff_steps(jnp.asarray(4 + 1), 16)) == 16  # the next miss: the cap
   assert all(starts.start(4.0, 16, rows=3) == (4, 16) for _ in range(8))  # a batch's: no explorer
   assert starts.start(2.4, 64) == (0, 0)  # 2 >= 0.8 x 2.4: drafting pays about even
@@ -265,8 +251,8 @@ def test_requests_start_deep_where_drafting_loses_and_stay_lossless(models, ar_o
 def test_a_request_alone_that_would_start_deep_decodes_plain(models, ar_outputs):
   """start_plain (the default): where the recent requests' drafting lost (dearest costs), a
   request alone that would start deep runs the plain AR loop: no drafter pass, its forwards AR
-  steps (not τ = 1 cycles), its bucket kept, AR's very tokens; every 4th request still drafts, so
-  τ stays current. Without start_plain no request runs plain and more drafter passes run."""
+  steps (not τ = 1 cycles), its bucket kept, AR's very tokens; every 4th deep start still
+  drafts first, so τ stays current. Without start_plain no request runs plain and more drafter passes run."""
   prompts, max_news = _requests(6)
   runs = {}
   for plain in (True, False):
@@ -308,5 +294,7 @@ def test_batched_rows_start_deep_where_drafting_loses(models, ar_outputs):
       assert [g.output_ids for g in outs] == ar_outputs
       assert not any(g.plain_start for g in outs)  # a batch's rows share its loop
     passes[on] = sum(g.drafter_passes for g in outs)
-    assert eng.compiled.counts["insert"] == 1 and eng.compiled.counts["batch_spec_loop"] == 1
+    # One loop per state size (the batch's tail runs in fewer slots, `Engine.slot_sizes`).
+    assert eng.compiled.counts["insert"] == 1
+    assert eng.compiled.counts["batch_spec_loop"] <= len(eng.slot_sizes())
   assert passes[True] < passes[False], passes

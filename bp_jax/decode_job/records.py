@@ -195,7 +195,9 @@ def print_summary(s: dict) -> None:
               lengths_line(s["verify_lengths_chosen"]["lengths"]))]
             if spec and s.get("verify_lengths_chosen", {}).get("lengths") else []),
           *([("slot time holding a decoding row", f"{s['slot_use']:.1%} (batched calls; "
-              "idle slots cost as much as busy ones)")] if s.get("slot_use") is not None else []),
+              "idle slots cost as much as busy ones" + (
+                  "; a batch's tail ran in fewer slots)" if s.get("shrink_batches")
+                  else ")"))] if s.get("slot_use") is not None else []),
           ("compilations", f"{s['compilations']} {s['compilations_by_function']}"),
           ("compile time (s)", f"{s['compile_s']} ({s['compile_cache_hits']} of "
                                f"{s['compilations']} loaded from the compile cache)"),

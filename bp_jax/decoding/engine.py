@@ -73,6 +73,7 @@ class Engine:
                           f"max_position_embeddings={target.cfg.max_position_embeddings}")
     max_len = shapes.max_len
     self.batch_size, self.sync_cycles = batching.batch_size, batching.sync_cycles
+    self.shrink = batching.shrink and batching.batch_size > 1
     self.cfg = target.cfg
     self.max_len = max_len
     self.length_buckets = shapes.length_buckets or default_length_buckets(max_len)
@@ -301,7 +302,8 @@ class Engine:
     """Whether a request decoded alone whose `request_start` is deep (`start_backoff`) runs the
     plain AR loop instead (`LoopOptions.start_plain`): the recent requests' cycles committed
     clearly fewer tokens than a cycle costs, so it takes no probing cycle at all (each costs
-    several AR steps where drafting loses); the explorers (`StartBackoff.start`) still draft. Never for the tests' forced drafts (they test the speculative loop)."""
+    several AR steps where drafting loses); the explorers (`StartBackoff.start`) still draft.
+    Never for the tests' forced drafts (they test the speculative loop)."""
     return block_size > 1 and start[1] > 0 and not forced and self.may_start_plain
 
   def request_done(self, gen: Generation) -> None:
@@ -323,7 +325,9 @@ class Engine:
     the attention windows that requests of these lengths (prompt + max_new_tokens) take
     (`request_window`; none given: the loops over all slots). `all_windows` (batched): the
     batched loops for every attention window a call may pick (`programs.window_buckets`), each
-    also run once (its warm-up), so that no request compiles anything: a server's start-up."""
+    also run once (its warm-up), and every change of a bucket's size (`resize_program`), so
+    that no request compiles anything: a server's start-up. With `BatchOptions.shrink` the
+    batched loops are compiled for every size of `slot_sizes`."""
     key, z, sp = jax.random.key(0), jnp.int32(1), sampling_params()
     if policy and self.p_graph is None:
       raise BadInputError("precompile(policy=True) on an engine without a policy")
@@ -335,16 +339,22 @@ class Engine:
     if self.batch_size > 1:
       for b in block_sizes:
         self.check_block_size(b)
-        # Shapes suffice on one device; on a mesh the placements count too.
-        carry = (self.slot_carry(b) if self.mesh is not None else
-                 jax.eval_shape(lambda: self.slot_carry(b)))
-        args = ((self.t_state,) if b == 1 else (self.t_state, self.d_state)) + (
-            carry, self._stop_arr)
-        self.programs.batched_loop(b, self.batch_size, self.sync_cycles, None, args)
-        if all_windows and self.sync_cycles > 0:
-          for w in window_buckets(self.max_len):
-            idle = self.slot_carry(b)
-            self.slots_program(b, idle, max_pos=max(0, w - b * (1 + self.sync_cycles // 2)))
+        for rows in self.slot_sizes():  # the batch's, then its tail's (`BatchOptions.shrink`)
+          # Shapes suffice on one device; on a mesh the placements count too.
+          carry = (self.slot_carry(b, rows=rows) if self.mesh is not None else
+                   jax.eval_shape(lambda: self.slot_carry(b, rows=rows)))
+          args = ((self.t_state,) if b == 1 else (self.t_state, self.d_state)) + (
+              carry, self._stop_arr)
+          self.programs.batched_loop(b, rows, self.sync_cycles, None, args)
+          if not all_windows:
+            continue
+          if self.sync_cycles > 0:
+            for w in window_buckets(self.max_len):
+              idle = self.slot_carry(b, rows=rows)
+              self.slots_program(b, idle, max_pos=max(0, w - b * (1 + self.sync_cycles // 2)))
+          for size in self.slot_sizes():  # shrinking to any smaller size, growing back to B
+            if size < rows or (size == self.batch_size and rows < size):
+              self.resize_program(carry, [], size)
       return self.compiled.summary()
     pre = decode_loops.PrefillOut(z, self.cache, self.draft_cache, None, None)
     for b in block_sizes:
@@ -519,23 +529,50 @@ class Engine:
     (`Scheduler.submit` / `step` / `cancel`; a server's engine thread)."""
     return Scheduler(self, track_progress=track_progress)
 
-  def slot_carry(self, block_size: int, forced: bool = False) -> LoopState:
-    """A batched loop state of `batch_size` empty slots for a bucket (fresh buffers)."""
-    cache, draft_cache = self._new_caches(self.batch_size)
+  def slot_carry(self, block_size: int, forced: bool = False,
+                 rows: int | None = None) -> LoopState:
+    """A batched loop state of `rows` (None: `batch_size`) empty slots for a bucket (fresh
+    buffers)."""
+    rows = self.batch_size if rows is None else rows
+    cache, draft_cache = self._new_caches(rows)
     if not self.scan_layers:  # the form the loops carry (see `loops._loop_cache`)
       cache = cache.per_layer()
       draft_cache = None if draft_cache is None else draft_cache.per_layer()
     cache, draft_cache = (shard_cache(c, self.mesh) for c in (cache, draft_cache))
     if block_size == 1:
       draft_cache = None
-    seq = jnp.zeros((self.batch_size, self.max_len), jnp.int32)
+    seq = jnp.zeros((rows, self.max_len), jnp.int32)
     forced_seq = jnp.full_like(seq, -1) if forced else None
-    state = LoopState.empty(seq, cache, draft_cache, forced_seq, max(self.block_sizes),
-                            self.break_even_N(block_size, self.batch_size))
+    return self._placed(LoopState.empty(seq, cache, draft_cache, forced_seq,
+                                        max(self.block_sizes), self.break_even_N(block_size, rows)))
+
+  def _placed(self, state: LoopState) -> LoopState:
+    """A batched state's rows on the mesh's `data` axis (when the batch divides it), its caches
+    by `cache_sharding` (its caches already are; no mesh: as it is)."""
     if self.mesh is None:
       return state
-    # Rows on the mesh's `data` axis (when the batch divides it), caches by `cache_sharding`.
+    state = state.replace(cache=shard_cache(state.cache, self.mesh),
+                          draft_cache=shard_cache(state.draft_cache, self.mesh))
     return state.map_rows(lambda x: shard_batch(x, self.mesh))
+
+  def slot_sizes(self) -> tuple[int, ...]:
+    """The row counts a bucket's state may have: `batch_size`, then halving (rounded up) to 1
+    while `shrink` is on (`BatchOptions.shrink`); `batch_size` alone otherwise."""
+    sizes = [self.batch_size]
+    while self.shrink and sizes[-1] > 1:
+      sizes.append(-(-sizes[-1] // 2))
+    return tuple(sizes)
+
+  def resize_program(self, carry: LoopState, rows: Sequence[int], size: int) -> tuple:
+    """(compiled resize, its arguments): calling it returns a state of `size` slots whose slot
+    i holds `carry`'s slot rows[i] (i < len(rows)), the rest empty (`LoopState.take_rows`): a
+    bucket shrunk to the requests it holds, or grown back. Copies those requests' caches once;
+    `carry` is not donated (its buffers are freed when the caller drops it)."""
+    src = np.zeros((size,), np.int32)
+    src[:len(rows)] = rows
+    args = (carry, jnp.asarray(src), jnp.asarray(np.arange(size) < len(rows)))
+    fn = self.programs.resize(args)
+    return (lambda *a: self._placed(fn(*a))), args
 
   def staging_buffers(self) -> tuple:
     """Fresh one-sequence caches a request is prefilled into before it takes a slot (the
@@ -598,10 +635,9 @@ class Engine:
     args = states + (carry, self._stop_arr)
     window = (None if max_pos is None else
               window_for(max_pos, block_size, self.sync_cycles, self.max_len, ar_steps))
-    fn = self.programs.batched_loop(block_size, self.batch_size, self.sync_cycles, window, args,
-                                    forced)
-    key = self.programs.batched_loop_key(block_size, self.batch_size, self.sync_cycles, window,
-                                         forced)
+    rows = int(carry.pos_B.shape[0])
+    fn = self.programs.batched_loop(block_size, rows, self.sync_cycles, window, args, forced)
+    key = self.programs.batched_loop_key(block_size, rows, self.sync_cycles, window, forced)
     if key not in self.programs.warmup_seconds:
       idle = carry.replace(max_new_B=jnp.zeros_like(carry.max_new_B))
       self.programs.warm_batched(key, fn, states + (idle, self._stop_arr))

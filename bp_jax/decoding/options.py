@@ -63,13 +63,19 @@ class ShapeOptions:
 class BatchOptions:
   """batch_size: slots per block-size bucket (1: one request at a time, the one-request loops);
   sync_cycles: target forwards (cycles; the priced controller's AR steps count one each)
-  between the host's refills of finished slots (0: a batch runs until all its rows finish)."""
+  between the host's refills of finished slots (0: a batch runs until all its rows finish);
+  shrink: a bucket whose requests no other request waits for (a batch's tail) runs a loop of
+  fewer slots, the fewest of batch_size, ceil(batch_size / 2), ..., 1 that holds its
+  requests, and grows back to batch_size when requests come for it (`Scheduler`): a step
+  costs the same with idle slots, so a tail of 2 requests in 8 slots paid for 8."""
   batch_size: int = 1
   sync_cycles: int = 16
+  shrink: bool = True
 
   def __post_init__(self):
     check_batching(self.batch_size, self.sync_cycles, prefix="")
-    _set(self, batch_size=int(self.batch_size), sync_cycles=int(self.sync_cycles))
+    _set(self, batch_size=int(self.batch_size), sync_cycles=int(self.sync_cycles),
+         shrink=bool(self.shrink))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -146,6 +146,15 @@ class LoopPrograms:
     return self.cache.get(key, loops.make_insert, args, donate_argnums=(0,),
                           out_shardings=_placements_of(s))
 
+  def resize(self, args: tuple):
+    """The compiled change of a batched state's row count (`LoopState.take_rows`), for
+    (state, rows_R, keep_R): one compilation per (rows before, rows after) and state form."""
+    s, rows_R = args[0], args[1]
+    key = ("resize", s.seq_BS.shape[0], rows_R.shape[0], s.draft_cache is not None,
+           s.forced_BS is not None)
+    return self.cache.get(key, lambda: lambda state, rows, keep: state.take_rows(rows, keep),
+                          args)
+
   def warm_batched(self, key: tuple, fn, args: tuple) -> None:
     """Runs a batched loop once, untimed, on a copy of an idle carry (no row decodes: the first
     run's fixed cost, not a decode), the first time the loop is used."""

@@ -19,6 +19,13 @@ Each block size in use (a bucket) has a batched loop state of `batch_size` slots
 4. reads back which rows finished (stop token or max_new_tokens), turns each into its
    `Generation` and frees its slot; then goes back to 1.
 
+A bucket that no request waits for (a batch's tail) moves its requests into a state of fewer
+slots before its call (`BatchOptions.shrink`: the fewest of `Engine.slot_sizes`, batch_size
+halving to 1, that holds them; `LoopState.take_rows`, one copy of their caches), so its loop
+computes the rows it has rather than all batch_size; it grows back to batch_size when requests
+come for it. A step of a batched loop costs the same with idle slots: without this, the last 2
+requests of a batch of 8 paid for 8 rows until they ended.
+
 So a long request never holds a batch hostage: the others' slots are refilled around it after the
 cycle that freed them (when requests wait; at most `sync_cycles` forwards otherwise). Every row
 decodes at its own position with its own seed key and its own sampling settings and stop ids
@@ -127,6 +134,17 @@ class _Bucket:
   def free_rows(self) -> list[int]:
     return [i for i, r in enumerate(self.rows) if r is None]
 
+  def resize(self, engine, size: int) -> float:
+    """Moves this bucket's requests into a state of `size` slots (`Engine.resize_program`),
+    first slots first; returns the seconds it took."""
+    held = [i for i, r in enumerate(self.rows) if r is not None]
+    fn, args = engine.resize_program(self.carry, held, size)
+    t0 = time.perf_counter()
+    self.carry = fn(*args)
+    jax.block_until_ready(self.carry.pos_B)
+    self.rows = [self.rows[i] for i in held] + [None] * (size - len(held))
+    return time.perf_counter() - t0
+
   def live(self) -> int:
     return sum(r is not None for r in self.rows)
 
@@ -170,7 +188,34 @@ class Scheduler:
   def _may_prefill(self, req: BatchRequest) -> bool:
     if isinstance(req.block_size, str):  # learned: the bucket is known after the prefill
       return self._waiting() < self.engine.batch_size
-    return len(self._bucket(req.block_size).free_rows()) > len(self.ready[req.block_size])
+    bucket = self._bucket(req.block_size)  # its room at full size (a shrunk one grows back)
+    return self.engine.batch_size - bucket.live() > len(self.ready[req.block_size])
+
+  def _grow_wanted(self) -> None:
+    """Grows each shrunk bucket that has fewer free slots than requests ready for it back to
+    `batch_size` slots (its requests keep their tokens, caches and state)."""
+    for b, waiting in self.ready.items():
+      bucket = self._bucket(b)
+      if waiting and len(bucket.free_rows()) < len(waiting) and (
+          len(bucket.rows) < self.engine.batch_size):
+        secs = bucket.resize(self.engine, self.engine.batch_size)
+        self._share(bucket, secs)
+
+  def _shrink_tail(self, b: int, bucket: _Bucket) -> None:
+    """A bucket that no request waits for runs in the fewest slots that hold its requests
+    (`Engine.slot_sizes`): in a batch's tail its loop computes only the rows it has."""
+    if not self.engine.shrink or self._wanted(b):
+      return
+    size = min(n for n in self.engine.slot_sizes() if n >= bucket.live())
+    if size < len(bucket.rows):
+      self._share(bucket, bucket.resize(self.engine, size))
+
+  @staticmethod
+  def _share(bucket: _Bucket, secs: float) -> None:
+    """A resize's seconds, split among the bucket's requests as a loop call's are."""
+    held = [r for r in bucket.rows if r is not None]
+    for staged in held:
+      staged.decode_s += secs / len(held)
 
   def _prefill_some(self) -> None:
     while self.queue and self._may_prefill(self.queue[0]):
@@ -193,7 +238,7 @@ class Scheduler:
         staged = waiting.popleft()
         fn, args = self.engine.insert_program(
             bucket.carry, row, staged.req, staged.pre,
-            start=self.engine.request_start(b, self.engine.batch_size))
+            start=self.engine.request_start(b, len(bucket.rows)))
         t0 = time.perf_counter()
         bucket.carry = fn(*args)
         jax.block_until_ready(bucket.carry.pos_B)
@@ -205,13 +250,15 @@ class Scheduler:
   def _run_one(self) -> None:
     b, bucket = max(((b, k) for b, k in self.buckets.items() if k.live()),
                     key=lambda bk: (bk[1].live(), -bk[0]))
+    self._shrink_tail(b, bucket)
+    rows = len(bucket.rows)
     c = bucket.carry
     n_gen, done, max_new, pos, wait = jax.device_get((c.n_gen_B, c.done_B, c.max_new_B,
                                                       c.pos_B, c.wait_B))
     decoding = [i for i, r in enumerate(bucket.rows)
                 if r is not None and not done[i] and n_gen[i] < max_new[i]]
     if decoding:
-      bucket.priced(self.engine.break_even_N(b, self.engine.batch_size))
+      bucket.priced(self.engine.break_even_N(b, rows))
       # Requests wait for a slot (this bucket's, or a learned one's whose bucket is not known
       # yet): the call returns when a row finishes, so its slot is refilled at once.
       bucket.refill_on_finish(len(decoding) if self._wanted(b) else 0)
@@ -222,7 +269,7 @@ class Scheduler:
       bucket.carry = fn(*args)
       jax.block_until_ready(bucket.carry.pos_B)
       counted_N = np.asarray(jax.device_get(bucket.carry.forward_counts_N))
-      secs = self.engine.loop_ran(t0, counted_N - bucket.counted_N, self.engine.batch_size, b,
+      secs = self.engine.loop_ran(t0, counted_N - bucket.counted_N, rows, b,
                                   decoding=len(decoding))
       bucket.counted_N = counted_N
       share = secs / len(decoding)
@@ -322,6 +369,7 @@ class Scheduler:
     its finished rows."""
     self._report = StepReport()
     self._prefill_some()
+    self._grow_wanted()
     self._insert_ready()
     if any(k.live() for k in self.buckets.values()):
       self._run_one()

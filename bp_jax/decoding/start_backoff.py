@@ -7,10 +7,10 @@ worth. A new request is likely to draft about as well as the requests just befor
 their cycles committed clearly fewer tokens than a cycle costs, the next request starts deep in
 the back-off: the cap's AR steps first (the most one run of them may hold: the loop keeps room
 for that many steps' drafter context, `loops.CONTEXT_CHUNK`), then a probing cycle, after which
-each miss backs off the whole cap. The `explore_every`-th deep start still starts drafting, so
-that the acceptance and the online prices (which learn a cycle's price from calls that run
-cycles) stay current; while the explorers themselves lose, they thin out (4, 8, 16, then every
-`explore_max`-th: 32 deep starts apart), and one that pays brings them back to every 4th.
+each miss backs off the whole cap. The `explore_every`-th deep start is an explorer: it drafts
+first, backing off 2, 4, 8, ... AR steps as any request does, so that the acceptance and the
+online prices (which learn a cycle's price from calls that run cycles) stay current, and a
+price that falls is seen within `explore_every` requests.
 
 A request decoded alone that would start deep runs the plain AR loop instead
 (`LoopOptions.start_plain`, `Engine.starts_plain`): no probing cycle at all, where each costs
@@ -34,9 +34,7 @@ class StartBackoff:
 
   window: requests whose cycles count; min_cycles: cycles needed before any deep start;
   explore_every: while requests start deep, the explore_every-th such request decoded alone
-  starts drafting regardless (an explorer); an explorer whose own cycles committed below
-  `margin` x the price doubles the gap to the next, up to explore_max, one whose cycles paid
-  (or a start that is not deep) brings it back to explore_every;
+  drafts first regardless (an explorer);
   batch_explores: requests taking a batch's slot explore too (False: a batch's periodic
   probes, one cycle for all its rows every cap steps, keep τ current, and an exploring row made
   the whole batch run a cycle on entering it); margin: a deep start needs the recent committed
@@ -44,29 +42,18 @@ class StartBackoff:
   window: int = 8
   min_cycles: int = 8
   explore_every: int = 4
-  explore_max: int = 32
   batch_explores: bool = False
   margin: float = 0.8
   _recent: collections.deque = dataclasses.field(init=False)
   _deep: int = dataclasses.field(default=0, init=False)   # deep starts since the last explorer
-  _gap: int = dataclasses.field(default=0, init=False)    # deep starts before the next explorer
-  # The price an explorer started under, until its cycles come back (`observe`); None: none out.
-  _exploring: float | None = dataclasses.field(default=None, init=False)
 
   def __post_init__(self):
     self._recent = collections.deque(maxlen=self.window)
-    self._gap = self.explore_every
 
   def observe(self, acceptance_lengths: Sequence[int]) -> None:
     """One finished request's committed tokens per cycle (`Generation.acceptance_lengths`)."""
     if len(acceptance_lengths):
       self._recent.append((int(sum(acceptance_lengths)), len(acceptance_lengths)))
-    if self._exploring is not None:  # an explorer's own cycles: did drafting pay this time?
-      committed, cycles = int(sum(acceptance_lengths)), len(acceptance_lengths)
-      lost = cycles and committed < self.margin * self._exploring * cycles
-      self._gap = (min(2 * self._gap, max(self.explore_max, self.explore_every)) if lost
-                   else self.explore_every)
-      self._exploring = None
 
   def tau(self) -> float | None:
     """Committed tokens per cycle over the recent requests' cycles (None: too few cycles)."""
@@ -79,19 +66,20 @@ class StartBackoff:
     steps: never more, the loop's room for pending drafter context) when the recent cycles
     committed below `margin` x `break_even` tokens and this request does not explore.
 
-    Explorers thin out while they keep losing (4, 8, 16, 32 deep starts apart): each drafts a
-    whole request where the others decode plain, and at T = 1 on the demo one in four
-    exploring cost the default ~7% at batch 1 (0.914x AR over every repeat, against 0.988x
-    thinned; `/tmp/s31/statab.py`). An explorer that pays brings them back to every 4th: at
-    T = 0 a deep spell is the mistake, and thinning the explorers regardless kept it (0.963x
-    the every-4th rule)."""
+    Explorers cost: at batch 1, T = 1 on the demo each drafts a request where the others
+    decode plain (0.939x AR against 0.991x with explorers thinned to one in 32 while they
+    lost). Two cheaper explorers were tried and dropped (docs/results/controller.md): thinned
+    ones left a price that fell unseen for up to 32 requests, and explorers that probe once
+    and then back off the cap feed the online prices calls of one cycle among ~35 AR steps,
+    which cannot tell a cheaper cycle from a cheaper AR step (in tests/test_online_costs.py's
+    price drop the break-even rose, 4.2 to 4.6, where the cycle's price had fallen to 1.2)."""
     tau = self.tau()
     if tau is None or tau >= self.margin * break_even:
-      self._deep, self._gap = 0, self.explore_every
+      self._deep = 0
       return 0, 0
     self._deep += 1
-    if (rows == 1 or self.batch_explores) and self._deep >= self._gap:
-      self._deep, self._exploring = 0, float(break_even)
+    if (rows == 1 or self.batch_explores) and self._deep >= self.explore_every:
+      self._deep = 0
       return 0, 0
     cap = max(int(cap), 1)
     return cap.bit_length() - 1, cap

@@ -153,6 +153,21 @@ class LoopState:
     out = jax.tree.map(fn, self.replace(cache=None, draft_cache=None))
     return out.replace(cache=caches[0], draft_cache=caches[1])
 
+  def take_rows(self, rows_R: jax.Array, keep_R: jax.Array) -> "LoopState":
+    """A state of R rows: row i is a copy of this state's row `rows_R[i]` (tokens, caches,
+    records, sampling settings, seed key, back-off) where `keep_R[i]`, an empty slot
+    (max_new 0) where not. The batch-wide fields (forward counts, `min_active`, break-even)
+    stay as they are. How the scheduler shrinks a bucket's state to the requests it still
+    decodes, or grows it back (`Scheduler`)."""
+    shared = dict(cache=None, draft_cache=None, forward_counts_N=None, min_active=None,
+                  break_even_N=None, pending_BPX=None)
+    out = jax.tree.map(lambda x: x[rows_R], self.replace(**shared))
+    return out.replace(
+        max_new_B=jnp.where(keep_R, out.max_new_B, 0), cache=self.cache.take_rows(rows_R),
+        draft_cache=None if self.draft_cache is None else self.draft_cache.take_rows(rows_R),
+        forward_counts_N=self.forward_counts_N, min_active=self.min_active,
+        break_even_N=self.break_even_N)
+
   # -- read by the loops --------------------------------------------------------------------
   def active_B(self) -> jax.Array:
     """[B] bool: rows still decoding (not stopped, below their max_new_tokens)."""

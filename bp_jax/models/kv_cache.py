@@ -90,6 +90,19 @@ class KVCache:
       k, v = put(self.k, src_k), put(self.v, src_v)
     return self.replace(k=k, v=v, lengths=self.lengths.at[row].set(src.lengths[0]))
 
+  def take_rows(self, rows_R: jax.Array) -> "KVCache":
+    """A cache of R sequences, sequence i a copy of this cache's sequence `rows_R[i]` (entries
+    and pointer): a batch's state shrunk to the rows it still decodes, or grown back. Copies
+    the R sequences once; either cache form."""
+    B = self.lengths.shape[0]
+    heads = self.k[0].shape[0] // B if self.is_per_layer else self.k.shape[1] // B
+    z_Z = (rows_R[:, None] * heads + jnp.arange(heads)[None]).reshape(-1)
+    axis = 0 if self.is_per_layer else 1
+    take = lambda x: jnp.take(x, z_Z, axis=axis)
+    k, v = ((tuple(map(take, self.k)), tuple(map(take, self.v))) if self.is_per_layer
+            else (take(self.k), take(self.v)))
+    return self.replace(k=k, v=v, lengths=self.lengths[rows_R])
+
   def with_lengths(self, lengths: jax.Array) -> "KVCache":
     return self.replace(lengths=jnp.asarray(lengths, jnp.int32))
 
