@@ -238,3 +238,12 @@ def test_bad_batch_flags_are_refused_before_loading(cfg, field, value, flag):
   with pytest.raises(BadInputError, match=flag):
     run_decode.run(cfg)
   assert not os.path.exists(os.path.dirname(cfg.output))
+
+
+def test_shrink_batches_must_be_a_bool():
+  """A config that is not a typed ConfigDict (whose bool field refuses other values itself)."""
+  from bp_jax.decode_job.block_choice import batch_options
+  assert batch_options({"batch_size": 4})["shrink"] is True
+  assert batch_options({"batch_size": 4, "shrink_batches": False})["shrink"] is False
+  with pytest.raises(BadInputError, match="--config.shrink_batches='yes'"):
+    batch_options({"shrink_batches": "yes"})
