@@ -140,6 +140,7 @@ def test_static_batching_gives_the_same_outputs(models, stop_id, single):
   assert ([g.output_ids for g in static.generate_batch(prompts, max_new_tokens=max_news,
                                                         block_size=4)]
           == [g.output_ids for g in alone])
+  assert static.slot_sizes() == (4,)  # one call runs the batch to its end: no tail to shrink
 
 
 def test_learned_policy_in_batches(models, stop_id, single):

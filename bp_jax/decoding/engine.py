@@ -73,7 +73,8 @@ class Engine:
                           f"max_position_embeddings={target.cfg.max_position_embeddings}")
     max_len = shapes.max_len
     self.batch_size, self.sync_cycles = batching.batch_size, batching.sync_cycles
-    self.shrink = batching.shrink and batching.batch_size > 1
+    # Static batching (sync_cycles 0) runs a batch to its end in one call: no tail to shrink.
+    self.shrink = batching.shrink and batching.batch_size > 1 and batching.sync_cycles > 0
     self.cfg = target.cfg
     self.max_len = max_len
     self.length_buckets = shapes.length_buckets or default_length_buckets(max_len)

@@ -67,7 +67,8 @@ class BatchOptions:
   shrink: a bucket whose requests no other request waits for (a batch's tail) runs a loop of
   fewer slots, the fewest of batch_size, ceil(batch_size / 2), ..., 1 that holds its
   requests, and grows back to batch_size when requests come for it (`Scheduler`): a step
-  costs the same with idle slots, so a tail of 2 requests in 8 slots paid for 8."""
+  costs the same with idle slots, so a tail of 2 requests in 8 slots paid for 8. No effect
+  with sync_cycles 0 (a static batch runs to its end in one call)."""
   batch_size: int = 1
   sync_cycles: int = 16
   shrink: bool = True
