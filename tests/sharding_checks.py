@@ -73,7 +73,7 @@ def decode_all(target, drafter, mesh, spec_decode: bool) -> dict:
   # Batched decoding: 8 slots, so the rows divide data:8 and data:4.
   many = Engine(target, drafter=drafter, mesh=mesh,
                 shapes=ShapeOptions(max_len=64, length_buckets=(32,), block_sizes=(1, 4)),
-                batching=BatchOptions(batch_size=8, sync_cycles=3))
+                batching=BatchOptions(batch_size=8, sync_cycles=3, shrink=False))
   prompts = list(PROMPTS) + [[(3 * i + j) % (V - 2) + 1 for j in range(5 + i)] for i in range(7)]
   max_news = [MAX_NEW - 2 * i for i in range(len(prompts))]
   for b, name in ((1, "batch_ar"), (4, "batch_spec")):
@@ -92,6 +92,15 @@ def decode_all(target, drafter, mesh, spec_decode: bool) -> dict:
     out["d_k_proj"] = spec_of(eng.d_state["layers"]["k_proj"][...])
     out["cache_k"] = spec_of(eng.cache.k)
     out["draft_cache_k"] = spec_of(eng.draft_cache.k)
+  if spec_decode:  # the single device and data:4,model:2
+    # A batch's tail in fewer slots (`BatchOptions.shrink`): 4 slots, then 2 and 1, which data:4
+    # does not divide: those states' rows are replicated, their caches' kv heads still on model.
+    tail = Engine(target, drafter=drafter, mesh=mesh,
+                  shapes=ShapeOptions(max_len=64, length_buckets=(32,), block_sizes=(1, 4)),
+                  batching=BatchOptions(batch_size=4, sync_cycles=2))
+    out["tail_spec"] = [g.output_ids for g in tail.generate_batch(
+        prompts[:6], max_new_tokens=max_news[:6], block_size=4)]
+    out["tail_compiled"] = tail.compiled.summary()["by_function"]
   return out
 
 

@@ -282,7 +282,7 @@ def test_attention_windows_follow_the_rows_and_change_nothing(models, stop_id, s
   long = Engine(target, stop_ids=[stop_id], drafter=drafter,
                 shapes=ShapeOptions(max_len=256, length_buckets=BUCKETS, block_sizes=SIZES),
                 loop=LoopOptions(ar_fallback=4),
-                batching=BatchOptions(batch_size=3, sync_cycles=2))
+                batching=BatchOptions(batch_size=3, sync_cycles=2, shrink=False))
   long_single = Engine(target, stop_ids=[stop_id], drafter=drafter,
                        shapes=ShapeOptions(max_len=256, length_buckets=BUCKETS, block_sizes=SIZES),
                        loop=LoopOptions(ar_fallback=4))
@@ -295,8 +295,7 @@ def test_attention_windows_follow_the_rows_and_change_nothing(models, stop_id, s
   keys = [k for k in long.compiled.counts if k.startswith("batch_")]
   windows = {k[4] for k in long.compiled._fns if k[0].startswith("batch_")}
   assert windows == {128, "all"}  # rows moved from the first window to all slots
-  assert all(long.compiled.counts[k] <= len(window_buckets(256)) * len(long.slot_sizes())
-             for k in keys)
+  assert all(long.compiled.counts[k] <= len(window_buckets(256)) for k in keys)
   hlo = long.compiled._fns[("batch_spec_loop", 4, 3, 2, 128)].as_text()
   cache_shape = re.compile(r"= f32\[([0-9]+,)?6,(256,8|8,256)\]\{[0-9,]*\} copy\(")
   assert not [line for line in hlo.splitlines() if cache_shape.search(line)]
