@@ -539,7 +539,6 @@ class Engine:
     if not self.scan_layers:  # the form the loops carry (see `loops._loop_cache`)
       cache = cache.per_layer()
       draft_cache = None if draft_cache is None else draft_cache.per_layer()
-    cache, draft_cache = (shard_cache(c, self.mesh) for c in (cache, draft_cache))
     if block_size == 1:
       draft_cache = None
     seq = jnp.zeros((rows, self.max_len), jnp.int32)
@@ -549,7 +548,7 @@ class Engine:
 
   def _placed(self, state: LoopState) -> LoopState:
     """A batched state's rows on the mesh's `data` axis (when the batch divides it), its caches
-    by `cache_sharding` (its caches already are; no mesh: as it is)."""
+    by `cache_sharding` (no mesh: as it is)."""
     if self.mesh is None:
       return state
     state = state.replace(cache=shard_cache(state.cache, self.mesh),

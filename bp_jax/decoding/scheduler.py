@@ -134,16 +134,18 @@ class _Bucket:
   def free_rows(self) -> list[int]:
     return [i for i, r in enumerate(self.rows) if r is None]
 
-  def resize(self, engine, size: int) -> float:
+  def resize(self, engine, size: int) -> None:
     """Moves this bucket's requests into a state of `size` slots (`Engine.resize_program`),
-    first slots first; returns the seconds it took."""
+    first slots first; its seconds are split among them as a loop call's are."""
     held = [i for i, r in enumerate(self.rows) if r is not None]
     fn, args = engine.resize_program(self.carry, held, size)
     t0 = time.perf_counter()
     self.carry = fn(*args)
     jax.block_until_ready(self.carry.pos_B)
+    share = (time.perf_counter() - t0) / max(len(held), 1)
     self.rows = [self.rows[i] for i in held] + [None] * (size - len(held))
-    return time.perf_counter() - t0
+    for staged in self.rows[:len(held)]:
+      staged.decode_s += share
 
   def live(self) -> int:
     return sum(r is not None for r in self.rows)
@@ -198,8 +200,7 @@ class Scheduler:
       bucket = self._bucket(b)
       if waiting and len(bucket.free_rows()) < len(waiting) and (
           len(bucket.rows) < self.engine.batch_size):
-        secs = bucket.resize(self.engine, self.engine.batch_size)
-        self._share(bucket, secs)
+        bucket.resize(self.engine, self.engine.batch_size)
 
   def _shrink_tail(self, b: int, bucket: _Bucket) -> None:
     """A bucket that no request waits for runs in the fewest slots that hold its requests
@@ -208,14 +209,7 @@ class Scheduler:
       return
     size = min(n for n in self.engine.slot_sizes() if n >= bucket.live())
     if size < len(bucket.rows):
-      self._share(bucket, bucket.resize(self.engine, size))
-
-  @staticmethod
-  def _share(bucket: _Bucket, secs: float) -> None:
-    """A resize's seconds, split among the bucket's requests as a loop call's are."""
-    held = [r for r in bucket.rows if r is not None]
-    for staged in held:
-      staged.decode_s += secs / len(held)
+      bucket.resize(self.engine, size)
 
   def _prefill_some(self) -> None:
     while self.queue and self._may_prefill(self.queue[0]):
