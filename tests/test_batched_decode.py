@@ -61,7 +61,9 @@ def stop_id(models):
 
 
 def _engine(models, stop_id, batch_size: int, sync_cycles: int = 16, policy=None,
-            policy_sizes=(), shrink: bool = True, **loop) -> Engine:
+            policy_sizes=(), shrink: bool = False, **loop) -> Engine:
+  """A test engine; its batches compute all `batch_size` slots to the end unless `shrink`
+  (the tail tests ask for it: each further slot size compiles its own loops)."""
   target, drafter = models
   return Engine(target, stop_ids=[stop_id], drafter=drafter,
                 shapes=ShapeOptions(max_len=MAX_LEN, length_buckets=BUCKETS, block_sizes=SIZES),
@@ -227,7 +229,7 @@ def test_batched_loops_compile_once_per_bucket_and_batch(models, stop_id):
 def test_batched_loops_update_the_caches_in_place(models, stop_id):
   """As tests/test_spec_decode.py checks for one request: the batched loops (with fallback
   steps) hold no copy of a cache buffer."""
-  eng = _engine(models, stop_id, 2, sync_cycles=2, ar_fallback=4, shrink=False)
+  eng = _engine(models, stop_id, 2, sync_cycles=2, ar_fallback=4)
   prompts, max_news = _requests(3, seed=9)
   eng.generate_batch(prompts, max_new_tokens=max_news, block_size=[1, 4, 4])
   # A cache buffer per layer is k [Z, S, H] / v [Z, H, S] (Z = 2 rows x 2 kv heads, H = 8),
@@ -366,7 +368,7 @@ def test_a_shrunk_bucket_grows_back_when_requests_come(models, stop_id):
   """A server's scheduler: a long request left alone in its bucket decodes in one slot; requests
   that arrive later grow the bucket back to batch_size slots around it (its tokens, caches and
   back-off carried over), and every request gets the tokens it gets alone."""
-  eng = _engine(models, stop_id, 4, sync_cycles=2, ar_fallback=4)
+  eng = _engine(models, stop_id, 4, sync_cycles=2, ar_fallback=4, shrink=True)
   prompts, _ = _requests(6, seed=12)
   max_news = [39, 2, 2, 2, 30, 30]
   one = _engine(models, stop_id, 1, ar_fallback=4)

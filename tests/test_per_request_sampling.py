@@ -32,14 +32,15 @@ def models():
   return zeros_drafter_pair(V)
 
 
-def _engine(models, batch_size: int, verify: str = "exact") -> Engine:
+def _engine(models, batch_size: int, verify: str = "exact", shrink: bool = False) -> Engine:
   """With `exact`, AR fallback steps too (a row's tokens do not depend on when it steps); with
-  `rejection` at T > 0 they would (the batch's schedule is not the row's own), so none."""
+  `rejection` at T > 0 they would (the batch's schedule is not the row's own), so none. Its
+  batches compute all slots unless `shrink` (each further slot size compiles its own loops)."""
   target, drafter = models
   return Engine(target, stop_ids=[V - 1], drafter=drafter,
                 shapes=ShapeOptions(max_len=MAX_LEN, length_buckets=BUCKETS, block_sizes=(1, 4)),
                 loop=LoopOptions(verify=verify, ar_fallback=4 if verify == "exact" else 0),
-                batching=BatchOptions(batch_size=batch_size, sync_cycles=3))
+                batching=BatchOptions(batch_size=batch_size, sync_cycles=3, shrink=shrink))
 
 
 def _requests(num: int, seed: int):
@@ -71,7 +72,7 @@ def test_rows_with_their_own_settings_equal_their_request_alone(models, verify, 
 
 
 def test_per_row_stop_ids_and_no_compilation_for_new_values(models):
-  eng = _engine(models, 3)
+  eng = _engine(models, 3, shrink=True)
   prompts, max_news = _requests(len(SETTINGS), seed=12)
   first = eng.generate_batch(prompts, max_new_tokens=max_news, block_size=4, seeds=1,
                              **_columns(SETTINGS))
@@ -132,7 +133,8 @@ def test_a_request_with_nonfinite_logits_fails_alone(models):
   prompts[0] = prompts[0] + [bad]
   eng = Engine(_poisoned(target, bad), stop_ids=[V - 1], drafter=drafter,
                shapes=ShapeOptions(max_len=MAX_LEN, length_buckets=BUCKETS, block_sizes=(4,)),
-               loop=LoopOptions(ar_fallback=4), batching=BatchOptions(batch_size=3, sync_cycles=3))
+               loop=LoopOptions(ar_fallback=4),
+               batching=BatchOptions(batch_size=3, sync_cycles=3, shrink=False))
   sched = eng.scheduler()
   for i, (p, m) in enumerate(zip(prompts, max_news)):
     sched.submit(eng.batch_request(i, p, m, 0, 4))

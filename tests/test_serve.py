@@ -48,7 +48,10 @@ def server(tmp_path_factory):
   proc = subprocess.Popen(
       [sys.executable, "serve.py", "--port", str(port), "--batch_size", "4",
        "--max_body_bytes", str(BODY_LIMIT), f"--config.max_len={MAX_LEN}",
-       "--config.length_buckets=32,64,128", "--config.sync_cycles=2", "--config.verify=exact"],
+       "--config.length_buckets=32,64,128", "--config.sync_cycles=2", "--config.verify=exact",
+       # Its warm-up compiles every program a request may take: with tails in fewer slots, each
+       # slot size and resize too (tests/test_per_request_sampling.py checks that warm-up).
+       "--config.shrink_batches=false"],
       cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
   base = f"http://127.0.0.1:{port}"
   deadline = time.time() + 600
