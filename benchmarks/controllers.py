@@ -33,6 +33,10 @@ Methods (`--methods`, comma-separated):
   priced_long       priced whose misses back off up to --long_ar_fallback AR steps (2, 4, ...,
                     64 by default) instead of --ar_fallback: fewer probing cycles where
                     drafting keeps losing;
+  priced_default_noplain
+                    priced_default whose deep starts stay in the speculative loop
+                    (`start_plain=False`): in a batch, the default's requests that would start
+                    deep take the plain AR bucket instead (`Scheduler`);
   ar_full, priced_default_full
                     ar and priced_default whose batched calls always compute all --batch_size
                     slots (`BatchOptions.shrink=False`); the others run a batch's tail in
@@ -94,7 +98,7 @@ from bp_jax.errors import BadInputError
 
 METHODS = ("ar", "none", "backoff", "confidence_1step", "confidence", "confidence_poor",
            "confidence_cal", "confidence_cal_poor", "priced", "priced_online", "priced_long",
-           "priced_default", "ar_full", "priced_default_full")
+           "priced_default", "priced_default_noplain", "ar_full", "priced_default_full")
 
 common.define_flags("target", "drafter", "dtype", "max_len", "max_new_tokens", "block_size",
                     num_prompts=24, repeats=3,
@@ -174,6 +178,9 @@ def engine_options(method: str, costs: dict) -> dict:
           "priced_default": dict(controller="priced", ar_fallback=FLAGS.ar_fallback,
                                  priced_cap=FLAGS.priced_cap, online_costs=True,
                                  start_backoff=True, start_plain=FLAGS.start_plain, **fb),
+          "priced_default_noplain": dict(controller="priced", ar_fallback=FLAGS.ar_fallback,
+                                         priced_cap=FLAGS.priced_cap, online_costs=True,
+                                         start_backoff=True, start_plain=False, **fb),
           }[method]}
 
 
@@ -284,7 +291,7 @@ def intervals(groups: dict[str, list[list[Generation]]], methods: list[str],
   pairs = [(m, "ar") for m in methods if m != "ar"]
   for a, b in (("priced", "backoff"), ("priced_online", "priced"), ("priced_long", "priced"),
                ("priced_default", "priced_online"), ("priced_default", "priced_default_full"),
-               ("priced_default_full", "ar_full")):
+               ("priced_default_full", "ar_full"), ("priced_default", "priced_default_noplain")):
     if a in methods and b in methods:
       pairs.append((a, b))
   out = {}

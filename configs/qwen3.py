@@ -180,9 +180,11 @@ def get_config() -> ml_collections.ConfigDict:
   # costs (every 4th deep start still drafts first, so the acceptance and costs stay current;
   # bp_jax/decoding/start_backoff.py); False: every request drafts first.
   c.controller_start_backoff = True
-  # priced, with controller_start_backoff: a request decoded alone (batch_size 1) that would start
-  # deep runs the plain AR loop instead, with no probing cycle (each costs several AR steps where
-  # drafting loses; the explorers still draft); False: the deep start's AR steps, then probes.
+  # priced, with controller_start_backoff: a request that would start deep runs the plain AR loop
+  # instead, with no probing cycle (each costs several AR steps where drafting loses; the
+  # explorers still draft): alone the AR loop, in a batch a slot of the plain AR bucket (the
+  # speculative loop's AR steps stage the drafter's context and cost more); False: the deep
+  # start's AR steps in the speculative loop, then probes.
   c.controller_start_plain = True
   # priced: at most this many AR steps in a row after misses (0: ar_fallback, 64 when that is 0
   # too). Its own cap, so that ar_fallback can stay the back-off label sets were measured under.

@@ -42,6 +42,29 @@ def _counts(n_ar: int, n_cycle: int) -> list[int]:
 
 
 # -- the estimator ------------------------------------------------------------------------------
+def test_the_plain_loops_steps_price_a_batchs_start():
+  """A batch's start weighs a cycle against the plain AR loop's step (`start_break_even`): the
+  speculative loop's own break-even until plain calls are seen at that batch size, then the
+  cycle's seconds over the plain step's (here 5 ms against 1.25 ms: 4 plain steps, where the
+  speculative loop's dearer AR steps make it 5 / 2 = 2.5). Plain calls without steps or time
+  teach nothing; each batch size keeps its own."""
+  est = OnlineCosts(lambda n: 3.0)
+  for n_ar, n_cycle in _calls(12):
+    est.observe(2 * AR_S * n_ar + 5 * AR_S * n_cycle, _counts(n_ar, n_cycle), rows=8)
+  assert est.plain_step_s(8) is None
+  assert est.break_even(N, 8) == pytest.approx(2.5, rel=0.02)
+  assert est.start_break_even(N, 8) == pytest.approx(est.break_even(N, 8))
+  assert not est.observe_plain(0.0, 16, rows=8) and not est.observe_plain(0.02, 0, rows=8)
+  for _ in range(3):
+    assert est.observe_plain(16 * 1.25 * AR_S, 16, rows=8)
+  assert est.plain_step_s(8) == pytest.approx(1.25 * AR_S)
+  assert est.start_break_even(N, 8) == pytest.approx(4.0, rel=0.02)
+  assert est.plain_step_s(4) is None and est.start_break_even(N, 4) == pytest.approx(3.0)
+  e = est.estimate(8).to_json()
+  assert e["plain_step_s"] == pytest.approx(1.25 * AR_S)
+  assert e["start_break_even"][str(N)] == pytest.approx(4.0, rel=0.02)
+
+
 def test_recovers_known_costs_and_follows_a_step_change():
   est = OnlineCosts(lambda n: 3.0)
   assert est.break_even(N, rows=1) == pytest.approx(3.0)  # the prior before any call
@@ -193,11 +216,11 @@ class FakeClock:
     return sum(self.prices.get(n, 0.0) * c for n, c in self.engine.forwards_run.items())
 
 
-def _engine(models, clock: FakeClock, batch_size: int = 1):
+def _engine(models, clock: FakeClock, batch_size: int = 1, shrink: bool = False):
   # start_plain=False: requests that start deep stay in the speculative loop, whose calls these
   # tests follow (a plain start's AR loop: tests/test_priced.py).
   eng = toy_engine(models, "priced", batch_size=batch_size, sync_cycles=2, online_costs=True,
-                   start_plain=False, **CHEAP)
+                   start_plain=False, shrink=shrink, **CHEAP)
   eng.clock = clock
   clock.engine = eng
   return eng
@@ -248,7 +271,7 @@ def test_batched_path_follows_dearer_cycles(models, requests, ar_outputs):
   call (2 cycles each here) and feeds the estimate after it: dearer cycles raise the
   break-even and the rows take more AR steps; one compiled batched loop throughout."""
   clock = FakeClock(1.2)
-  eng = _engine(models, clock, batch_size=3)
+  eng = _engine(models, clock, batch_size=3, shrink=True)
   prompts, max_news = requests
   run = lambda: eng.generate_batch(prompts, max_new_tokens=max_news, block_size=B)
   assert [g.output_ids for g in run()] == ar_outputs
@@ -267,7 +290,7 @@ def test_batched_path_follows_dearer_cycles(models, requests, ar_outputs):
   by_rows = eng.cost_estimate["by_batch_size"]  # online_costs=True: batched calls update it
   assert eng.cost_estimate["online"] is True
   # The batch's tails ran in 2 and 1 slots (`BatchOptions.shrink`): their own estimates.
-  assert set(by_rows) <= {"1", "2", "3"} and by_rows["3"]["calls"] > 20
+  assert set(by_rows) <= {"1", "2", "3"} and len(by_rows) > 1 and by_rows["3"]["calls"] > 20
 
 
 def test_real_clock_outputs_stay_ar_and_off_keeps_the_start_up_costs(models, requests,
@@ -314,3 +337,9 @@ def test_the_summary_shows_the_online_estimate(models, requests):
   batched = {"online": True,
              "by_batch_size": {"4": {"calls": 0, "break_even": {}, "ar_step_s": None}}}
   assert rec.online_line(batched) == "; online (0 calls, batch 4): no cycle yet"
+  plain = {"online": True, "by_batch_size": {"8": {
+      "calls": 3, "break_even": {"8": 4.0}, "ar_step_s": 0.004, "plain_step_s": 0.0036,
+      "start_break_even": {"8": 5.5}}}}
+  assert rec.online_line(plain) == (
+      "; online (3 calls, batch 8): a cycle over 8 tokens costs 4.00 AR steps (4.000 ms per AR "
+      "step), plain AR loop 3.600 ms per step (a cycle: 5.50 of them)")

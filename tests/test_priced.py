@@ -202,6 +202,27 @@ def test_start_backoff_starts_deep_after_losing_requests_and_explores():
   assert [starts.start(4.0, 16) for _ in range(4)] == [(4, 16)] * 3 + [(0, 0)]
 
 
+def test_a_batchs_start_weighs_the_plain_price_with_runs_of_explorers():
+  """`batch_plain` (a batch's deep start decodes in the plain AR bucket): a request drafts when
+  the recent τ reaches 1.2 x the cycle's price in plain steps; the last run of `rows` requests
+  in every 8 takes the other side: drafting where the rule says plain, plain where it says
+  draft unless drafting is decisive (τ >= 2 x the price: no plain explorers); one request alone
+  keeps its own rule."""
+  from bp_jax.decoding.start_backoff import StartBackoff
+  starts = StartBackoff(batch_plain=True)
+  deep, draft = (4, 16), (0, 0)
+  first = [starts.start(4.0, 16, rows=2) for _ in range(16)]
+  assert first == [draft] * 14 + [deep] * 2  # no τ yet: draft; the 8th run of 2 plain
+  for _ in range(4):
+    starts.observe([4, 5])  # τ 4.5
+  runs = lambda price: [starts.start(price, 16, rows=2) for _ in range(16)]
+  assert runs(4.0) == [deep] * 14 + [draft] * 2  # 4.5 < 1.2 x 4: plain, explorers draft
+  assert runs(3.5) == [draft] * 14 + [deep] * 2  # 4.5 >= 1.2 x 3.5: draft, explorers plain
+  assert runs(2.0) == [draft] * 16               # 4.5 >= 2 x 2: decisive, no plain explorers
+  # Alone, its own rule: deep below 0.8 x the price (4.5 >= 0.8 x 4; 4.5 < 0.8 x 6).
+  assert starts.start(4.0, 16) == draft and starts.start(6.0, 16) == deep
+
+
 def test_a_batch_miss_backs_every_row_off_to_the_deepest_level():
   """priced's miss is the batch's: its rows back off as one, to the deepest decoding row's
   misses + 1 (a row that had just started drafting no longer asks for 2, 4, 8, ... steps and a
@@ -273,10 +294,17 @@ def test_a_request_alone_that_would_start_deep_decodes_plain(models, ar_outputs)
 
 
 def test_precompile_includes_the_plain_loop_a_start_may_take(models):
-  """A one-request engine that may start requests plain compiles the AR loop with its buckets,
-  so that no plain start compiles mid-run; without start_plain it does not."""
+  """An engine that may start requests plain compiles the AR loop with its buckets (a batched
+  one: the plain bucket's batched loop), so that no plain start compiles mid-run; without
+  start_plain it does not."""
   for plain, want in ((True, {"spec_loop": 1, "ar_loop": 1}), (False, {"spec_loop": 1})):
     eng = _engine(models, start_plain=plain, **DEAREST)
+    by_function = eng.precompile([B], length_buckets=(16,))["by_function"]
+    assert {k: v for k, v in by_function.items() if k != "prefill"} == want, by_function
+  # A batch's plain starts take the plain AR bucket: its batched loop too.
+  for plain, want in ((True, {"batch_spec_loop": 1, "batch_ar_loop": 1}),
+                      (False, {"batch_spec_loop": 1})):
+    eng = _engine(models, batch_size=3, start_plain=plain, **DEAREST)
     by_function = eng.precompile([B], length_buckets=(16,))["by_function"]
     assert {k: v for k, v in by_function.items() if k != "prefill"} == want, by_function
 
@@ -284,17 +312,46 @@ def test_precompile_includes_the_plain_loop_a_start_may_take(models):
 def test_batched_rows_start_deep_where_drafting_loses(models, ar_outputs):
   """A request taking a batch's slot starts where the requests before it say (as one request
   alone does): under the dearest costs later rows start with AR steps, fewer drafter passes
-  than with every row drafting first, the same tokens, one insertion and one loop program."""
+  than with every row drafting first, the same tokens, one insertion and one loop program.
+  (start_plain=False: the deep start's AR steps run in the speculative loop.)"""
   prompts, max_news = _requests(6)
   passes = {}
   for on in (True, False):
-    eng = _engine(models, batch_size=3, start_backoff=on, **DEAREST)
+    eng = _engine(models, batch_size=3, start_backoff=on, start_plain=False, **DEAREST)
     for _ in range(3):
       outs = eng.generate_batch(prompts, max_new_tokens=max_news, block_size=B)
       assert [g.output_ids for g in outs] == ar_outputs
-      assert not any(g.plain_start for g in outs)  # a batch's rows share its loop
+      assert not any(g.plain_start for g in outs)
     passes[on] = sum(g.drafter_passes for g in outs)
-    # One loop per state size (the batch's tail runs in fewer slots, `Engine.slot_sizes`).
-    assert eng.compiled.counts["insert"] == 1
-    assert eng.compiled.counts["batch_spec_loop"] <= len(eng.slot_sizes())
+    assert eng.compiled.counts["insert"] == 1 and eng.compiled.counts["batch_spec_loop"] == 1
+    assert "batch_ar_loop" not in eng.compiled.counts
   assert passes[True] < passes[False], passes
+
+
+@pytest.mark.parametrize("costs", ["dearest", "cheap"])
+def test_batched_requests_that_would_start_deep_decode_in_the_plain_bucket(models, ar_outputs,
+                                                                           costs):
+  """start_plain (the default) in a batch of 3: where drafting loses (the dearest costs) a
+  request that would start deep takes a slot of the plain AR bucket: no drafter pass, its
+  forwards AR steps, its block size kept, AR's very tokens. Explorers come in runs of the batch
+  size: the 8th run of 3 requests (starts 22-24) drafts. Where drafting pays at least twice its
+  price (cheap costs, an accelerator's) no request decodes plain, explorers included (their
+  other side elsewhere: test_a_batchs_start_weighs_the_plain_price_with_runs_of_explorers)."""
+  prompts, max_news = _requests(6)
+  eng = _engine(models, batch_size=3, **(DEAREST if costs == "dearest" else CHEAP))
+  gens = []
+  for _ in range(5):
+    outs = eng.generate_batch(prompts, max_new_tokens=max_news, block_size=B)
+    assert [g.output_ids for g in outs] == ar_outputs
+    gens += outs
+  plain = [g.plain_start for g in gens]
+  if costs == "dearest":
+    assert all(plain[6:21]) and not any(plain[21:24]) and all(plain[24:]), plain
+  else:
+    assert eng.starts.tau() >= 2 * 1.2 and not any(plain), plain
+  for g in gens:
+    assert g.block_size == B
+    if g.plain_start:
+      assert (g.drafter_passes, g.cycles) == (0, 0) and g.ar_steps == g.target_forwards
+  assert eng.compiled.counts["batch_spec_loop"] >= 1
+  assert ("batch_ar_loop" in eng.compiled.counts) == (costs == "dearest")

@@ -155,8 +155,12 @@ def online_line(online: dict | None) -> str:
   for rows, e in online["by_batch_size"].items():
     evens = ", ".join(f"a cycle over {n} tokens costs {b:.2f}" for n, b in e["break_even"].items())
     ar = f" ({1e3 * e['ar_step_s']:.3f} ms per AR step)" if e["ar_step_s"] else ""
+    # A batch's plain AR bucket: its step, and a cycle's price in its steps (the start rule's).
+    plain = (f", plain AR loop {1e3 * e['plain_step_s']:.3f} ms per step (a cycle: "
+             + ", ".join(f"{b:.2f}" for b in e["start_break_even"].values()) + " of them)"
+             if e.get("plain_step_s") and e.get("start_break_even") else "")
     parts.append(f"online ({e['calls']} calls, batch {rows}): "
-                 f"{evens + ' AR steps' if evens else 'no cycle yet'}{ar}")
+                 f"{evens + ' AR steps' if evens else 'no cycle yet'}{ar}{plain}")
   return "; " + "; ".join(parts)
 
 

@@ -106,8 +106,8 @@ class Engine:
     self.slot_seconds = self.decoding_slot_seconds = 0.0
     self.prices, self.online = self._online_prices(self.programs.options)
     # Where a request starts the priced back-off (alone or in a batch's slot): `start_backoff`.
-    self.starts = (StartBackoff() if self.prices is not None and self.loop_options.start_backoff
-                   else None)
+    self.starts = (StartBackoff(batch_plain=self.loop_options.start_plain)
+                   if self.prices is not None and self.loop_options.start_backoff else None)
     self.p_graph = self.p_state = self.policy_key = None
     self.policy_sizes: tuple[int, ...] = ()
     self.mesh = mesh
@@ -175,13 +175,16 @@ class Engine:
     between calls, one such call, slower than the calls before, priced the AR step above what
     the older calls' cycles and AR steps together took, their cycles near zero: the
     break-even fell to its floor of 1 and the next requests drafted every cycle (batch 1,
-    T = 1, /tmp/s30/fit.py)."""
+    T = 1, /tmp/s30/fit.py). A batched call of the plain AR loop is priced apart
+    (`OnlineCosts.observe_plain`): what a batch's request that does not draft costs."""
     counts_N = np.asarray(counts_N)
     for n in np.flatnonzero(counts_N):
       self.forwards_run[int(n)] += int(counts_N[n])
     secs = self.clock() - t0
     if block_size > 1 and self.online:
       self.prices.observe(secs, counts_N, rows)
+    elif decoding is not None and self.online and self.prices is not None:
+      self.prices.observe_plain(secs, int(counts_N[0]), rows)  # the plain bucket's calls
     if decoding is not None:
       self.slot_seconds += secs * rows
       self.decoding_slot_seconds += secs * decoding
@@ -290,7 +293,10 @@ class Engine:
     with (`start_backoff`; (0, 0): it drafts first)."""
     if self.starts is None or block_size == 1:
       return 0, 0
-    break_even = float(self.break_even_N(block_size, rows)[block_size])
+    if rows > 1 and self.may_start_plain:  # drafting or the plain bucket (`starts_plain`)
+      break_even = self.prices.start_break_even(block_size, rows)
+    else:
+      break_even = float(self.break_even_N(block_size, rows)[block_size])
     return self.starts.start(break_even, self.ar_fallback, rows)
 
   @property
@@ -300,11 +306,13 @@ class Engine:
     return self.starts is not None and self.loop_options.start_plain
 
   def starts_plain(self, block_size: int, start: tuple[int, int], forced: bool = False) -> bool:
-    """Whether a request decoded alone whose `request_start` is deep (`start_backoff`) runs the
-    plain AR loop instead (`LoopOptions.start_plain`): the recent requests' cycles committed
-    clearly fewer tokens than a cycle costs, so it takes no probing cycle at all (each costs
-    several AR steps where drafting loses); the explorers (`StartBackoff.start`) still draft.
-    Never for the tests' forced drafts (they test the speculative loop)."""
+    """Whether a request whose `request_start` is deep (`start_backoff`) runs the plain AR loop
+    instead (`LoopOptions.start_plain`): alone, the recent requests' cycles committed clearly
+    fewer tokens than a cycle costs, so it takes no probing cycle at all (each costs several AR
+    steps where drafting loses); in a batch, fewer than a cycle costs in the plain loop's steps,
+    and it takes a slot of the plain AR bucket (`Scheduler`). The explorers
+    (`StartBackoff.start`) still draft. Never for the tests' forced drafts (they test the
+    speculative loop)."""
     return block_size > 1 and start[1] > 0 and not forced and self.may_start_plain
 
   def request_done(self, gen: Generation) -> None:
@@ -337,9 +345,13 @@ class Engine:
         self._prefill(jnp.zeros((1, P), jnp.int32), z, key, sp)
       if policy:
         self._prefill(jnp.zeros((1, P), jnp.int32), z, key, sp, with_policy=True)
+    for b in block_sizes:
+      self.check_block_size(b)
+    # A request that would start deep may run the plain AR loop (`starts_plain`), a bucket or not.
+    plain = ((1,) if 1 not in block_sizes and any(b > 1 for b in block_sizes)
+             and self.may_start_plain else ())
     if self.batch_size > 1:
-      for b in block_sizes:
-        self.check_block_size(b)
+      for b in tuple(block_sizes) + plain:
         for rows in self.slot_sizes():  # the batch's, then its tail's (`BatchOptions.shrink`)
           # Shapes suffice on one device; on a mesh the placements count too.
           carry = (self.slot_carry(b, rows=rows) if self.mesh is not None else
@@ -358,11 +370,6 @@ class Engine:
               self.resize_program(carry, [], size)
       return self.compiled.summary()
     pre = decode_loops.PrefillOut(z, self.cache, self.draft_cache, None, None)
-    for b in block_sizes:
-      self.check_block_size(b)
-    # A request that would start deep may run the plain AR loop (`starts_plain`), a bucket or not.
-    plain = ((1,) if 1 not in block_sizes and any(b > 1 for b in block_sizes)
-             and self.may_start_plain else ())
     for b in tuple(block_sizes) + plain:
       windows = [request_window(n + b, self.max_len) for n in request_lengths] or [None]
       for window in dict.fromkeys(windows):

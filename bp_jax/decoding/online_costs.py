@@ -78,17 +78,23 @@ def _check_floor(value: float, name: str) -> float:
 class CostEstimate:
   """One batch size's current estimate: seconds per AR step and per cycle of each verify length
   n seen (None before any observation: only the prior's ratios are known), each cycle's
-  break-even in AR steps (the priced controller's threshold) and the calls it has seen."""
+  break-even in AR steps (the priced controller's threshold) and the calls it has seen; the
+  plain AR loop's seconds per step at this batch size (None: none timed) and what a new
+  request weighs drafting against (`OnlineCosts.start_break_even`)."""
   rows: int
   calls: int
   ar_step_s: float | None
   cycle_s: dict[int, float]
   break_even: dict[int, float]
+  plain_step_s: float | None = None
+  start_break_even: dict[int, float] = dataclasses.field(default_factory=dict)
 
   def to_json(self) -> dict:
     return {"rows": self.rows, "calls": self.calls, "ar_step_s": self.ar_step_s,
             "cycle_s": {str(n): s for n, s in self.cycle_s.items()},
-            "break_even": {str(n): round(b, 4) for n, b in self.break_even.items()}}
+            "break_even": {str(n): round(b, 4) for n, b in self.break_even.items()},
+            "plain_step_s": self.plain_step_s,
+            "start_break_even": {str(n): round(b, 4) for n, b in self.start_break_even.items()}}
 
 
 class _Fit:
@@ -228,6 +234,9 @@ class OnlineCosts:
       raise BadInputError(f"restart_calls={restart_calls!r}: expected a whole number >= 1")
     self.restart_calls = int(restart_calls)
     self._fits: dict[int, _Fit] = {}
+    # Per batch size: the plain AR loop's seconds and steps, each older call forgotten as in
+    # the fits (`observe_plain`).
+    self._plain: dict[int, tuple[float, float]] = {}
 
   def clip(self, n: int, break_even: float, rows: int = 1) -> float:
     """`break_even` of a cycle verifying n tokens within [min_break_even (and the floor of
@@ -264,6 +273,34 @@ class OnlineCosts:
                                 self.restart_error, self.restart_calls)
     return True
 
+  def observe_plain(self, seconds: float, steps: int, rows: int) -> bool:
+    """Takes one call of the plain AR loop (no drafter) of `rows` slots: its wall `seconds` over
+    `steps` AR steps. Kept apart from the speculative loop's fit, whose AR steps also stage the
+    drafter's context and cost more (a batch of 8 on the demo's CPU: 4.3 ms against 3.6 ms):
+    it prices the plain loop a batch's request may decode in (`start_break_even`). False
+    (nothing learned) for a call without steps or without a positive finite time."""
+    seconds = float(seconds)
+    if steps <= 0 or not math.isfinite(seconds) or seconds <= 0:
+      return False
+    secs, n = self._plain.get(int(rows), (0.0, 0.0))
+    self._plain[int(rows)] = (self.forget * secs + seconds, self.forget * n + int(steps))
+    return True
+
+  def plain_step_s(self, rows: int) -> float | None:
+    """Seconds per step of the plain AR loop at batch size `rows` (None: no call seen)."""
+    secs, n = self._plain.get(int(rows), (0.0, 0.0))
+    return secs / n if n > 0 else None
+
+  def start_break_even(self, n: int, rows: int) -> float:
+    """What a batch's new request weighs drafting against: a cycle verifying n tokens in steps
+    of the plain AR loop at batch size `rows` (a request that does not draft decodes there),
+    clipped as `break_even`; the speculative loop's own `break_even` until both that loop's
+    cycles and the plain loop's steps have been timed at this batch size."""
+    fit, plain = self._fit(int(rows)), self.plain_step_s(rows)
+    if plain is None or fit.theta is None or n not in fit.lengths:
+      return self.break_even(n, rows)
+    return self.clip(n, float(fit.theta[fit.lengths.index(n)]) / plain, int(rows))
+
   def break_even(self, n: int, rows: int) -> float:
     """The cost of a cycle verifying n tokens (n - 1 drafts, a drafter pass) in AR steps at
     batch size `rows`: the current fit, or the prior before the calls tell it."""
@@ -283,8 +320,10 @@ class OnlineCosts:
     return CostEstimate(
         rows=int(rows), calls=fit.calls, ar_step_s=float(th[0]) if known else None,
         cycle_s=({n: float(th[fit.lengths.index(n)]) for n in cycle_lengths} if known else {}),
-        break_even={n: self.break_even(n, rows) for n in cycle_lengths})
+        break_even={n: self.break_even(n, rows) for n in cycle_lengths},
+        plain_step_s=self.plain_step_s(rows),
+        start_break_even={n: self.start_break_even(n, rows) for n in cycle_lengths})
 
   def estimates(self) -> list[CostEstimate]:
-    """Every batch size's estimate that has seen a call or been asked for."""
-    return [self.estimate(rows) for rows in sorted(self._fits)]
+    """Every batch size's estimate that has seen a call (of either loop) or been asked for."""
+    return [self.estimate(rows) for rows in sorted(set(self._fits) | set(self._plain))]

@@ -105,10 +105,12 @@ class LoopOptions:
       the recent requests' cycles committed clearly fewer tokens than a cycle costs, every 4th
       request still starting with a cycle (`start_backoff.StartBackoff`); False: every
       request drafts first. Host-side only (runtime scalars of the loop state).
-    start_plain: with `start_backoff`, a request decoded alone (not in a batch's slot) that
-      would start deep runs the plain AR loop instead, with no probing cycle
-      (`Engine.starts_plain`); False: it takes the cap's AR steps in the speculative loop and
-      then probes.
+    start_plain: with `start_backoff`, a request that would start deep runs the plain AR loop
+      instead, with no probing cycle (`Engine.starts_plain`): alone, the one-request AR loop;
+      in a batch, a slot of the plain AR bucket, where drafting is weighed against the plain
+      loop's measured step (`OnlineCosts.start_break_even`) and runs of explorers keep both
+      sides measured (`start_backoff.StartBackoff`). False: it takes the cap's AR steps in the
+      speculative loop and then probes.
     ar_fallback: at most this many AR steps in a row after poor cycles (0: none; `confidence`:
       16, `priced`: 64).
     priced_cap: `priced`: at most this many AR steps in a row after misses (0: `ar_fallback`,

@@ -19,6 +19,15 @@ Each block size in use (a bucket) has a batched loop state of `batch_size` slots
 4. reads back which rows finished (stop token or max_new_tokens), turns each into its
    `Generation` and frees its slot; then goes back to 1.
 
+With the priced controller's plain starts (`LoopOptions.start_plain`), a request whose start
+would be deep (recent requests' cycles committed fewer tokens than a cycle costs in steps of the
+plain loop at this batch size, `Engine.request_start`) takes a slot of the plain AR bucket
+(block size 1) instead of its own: its `Generation` keeps its block size and says
+`plain_start`. Where drafting loses, a batch's requests then decode at the plain loop's speed,
+not in the speculative loop's AR steps (which stage the drafter's context: ~1.2x the plain
+loop's step on the demo's CPU); runs of explorers keep both sides measured
+(`start_backoff.StartBackoff`).
+
 A bucket that no request waits for (a batch's tail) moves its requests into a state of fewer
 slots before its call (`BatchOptions.shrink`: the fewest of `Engine.slot_sizes`, batch_size
 halving to 1, that holds them; `LoopState.take_rows`, one copy of their caches), so its loop
@@ -90,15 +99,24 @@ class StepReport:
   seconds: float = 0.0            # the loop call's wall time
 
 
+@dataclasses.dataclass(frozen=True)
+class _Route:
+  """Where a request decodes: the bucket (its block size, or 1: a plain start,
+  `Engine.starts_plain`) and the (misses, AR steps) it starts with there."""
+  bucket: int
+  start: tuple[int, int] = (0, 0)
+
+
 @dataclasses.dataclass
 class _Staged:
   """A prefilled request (its staging caches hold the prompt) waiting for a slot."""
   req: BatchRequest
   pre: Any                 # loops.PrefillOut
-  block_size: int
+  block_size: int          # its block size (fixed or learned): what its Generation reports
   prefill_s: float
   probs: list[float] | None
   decode_s: float = 0.0
+  route: _Route | None = None  # set once its block size is known (`Scheduler._route`)
 
 
 class _Bucket:
@@ -170,6 +188,9 @@ class Scheduler:
     self.results: dict[int, Generation] = {}
     self.pool: list[tuple] = []  # free staging cache pairs
     self._report = StepReport()
+    # Queued requests of a fixed block size whose route was decided (`_route`; id -> route):
+    # the prefill's room check and the insertion use the same one.
+    self._routes: dict[int, _Route] = {}
 
   # -- the steps ----------------------------------------------------------------------------
   def _bucket(self, block_size: int) -> _Bucket:
@@ -181,17 +202,38 @@ class Scheduler:
   def _waiting(self) -> int:
     return sum(len(q) for q in self.ready.values())
 
+  def _route(self, req: BatchRequest, block_size: int) -> _Route:
+    """Where `req` (of `block_size`) decodes, decided once: where its priced start is deep
+    and plain starts are on (`Engine.request_start`, `starts_plain`), the plain AR bucket; its
+    own bucket otherwise."""
+    if id(req) not in self._routes:
+      start = self.engine.request_start(block_size, self.engine.batch_size)
+      plain = self.engine.starts_plain(block_size, start, self.forced)
+      self._routes[id(req)] = _Route(1, (0, 0)) if plain else _Route(block_size, start)
+    return self._routes[id(req)]
+
+  def _may_take(self, req: BatchRequest, block_size: int) -> bool:
+    """Whether queued `req` may take a slot of this bucket: its route's (once decided), else
+    its own block size's or, where plain starts may route it, the plain bucket's; any for a
+    learned size."""
+    route = self._routes.get(id(req))
+    if route is not None:
+      return route.bucket == block_size
+    return (isinstance(req.block_size, str) or req.block_size == block_size
+            or (block_size == 1 and self.engine.may_start_plain and not self.forced))
+
   def _wanted(self, block_size: int) -> bool:
-    """Whether a request waits for a slot of this bucket (prefilled for it, or queued for it or
-    for a learned size)."""
-    return bool(self.ready[block_size]) or any(
-        isinstance(r.block_size, str) or r.block_size == block_size for r in self.queue)
+    """Whether a request waits for a slot of this bucket (prefilled for it, or queued and
+    `_may_take` it)."""
+    return bool(self.ready[block_size]) or any(self._may_take(r, block_size)
+                                               for r in self.queue)
 
   def _may_prefill(self, req: BatchRequest) -> bool:
     if isinstance(req.block_size, str):  # learned: the bucket is known after the prefill
       return self._waiting() < self.engine.batch_size
-    bucket = self._bucket(req.block_size)  # its room at full size (a shrunk one grows back)
-    return self.engine.batch_size - bucket.live() > len(self.ready[req.block_size])
+    b = self._route(req, req.block_size).bucket
+    bucket = self._bucket(b)  # its room at full size (a shrunk one grows back)
+    return self.engine.batch_size - bucket.live() > len(self.ready[b])
 
   def _grow_wanted(self) -> None:
     """Grows each shrunk bucket that has fewer free slots than requests ready for it back to
@@ -216,12 +258,14 @@ class Scheduler:
       req = self.queue.popleft()
       buffers = self.pool.pop() if self.pool else self.engine.staging_buffers()
       staged = _Staged(req, *self.engine.stage(req, sampling_params(*req.sampling), buffers))
+      staged.route = self._route(req, staged.block_size)
+      self._routes.pop(id(req), None)
       try:
         self.engine.check_prefill(staged.pre, len(req.prompt_ids))
       except BadInputError as e:  # this request alone fails; its buffers hold NaN: dropped
         self._report.failed[req.index] = e
         continue
-      self.ready[staged.block_size].append(staged)
+      self.ready[staged.route.bucket].append(staged)
 
   def _insert_ready(self) -> None:
     for b, waiting in self.ready.items():
@@ -230,9 +274,8 @@ class Scheduler:
         if not waiting:
           break
         staged = waiting.popleft()
-        fn, args = self.engine.insert_program(
-            bucket.carry, row, staged.req, staged.pre,
-            start=self.engine.request_start(b, len(bucket.rows)))
+        fn, args = self.engine.insert_program(bucket.carry, row, staged.req, staged.pre,
+                                              start=staged.route.start)
         t0 = time.perf_counter()
         bucket.carry = fn(*args)
         jax.block_until_ready(bucket.carry.pos_B)
@@ -314,7 +357,8 @@ class Scheduler:
       self.engine.raise_nonfinite(n + n_gen, "a decode step")
     return generation_of(seq, accept, is_cycle, verified, forwards, n, n_gen,
                          self._stop_ids(req), req.max_new_tokens, staged.block_size,
-                         staged.prefill_s, staged.decode_s, staged.probs)
+                         staged.prefill_s, staged.decode_s, staged.probs,
+                         plain_start=staged.route.bucket != staged.block_size)
 
   # -- driving it ---------------------------------------------------------------------------
   def submit(self, req: BatchRequest) -> None:
@@ -334,6 +378,7 @@ class Scheduler:
     for req in list(self.queue):
       if req.index == index:
         self.queue.remove(req)
+        self._routes.pop(id(req), None)
         return True
     for waiting in self.ready.values():
       for staged in list(waiting):

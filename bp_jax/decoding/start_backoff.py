@@ -15,7 +15,21 @@ price that falls is seen within `explore_every` requests.
 A request decoded alone that would start deep runs the plain AR loop instead
 (`LoopOptions.start_plain`, `Engine.starts_plain`): no probing cycle at all, where each costs
 several AR steps (batch 1, T = 1 on the demo: 0.990x AR against 0.865x with the deep start's
-probes, one process). A batch's rows share one loop, so in a batch a deep start stays a deep start.
+probes, one process).
+
+In a batch (`batch_plain`, the scheduler's `start_plain`) such a request takes a slot of the
+plain AR bucket (block size 1) instead of the speculative one: the speculative loop's AR steps
+also stage the drafter's context, so a batch backed off deep in it still ran at ~0.8x the
+plain loop (a batch of 8 on the demo's CPU: 4.3 against 3.6 ms per step, and a probing cycle
+every cap steps). There the choice weighs the recent cycles against a cycle's price in steps
+of the plain loop at that batch size (`OnlineCosts.start_break_even`): a request drafts when
+they committed at least `batch_margin` (1.2) x that price, as drafting also pays for what the
+price leaves out (its misses' dearer AR steps, a second bucket's calls and tail). Without a
+margin the rule sat at its flip point at T = 0 on the demo's CPU (τ 4.5 against a price of 5.0
+plain steps) and sent half the requests of a batch of 8 to each side: 0.845x AR [0.808,
+0.886]. Both sides stay measured by explorer runs:
+every `batch_explore_every`-th run of `rows` consecutive requests takes the other side, so that
+explorers share their bucket's calls rather than each costing a call of its own.
 
 Host-side only: the start is two runtime scalars of the loop state (`LoopState.start_row`, for
 one request and for a request taking a batch's slot alike), so nothing recompiles; the tokens
@@ -28,6 +42,11 @@ import collections
 import dataclasses
 from typing import Sequence
 
+# A batch's drafting side is decisive (no plain explorer runs) where the recent cycles committed
+# at least this many times a cycle's price in plain-loop steps.
+DECISIVE = 2.0
+
+
 @dataclasses.dataclass
 class StartBackoff:
   """The recent requests' cycles and the start of the next one (see the module doc).
@@ -38,14 +57,23 @@ class StartBackoff:
   batch_explores: requests taking a batch's slot explore too (False: a batch's periodic
   probes, one cycle for all its rows every cap steps, keep τ current, and an exploring row made
   the whole batch run a cycle on entering it); margin: a deep start needs the recent committed
-  tokens per cycle below `margin` x the cycle's break-even."""
+  tokens per cycle below `margin` x the cycle's break-even;
+  batch_plain: a batch's deep start decodes in the plain AR bucket (see the module doc; the
+  batch explores in runs then, `batch_explores` unused); batch_explore_every: one run of
+  `rows` requests in this many takes the side the recent requests did not choose;
+  batch_margin: a batch's request drafts when the recent committed tokens per cycle reach
+  `batch_margin` x the cycle's price in plain-loop steps."""
   window: int = 8
   min_cycles: int = 8
   explore_every: int = 4
   batch_explores: bool = False
   margin: float = 0.8
+  batch_plain: bool = False
+  batch_explore_every: int = 8
+  batch_margin: float = 1.2
   _recent: collections.deque = dataclasses.field(init=False)
   _deep: int = dataclasses.field(default=0, init=False)   # deep starts since the last explorer
+  _batch_starts: int = dataclasses.field(default=0, init=False)  # batched starts (batch_plain)
 
   def __post_init__(self):
     self._recent = collections.deque(maxlen=self.window)
@@ -74,12 +102,33 @@ class StartBackoff:
     which cannot tell a cheaper cycle from a cheaper AR step (in tests/test_online_costs.py's
     price drop the break-even rose, 4.2 to 4.6, where the cycle's price had fallen to 1.2)."""
     tau = self.tau()
+    if rows > 1 and self.batch_plain:
+      return self._batch_start(tau, break_even, cap, rows)
     if tau is None or tau >= self.margin * break_even:
       self._deep = 0
       return 0, 0
     self._deep += 1
     if (rows == 1 or self.batch_explores) and self._deep >= self.explore_every:
       self._deep = 0
+      return 0, 0
+    cap = max(int(cap), 1)
+    return cap.bit_length() - 1, cap
+
+  def _batch_start(self, tau: float | None, break_even: float, cap: int, rows: int
+                   ) -> tuple[int, int]:
+    """A batch's start under `batch_plain`: deep (the scheduler then decodes the request in
+    the plain AR bucket) when the recent cycles committed fewer tokens than `batch_margin` x
+    `break_even`, drafting first otherwise (also before enough cycles were seen); the last run
+    of `rows` requests in every `batch_explore_every` runs takes the other side (drafting
+    where the rule says plain; plain where it says draft, unless drafting is `DECISIVE`)."""
+    self._batch_starts += 1
+    period = max(int(self.batch_explore_every), 1) * rows
+    explore = period > rows and (self._batch_starts - 1) % period >= period - rows
+    deep = tau is not None and tau < self.batch_margin * break_even
+    # Where drafting commits twice its price or more, a plain run cannot win and would cost
+    # its requests up to half their speed (an accelerator): no plain explorers there.
+    explore = explore and (deep or tau is None or tau < DECISIVE * break_even)
+    if deep == explore:
       return 0, 0
     cap = max(int(cap), 1)
     return cap.bit_length() - 1, cap
