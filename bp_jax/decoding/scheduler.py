@@ -244,10 +244,11 @@ class Scheduler:
           len(bucket.rows) < self.engine.batch_size):
         bucket.resize(self.engine, self.engine.batch_size)
 
-  def _shrink_tail(self, b: int, bucket: _Bucket) -> None:
-    """A bucket that no request waits for runs in the fewest slots that hold its requests
-    (`Engine.slot_sizes`): in a batch's tail its loop computes only the rows it has."""
-    if not self.engine.shrink or self._wanted(b):
+  def _shrink_tail(self, bucket: _Bucket, wanted: bool) -> None:
+    """A bucket that no request waits for (`wanted`: `_wanted` of its block size) runs in the
+    fewest slots that hold its requests (`Engine.slot_sizes`): in a batch's tail its loop
+    computes only the rows it has."""
+    if not self.engine.shrink or wanted:
       return
     size = min(n for n in self.engine.slot_sizes() if n >= bucket.live())
     if size < len(bucket.rows):
@@ -287,7 +288,8 @@ class Scheduler:
   def _run_one(self) -> None:
     b, bucket = max(((b, k) for b, k in self.buckets.items() if k.live()),
                     key=lambda bk: (bk[1].live(), -bk[0]))
-    self._shrink_tail(b, bucket)
+    wanted = self._wanted(b)  # one pass over the queue for both uses below
+    self._shrink_tail(bucket, wanted)
     rows = len(bucket.rows)
     c = bucket.carry
     n_gen, done, max_new, pos, wait = jax.device_get((c.n_gen_B, c.done_B, c.max_new_B,
@@ -298,7 +300,7 @@ class Scheduler:
       bucket.priced(self.engine.break_even_N(b, rows))
       # Requests wait for a slot (this bucket's, or a learned one's whose bucket is not known
       # yet): the call returns when a row finishes, so its slot is refilled at once.
-      bucket.refill_on_finish(len(decoding) if self._wanted(b) else 0)
+      bucket.refill_on_finish(len(decoding) if wanted else 0)
       fn, args = self.engine.slots_program(b, bucket.carry, self.forced,
                                            max_pos=int(max(pos[i] for i in decoding)),
                                            ar_steps=int(min(wait[i] for i in decoding)))
