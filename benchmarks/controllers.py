@@ -37,6 +37,10 @@ Methods (`--methods`, comma-separated):
                     priced_default whose deep starts stay in the speculative loop
                     (`start_plain=False`): in a batch, the default's requests that would start
                     deep take the plain AR bucket instead (`Scheduler`);
+  priced_default_every8
+                    priced_default whose batch explorer runs come every 8th run of
+                    --batch_size requests whatever they find (`StartBackoff.batch_explore_max`
+                    = 8); the default's thin out to one in 32 while its choice holds still;
   ar_full, priced_default_full
                     ar and priced_default whose batched calls always compute all --batch_size
                     slots (`BatchOptions.shrink=False`); the others run a batch's tail in
@@ -98,7 +102,8 @@ from bp_jax.errors import BadInputError
 
 METHODS = ("ar", "none", "backoff", "confidence_1step", "confidence", "confidence_poor",
            "confidence_cal", "confidence_cal_poor", "priced", "priced_online", "priced_long",
-           "priced_default", "priced_default_noplain", "ar_full", "priced_default_full")
+           "priced_default", "priced_default_noplain", "priced_default_every8", "ar_full",
+           "priced_default_full")
 
 common.define_flags("target", "drafter", "dtype", "max_len", "max_new_tokens", "block_size",
                     num_prompts=24, repeats=3,
@@ -148,7 +153,10 @@ def parse_methods(text: str) -> list[str]:
 
 
 def loop_method(method: str) -> str:
-  """The method whose loop form `method` decodes with (a `_full` method: its base's)."""
+  """The method whose loop form `method` decodes with (a `_full` method: its base's;
+  priced_default_every8: priced_default's, its start rule set in `main`)."""
+  if method == "priced_default_every8":
+    return "priced_default"
   return method[:-len("_full")] if method.endswith("_full") else method
 
 
@@ -291,7 +299,8 @@ def intervals(groups: dict[str, list[list[Generation]]], methods: list[str],
   pairs = [(m, "ar") for m in methods if m != "ar"]
   for a, b in (("priced", "backoff"), ("priced_online", "priced"), ("priced_long", "priced"),
                ("priced_default", "priced_online"), ("priced_default", "priced_default_full"),
-               ("priced_default_full", "ar_full"), ("priced_default", "priced_default_noplain")):
+               ("priced_default_full", "ar_full"), ("priced_default", "priced_default_noplain"),
+               ("priced_default", "priced_default_every8")):
     if a in methods and b in methods:
       pairs.append((a, b))
   out = {}
@@ -322,6 +331,9 @@ def main(_):
                        batching=BatchOptions(batch_size=FLAGS.batch_size,
                                              shrink=not m.endswith("_full")))
              for m in methods}
+  if "priced_default_every8" in engines:
+    starts = engines["priced_default_every8"].starts
+    starts.batch_explore_max = starts.batch_explore_every
   size = {m: 1 if loop_method(m) == "ar" else FLAGS.block_size for m in methods}
   # Outputs that do not depend on the path decoding takes (greedy, or `exact` at T > 0): every
   # repeat must give the same tokens. Under `rejection` at T > 0 a method whose choices follow

@@ -223,6 +223,36 @@ def test_a_batchs_start_weighs_the_plain_price_with_runs_of_explorers():
   assert starts.start(4.0, 16) == draft and starts.start(6.0, 16) == deep
 
 
+def test_a_batchs_explorer_runs_thin_out_while_the_choice_is_clear():
+  """A batch's explorer runs come every 8th run while the choice is near its flip point (τ
+  within 25% of 1.2 x the price) or has changed side, and every 32nd while it stays clearly on
+  the side it took at the last explorer run; a price that moves toward the flip point (a load
+  change) or a side that flips brings an explorer run within 8 runs."""
+  from bp_jax.decoding.start_backoff import StartBackoff
+  starts = StartBackoff(batch_plain=True)
+  for _ in range(4):
+    starts.observe([4, 5])  # τ 4.5
+
+  def explorer_runs(price: float, runs: int) -> list[int]:
+    found = []
+    for run in range(1, runs + 1):
+      sides = {starts.start(price, 16, rows=2) for _ in range(2)}
+      assert len(sides) == 1  # a run takes one side
+      deep = sides.pop() != (0, 0)
+      if deep != (starts.tau() < 1.2 * price):  # the other side than the rule's
+        found.append(run)
+    return found
+
+  # 4.5 against 1.2 x 5: plain by 25%: clear after the first explorer run, one in 32.
+  assert explorer_runs(5.0, 136) == [8, 40, 72, 104, 136]
+  assert explorer_runs(7.0, 40) == [32]      # clearer still: one in 32
+  assert explorer_runs(4.0, 40) == [8, 16, 24, 32, 40]  # 4.5 against 4.8: near, every 8th
+  for _ in range(8):
+    starts.observe([6, 7])  # τ 6.5 against 1.2 x 4: drafting, clearly; the side flipped
+  assert explorer_runs(4.0, 40) == [8, 40]
+  assert explorer_runs(2.0, 40) == []        # decisive (τ >= 2 x the price): no plain explorers
+
+
 def test_a_batch_miss_backs_every_row_off_to_the_deepest_level():
   """priced's miss is the batch's: its rows back off as one, to the deepest decoding row's
   misses + 1 (a row that had just started drafting no longer asks for 2, 4, 8, ... steps and a

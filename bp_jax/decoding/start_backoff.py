@@ -27,9 +27,22 @@ they committed at least `batch_margin` (1.2) x that price, as drafting also pays
 price leaves out (its misses' dearer AR steps, a second bucket's calls and tail). Without a
 margin the rule sat at its flip point at T = 0 on the demo's CPU (τ 4.5 against a price of 5.0
 plain steps) and sent half the requests of a batch of 8 to each side: 0.845x AR [0.808,
-0.886]. Both sides stay measured by explorer runs:
-every `batch_explore_every`-th run of `rows` consecutive requests takes the other side, so that
-explorers share their bucket's calls rather than each costing a call of its own.
+0.886]. Both sides stay measured by explorer runs: a run of `rows` consecutive requests takes
+the other side, so that explorers share their bucket's calls rather than each costing a call of
+its own. Every `batch_explore_every`-th run (8) is a check: it explores unless the choice is clear,
+i.e. on the side it took when the last explorer run began and by more than `batch_clear`
+(25%) off the flip point (τ below 0.8 x or above 1.25 x `batch_margin` x the price), where it
+explores only once `batch_explore_max` runs (32) have passed since that run. A server whose
+batches sit clearly on one side thus pays for one explorer run in 32 rather than in 8 (at batch
+8 on the demo's CPU, where drafting loses, each explorer run cost its requests ~15%), while a
+choice near its flip point, one that flipped, or a price that moves toward the flip point (a
+second process loading the machine moves the plain loop's price against the cycle's last one)
+is explored within 8 runs; a cycle's price that falls while the plain loop's does not is seen
+by the next explorer run, at most 32 runs later. (Tried first: exploring unless τ and the price
+each held within 25% of theirs at the last explorer run. On this VM a batch's price moves by
+more than that between checks (4.9 to 10.6 plain steps within 24 runs at batch 8) and τ over 8
+requests from 3.0 to 5.2, so every check explored; how far the choice is from its flip point
+is what decides whether an explorer can change it.)
 
 Host-side only: the start is two runtime scalars of the loop state (`LoopState.start_row`, for
 one request and for a request taking a batch's slot alike), so nothing recompiles; the tokens
@@ -60,7 +73,10 @@ class StartBackoff:
   tokens per cycle below `margin` x the cycle's break-even;
   batch_plain: a batch's deep start decodes in the plain AR bucket (see the module doc; the
   batch explores in runs then, `batch_explores` unused); batch_explore_every: one run of
-  `rows` requests in this many takes the side the recent requests did not choose;
+  `rows` requests in this many takes the side the recent requests did not choose, while the
+  choice is near its flip point or changed side; batch_explore_max: one in this many while it
+  stays on the side it took at the last explorer run, by more than batch_clear (relative) off
+  the flip point;
   batch_margin: a batch's request drafts when the recent committed tokens per cycle reach
   `batch_margin` x the cycle's price in plain-loop steps."""
   window: int = 8
@@ -70,13 +86,16 @@ class StartBackoff:
   margin: float = 0.8
   batch_plain: bool = False
   batch_explore_every: int = 8
+  batch_explore_max: int = 32
+  batch_clear: float = 0.25
   batch_margin: float = 1.2
   _recent: collections.deque = dataclasses.field(init=False)
   _deep: int = dataclasses.field(default=0, init=False)   # deep starts since the last explorer
-  _batch_starts: int = dataclasses.field(default=0, init=False)  # batched starts (batch_plain)
+  _batch: _BatchExplorers = dataclasses.field(init=False)
 
   def __post_init__(self):
     self._recent = collections.deque(maxlen=self.window)
+    self._batch = _BatchExplorers()
 
   def observe(self, acceptance_lengths: Sequence[int]) -> None:
     """One finished request's committed tokens per cycle (`Generation.acceptance_lengths`)."""
@@ -118,17 +137,58 @@ class StartBackoff:
                    ) -> tuple[int, int]:
     """A batch's start under `batch_plain`: deep (the scheduler then decodes the request in
     the plain AR bucket) when the recent cycles committed fewer tokens than `batch_margin` x
-    `break_even`, drafting first otherwise (also before enough cycles were seen); the last run
-    of `rows` requests in every `batch_explore_every` runs takes the other side (drafting
-    where the rule says plain; plain where it says draft, unless drafting is `DECISIVE`)."""
-    self._batch_starts += 1
-    period = max(int(self.batch_explore_every), 1) * rows
-    explore = period > rows and (self._batch_starts - 1) % period >= period - rows
+    `break_even`, drafting first otherwise (also before enough cycles were seen); explorer runs
+    of `rows` requests (`_BatchExplorers`) take the other side (drafting where the rule says
+    plain; plain where it says draft, unless drafting is `DECISIVE`)."""
     deep = tau is not None and tau < self.batch_margin * break_even
     # Where drafting commits twice its price or more, a plain run cannot win and would cost
     # its requests up to half their speed (an accelerator): no plain explorers there.
-    explore = explore and (deep or tau is None or tau < DECISIVE * break_even)
+    wanted = deep or tau is None or tau < DECISIVE * break_even
+    ratio = None if tau is None else tau / (self.batch_margin * float(break_even))
+    explore = self._batch.explores(_Choice(deep, ratio), rows, wanted, self)
     if deep == explore:
       return 0, 0
     cap = max(int(cap), 1)
     return cap.bit_length() - 1, cap
+
+
+@dataclasses.dataclass(frozen=True)
+class _Choice:
+  """A batch's start rule at one request: the side it chose (deep: plain) and by how much (the
+  recent τ over `batch_margin` x the price: below 1 plain, None before any τ)."""
+  deep: bool
+  ratio: float | None
+
+  def clear_since(self, then: _Choice | None, tolerance: float) -> bool:
+    """The same side as `then`, chosen by more than `tolerance` (relative) off the flip point."""
+    return (then is not None and then.deep == self.deep and self.ratio is not None
+            and not 1.0 / (1.0 + tolerance) < self.ratio < 1.0 + tolerance)
+
+
+@dataclasses.dataclass
+class _BatchExplorers:
+  """When a batch's explorer runs come (`StartBackoff._batch_start`): a check every
+  `batch_explore_every` runs of `rows` requests (the first before the last of them); the run
+  explores unless the rule's choice is clear (`_Choice.clear_since`: the side it took when the
+  last explorer run began, by more than `batch_clear` off the flip point), and then too once
+  `batch_explore_max` runs have passed since that explorer run."""
+  _since: int = 0          # requests started outside explorer runs since the last one began
+  _left: int = 0           # explorers still to start in the current run
+  _last: _Choice | None = None  # the choice when the last explorer run began
+
+  def explores(self, now: _Choice, rows: int, wanted: bool, rule: StartBackoff) -> bool:
+    """Whether the next request explores (`wanted`: the rule allows an explorer now)."""
+    every = max(int(rule.batch_explore_every), 1)
+    if every == 1:
+      return False
+    if self._left:
+      self._left -= 1
+      return wanted
+    self._since += 1
+    if self._since % (every * rows) != (every - 1) * rows + 1 or not wanted:
+      return False
+    longest = max(int(rule.batch_explore_max), every)
+    if now.clear_since(self._last, rule.batch_clear) and self._since <= (longest - 1) * rows:
+      return False
+    self._since, self._left, self._last = 0, rows - 1, now
+    return True
