@@ -224,10 +224,10 @@ def test_a_batchs_start_weighs_the_plain_price_with_runs_of_explorers():
 
 
 def test_a_batchs_explorer_runs_thin_out_while_the_choice_is_clear():
-  """A batch's explorer runs come every 8th run while the choice is near its flip point (τ
-  within 25% of 1.2 x the price) or has changed side, and every 32nd while it stays clearly on
-  the side it took at the last explorer run; a price that moves toward the flip point (a load
-  change) or a side that flips brings an explorer run within 8 runs."""
+  """A batch's explorer runs come every 32nd run while the choice stays clearly plain (τ below
+  0.8 x 1.2 x the price, as at the last explorer run), and every 8th while it is near its flip
+  point, has changed side or drafts; a price that moves toward the flip point (a load change)
+  brings an explorer run within 8 runs."""
   from bp_jax.decoding.start_backoff import StartBackoff
   starts = StartBackoff(batch_plain=True)
   for _ in range(4):
@@ -248,8 +248,8 @@ def test_a_batchs_explorer_runs_thin_out_while_the_choice_is_clear():
   assert explorer_runs(7.0, 40) == [32]      # clearer still: one in 32
   assert explorer_runs(4.0, 40) == [8, 16, 24, 32, 40]  # 4.5 against 4.8: near, every 8th
   for _ in range(8):
-    starts.observe([6, 7])  # τ 6.5 against 1.2 x 4: drafting, clearly; the side flipped
-  assert explorer_runs(4.0, 40) == [8, 40]
+    starts.observe([6, 7])  # τ 6.5 against 1.2 x 4: drafting, never clear
+  assert explorer_runs(4.0, 40) == [8, 16, 24, 32, 40]
   assert explorer_runs(2.0, 40) == []        # decisive (τ >= 2 x the price): no plain explorers
 
 

@@ -183,7 +183,7 @@ class Engine:
     secs = self.clock() - t0
     if block_size > 1 and self.online:
       self.prices.observe(secs, counts_N, rows)
-    elif decoding is not None and self.online and self.prices is not None:
+    elif decoding is not None and self.online:
       self.prices.observe_plain(secs, int(counts_N[0]), rows)  # the plain bucket's calls
     if decoding is not None:
       self.slot_seconds += secs * rows

@@ -67,6 +67,12 @@ def _check_positive(value: float, name: str, upper: float | None = None) -> floa
   return value
 
 
+def _call_seconds(seconds: float) -> float | None:
+  """A loop call's wall time as an observation: None where it is not positive and finite."""
+  seconds = float(seconds)
+  return seconds if math.isfinite(seconds) and seconds > 0 else None
+
+
 def _check_floor(value: float, name: str) -> float:
   value = float(value)
   if not math.isfinite(value) or value < 0:
@@ -265,8 +271,8 @@ class OnlineCosts:
                           "verify length")
     if isinstance(rows, bool) or int(rows) != rows or rows < 1:
       raise BadInputError(f"rows={rows!r}: expected a batch size >= 1")
-    seconds = float(seconds)
-    if not counts.sum() or not math.isfinite(seconds) or seconds <= 0:
+    seconds = _call_seconds(seconds)
+    if not counts.sum() or seconds is None:
       return False
     used = {int(n): int(c) for n, c in enumerate(counts) if c}
     self._fit(int(rows)).update(seconds, used, self.forget, self.ridge, self._clip_of(rows),
@@ -279,8 +285,8 @@ class OnlineCosts:
     drafter's context and cost more (a batch of 8 on the demo's CPU: 4.3 ms against 3.6 ms):
     it prices the plain loop a batch's request may decode in (`start_break_even`). False
     (nothing learned) for a call without steps or without a positive finite time."""
-    seconds = float(seconds)
-    if steps <= 0 or not math.isfinite(seconds) or seconds <= 0:
+    seconds = _call_seconds(seconds)
+    if steps <= 0 or seconds is None:
       return False
     secs, n = self._plain.get(int(rows), (0.0, 0.0))
     self._plain[int(rows)] = (self.forget * secs + seconds, self.forget * n + int(steps))

@@ -29,20 +29,21 @@ margin the rule sat at its flip point at T = 0 on the demo's CPU (τ 4.5 against
 plain steps) and sent half the requests of a batch of 8 to each side: 0.845x AR [0.808,
 0.886]. Both sides stay measured by explorer runs: a run of `rows` consecutive requests takes
 the other side, so that explorers share their bucket's calls rather than each costing a call of
-its own. Every `batch_explore_every`-th run (8) is a check: it explores unless the choice is clear,
-i.e. on the side it took when the last explorer run began and by more than `batch_clear`
-(25%) off the flip point (τ below 0.8 x or above 1.25 x `batch_margin` x the price), where it
-explores only once `batch_explore_max` runs (32) have passed since that run. A server whose
-batches sit clearly on one side thus pays for one explorer run in 32 rather than in 8 (at batch
-8 on the demo's CPU, where drafting loses, each explorer run cost its requests ~15%), while a
-choice near its flip point, one that flipped, or a price that moves toward the flip point (a
-second process loading the machine moves the plain loop's price against the cycle's last one)
-is explored within 8 runs; a cycle's price that falls while the plain loop's does not is seen
-by the next explorer run, at most 32 runs later. (Tried first: exploring unless τ and the price
-each held within 25% of theirs at the last explorer run. On this VM a batch's price moves by
-more than that between checks (4.9 to 10.6 plain steps within 24 runs at batch 8) and τ over 8
-requests from 3.0 to 5.2, so every check explored; how far the choice is from its flip point
-is what decides whether an explorer can change it.)
+its own. Every `batch_explore_every`-th run (8) is a check: it explores unless the choice is
+clearly plain, i.e. plain as when the last explorer run began and by more than `batch_clear`
+(25%) below the flip point (τ below 0.8 x `batch_margin` x the price); then it explores only
+once `batch_explore_max` runs (32) have passed since that run. A server whose batches decode
+plain because drafting clearly loses thus pays for one drafting run in 32 rather than in 8 (at
+batch 8 on the demo's CPU each explorer run cost its requests ~15%), while a choice near its
+flip point, one that flipped, or a price that moves toward the flip point (a second process
+loading the machine moves the plain loop's price against the cycle's last one) is explored
+within 8 runs; a cycle's price that falls while the plain loop's does not is seen by the next
+explorer run, at most 32 runs later. Drafting is never clear (`_Choice.clear_since`).
+Tried first and dropped: exploring unless τ and the price each held within 25% of theirs at the
+last explorer run. On this VM a batch's price moved by more than that between checks (4.9 to
+10.6 plain steps within 24 runs at batch 8) and τ over 8 requests from 3.0 to 5.2, so every
+check explored; how far the choice is from its flip point is what decides whether an explorer
+can change it.
 
 Host-side only: the start is two runtime scalars of the loop state (`LoopState.start_row`, for
 one request and for a request taking a batch's slot alike), so nothing recompiles; the tokens
@@ -74,8 +75,8 @@ class StartBackoff:
   batch_plain: a batch's deep start decodes in the plain AR bucket (see the module doc; the
   batch explores in runs then, `batch_explores` unused); batch_explore_every: one run of
   `rows` requests in this many takes the side the recent requests did not choose, while the
-  choice is near its flip point or changed side; batch_explore_max: one in this many while it
-  stays on the side it took at the last explorer run, by more than batch_clear (relative) off
+  choice is near its flip point, changed side or drafts; batch_explore_max: one in this many
+  while it stays plain as at the last explorer run, by more than batch_clear (relative) below
   the flip point;
   batch_margin: a batch's request drafts when the recent committed tokens per cycle reach
   `batch_margin` x the cycle's price in plain-loop steps."""
@@ -160,17 +161,22 @@ class _Choice:
   ratio: float | None
 
   def clear_since(self, then: _Choice | None, tolerance: float) -> bool:
-    """The same side as `then`, chosen by more than `tolerance` (relative) off the flip point."""
-    return (then is not None and then.deep == self.deep and self.ratio is not None
-            and not 1.0 / (1.0 + tolerance) < self.ratio < 1.0 + tolerance)
+    """Plain, as at `then`, by more than `tolerance` (relative) below the flip point. Drafting
+    is never clear: there the figure that goes stale is the plain loop's price, which only
+    plain explorers renew, and one slow spell of plain calls could keep a batch drafting where
+    it loses (batch 8, T = 0 on the demo's CPU, with drafting clear too: 0.915x [0.848, 0.981]
+    the same rule exploring every 8th run, 50 against 74 of 82 kept decodes plain); a stale
+    price on the plain side errs toward plain decoding, which never loses."""
+    return (then is not None and then.deep and self.deep and self.ratio is not None
+            and self.ratio < 1.0 / (1.0 + tolerance))
 
 
 @dataclasses.dataclass
 class _BatchExplorers:
   """When a batch's explorer runs come (`StartBackoff._batch_start`): a check every
   `batch_explore_every` runs of `rows` requests (the first before the last of them); the run
-  explores unless the rule's choice is clear (`_Choice.clear_since`: the side it took when the
-  last explorer run began, by more than `batch_clear` off the flip point), and then too once
+  explores unless the rule's choice is clear (`_Choice.clear_since`: plain as when the last
+  explorer run began, by more than `batch_clear` below the flip point), and then too once
   `batch_explore_max` runs have passed since that explorer run."""
   _since: int = 0          # requests started outside explorer runs since the last one began
   _left: int = 0           # explorers still to start in the current run
