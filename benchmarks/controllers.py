@@ -54,10 +54,11 @@ group's requests share its loop calls and its repeat's luck), so a batch row nee
 for a narrow interval: a smaller --group_size gives more. --group_size B gives one static batch
 per group (every request of a group starts together, the batch's slowest sets its time).
 
-Intervals: each method's speedup over AR (and `priced`'s over `backoff`, `priced_online`'s and
-`priced_long`'s over `priced`, when both run) with a 95% paired bootstrap interval over the
-requests (batch 1) or the groups (batches) of its fastest decodes (bp_jax/eval/bootstrap), and
-the same from the mean of the repeats (`intervals_mean_of_repeats`): the fastest repeat flatters
+Intervals: each method's speedup over AR, and those of `PAIRS` where both methods ran (e.g.
+`priced`'s over `backoff`, `priced_default`'s over `priced_default_every8`), with a 95% paired
+bootstrap interval over the requests (batch 1) or the groups (batches) of the fastest decodes
+(bp_jax/eval/bootstrap), and the same from the mean of the repeats
+(`intervals_mean_of_repeats`): the fastest repeat flatters
 a method whose repeats take different paths (the default's start rule moves on between them).
 
 The confidence methods and priced price their choices with the costs given (--controller_costs with
@@ -266,26 +267,39 @@ def mean_of_repeats(repeats: list[list[Generation]]) -> tuple[int, float]:
                                                              for r in repeats]))
 
 
+# The speedups between methods the report gives besides each method's over AR, where both ran.
+PAIRS = (("priced", "backoff"), ("priced_online", "priced"), ("priced_long", "priced"),
+         ("priced_default", "priced_online"), ("priced_default", "priced_default_full"),
+         ("priced_default_full", "ar_full"), ("priced_default", "priced_default_noplain"),
+         ("priced_default", "priced_default_every8"))
+
+
+def method_pairs(methods: list[str]) -> list[tuple[str, str]]:
+  """(a, b) for each speedup a / b reported: every method over AR, then the `PAIRS` that ran."""
+  return ([(m, "ar") for m in methods if m != "ar"]
+          + [(a, b) for a, b in PAIRS if a in methods and b in methods])
+
+
+def speedup_entry(a: tuple[list, list], b: tuple[list, list]) -> dict:
+  """a's speedup over b from paired (new tokens, seconds) per unit, with its 95% bootstrap
+  interval (none for one unit)."""
+  s = bootstrap_speedup(*a, *b, reps=FLAGS.bootstrap_reps)
+  one = len(a[0]) < 2
+  return {"ratio": round(s.ratio, 4), "lo": None if one else round(s.lo, 4),
+          "hi": None if one else round(s.hi, 4)}
+
+
 def mean_speedups(means: dict[str, list[tuple[int, float]]], methods: list[str]) -> dict:
-  """Each method's speedup over AR from the mean of its repeats, with its 95% paired bootstrap
-  interval over the groups (one request each at batch 1)."""
+  """The speedups of `method_pairs` from the mean of each method's repeats, with 95% paired
+  bootstrap intervals over the groups (one request each at batch 1)."""
   fig = lambda m: ([t for t, _ in means[m]], [s for _, s in means[m]])
-  out = {}
-  for m in methods:
-    if m == "ar":
-      continue
-    s = bootstrap_speedup(*fig(m), *fig("ar"), reps=FLAGS.bootstrap_reps)
-    one = len(means[m]) < 2
-    out[f"{m}/ar"] = {"ratio": round(s.ratio, 4), "lo": None if one else round(s.lo, 4),
-                      "hi": None if one else round(s.hi, 4)}
-  return out
+  return {f"{a}/{b}": speedup_entry(fig(a), fig(b)) for a, b in method_pairs(methods)}
 
 
 def intervals(groups: dict[str, list[list[Generation]]], methods: list[str],
               batched: bool) -> dict:
-  """Each method's speedup over AR (and priced's over backoff, priced_online's and
-  priced_long's over priced, priced_default's over priced_online) with its 95% paired
-  bootstrap interval over the requests decoded alone, or over the groups when `batched`: a
+  """The speedups of `method_pairs` (each method's over AR, and the `PAIRS` that ran) of the
+  fastest decodes, with 95% paired bootstrap intervals over the requests decoded alone, or over the groups when `batched`: a
   group's requests ran in the same loop calls, in the same repeat, so they share that run's
   luck on a machine whose speed moves between runs; resampling them one by one as if
   independent gave intervals too narrow to trust (batch 8, T = 1: 0.851x [0.835, 0.868] in the
@@ -296,20 +310,7 @@ def intervals(groups: dict[str, list[list[Generation]]], methods: list[str],
   else:
     fig = lambda m: ([g.new_tokens for grp in groups[m] for g in grp],
                      [g.decode_s for grp in groups[m] for g in grp])
-  pairs = [(m, "ar") for m in methods if m != "ar"]
-  for a, b in (("priced", "backoff"), ("priced_online", "priced"), ("priced_long", "priced"),
-               ("priced_default", "priced_online"), ("priced_default", "priced_default_full"),
-               ("priced_default_full", "ar_full"), ("priced_default", "priced_default_noplain"),
-               ("priced_default", "priced_default_every8")):
-    if a in methods and b in methods:
-      pairs.append((a, b))
-  out = {}
-  for a, b in pairs:
-    s = bootstrap_speedup(*fig(a), *fig(b), reps=FLAGS.bootstrap_reps)
-    one = len(fig(a)[0]) < 2  # one unit: a ratio, no interval
-    out[f"{a}/{b}"] = {"ratio": round(s.ratio, 4), "lo": None if one else round(s.lo, 4),
-                       "hi": None if one else round(s.hi, 4)}
-  return out
+  return {f"{a}/{b}": speedup_entry(fig(a), fig(b)) for a, b in method_pairs(methods)}
 
 
 def main(_):
