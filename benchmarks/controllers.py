@@ -346,6 +346,8 @@ def main(_):
   best: dict[str, list[list[Generation]]] = {m: [] for m in methods}
   # Per group: (new tokens, mean decode seconds over the repeats) of each method.
   means: dict[str, list[tuple[int, float]]] = {m: [] for m in methods}
+  # Requests that took the speculative loop (not a plain start), over every repeat.
+  drafted = {m: 0 for m in methods if loop_method(m) != "ar"}
   for i, group in enumerate(groups):
     runs: dict[str, list[list[Generation]]] = {m: [] for m in methods}
     for _ in range(FLAGS.repeats):
@@ -356,6 +358,8 @@ def main(_):
         for j in range(len(group)):
           check_repeats_agree([r[j] for r in runs[m]])
       best[m].append(min(runs[m], key=seconds_per_token))
+      if m in drafted:
+        drafted[m] += sum(not g.plain_start for run in runs[m] for g in run)
       means[m].append(mean_of_repeats(runs[m]))
     print(f"  {i + 1}/{len(groups)} {', '.join(k for k, _ in group)}", flush=True)
   flat = {m: [g for grp in best[m] for g in grp] for m in methods}
@@ -392,6 +396,9 @@ def main(_):
     for pair, c in table.items():
       ci = "(one unit: no interval)" if c["lo"] is None else f"[{c['lo']:.3f}, {c['hi']:.3f}]"
       print(f"    {pair:<20}{c['ratio']:.3f}x {ci}")
+  if drafted:
+    print(f"  requests that drafted (not a plain start), every repeat: "
+          + ", ".join(f"{m} {n}/{len(prompts) * FLAGS.repeats}" for m, n in drafted.items()))
   slot_use = {m: engines[m].slot_use for m in methods if engines[m].slot_use is not None}
   if slot_use:  # batches: the idle slots (e.g. each group's tail) cost as much as busy ones
     print("  slot use (share of batched slot time holding a decoding request, every repeat): "
@@ -413,7 +420,7 @@ def main(_):
               "intervals_mean_of_repeats": mean_cis,
               "ar_fallback_accept": FLAGS.ar_fallback_accept, "methods": rows,
               "controller_costs": {**costs, "source": source}, "cost_estimates": online,
-              "slot_use": slot_use}
+              "slot_use": slot_use, "drafted_every_repeat": drafted}
     common.write_json(os.path.join(FLAGS.out, "controllers.json"), report, indent=1)
     print(f"  wrote {os.path.join(FLAGS.out, 'controllers.json')}")
 

@@ -43,3 +43,5 @@ def test_sampled_comparison_gives_ar_tokens_for_each_seed(tmp_path):
   assert set(report["intervals_mean_of_repeats"]) == {"priced_online/ar"}
   assert "(mean of the repeats)" in proc.stdout
   assert report["cost_estimates"]["priced_online"]["by_batch_size"]["2"]["calls"] >= 1
+  # priced_online has no start rule: every request of every repeat drafted
+  assert report["drafted_every_repeat"] == {"priced_online": 3 * report["repeats"]}
