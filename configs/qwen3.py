@@ -126,6 +126,11 @@ def get_config() -> ml_collections.ConfigDict:
   # batch_size, batch_size/2, ..., 1 that hold its requests (one copy of their caches; one more
   # compiled loop per size used); false = every call computes all batch_size slots.
   c.shrink_batches = True
+  # In a batch, a request whose block size the policy picks (block_policy=learned) decodes in
+  # the bucket holding the most requests (its pick only when none does): every bucket's calls
+  # compute all its slots, so picks spread over several sizes ran several half-empty loops by
+  # turns. false = each request in its pick's bucket.
+  c.join_learned_sizes = True
   c.seed = 0
   c.max_new_tokens = 128
   c.max_len = 1024           # cache slots per request: prompt + max_new_tokens + block_size - 1

@@ -61,7 +61,8 @@ def stop_id(models):
 
 
 def _engine(models, stop_id, batch_size: int, sync_cycles: int = 16, policy=None,
-            policy_sizes=(), shrink: bool = False, **loop) -> Engine:
+            policy_sizes=(), shrink: bool = False, join_learned: bool = True,
+            **loop) -> Engine:
   """A test engine; its batches compute all `batch_size` slots to the end unless `shrink`
   (the tail tests ask for it: each further slot size compiles its own loops)."""
   target, drafter = models
@@ -69,7 +70,7 @@ def _engine(models, stop_id, batch_size: int, sync_cycles: int = 16, policy=None
                 shapes=ShapeOptions(max_len=MAX_LEN, length_buckets=BUCKETS, block_sizes=SIZES),
                 loop=LoopOptions(**loop),
                 batching=BatchOptions(batch_size=batch_size, sync_cycles=sync_cycles,
-                                      shrink=shrink),
+                                      shrink=shrink, join_learned=join_learned),
                 policy=policy, policy_sizes=policy_sizes)
 
 
@@ -145,20 +146,34 @@ def test_static_batching_gives_the_same_outputs(models, stop_id, single):
   assert static.slot_sizes() == (4,)  # one call runs the batch to its end: no tail to shrink
 
 
-def test_learned_policy_in_batches(models, stop_id, single):
+@pytest.mark.parametrize("join", [False, True])
+def test_learned_policy_in_batches(models, stop_id, single, join):
+  """Learned block sizes in a batch: each request's output and policy scores are its own
+  alone. Without `join_learned` each decodes in its pick's bucket; with it (the default) a
+  request joins the speculative bucket holding the most requests, so the batch runs fewer
+  buckets than its picks, and `policy_block_size` keeps each pick."""
   target, drafter = models
   dims = feature_dims(V, D, 2, draft_block_size=drafter.cfg.block_size)
   policy = BlockPolicy(PolicyArch("last_hidden", dims["last_hidden"], 16, 2, 3),
                        rngs=nnx.Rngs(7))
   one = _engine(models, stop_id, 1, policy=policy, policy_sizes=(1, 4, 6))
-  many = _engine(models, stop_id, 2, sync_cycles=2, policy=policy, policy_sizes=(1, 4, 6))
+  many = _engine(models, stop_id, 2, sync_cycles=2, policy=policy, policy_sizes=(1, 4, 6),
+                 join_learned=join)
   prompts, max_news = _requests(10, seed=6)
   alone = _alone(one, prompts, max_news, [LEARNED] * 10)
   together = many.generate_batch(prompts, max_new_tokens=max_news, block_size=LEARNED)
-  assert [g.block_size for g in together] == [g.block_size for g in alone]
-  assert len({g.block_size for g in alone}) >= 2  # the random policy does pick several sizes
+  picks = [g.block_size for g in alone]
+  assert len(set(picks)) >= 2  # the random policy does pick several sizes
+  assert [g.policy_block_size for g in alone] == picks
+  assert [g.policy_block_size for g in together] == picks
   assert [g.output_ids for g in together] == [g.output_ids for g in alone]
   assert [g.policy_probs for g in together] == [g.policy_probs for g in alone]
+  used = [g.block_size for g in together]
+  if not join:
+    assert used == picks
+  else:
+    assert used != picks and len(set(used)) < len(set(picks)), (used, picks)
+    assert used[1] == used[0]  # the second request joined the first's bucket
 
 
 def test_continuous_batching_refills_slots_in_arrival_order(models, stop_id):

@@ -185,15 +185,18 @@ def online_costs(cfg) -> bool | None:
 def batch_options(cfg) -> dict[str, Any]:
   """How many requests decode at once, as `Engine` keyword arguments (checked):
   `batch_size` slots per block-size bucket, `sync_cycles`, the cycles between the host's
-  refills of finished slots, and `shrink` (--config.shrink_batches: a batch's tail runs in
-  fewer slots; configs/qwen3.py)."""
+  refills of finished slots, `shrink` (--config.shrink_batches: a batch's tail runs in
+  fewer slots) and `join_learned` (--config.join_learned_sizes: a batch's learned sizes share
+  the busiest bucket; configs/qwen3.py)."""
   from bp_jax.decoding.requests import check_batching
   out = {"batch_size": cfg.get("batch_size", 1), "sync_cycles": cfg.get("sync_cycles", 16)}
   check_batching(**out)
-  shrink = cfg.get("shrink_batches", True)
-  if not isinstance(shrink, bool):
-    raise BadInputError(f"--config.shrink_batches={shrink!r} must be true or false")
-  return {**{k: int(v) for k, v in out.items()}, "shrink": shrink}
+  flags = {}
+  for key, field in (("shrink_batches", "shrink"), ("join_learned_sizes", "join_learned")):
+    flags[field] = cfg.get(key, True)
+    if not isinstance(flags[field], bool):
+      raise BadInputError(f"--config.{key}={flags[field]!r} must be true or false")
+  return {**{k: int(v) for k, v in out.items()}, **flags}
 
 
 def sampling_options(cfg) -> dict[str, Any]:

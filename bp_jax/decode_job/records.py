@@ -15,7 +15,9 @@ from bp_jax.text.tokenizer import tokenizer_size
 
 
 def record_of(i: int, prompt, g: Generation, tok, block_policy: str = "fixed") -> dict:
-  """One output line. `acceptance_lengths`: committed tokens per speculative cycle (τ's terms);
+  """One output line. `block_size`: the bucket it decoded in; `policy_block_size`: a learned
+  policy's pick (a batch may decode it in the bucket holding the most requests,
+  `BatchOptions.join_learned`); `acceptance_lengths`: committed tokens per speculative cycle (τ's terms);
   `forward_lengths` / `forward_is_cycle` / `forward_verified`: every target forward of the loop
   in order, AR steps of the fallback included (`forward_verified`: k + 1 after a drafter pass
   whose k drafts it verified, 0 without one); `verified_histogram`: drafts verified (k) -> how
@@ -27,6 +29,7 @@ def record_of(i: int, prompt, g: Generation, tok, block_policy: str = "fixed") -
           "new_tokens": g.new_tokens, "prefill_s": round(g.prefill_s, 6),
           "decode_s": round(g.decode_s, 6), "block_size": g.block_size,
           "block_policy": block_policy, "policy_probs": g.policy_probs,
+          "policy_block_size": g.policy_block_size,
           "acceptance_lengths": g.acceptance_lengths, "forward_lengths": g.forward_lengths,
           "forward_is_cycle": g.forward_is_cycle, "forward_verified": g.forward_verified,
           "cycles": g.cycles, "ar_steps": g.ar_steps, "drafter_passes": g.drafter_passes,
@@ -125,6 +128,10 @@ def summarize(records: list[dict], engine, cfg, wall_s: float) -> dict:
       "controller_costs": controller_costs_of(engine),
       "outputs_repeat_for_seed": outputs_repeat_for_seed(cfg, engine),
       "block_sizes_used": dict(collections.Counter(str(r["block_size"]) for r in records)),
+      # A learned policy's picks, where a batch decoded some in another bucket (join_learned).
+      "block_sizes_picked": dict(collections.Counter(
+          str(r["policy_block_size"]) for r in records
+          if r.get("policy_block_size") is not None)),
       "ids_beyond_tokenizer": sum(r["ids_beyond_tokenizer"] for r in records),
       "compilations": comp["compilations"], "compilations_by_function": comp["by_function"],
       "compile_s": comp["compile_s"], "compile_s_per_bucket": comp["per_key_s"],
@@ -175,8 +182,13 @@ def print_summary(s: dict) -> None:
   drafter or τ)."""
   spec = s["mode"] == "spec"
   rows = [("mode", s["mode"]),
-          *([("block policy", s["block_policy"]), ("block sizes used", s["block_sizes_used"]),
-             ("verify-length controller", s.get("controller", "-"))] if spec else []),
+          *([("block policy", s["block_policy"]), ("block sizes used", s["block_sizes_used"])]
+            if spec else []),
+          *([("block sizes the policy picked", f"{s['block_sizes_picked']} (a batch decodes "
+              "them in the bucket holding the most requests)")]
+            if spec and s.get("block_sizes_picked")
+            and s["block_sizes_picked"] != s["block_sizes_used"] else []),
+          *([("verify-length controller", s.get("controller", "-"))] if spec else []),
           *([("controller costs", costs_line(s["controller_costs"]))]
             if spec and s.get("controller_costs") else []),
           *([("drafter", s["drafter"])] if spec and s.get("drafter") else []),

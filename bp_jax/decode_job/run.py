@@ -321,7 +321,8 @@ def _run(cfg) -> tuple[list[dict], dict]:
   summary = summarize(records, engine, cfg, time.perf_counter() - t0)
   summary["block_policy"] = choice.name
   summary.update(batch_size=engine.batch_size, sync_cycles=engine.sync_cycles,
-                 shrink_batches=engine.shrink, mesh=describe(engine.mesh))
+                 shrink_batches=engine.shrink, join_learned_sizes=engine.join_learned,
+                 mesh=describe(engine.mesh))
   if engine.slot_use is not None:  # batched: the share of slot time holding a decoding row
     summary["slot_use"] = round(engine.slot_use, 4)
   summary["compile_cache"] = cache_dir

@@ -75,6 +75,7 @@ class Engine:
     self.batch_size, self.sync_cycles = batching.batch_size, batching.sync_cycles
     # Static batching (sync_cycles 0) runs a batch to its end in one call: no tail to shrink.
     self.shrink = batching.shrink and batching.batch_size > 1 and batching.sync_cycles > 0
+    self.join_learned = batching.join_learned and batching.batch_size > 1
     self.cfg = target.cfg
     self.max_len = max_len
     self.length_buckets = shapes.length_buckets or default_length_buckets(max_len)
@@ -465,7 +466,8 @@ class Engine:
                          f"no stop token (window {window}): a bug, please report it")
     gen = generation_of(out.seq[0], out.accept_lens, out.is_cycle, out.verified, forwards, n,
                         n_gen, self.stop_ids, max_new_tokens, block_size, prefill_s, decode_s,
-                        probs, features, plain_start=plain)
+                        probs, features, plain_start=plain,
+                        policy_block_size=block_size if isinstance(req.block_size, str) else None)
     self.request_done(gen)
     return gen
 

@@ -117,6 +117,7 @@ class _Staged:
   probs: list[float] | None
   decode_s: float = 0.0
   route: _Route | None = None  # set once its block size is known (`Scheduler._route`)
+  policy_block_size: int | None = None  # a learned size's pick (`Scheduler._learned_bucket`)
 
 
 class _Bucket:
@@ -212,6 +213,22 @@ class Scheduler:
       self._routes[id(req)] = _Route(1, (0, 0)) if plain else _Route(block_size, start)
     return self._routes[id(req)]
 
+  def _learned_bucket(self, picked: int) -> int:
+    """The block size a request whose policy `picked` a size decodes with: in a batch
+    (`Engine.join_learned`) the speculative bucket that holds or awaits the most requests (its
+    pick on a tie, else the larger), its pick where none does or alone. Its route then applies
+    the start rule to that size (`_route`: drafting, or the plain bucket)."""
+    if not self.engine.join_learned:
+      return picked
+    load = {b: len(q) for b, q in self.ready.items() if b > 1}
+    for b, bucket in self.buckets.items():
+      if b > 1:
+        load[b] = load.get(b, 0) + bucket.live()
+    most = max(load.values(), default=0)
+    if most == 0 or load.get(picked, 0) == most:
+      return picked
+    return max(b for b, n in load.items() if n == most)
+
   def _may_take(self, req: BatchRequest, block_size: int) -> bool:
     """Whether queued `req` may take a slot of this bucket: its route's (once decided), else
     its own block size's or, where plain starts may route it, the plain bucket's; any for a
@@ -259,6 +276,9 @@ class Scheduler:
       req = self.queue.popleft()
       buffers = self.pool.pop() if self.pool else self.engine.staging_buffers()
       staged = _Staged(req, *self.engine.stage(req, sampling_params(*req.sampling), buffers))
+      if isinstance(req.block_size, str):
+        staged.policy_block_size = staged.block_size
+        staged.block_size = self._learned_bucket(staged.block_size)
       staged.route = self._route(req, staged.block_size)
       self._routes.pop(id(req), None)
       try:
@@ -360,7 +380,8 @@ class Scheduler:
     return generation_of(seq, accept, is_cycle, verified, forwards, n, n_gen,
                          self._stop_ids(req), req.max_new_tokens, staged.block_size,
                          staged.prefill_s, staged.decode_s, staged.probs,
-                         plain_start=staged.route.bucket != staged.block_size)
+                         plain_start=staged.route.bucket != staged.block_size,
+                         policy_block_size=staged.policy_block_size)
 
   # -- driving it ---------------------------------------------------------------------------
   def submit(self, req: BatchRequest) -> None:
