@@ -42,7 +42,9 @@ common.define_flags("target", "drafter", "block_size", "max_new_tokens", "max_le
 flags.DEFINE_string("policy", "demo/policy", "Block-size policy folder (method 'learned').")
 flags.DEFINE_string("batch_sizes", "1,4,16", "Comma-separated batch sizes B.")
 flags.DEFINE_string("methods", "ar,spec,learned", "Methods: ar, spec (fixed --block_size), "
-                    "learned (the policy's size per request).")
+                    "learned (the policy's size per request; in a batch, the picks share the "
+                    "bucket holding the most requests), learned_split (each pick in its own "
+                    "bucket: BatchOptions.join_learned=False).")
 flags.DEFINE_integer("sync_cycles", 16, "Cycles between the host's slot refills (B > 1).")
 flags.DEFINE_string("out", "out/batch_decode", "Output folder (JSON, Markdown, PNG).")
 FLAGS = flags.FLAGS
@@ -71,19 +73,23 @@ def main(_):
   methods = [m for m in FLAGS.methods.split(",") if m]
   sizes = [int(b) for b in FLAGS.batch_sizes.split(",") if b]
   policy = sizes_of_policy = None
-  if "learned" in methods:
+  if {"learned", "learned_split"} & set(methods):
     policy, info = load_policy(FLAGS.policy)
     sizes_of_policy = tuple(info.block_sizes)
   buckets = tuple(sorted({1, FLAGS.block_size} | set(sizes_of_policy or ())))
-  engines = {B: Engine(target, stop_ids=stop_ids, drafter=drafter, policy=policy,
-                       policy_sizes=sizes_of_policy or (),
-                       shapes=ShapeOptions(max_len=FLAGS.max_len, block_sizes=buckets),
-                       batching=BatchOptions(batch_size=B, sync_cycles=FLAGS.sync_cycles))
-             for B in sizes}
-  size_of = {"ar": 1, "spec": FLAGS.block_size, "learned": LEARNED}
+  engine = lambda B, join: Engine(
+      target, stop_ids=stop_ids, drafter=drafter, policy=policy,
+      policy_sizes=sizes_of_policy or (),
+      shapes=ShapeOptions(max_len=FLAGS.max_len, block_sizes=buckets),
+      batching=BatchOptions(batch_size=B, sync_cycles=FLAGS.sync_cycles, join_learned=join))
+  engines = {B: engine(B, True) for B in sizes}
+  split = {B: engine(B, False) for B in sizes if "learned_split" in methods and B > 1}
+  engine_of = lambda B, m: split[B] if m == "learned_split" and B in split else engines[B]
+  size_of = {"ar": 1, "spec": FLAGS.block_size, "learned": LEARNED, "learned_split": LEARNED}
   # Compile and warm every (B, method) on two prompts (untimed).
-  for B, eng in tqdm(engines.items(), desc="compiling"):
+  for B in tqdm(sizes, desc="compiling"):
     for m in methods:
+      eng = engine_of(B, m)
       _pass_two = (prompts[:2] if B == 1 else prompts[:B])
       if B == 1:
         for p in _pass_two:
@@ -95,7 +101,7 @@ def main(_):
   for r in tqdm(range(FLAGS.repeats), desc="timed passes"):
     random.Random(r).shuffle(order)
     for B, m in order:
-      gens, wall = _pass(engines[B], prompts, size_of[m])
+      gens, wall = _pass(engine_of(B, m), prompts, size_of[m])
       runs[(B, m)].append((wall, gens, peak_rss_mb()))
   rows = []
   for (B, m), reps in runs.items():
@@ -111,6 +117,7 @@ def main(_):
         "tau": round(sum(taus) / len(taus), 3) if taus else None,
         "identical_to_first_batch_size": sum(g.output_ids == h.output_ids
                                              for g, h in zip(gens, ref)),
+        "block_sizes_used": used,
         "slot_mb": round(sum(_slot_mb(engines[B], b) for b in used), 2),
         "slot_mb_per_request": round(sum(_slot_mb(engines[B], b) for b in used) / B, 3),
         "peak_rss_mb": rss, "wall_s": round(wall, 3)})
