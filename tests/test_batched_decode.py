@@ -174,6 +174,13 @@ def test_learned_policy_in_batches(models, stop_id, single, join):
   else:
     assert used != picks and len(set(used)) < len(set(picks)), (used, picks)
     assert used[1] == used[0]  # the second request joined the first's bucket
+    # A busier bucket of a size the policy does not pick (2, a fixed request's) is never
+    # joined: a learned request's room was checked for the policy's sizes only.
+    mixed = [2, 2, LEARNED, 2, LEARNED, LEARNED]
+    outs = many.generate_batch(prompts[:6], max_new_tokens=max_news[:6], block_size=mixed)
+    for i, g in enumerate(outs):
+      assert g.block_size == 2 if mixed[i] == 2 else g.block_size in (1, 4, 6), (i, g.block_size)
+    assert [g.output_ids for g in outs] == [g.output_ids for g in alone[:6]]
 
 
 def test_continuous_batching_refills_slots_in_arrival_order(models, stop_id):
