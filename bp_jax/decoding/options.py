@@ -70,8 +70,8 @@ class BatchOptions:
   costs the same with idle slots, so a tail of 2 requests in 8 slots paid for 8. No effect
   with sync_cycles 0 (a static batch runs to its end in one call);
   join_learned: a request whose block size the policy picks (`LEARNED`) decodes in the
-  bucket that holds or awaits the most requests, its policy's own size only when no bucket
-  does (`Scheduler._learned_bucket`): each bucket's calls compute all its slots, so requests
+  bucket of the policy's sizes that holds or awaits the most requests, its policy's own size
+  only when no such bucket does (`Scheduler._learned_bucket`): each bucket's calls compute all its slots, so requests
   spread over 3 sizes ran 3 half-empty loops by turns (`python decode.py
   --config.batch_size=4`: 0.44x plain decoding); the per-cycle controller still chooses how
   many drafts each cycle verifies. The policy's pick stays in `Generation.policy_block_size`.
