@@ -17,7 +17,8 @@ from bp_jax.text.tokenizer import tokenizer_size
 def record_of(i: int, prompt, g: Generation, tok, block_policy: str = "fixed") -> dict:
   """One output line. `block_size`: the bucket it decoded in; `policy_block_size`: a learned
   policy's pick (a batch may decode it in the bucket holding the most requests,
-  `BatchOptions.join_learned`); `acceptance_lengths`: committed tokens per speculative cycle (τ's terms);
+  `BatchOptions.join_learned`); `acceptance_lengths`: committed tokens per speculative cycle
+  (τ's terms);
   `forward_lengths` / `forward_is_cycle` / `forward_verified`: every target forward of the loop
   in order, AR steps of the fallback included (`forward_verified`: k + 1 after a drafter pass
   whose k drafts it verified, 0 without one); `verified_histogram`: drafts verified (k) -> how

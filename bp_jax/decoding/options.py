@@ -71,11 +71,11 @@ class BatchOptions:
   with sync_cycles 0 (a static batch runs to its end in one call);
   join_learned: a request whose block size the policy picks (`LEARNED`) decodes in the
   bucket of the policy's sizes that holds or awaits the most requests, its policy's own size
-  only when no such bucket does (`Scheduler._learned_bucket`): each bucket's calls compute all its slots, so requests
-  spread over 3 sizes ran 3 half-empty loops by turns (`python decode.py
-  --config.batch_size=4`: 0.44x plain decoding); the per-cycle controller still chooses how
-  many drafts each cycle verifies. The policy's pick stays in `Generation.policy_block_size`.
-  No effect at batch_size 1."""
+  only when no such bucket does (`Scheduler._learned_bucket`): each bucket's calls compute
+  all its slots, so requests spread over 3 sizes ran 3 half-empty loops by turns (`python
+  decode.py --config.batch_size=4`: 0.44x plain decoding); the per-cycle controller still
+  chooses how many drafts each cycle verifies. The policy's pick stays in
+  `Generation.policy_block_size`. No effect at batch_size 1."""
   batch_size: int = 1
   sync_cycles: int = 16
   shrink: bool = True
