@@ -300,10 +300,11 @@ def intervals(groups: dict[str, list[list[Generation]]], methods: list[str],
               batched: bool) -> dict:
   """The speedups of `method_pairs` (each method's over AR, and the `PAIRS` that ran) of the
   fastest decodes, with 95% paired bootstrap intervals over the requests decoded alone, or
-  over the groups when `batched`: a group's requests ran in the same loop calls, in the same repeat, so they share that run's
-  luck on a machine whose speed moves between runs; resampling them one by one as if
-  independent gave intervals too narrow to trust (batch 8, T = 1: 0.851x [0.835, 0.868] in the
-  table, 0.970x per loop call measured another way; docs/results/controller.md)."""
+  over the groups when `batched`: a group's requests ran in the same loop calls, in the same
+  repeat, so they share that run's luck on a machine whose speed moves between runs;
+  resampling them one by one as if independent gave intervals too narrow to trust (batch 8,
+  T = 1: 0.851x [0.835, 0.868] in the table, 0.970x per loop call measured another way;
+  docs/results/controller.md)."""
   if batched:
     fig = lambda m: ([sum(g.new_tokens for g in grp) for grp in groups[m]],
                      [sum(g.decode_s for g in grp) for grp in groups[m]])
