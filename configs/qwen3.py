@@ -127,7 +127,8 @@ def get_config() -> ml_collections.ConfigDict:
   # compiled loop per size used); false = every call computes all batch_size slots.
   c.shrink_batches = True
   # In a batch, a request whose block size the policy picks (block_policy=learned) decodes in
-  # the bucket holding the most requests (its pick only when none does): every bucket's calls
+  # the bucket of the policy's sizes holding the most requests (its pick only when none does;
+  # bucket sizes outside the policy's are never joined): every bucket's calls
   # compute all its slots, so picks spread over several sizes ran several half-empty loops by
   # turns. false = each request in its pick's bucket.
   c.join_learned_sizes = True

@@ -186,7 +186,7 @@ def print_summary(s: dict) -> None:
           *([("block policy", s["block_policy"]), ("block sizes used", s["block_sizes_used"])]
             if spec else []),
           *([("block sizes the policy picked", f"{s['block_sizes_picked']} (a batch decodes "
-              "them in the bucket holding the most requests)")]
+              "them in the busiest bucket of the policy's sizes)")]
             if spec and s.get("block_sizes_picked")
             and s["block_sizes_picked"] != s["block_sizes_used"] else []),
           *([("verify-length controller", s.get("controller", "-"))] if spec else []),
