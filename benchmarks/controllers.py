@@ -44,7 +44,10 @@ Methods (`--methods`, comma-separated):
   ar_full, priced_default_full
                     ar and priced_default whose batched calls always compute all --batch_size
                     slots (`BatchOptions.shrink=False`); the others run a batch's tail in
-                    fewer slots once no request waits (`Scheduler`), as decode.py does.
+                    fewer slots once no request waits (`Scheduler`), as decode.py does;
+  ar_twin           a second engine identical to ar, interleaved like any method: its ratio
+                    to ar and that ratio's interval are what two identical programs read on
+                    this machine in this run (the noise floor of every other row's interval).
 
 With --batch_size B > 1 every method decodes the prompts in groups of --group_size consecutive
 prompts (default 4B; the same groups for every method, interleaved per group), each group
@@ -72,6 +75,23 @@ evaluation half docs/results/controller.md uses). Example:
 
   python -m benchmarks.controllers --num_prompts 24 --repeats 3 --out /tmp/controllers
 
+Model shapes (`--shape`): the demo's models on HumanEval prompts (the default, ''), or random
+bf16 weights of a Qwen3 shape of benchmarks/accelerator.py (`4b`: Qwen3-4B with its z-lab
+DFlash drafter's shape; `tiny` for tests) on `--num_prompts` random prompts of `--prompt_len`
+tokens. Random weights have no drafter worth the name, so there every speculative method drafts
+the SIMULATED acceptance profile of benchmarks/accelerator.py (mean τ `--sim_tau` at b = 16):
+the target's own greedy continuation, decoded once by AR, with one wrong token where each drawn
+acceptance ends (`accelerator.simulated_continuation` at --block_size, the same tokens for
+every method), given as forced drafts (the drafter's full pass is still paid). Cycles that
+start elsewhere than the fixed-size loop's meet the same wrong tokens, so every method sees one
+fixed continuation; a forced request never takes a plain start (`Engine.starts_plain`), its
+start rule still starts it deep in the speculative loop. T = 0 only. This is issue 19's
+accelerator row: on a device, where a long verify costs about one AR step, the default's
+choices (the verify-length histogram, its break-even) should move to long verifies. Example:
+
+  python -m benchmarks.controllers --shape 4b --block_size 16 --num_prompts 16 \
+    --methods none,priced_default,ar_twin --repeats 2 --batch_size 1 --out out/ctl_4b_b1
+
 At T > 0 (`--temperature`, `--top_k`) prompt i is sampled with seed i by every method; under
 `--verify exact` (the default) every method then gives AR's tokens for that seed, which the
 `same as AR` column checks. Under `--verify rejection` the tokens depend on the path decoding
@@ -85,12 +105,14 @@ then not required to agree, and the repeat kept is the one fastest per new token
 
 from __future__ import annotations
 
+import collections
 import os
+from typing import NamedTuple
 
 import numpy as np
 from absl import flags
 
-from benchmarks import common
+from benchmarks import accelerator, common
 from bp_jax import cli
 from bp_jax.decoding import controller as control
 from bp_jax.decode_job.compare import check_repeats_agree
@@ -104,7 +126,7 @@ from bp_jax.errors import BadInputError
 METHODS = ("ar", "none", "backoff", "confidence_1step", "confidence", "confidence_poor",
            "confidence_cal", "confidence_cal_poor", "priced", "priced_online", "priced_long",
            "priced_default", "priced_default_noplain", "priced_default_every8", "ar_full",
-           "priced_default_full")
+           "priced_default_full", "ar_twin")
 
 common.define_flags("target", "drafter", "dtype", "max_len", "max_new_tokens", "block_size",
                     num_prompts=24, repeats=3,
@@ -140,6 +162,13 @@ flags.DEFINE_integer("top_k", 0, "top-k of the sampling at T > 0 (0 = the whole 
 flags.DEFINE_enum("verify", "exact", ["exact", "rejection"], "verify rule of the speculative "
                   "methods: exact keeps the target's own draw (AR's tokens for a seed), "
                   "rejection samples the target's distribution with other tokens")
+flags.DEFINE_enum("shape", "", ["", *accelerator.SHAPES], "'' = the demo's models on HumanEval "
+                  "prompts; else random bf16 weights of that shape (benchmarks/accelerator.py) "
+                  "on random prompts, every speculative method drafting the SIMULATED "
+                  "acceptance profile (--sim_tau)")
+flags.DEFINE_integer("prompt_len", 128, "--shape: tokens per random prompt")
+flags.DEFINE_float("sim_tau", 6.5, "--shape: mean τ at b = 16 of the SIMULATED acceptance "
+                   "profile (benchmarks/accelerator.py)")
 flags.DEFINE_string("cost_cache", "default", "folder caching measured costs ('default' = "
                     "~/.cache/bp_jax/costs, '' = measure every run)")
 FLAGS = flags.FLAGS
@@ -158,6 +187,8 @@ def loop_method(method: str) -> str:
   priced_default_every8: priced_default's, its start rule set in `main`)."""
   if method == "priced_default_every8":
     return "priced_default"
+  if method == "ar_twin":
+    return "ar"
   return method[:-len("_full")] if method.endswith("_full") else method
 
 
@@ -216,13 +247,69 @@ def method_figures(gens: list[Generation], ar_gens: list[Generation], costs: dic
           "mean_verified_drafts": round(float(np.mean(verified)), 4) if verified else None,
           "drafter_passes": len(verified), "target_forwards": len(lengths),
           "plain_starts": sum(g.plain_start for g in gens),
+          "verify_lengths": verify_lengths(gens),
           "cycles": sum(g.cycles for g in gens), "ar_steps": sum(g.ar_steps for g in gens),
           # The cost table's estimate of this decode in AR steps per committed token.
           "est_cost_per_token": round(units / max(sum(lengths), 1), 4),
           "identical_to_ar": sum(g.output_ids == a.output_ids for g, a in zip(gens, ar_gens))}
 
 
-def controller_costs(target, drafter) -> tuple[dict, str]:
+class Setup(NamedTuple):
+  """What every method decodes: the models, the prompts ((key, token ids)), the stop ids and
+  the engines' static shapes (cache length, prompt length buckets: None for the defaults)."""
+  target: object
+  drafter: object
+  prompts: list[tuple[str, list[int]]]
+  stop_ids: tuple[int, ...]
+  max_len: int
+  length_buckets: tuple[int, ...] | None
+  label: str  # how the report names the prompts
+
+
+def load_setup() -> Setup:
+  """The demo's models on HumanEval prompts, or with --shape random weights of that shape on
+  random prompts (see the module doc)."""
+  if not FLAGS.shape:
+    target, drafter, tok, stop_ids = common.load_models(FLAGS)
+    return Setup(target, drafter, common.demo_prompts(tok, FLAGS.half, limit=FLAGS.num_prompts),
+                 tuple(stop_ids), FLAGS.max_len, None, f"HumanEval {FLAGS.half}-half prompts")
+  if FLAGS.temperature > 0:
+    raise BadInputError(f"--shape={FLAGS.shape}: the simulated drafts are greedy; give "
+                        "--temperature=0")
+  if FLAGS.prompt_len < 1 or FLAGS.num_prompts < 0:
+    raise BadInputError("--prompt_len must be >= 1 and --num_prompts >= 0")
+  target, drafter = accelerator.build_models(accelerator.SHAPES[FLAGS.shape],
+                                             accelerator.Options.residual_scale, seed=0)
+  rng = np.random.default_rng(0)
+  V = target.cfg.vocab_size
+  prompts = [(f"random:{i}", [int(t) for t in rng.integers(0, V, FLAGS.prompt_len)])
+             for i in range(FLAGS.num_prompts or 16)]
+  return Setup(target, drafter, prompts, (), FLAGS.prompt_len + FLAGS.max_new_tokens +
+               FLAGS.block_size, (FLAGS.prompt_len,),
+               f"random {FLAGS.prompt_len}-token prompts ({FLAGS.shape} shapes, SIMULATED "
+               f"drafts: tau {FLAGS.sim_tau:g} at b=16)")
+
+
+def simulated_drafts(ar_engine: Engine, setup: Setup) -> dict[str, list[int]]:
+  """Each prompt key's forced drafts under --shape: its greedy continuation (decoded once by
+  `ar_engine`) with one wrong token where each drawn acceptance ends (module doc)."""
+  probs = accelerator.stretched_profile(accelerator.demo_survival(), FLAGS.sim_tau)
+  rng = np.random.default_rng(1)
+  gens = ar_engine.generate_batch([ids for _, ids in setup.prompts],
+                                  max_new_tokens=FLAGS.max_new_tokens, block_size=1)
+  return {key: accelerator.simulated_continuation(g.output_ids, FLAGS.block_size, probs,
+                                                  setup.target.cfg.vocab_size, rng)[0]
+          for (key, _), g in zip(setup.prompts, gens)}
+
+
+def verify_lengths(gens: list[Generation]) -> dict[str, int]:
+  """Target forwards by what they verified: "ar" (an AR step, no drafter pass) and "k=n" (n
+  drafts after a drafter pass), in that order."""
+  n = collections.Counter(v for g in gens for v in g.forward_verified)
+  return {("ar" if v == 0 else f"k={v - 1}"): c for v, c in sorted(n.items())}
+
+
+def controller_costs(target, drafter, max_len: int) -> tuple[dict, str]:
   """(the confidence methods' cost fields, "given" | "measured" | "cached"): the flags' costs,
   or those measured once on this machine at b = --block_size, --batch_size rows."""
   given = bool(FLAGS.controller_costs), FLAGS.controller_draft_cost >= 0
@@ -231,8 +318,7 @@ def controller_costs(target, drafter) -> tuple[dict, str]:
       raise BadInputError("--controller_costs and --controller_draft_cost: give both or neither")
     return {"controller_costs": control.parse_costs(FLAGS.controller_costs, "--controller_costs"),
             "controller_draft_cost": FLAGS.controller_draft_cost}, "given"
-  measured, hit = forward_costs(target, drafter, FLAGS.batch_size, FLAGS.block_size,
-                                FLAGS.max_len,
+  measured, hit = forward_costs(target, drafter, FLAGS.batch_size, FLAGS.block_size, max_len,
                                 cache_dir=FLAGS.cost_cache)
   print(f"  {measured.describe()}")
   table, draft = measured.relative()
@@ -240,15 +326,19 @@ def controller_costs(target, drafter) -> tuple[dict, str]:
           "cached" if hit else "measured")
 
 
-def decode_group(engine: Engine, group: list, block_size: int, first: int) -> list[Generation]:
+def decode_group(engine: Engine, group: list, block_size: int, first: int,
+                 forced: dict[str, list[int]] | None = None) -> list[Generation]:
   """One group of prompts decoded by `engine`: one request alone, or a batch; the group's
   prompts are prompts `first`, `first` + 1, ... of the run, each sampled with its index as
-  seed (every method alike)."""
+  seed (every method alike); `forced`: each prompt key's forced drafts (None: the drafter's)."""
   kw = dict(max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature,
             top_k=FLAGS.top_k, block_size=block_size)
+  conts = None if forced is None else [forced[key] for key, _ in group]
   if len(group) == 1:
-    return [engine.generate(group[0][1], seed=first, **kw)]
-  return engine.generate_batch([ids for _, ids in group], seeds=first, **kw)
+    return [engine.generate(group[0][1], seed=first, **kw,
+                            forced_continuation=None if conts is None else conts[0])]
+  return engine.generate_batch([ids for _, ids in group], seeds=first, **kw,
+                               forced_continuations=conts)
 
 
 def seconds_per_token(gens: list[Generation]) -> float:
@@ -321,13 +411,14 @@ def main(_):
   if FLAGS.group_size and FLAGS.group_size < FLAGS.batch_size:
     raise BadInputError(f"--group_size={FLAGS.group_size}: give 0 (4 x --batch_size) or at "
                         f"least --batch_size={FLAGS.batch_size}")
-  target, drafter, tok, stop_ids = common.load_models(FLAGS)
-  prompts = common.demo_prompts(tok, FLAGS.half, limit=FLAGS.num_prompts)
-  costs, source = controller_costs(target, drafter)
+  setup = load_setup()
+  target, drafter, prompts = setup.target, setup.drafter, setup.prompts
+  costs, source = controller_costs(target, drafter, setup.max_len)
   print(f"  controller costs ({source}): verify {costs['controller_costs']}, drafter "
         f"{costs['controller_draft_cost']}", flush=True)
-  engines = {m: Engine(target, stop_ids=stop_ids, drafter=drafter,
-                       shapes=ShapeOptions(max_len=FLAGS.max_len,
+  engines = {m: Engine(target, stop_ids=setup.stop_ids, drafter=drafter,
+                       shapes=ShapeOptions(max_len=setup.max_len,
+                                           length_buckets=setup.length_buckets,
                                            block_sizes=(1, FLAGS.block_size)),
                        loop=LoopOptions(**engine_options(m, costs)),
                        batching=BatchOptions(batch_size=FLAGS.batch_size,
@@ -337,6 +428,8 @@ def main(_):
     starts = engines["priced_default_every8"].starts
     starts.batch_explore_max = starts.batch_explore_every
   size = {m: 1 if loop_method(m) == "ar" else FLAGS.block_size for m in methods}
+  sim = simulated_drafts(engines["ar"], setup) if FLAGS.shape else None
+  forced = {m: None if size[m] == 1 else sim for m in methods}
   # Outputs that do not depend on the path decoding takes (greedy, or `exact` at T > 0): every
   # repeat must give the same tokens. Under `rejection` at T > 0 a method whose choices follow
   # timings (priced_online) draws other tokens, from the same distribution, on another repeat.
@@ -349,11 +442,14 @@ def main(_):
   means: dict[str, list[tuple[int, float]]] = {m: [] for m in methods}
   # Requests that took the speculative loop (not a plain start), over every repeat.
   drafted = {m: 0 for m in methods if loop_method(m) != "ar"}
+  # Per method and group, each repeat's (new tokens, decode seconds, requests that drafted), in
+  # the order run: the pairs of one repeat ran next to each other.
+  per_repeat: dict[str, list[list[list]]] = {m: [] for m in methods}
   for i, group in enumerate(groups):
     runs: dict[str, list[list[Generation]]] = {m: [] for m in methods}
     for _ in range(FLAGS.repeats):
       for m in method_order(methods, i):
-        runs[m].append(decode_group(engines[m], group, size[m], i * G))
+        runs[m].append(decode_group(engines[m], group, size[m], i * G, forced[m]))
     for m in methods:
       if path_free:
         for j in range(len(group)):
@@ -362,6 +458,9 @@ def main(_):
       if m in drafted:
         drafted[m] += sum(not g.plain_start for run in runs[m] for g in run)
       means[m].append(mean_of_repeats(runs[m]))
+      per_repeat[m].append([[sum(g.new_tokens for g in r), round(sum(g.decode_s for g in r), 5),
+                             sum(not g.plain_start and g.drafter_passes > 0 for g in r)]
+                            for r in runs[m]])
     print(f"  {i + 1}/{len(groups)} {', '.join(k for k, _ in group)}", flush=True)
   flat = {m: [g for grp in best[m] for g in grp] for m in methods}
   rows = {m: method_figures(flat[m], flat["ar"], costs) for m in methods}
@@ -371,7 +470,7 @@ def main(_):
     r["speedup_vs_ar"] = round(r["decode_tokens_per_s"] / ar_rate, 3)
   sampling = (f"T={FLAGS.temperature:g}" + (f", top_k {FLAGS.top_k}" if FLAGS.top_k else "") +
               f", verify {FLAGS.verify}" if FLAGS.temperature > 0 else "T=0")
-  print(f"\n  {len(prompts)} HumanEval {FLAGS.half}-half prompts, {sampling}, "
+  print(f"\n  {len(prompts)} {setup.label}, {sampling}, "
         f"{FLAGS.max_new_tokens} new tokens, b={FLAGS.block_size}, batch {B}"
         f"{f' (groups of {G} streamed)' if B > 1 else ''}, fastest of "
         f"{FLAGS.repeats}, interleaved (alternating order)")
@@ -383,9 +482,13 @@ def main(_):
     print(f"  {m:<17}{r['decode_tokens_per_s']:>9,.0f}{r['speedup_vs_ar']:>6.2f}x"
           f"{fmt(r['tau_per_cycle'], '.2f'):>10}{fmt(r['tokens_per_forward'], '.2f'):>8}"
           f"{fmt(r['mean_verified_drafts'], '.2f'):>7}{r['drafter_passes']:>7}"
-          f"{r['ar_steps']:>9}{r['plain_starts'] if m != 'ar' else '-':>6}"
+          f"{r['ar_steps']:>9}{r['plain_starts'] if loop_method(m) != 'ar' else '-':>6}"
           f"{r['est_cost_per_token']:>13.3f}"
           f"{r['identical_to_ar']:>8}/{len(prompts)}")
+  for m, r in rows.items():
+    if m != "ar" and r["verify_lengths"]:
+      print(f"  {m} target forwards by verify length: "
+            + ", ".join(f"{k} {c}" for k, c in r["verify_lengths"].items()))
   resampled = (f"{len(groups)} group{'s' if len(groups) != 1 else ''} of up to {G} requests"
                if B > 1 else f"{len(prompts)} requests")
   print(f"  speedups, 95% paired bootstrap intervals over {resampled}:")
@@ -398,7 +501,7 @@ def main(_):
       ci = "(one unit: no interval)" if c["lo"] is None else f"[{c['lo']:.3f}, {c['hi']:.3f}]"
       print(f"    {pair:<20}{c['ratio']:.3f}x {ci}")
   if drafted:
-    print(f"  requests that drafted (not a plain start), every repeat: "
+    print("  requests that drafted (not a plain start), every repeat: "
           + ", ".join(f"{m} {n}/{len(prompts) * FLAGS.repeats}" for m, n in drafted.items()))
   slot_use = {m: engines[m].slot_use for m in methods if engines[m].slot_use is not None}
   if slot_use:  # batches: the idle slots (e.g. each group's tail) cost as much as busy ones
@@ -421,7 +524,10 @@ def main(_):
               "intervals_mean_of_repeats": mean_cis,
               "ar_fallback_accept": FLAGS.ar_fallback_accept, "methods": rows,
               "controller_costs": {**costs, "source": source}, "cost_estimates": online,
-              "slot_use": slot_use, "drafted_every_repeat": drafted}
+              "slot_use": slot_use, "drafted_every_repeat": drafted,
+              "shape": FLAGS.shape or "demo", "prompt_set": setup.label,
+              "sim_tau": FLAGS.sim_tau if FLAGS.shape else None,
+              "repeats_per_group": per_repeat}
     common.write_json(os.path.join(FLAGS.out, "controllers.json"), report, indent=1)
     print(f"  wrote {os.path.join(FLAGS.out, 'controllers.json')}")
 

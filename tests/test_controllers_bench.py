@@ -45,3 +45,43 @@ def test_sampled_comparison_gives_ar_tokens_for_each_seed(tmp_path):
   assert report["cost_estimates"]["priced_online"]["by_batch_size"]["2"]["calls"] >= 1
   # priced_online has no start rule: every request of every repeat drafted
   assert report["drafted_every_repeat"] == {"priced_online": 3 * report["repeats"]}
+
+
+def test_simulated_drafts_at_a_model_shape_with_an_identical_twin(tmp_path):
+  """--shape: random weights of a Qwen3 shape (here the tiny test shape), every speculative
+  method drafting the SIMULATED acceptance profile as forced drafts: issue 19's accelerator
+  row. Every method still gives AR's tokens; the report says which verify lengths each ran,
+  and ar_twin (an engine identical to ar) gives the run's noise floor."""
+  out = tmp_path / "bench"
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
+  proc = subprocess.run(
+      [sys.executable, "-m", "benchmarks.controllers", "--shape=tiny", "--prompt_len=16",
+       "--num_prompts=3", "--repeats=2", "--max_new_tokens=20", "--block_size=4",
+       "--methods=none,priced_default,ar_twin", "--batch_size=2", "--group_size=2",
+       f"--cost_cache={tmp_path / 'costs'}", "--bootstrap_reps=50", f"--out={out}"],
+      cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert ("3 random 16-token prompts (tiny shapes, SIMULATED drafts: tau 6.5 at b=16), T=0"
+          in proc.stdout)
+  report = json.loads((out / "controllers.json").read_text())
+  assert (report["shape"], report["sim_tau"]) == ("tiny", 6.5)
+  for name, row in report["methods"].items():
+    assert row["identical_to_ar"] == 3, name
+  # the paper's loop drafts the simulated profile (τ 2.8 at b = 4), not the random drafter's
+  # guesses (τ about 1)
+  assert report["methods"]["none"]["tau_per_cycle"] > 2
+  spec = report["methods"]["priced_default"]
+  assert spec["drafter_passes"] > 0
+  lengths = spec["verify_lengths"]
+  assert sum(lengths.values()) == spec["target_forwards"] and lengths.get("k=3", 0) > 0
+  assert report["methods"]["ar_twin"]["verify_lengths"] == {"ar": sum(
+      report["methods"]["ar_twin"]["verify_lengths"].values())}
+  assert "priced_default target forwards by verify length:" in proc.stdout
+  assert set(report["intervals"]) == {"none/ar", "priced_default/ar", "ar_twin/ar"}
+  assert report["intervals"]["ar_twin/ar"]["lo"] is not None  # 2 groups: an interval
+  # each group's repeats, in the order run: (new tokens, seconds, requests that drafted)
+  groups = report["repeats_per_group"]
+  assert len(groups["ar"]) == 2 and all(len(g) == 2 for g in groups["ar"])
+  assert all(rep[2] == 0 for g in groups["ar_twin"] for rep in g)
+  assert ([rep[0] for rep in groups["priced_default"][0]]
+          == [rep[0] for rep in groups["ar"][0]])  # the same tokens, every repeat

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The default's verify-length choice at Qwen3-4B shapes on an accelerator: issue 19's device
+# rows, one short call. benchmarks/controllers.py --shape 4b (random bf16 weights; every
+# speculative method drafts the SIMULATED acceptance profile, mean τ 6.5 at b = 16) at batch 1,
+# 8, 4 and 16, each batch size its own process under a time limit so that the rows done come
+# back when a later one runs out. Methods: our AR, the paper's loop at b = 16 (none), the default
+# (priced_default) and an engine identical to AR (ar_twin: the run's noise floor).
+#
+#   bash benchmarks/accelerator_choice.sh [seconds per batch size, default 130]
+#
+# Writes ${OUT:-out}/accelerator_choice/B<batch>/{controllers.json,log.txt}. SHAPE=tiny runs the
+# same at the test shape (a CPU smoke run); programs are cached in $JAX_COMPILATION_CACHE_DIR
+# (ar_twin's are ar's).
+set -uo pipefail
+limit=${1:-130}
+shape=${SHAPE:-4b}
+root=${OUT:-out}/accelerator_choice
+export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/bp_jax_jax_cache}
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null || true
+for B in 1 8 4 16; do
+  mkdir -p "$root/B$B"
+  prompts=$(( B == 1 ? 12 : 4 * B ))
+  start=$(date +%s)
+  timeout "$limit" python -m benchmarks.controllers --shape "$shape" --block_size 16 \
+    --prompt_len 256 --max_new_tokens 128 --num_prompts "$prompts" --repeats 2 \
+    --batch_size "$B" --group_size "$B" --methods none,priced_default,ar_twin \
+    --cost_cache "" --out "$root/B$B" > "$root/B$B/log.txt" 2>&1
+  rc=$?
+  echo "batch $B: rc $rc in $(( $(date +%s) - start )) s"
+  sed -n '/ method /,$p' "$root/B$B/log.txt" | grep -v '^  wrote' | head -30
+done
