@@ -45,6 +45,10 @@ Methods (`--methods`, comma-separated):
                     ar and priced_default whose batched calls always compute all --batch_size
                     slots (`BatchOptions.shrink=False`); the others run a batch's tail in
                     fewer slots once no request waits (`Scheduler`), as decode.py does;
+  priced_default_nomove
+                    priced_default whose batched requests stay in their speculative bucket
+                    when its cycles keep missing (`BatchOptions.move_plain_after` = 0); the
+                    default's move to the plain AR bucket after 3 misses in a row;
   ar_twin           a second engine identical to ar, interleaved like any method: its ratio
                     to ar and that ratio's interval are what two identical programs read on
                     this machine in this run (the noise floor of every other row's interval).
@@ -126,7 +130,7 @@ from bp_jax.errors import BadInputError
 METHODS = ("ar", "none", "backoff", "confidence_1step", "confidence", "confidence_poor",
            "confidence_cal", "confidence_cal_poor", "priced", "priced_online", "priced_long",
            "priced_default", "priced_default_noplain", "priced_default_every8", "ar_full",
-           "priced_default_full", "ar_twin")
+           "priced_default_full", "ar_twin", "priced_default_nomove")
 
 common.define_flags("target", "drafter", "dtype", "max_len", "max_new_tokens", "block_size",
                     num_prompts=24, repeats=3,
@@ -185,7 +189,7 @@ def parse_methods(text: str) -> list[str]:
 def loop_method(method: str) -> str:
   """The method whose loop form `method` decodes with (a `_full` method: its base's;
   priced_default_every8: priced_default's, its start rule set in `main`)."""
-  if method == "priced_default_every8":
+  if method in ("priced_default_every8", "priced_default_nomove"):
     return "priced_default"
   if method == "ar_twin":
     return "ar"
@@ -247,6 +251,7 @@ def method_figures(gens: list[Generation], ar_gens: list[Generation], costs: dic
           "mean_verified_drafts": round(float(np.mean(verified)), 4) if verified else None,
           "drafter_passes": len(verified), "target_forwards": len(lengths),
           "plain_starts": sum(g.plain_start for g in gens),
+          "moved_plain": sum(g.moved_plain for g in gens),
           "verify_lengths": verify_lengths(gens),
           "cycles": sum(g.cycles for g in gens), "ar_steps": sum(g.ar_steps for g in gens),
           # The cost table's estimate of this decode in AR steps per committed token.
@@ -361,7 +366,7 @@ def mean_of_repeats(repeats: list[list[Generation]]) -> tuple[int, float]:
 PAIRS = (("priced", "backoff"), ("priced_online", "priced"), ("priced_long", "priced"),
          ("priced_default", "priced_online"), ("priced_default", "priced_default_full"),
          ("priced_default_full", "ar_full"), ("priced_default", "priced_default_noplain"),
-         ("priced_default", "priced_default_every8"))
+         ("priced_default", "priced_default_every8"), ("priced_default", "priced_default_nomove"))
 
 
 def method_pairs(methods: list[str]) -> list[tuple[str, str]]:
@@ -422,7 +427,9 @@ def main(_):
                                            block_sizes=(1, FLAGS.block_size)),
                        loop=LoopOptions(**engine_options(m, costs)),
                        batching=BatchOptions(batch_size=FLAGS.batch_size,
-                                             shrink=not m.endswith("_full")))
+                                             shrink=not m.endswith("_full"),
+                                             move_plain_after=0 if m.endswith("_nomove")
+                                             else BatchOptions.move_plain_after))
              for m in methods}
   if "priced_default_every8" in engines:
     starts = engines["priced_default_every8"].starts
@@ -442,8 +449,8 @@ def main(_):
   means: dict[str, list[tuple[int, float]]] = {m: [] for m in methods}
   # Requests that took the speculative loop (not a plain start), over every repeat.
   drafted = {m: 0 for m in methods if loop_method(m) != "ar"}
-  # Per method and group, each repeat's (new tokens, decode seconds, requests that drafted), in
-  # the order run: the pairs of one repeat ran next to each other.
+  # Per method and group, each repeat's (new tokens, decode seconds, requests that drafted,
+  # requests moved to the plain bucket), in the order run: one repeat's methods ran together.
   per_repeat: dict[str, list[list[list]]] = {m: [] for m in methods}
   for i, group in enumerate(groups):
     runs: dict[str, list[list[Generation]]] = {m: [] for m in methods}
@@ -459,7 +466,8 @@ def main(_):
         drafted[m] += sum(not g.plain_start for run in runs[m] for g in run)
       means[m].append(mean_of_repeats(runs[m]))
       per_repeat[m].append([[sum(g.new_tokens for g in r), round(sum(g.decode_s for g in r), 5),
-                             sum(not g.plain_start and g.drafter_passes > 0 for g in r)]
+                             sum(not g.plain_start and g.drafter_passes > 0 for g in r),
+                             sum(g.moved_plain for g in r)]
                             for r in runs[m]])
     print(f"  {i + 1}/{len(groups)} {', '.join(k for k, _ in group)}", flush=True)
   flat = {m: [g for grp in best[m] for g in grp] for m in methods}
@@ -493,13 +501,14 @@ def main(_):
                if B > 1 else f"{len(prompts)} requests")
   print(f"  speedups, 95% paired bootstrap intervals over {resampled}:")
   mean_cis = mean_speedups(means, methods)
+  width = max((len(p) for p in cis), default=0) + 2
   for label, table in (("fastest of each", cis), ("mean of the repeats", mean_cis)):
     if FLAGS.repeats < 2 and table is mean_cis:
       continue
     print(f"    ({label})")
     for pair, c in table.items():
       ci = "(one unit: no interval)" if c["lo"] is None else f"[{c['lo']:.3f}, {c['hi']:.3f}]"
-      print(f"    {pair:<20}{c['ratio']:.3f}x {ci}")
+      print(f"    {pair:<{width}}{c['ratio']:.3f}x {ci}")
   if drafted:
     print("  requests that drafted (not a plain start), every repeat: "
           + ", ".join(f"{m} {n}/{len(prompts) * FLAGS.repeats}" for m, n in drafted.items()))

@@ -132,6 +132,11 @@ def get_config() -> ml_collections.ConfigDict:
   # compute all its slots, so picks spread over several sizes ran several half-empty loops by
   # turns. false = each request in its pick's bucket.
   c.join_learned_sizes = True
+  # In a batch with the priced start's plain starts (controller_start_plain), a speculative
+  # bucket's requests move to the plain AR bucket mid-decode once their batch's cycles missed
+  # this many times in a row (where it has room; 0 = never): where drafting loses, a batch's
+  # explorers and first requests pay a few cycles, not a whole decode in a second bucket.
+  c.move_plain_after = 3
   c.seed = 0
   c.max_new_tokens = 128
   c.max_len = 1024           # cache slots per request: prompt + max_new_tokens + block_size - 1

@@ -267,7 +267,8 @@ def test_batched_loops_update_the_caches_in_place(models, stop_id):
 
 @pytest.mark.parametrize("kw, flag", [(dict(batch_size=0), "--config.batch_size"),
                                       (dict(batch_size=2.5), "--config.batch_size"),
-                                      (dict(sync_cycles=-1), "--config.sync_cycles")])
+                                      (dict(sync_cycles=-1), "--config.sync_cycles"),
+                                      (dict(move_plain_after=-1), "--config.move_plain_after")])
 def test_bad_batch_settings_name_the_parameter_and_the_flag(models, kw, flag):
   """The library names its parameter, the command line (`batch_options`) the flag."""
   target, _ = models

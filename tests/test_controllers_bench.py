@@ -79,7 +79,8 @@ def test_simulated_drafts_at_a_model_shape_with_an_identical_twin(tmp_path):
   assert "priced_default target forwards by verify length:" in proc.stdout
   assert set(report["intervals"]) == {"none/ar", "priced_default/ar", "ar_twin/ar"}
   assert report["intervals"]["ar_twin/ar"]["lo"] is not None  # 2 groups: an interval
-  # each group's repeats, in the order run: (new tokens, seconds, requests that drafted)
+  # each group's repeats, in the order run: (new tokens, seconds, requests that drafted,
+  # requests moved to the plain bucket)
   groups = report["repeats_per_group"]
   assert len(groups["ar"]) == 2 and all(len(g) == 2 for g in groups["ar"])
   assert all(rep[2] == 0 for g in groups["ar_twin"] for rep in g)

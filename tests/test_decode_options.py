@@ -247,7 +247,8 @@ def test_bad_batch_flags_are_refused_before_loading(cfg, field, value, flag):
 
 
 def test_batch_switches_must_be_bools():
-  """A config that is not a typed ConfigDict (whose bool field refuses other values itself)."""
+  """A config that is not a typed ConfigDict (whose typed fields refuse other values
+  themselves): the switches must be bools, move_plain_after an integer >= 0."""
   from bp_jax.decode_job.block_choice import batch_options
   assert batch_options({"batch_size": 4})["shrink"] is True
   assert batch_options({"batch_size": 4, "shrink_batches": False})["shrink"] is False
@@ -256,3 +257,8 @@ def test_batch_switches_must_be_bools():
   assert batch_options({"batch_size": 4})["join_learned"] is True
   with pytest.raises(BadInputError, match="--config.join_learned_sizes=1"):
     batch_options({"join_learned_sizes": 1})
+  assert batch_options({"batch_size": 4})["move_plain_after"] == 3
+  assert batch_options({"move_plain_after": 0})["move_plain_after"] == 0
+  for bad in (-1, True, 2.5, "3"):
+    with pytest.raises(BadInputError, match="--config.move_plain_after=.* integer >= 0"):
+      batch_options({"move_plain_after": bad})

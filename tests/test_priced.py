@@ -19,7 +19,7 @@ from bp_jax.decode_job.block_choice import loop_options
 from bp_jax.decoding import controller as control
 from bp_jax.decoding.controllers import Priced, controller_of
 from bp_jax.decoding.engine import Engine
-from bp_jax.decoding.options import LoopOptions
+from bp_jax.decoding.options import LoopOptions, ShapeOptions
 from bp_jax.errors import BadInputError
 from toy_models import toy_engine
 from toy_models import toy_requests as _requests
@@ -387,3 +387,43 @@ def test_batched_requests_that_would_start_deep_decode_in_the_plain_bucket(model
       assert (g.drafter_passes, g.cycles) == (0, 0) and g.ar_steps == g.target_forwards
   assert eng.compiled.counts["batch_spec_loop"] >= 1
   assert ("batch_ar_loop" in eng.compiled.counts) == (costs == "dearest")
+
+
+def test_a_batchs_requests_move_to_the_plain_bucket_where_its_cycles_keep_missing(models):
+  """Plain starts on, batch 3, the dearest costs (every cycle misses): the first requests draft
+  (no τ is known yet) and, once their batch missed 3 cycles in a row, move to the plain AR
+  bucket mid-decode (`BatchOptions.move_plain_after`): AR's very tokens, greedy and at T = 1
+  for each seed (exact), their drafted forwards counted as cycles and the plain loop's as AR
+  steps, fewer drafter passes than staying (move_plain_after = 0: none moves, and the rows
+  probe again after 8, 16, 32 AR steps). Under cheap
+  costs (an accelerator's) nothing misses and nothing moves."""
+  prompts, _ = _requests(6)
+  max_news = [70] * 6  # long enough for the probes after a deep back-off (8, 16, 32 AR steps)
+  ar = Engine(models[0], shapes=ShapeOptions(max_len=MAX_LEN, length_buckets=BUCKETS))
+  passes = {}
+  for T in (0.0, 1.0):
+    want = [ar.generate(p, max_new_tokens=m, temperature=T, top_k=20, seed=7 + i).output_ids
+            for i, (p, m) in enumerate(zip(prompts, max_news))]
+    for after in (3, 0):
+      eng = _engine(models, batch_size=3, move_plain_after=after, **DEAREST)
+      outs = eng.generate_batch(prompts, max_new_tokens=max_news, block_size=B, temperature=T,
+                                top_k=20, seeds=7)
+      assert [g.output_ids for g in outs] == want, (T, after)
+      moved = [g for g in outs if g.moved_plain]
+      assert len(moved) >= 3 if after else not moved
+      for g in moved:
+        assert not g.plain_start and g.block_size == B
+        assert 1 <= g.cycles == g.drafter_passes and g.ar_steps > 0
+        assert all(v > 0 for v, c in zip(g.forward_verified, g.forward_is_cycle) if c)
+      assert ("move" in eng.compiled.counts) == bool(after)
+      passes[T, after] = sum(g.drafter_passes for g in outs)
+    assert passes[T, 3] < passes[T, 0], passes
+  cheap = _engine(models, batch_size=3, **CHEAP)
+  outs = cheap.generate_batch(prompts, max_new_tokens=max_news, block_size=B)
+  assert not any(g.moved_plain for g in outs) and "move" not in cheap.compiled.counts
+  # A server's warm-up (every window, size and move) leaves no move to compile.
+  eng = _engine(models, batch_size=3, shrink=True, **DEAREST)
+  moves = eng.precompile([B], length_buckets=BUCKETS, all_windows=True)["by_function"]["move"]
+  assert moves == len(eng.slot_sizes())  # from each size of the speculative state
+  outs = eng.generate_batch(prompts, max_new_tokens=max_news, block_size=B)
+  assert any(g.moved_plain for g in outs) and eng.compiled.counts["move"] == moves

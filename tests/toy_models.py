@@ -49,7 +49,8 @@ def toy_requests(num: int, seed: int = 0, vocab_size: int = 64
 
 
 def toy_engine(models, controller: str, batch_size: int = 1, sync_cycles: int = 16,
-               shrink: bool = False, **loop) -> Engine:
+               shrink: bool = False, move_plain_after: int = BatchOptions.move_plain_after,
+               **loop) -> Engine:
   """An engine on `zeros_drafter_pair` (max_len 128, length buckets 16/32/64, block sizes 1
   and 4) whose spec loops use `controller` (also the tests' "fixed:k", which the command line
   refuses); `loop`: further `LoopOptions` fields. Its batches compute all slots unless `shrink`
@@ -59,7 +60,7 @@ def toy_engine(models, controller: str, batch_size: int = 1, sync_cycles: int = 
                 shapes=ShapeOptions(max_len=128, length_buckets=(16, 32, 64), block_sizes=(1, 4)),
                 loop=LoopOptions(controller=controller, **loop),
                 batching=BatchOptions(batch_size=batch_size, sync_cycles=sync_cycles,
-                                      shrink=shrink))
+                                      shrink=shrink, move_plain_after=move_plain_after))
 
 
 def toy_ar_outputs(models, num: int) -> list[list[int]]:

@@ -186,8 +186,9 @@ def batch_options(cfg) -> dict[str, Any]:
   """How many requests decode at once, as `Engine` keyword arguments (checked):
   `batch_size` slots per block-size bucket, `sync_cycles`, the cycles between the host's
   refills of finished slots, `shrink` (--config.shrink_batches: a batch's tail runs in
-  fewer slots) and `join_learned` (--config.join_learned_sizes: a batch's learned sizes share
-  the busiest bucket; configs/qwen3.py)."""
+  fewer slots), `join_learned` (--config.join_learned_sizes: a batch's learned sizes share
+  the busiest bucket) and `move_plain_after` (--config.move_plain_after: a batch whose cycles
+  keep missing moves its requests to the plain bucket; configs/qwen3.py)."""
   from bp_jax.decoding.requests import check_batching
   out = {"batch_size": cfg.get("batch_size", 1), "sync_cycles": cfg.get("sync_cycles", 16)}
   check_batching(**out)
@@ -196,7 +197,11 @@ def batch_options(cfg) -> dict[str, Any]:
     flags[field] = cfg.get(key, True)
     if not isinstance(flags[field], bool):
       raise BadInputError(f"--config.{key}={flags[field]!r} must be true or false")
-  return {**{k: int(v) for k, v in out.items()}, **flags}
+  after = cfg.get("move_plain_after", 3)
+  if isinstance(after, bool) or not isinstance(after, int) or after < 0:
+    raise BadInputError(f"--config.move_plain_after={after!r} must be an integer >= 0 "
+                        "(0 = never)")
+  return {**{k: int(v) for k, v in out.items()}, **flags, "move_plain_after": after}
 
 
 def sampling_options(cfg) -> dict[str, Any]:

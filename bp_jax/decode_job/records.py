@@ -38,6 +38,7 @@ def record_of(i: int, prompt, g: Generation, tok, block_policy: str = "fixed") -
                                    else round(g.mean_verified_drafts, 4)),
           "verified_histogram": verified_histogram(g.verified_drafts),
           "target_forwards": g.target_forwards, "plain_start": g.plain_start,
+          "moved_plain": g.moved_plain,
           "tau": None if g.tau is None else round(g.tau, 4),
           "tokens_per_forward": (None if g.tokens_per_forward is None
                                  else round(g.tokens_per_forward, 4)),
@@ -78,6 +79,7 @@ def figures(records: list[dict]) -> dict:
           "ar_steps": sum(r["ar_steps"] for r in records),
           "drafter_passes": len(verified),
           "plain_starts": sum(bool(r.get("plain_start")) for r in records),
+          "moved_plain": sum(bool(r.get("moved_plain")) for r in records),
           "mean_verified_drafts": round(float(np.mean(verified)), 4) if verified else None}
 
 
@@ -208,6 +210,8 @@ def print_summary(s: dict) -> None:
             if not s.get("outputs_repeat_for_seed", True) else []),
           *([("decoded plain by the priced start", f"{s['plain_starts']} of {s['prompts']} "
               "requests (recent requests' drafting lost)")] if s.get("plain_starts") else []),
+          *([("moved to plain decoding mid-request", f"{s['moved_plain']} of {s['prompts']} "
+              "requests (their batch's cycles kept missing)")] if s.get("moved_plain") else []),
           *([(f"verify length per cycle (batch {s['verify_lengths_chosen']['batch_size']})",
               lengths_line(s["verify_lengths_chosen"]["lengths"]))]
             if spec and s.get("verify_lengths_chosen", {}).get("lengths") else []),

@@ -322,6 +322,7 @@ def _run(cfg) -> tuple[list[dict], dict]:
   summary["block_policy"] = choice.name
   summary.update(batch_size=engine.batch_size, sync_cycles=engine.sync_cycles,
                  shrink_batches=engine.shrink, join_learned_sizes=engine.join_learned,
+                 move_plain_after=engine.move_plain_after,
                  mesh=describe(engine.mesh))
   if engine.slot_use is not None:  # batched: the share of slot time holding a decoding row
     summary["slot_use"] = round(engine.slot_use, 4)

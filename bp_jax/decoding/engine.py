@@ -76,6 +76,8 @@ class Engine:
     # Static batching (sync_cycles 0) runs a batch to its end in one call: no tail to shrink.
     self.shrink = batching.shrink and batching.batch_size > 1 and batching.sync_cycles > 0
     self.join_learned = batching.join_learned and batching.batch_size > 1
+    self.move_plain_after = (batching.move_plain_after
+                             if batching.batch_size > 1 and batching.sync_cycles > 0 else 0)
     self.cfg = target.cfg
     self.max_len = max_len
     self.length_buckets = shapes.length_buckets or default_length_buckets(max_len)
@@ -336,8 +338,9 @@ class Engine:
     (`request_window`; none given: the loops over all slots). `all_windows` (batched): the
     batched loops for every attention window a call may pick (`programs.window_buckets`), each
     also run once (its warm-up), and every change of a bucket's size (`resize_program`), so
-    that no request compiles anything: a server's start-up. With `BatchOptions.shrink` the
-    batched loops are compiled for every size of `slot_sizes`."""
+    that no request compiles anything: a server's start-up (with the moves of a speculative
+    bucket's rows to the plain one, `BatchOptions.move_plain_after`). With
+    `BatchOptions.shrink` the batched loops are compiled for every size of `slot_sizes`."""
     key, z, sp = jax.random.key(0), jnp.int32(1), sampling_params()
     if policy and self.p_graph is None:
       raise BadInputError("precompile(policy=True) on an engine without a policy")
@@ -369,6 +372,10 @@ class Engine:
           for size in self.slot_sizes():  # shrinking to any smaller size, growing back to B
             if size < rows or (size == self.batch_size and rows < size):
               self.resize_program(carry, [], size)
+          if b > 1 and self.may_start_plain and self.move_plain_after:  # its rows moving to
+            dst = (self.slot_carry(1) if self.mesh is not None else  # the plain bucket
+                   jax.eval_shape(lambda: self.slot_carry(1)))
+            self.move_program(dst, 0, carry, 0)
       return self.compiled.summary()
     pre = decode_loops.PrefillOut(z, self.cache, self.draft_cache, None, None)
     for b in tuple(block_sizes) + plain:
@@ -582,6 +589,14 @@ class Engine:
     args = (carry, jnp.asarray(src), jnp.asarray(np.arange(size) < len(rows)))
     fn = self.programs.resize(args)
     return (lambda *a: self._placed(fn(*a))), args
+
+  def move_program(self, carry: LoopState, row: int, src: LoopState, src_row: int) -> tuple:
+    """(compiled move, its arguments): calling it returns `carry` (donated) with slot `row`
+    holding `src`'s request of slot `src_row` as it stands mid-decode (`LoopState.
+    with_row_from`: its tokens, target cache, records and settings; one slot-sized copy).
+    `src` is not donated: the caller empties that slot."""
+    args = (carry, jnp.int32(row), src, jnp.int32(src_row))
+    return self.programs.move(args), args
 
   def staging_buffers(self) -> tuple:
     """Fresh one-sequence caches a request is prefilled into before it takes a slot (the

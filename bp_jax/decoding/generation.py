@@ -68,6 +68,9 @@ class Generation:
   # The size a learned request's policy picked, where its batch decoded it in another bucket
   # (`BatchOptions.join_learned`) or not (then `block_size`); None for a fixed size.
   policy_block_size: int | None = None
+  # Moved to the plain AR bucket mid-decode after its batch's cycles kept missing
+  # (`BatchOptions.move_plain_after`): its forwards there are AR steps.
+  moved_plain: bool = False
 
   @property
   def new_tokens(self) -> int:
@@ -133,16 +136,21 @@ def generation_of(seq_S, accept_S, is_cycle_S, verified_S, forwards: int, n: int
                   decode_s: float, policy_probs: list[float] | None = None,
                   features: dict[str, np.ndarray] | None = None,
                   plain_start: bool = False,
-                  policy_block_size: int | None = None) -> Generation:
+                  policy_block_size: int | None = None,
+                  moved_plain: bool = False) -> Generation:
   """A request's `Generation` from its loop row: tokens at absolute positions `seq_S` (prompt of
   n, then n_gen generated), committed tokens, cycle flags and verified tokens per forward (first
   `forwards`), trimmed at the stop token and max_new_tokens. `plain_start`: the AR loop ran
-  it in place of a deep start (`Engine.starts_plain`): its forwards are AR steps, not τ = 1
-  cycles; `policy_block_size`: a learned request's pick (`Generation.policy_block_size`)."""
+  it in place of a deep start (`Engine.starts_plain`); `moved_plain`: it moved to the AR loop
+  mid-decode (`BatchOptions.move_plain_after`). A request of a block size > 1 counts as
+  cycles only the forwards that followed a drafter pass: those the AR loop ran for it are AR
+  steps, not the τ = 1 cycles of a plain request (block size 1). `policy_block_size`: a learned
+  request's pick (`Generation.policy_block_size`)."""
   ids = trim_at_stop(np.asarray(seq_S)[n:n + n_gen], stop_ids, max_new)
   # Sliced on the host: a device array sliced to each new length would compile a slice.
   lengths = clip_forward_lengths(np.asarray(accept_S)[:forwards].tolist(), len(ids) - 1)
-  is_cycle = [bool(c) and not plain_start for c in np.asarray(is_cycle_S)[:len(lengths)]]
   verified = [int(v) for v in np.asarray(verified_S)[:len(lengths)]]
+  is_cycle = [bool(c) and (block_size == 1 or v > 0)
+              for c, v in zip(np.asarray(is_cycle_S)[:len(lengths)], verified)]
   return Generation(ids, prefill_s, decode_s, block_size, lengths, is_cycle, verified, n,
-                    policy_probs, features, plain_start, policy_block_size)
+                    policy_probs, features, plain_start, policy_block_size, moved_plain)

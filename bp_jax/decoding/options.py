@@ -75,16 +75,26 @@ class BatchOptions:
   all its slots, so requests spread over 3 sizes ran 3 half-empty loops by turns (`python
   decode.py --config.batch_size=4`: 0.44x plain decoding); the per-cycle controller still
   chooses how many drafts each cycle verifies. The policy's pick stays in
-  `Generation.policy_block_size`. No effect at batch_size 1."""
+  `Generation.policy_block_size`. No effect at batch_size 1;
+  move_plain_after: a speculative bucket's decoding requests move to the plain AR bucket
+  (block size 1) mid-decode once their batch's cycles missed this many times in a row (the
+  priced back-off's shared level; 0: never), where that bucket has room: where drafting loses,
+  a batch's explorers and its first requests (which draft before any τ is known) then pay a
+  few cycles, not their whole decode in a second, half-empty bucket that runs by turns with the
+  plain one (`Scheduler._move_losing`). Only with the priced start's plain starts
+  (`LoopOptions.start_plain`), not for forced drafts; no effect at batch_size 1 or with
+  sync_cycles 0."""
   batch_size: int = 1
   sync_cycles: int = 16
   shrink: bool = True
   join_learned: bool = True
+  move_plain_after: int = 3
 
   def __post_init__(self):
     check_batching(self.batch_size, self.sync_cycles, prefix="")
     _set(self, batch_size=int(self.batch_size), sync_cycles=int(self.sync_cycles),
-         shrink=bool(self.shrink), join_learned=bool(self.join_learned))
+         shrink=bool(self.shrink), join_learned=bool(self.join_learned),
+         move_plain_after=_int_at_least(self.move_plain_after, 0, "move_plain_after"))
 
 
 @dataclasses.dataclass(frozen=True)

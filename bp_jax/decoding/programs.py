@@ -155,6 +155,17 @@ class LoopPrograms:
     return self.cache.get(key, lambda: lambda state, rows, keep: state.take_rows(rows, keep),
                           args)
 
+  def move(self, args: tuple):
+    """The compiled move of one request between batched states (`LoopState.with_row_from`),
+    for (state, row, source state, source row), the state donated: one compilation per
+    (rows, source rows) and state forms."""
+    s, src = args[0], args[2]
+    key = ("move", s.seq_BS.shape[0], src.seq_BS.shape[0], s.draft_cache is not None,
+           src.draft_cache is not None, s.forced_BS is not None, src.forced_BS is not None)
+    return self.cache.get(key, lambda: lambda state, row, source, source_row:
+                          state.with_row_from(row, source, source_row),
+                          args, donate_argnums=(0,), out_shardings=_placements_of(s))
+
   def warm_batched(self, key: tuple, fn, args: tuple) -> None:
     """Runs a batched loop once, untimed, on a copy of an idle carry (no row decodes: the first
     run's fixed cost, not a decode), the first time the loop is used."""

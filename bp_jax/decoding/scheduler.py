@@ -118,6 +118,7 @@ class _Staged:
   decode_s: float = 0.0
   route: _Route | None = None  # set once its block size is known (`Scheduler._route`)
   policy_block_size: int | None = None  # a learned size's pick (`Scheduler._learned_bucket`)
+  moved_plain: bool = False  # moved to the plain bucket mid-decode (`Scheduler._move_losing`)
 
 
 class _Bucket:
@@ -340,6 +341,46 @@ class Scheduler:
     if self.track_progress:
       self._progress(bucket)
     self._collect(bucket)
+    self._move_losing(b, bucket)
+
+  def _move_losing(self, b: int, bucket: _Bucket) -> None:
+    """Moves a speculative bucket's decoding requests into free slots of the plain AR bucket
+    once their batch's cycles missed `Engine.move_plain_after` times in a row
+    (`LoopState.misses_B`: the priced back-off's shared level), oldest slots first, as many as
+    that bucket has room for at full size besides the requests waiting for it (it grows back
+    if shrunk). Each move copies one request's row (`Engine.move_program`); its seconds are
+    split among the moved requests as a loop call's are. The requests keep their tokens, cache
+    position, records and keys, so they decode the tokens they would have; their cycles so
+    far still inform the start rule (`Engine.request_done`)."""
+    after = self.engine.move_plain_after
+    if b == 1 or not after or self.forced or not self.engine.may_start_plain:
+      return
+    c = bucket.carry
+    misses, n_gen, done, max_new = jax.device_get((c.misses_B, c.n_gen_B, c.done_B,
+                                                   c.max_new_B))
+    losing = [i for i, r in enumerate(bucket.rows) if r is not None and not done[i]
+              and n_gen[i] < max_new[i] and misses[i] >= after]
+    plain = self._bucket(1) if losing else None
+    room = 0 if plain is None else (self.engine.batch_size - plain.live()
+                                    - len(self.ready[1]))
+    losing = losing[:max(room, 0)]
+    if not losing:
+      return
+    if len(plain.rows) < self.engine.batch_size:  # moves go into a full-size state only
+      plain.resize(self.engine, self.engine.batch_size)
+    moved, seconds = [bucket.rows[i] for i in losing], 0.0
+    for i, j, staged in zip(losing, plain.free_rows(), moved):
+      fn, args = self.engine.move_program(plain.carry, j, bucket.carry, i)  # compiles once
+      t0 = time.perf_counter()
+      plain.carry = fn(*args)
+      jax.block_until_ready(plain.carry.pos_B)
+      seconds += time.perf_counter() - t0
+      plain.rows[j], bucket.rows[i] = staged, None
+      staged.moved_plain = True
+    bucket.carry = bucket.carry.replace(  # the slots it left are empty: max_new 0
+        max_new_B=bucket.carry.max_new_B.at[np.asarray(losing)].set(0))
+    for staged in moved:
+      staged.decode_s += seconds / len(moved)
 
   def _stop_ids(self, req: BatchRequest) -> list[int]:
     return list(self.engine.stop_ids) + [int(t) for t in req.stop_token_ids]
@@ -383,7 +424,8 @@ class Scheduler:
                          self._stop_ids(req), req.max_new_tokens, staged.block_size,
                          staged.prefill_s, staged.decode_s, staged.probs,
                          plain_start=staged.route.bucket != staged.block_size,
-                         policy_block_size=staged.policy_block_size)
+                         policy_block_size=staged.policy_block_size,
+                         moved_plain=staged.moved_plain)
 
   # -- driving it ---------------------------------------------------------------------------
   def submit(self, req: BatchRequest) -> None:

@@ -168,6 +168,25 @@ class LoopState:
         forward_counts_N=self.forward_counts_N, min_active=self.min_active,
         break_even_N=self.break_even_N)
 
+  def with_row_from(self, row, src: "LoopState", src_row) -> "LoopState":
+    """This state with slot `row` holding a copy of `src`'s row `src_row` (tokens, position,
+    target cache, records, sampling settings, seed key, stop ids), its back-off cleared: a
+    request moving between buckets mid-decode (`Scheduler`: where a batch's drafting keeps
+    losing, its requests move to the plain AR bucket). This state keeps its batch-wide fields,
+    its drafter cache and its forced drafts (rows of `src`'s are not copied)."""
+    one = src.replace(draft_cache=None, forced_BS=None).take_rows(
+        jnp.reshape(jnp.asarray(src_row, jnp.int32), (1,)), jnp.ones((1,), jnp.bool_))
+    own = dict(cache=None, draft_cache=None, forced_BS=None, forward_counts_N=None,
+               min_active=None, break_even_N=None, pending_BPX=None)
+    out = jax.tree.map(lambda dst, x: dst.at[row].set(x[0]), self.replace(**own),
+                       one.replace(**own))
+    return out.replace(
+        cache=self.cache.put_rows(one.cache, row), draft_cache=self.draft_cache,
+        forced_BS=self.forced_BS, forward_counts_N=self.forward_counts_N,
+        min_active=self.min_active, break_even_N=self.break_even_N,
+        pending_BPX=self.pending_BPX, misses_B=out.misses_B.at[row].set(0),
+        wait_B=out.wait_B.at[row].set(0))
+
   # -- read by the loops --------------------------------------------------------------------
   def active_B(self) -> jax.Array:
     """[B] bool: rows still decoding (not stopped, below their max_new_tokens)."""
