@@ -395,7 +395,8 @@ def test_a_batchs_requests_move_to_the_plain_bucket_where_its_cycles_keep_missin
   bucket mid-decode (`BatchOptions.move_plain_after`): AR's very tokens, greedy and at T = 1
   for each seed (exact), their drafted forwards counted as cycles and the plain loop's as AR
   steps, fewer drafter passes than staying (move_plain_after = 0: none moves, and the rows
-  probe again after 8, 16, 32 AR steps). Under cheap
+  probe again after 8, 16, 32 AR steps); their cycles reach the start rule when they move, so
+  the requests routed next start plain. Under cheap
   costs (an accelerator's) nothing misses and nothing moves."""
   prompts, _ = _requests(6)
   max_news = [70] * 6  # long enough for the probes after a deep back-off (8, 16, 32 AR steps)
@@ -417,6 +418,13 @@ def test_a_batchs_requests_move_to_the_plain_bucket_where_its_cycles_keep_missin
         assert all(v > 0 for v, c in zip(g.forward_verified, g.forward_is_cycle) if c)
       assert ("move" in eng.compiled.counts) == bool(after)
       passes[T, after] = sum(g.drafter_passes for g in outs)
+      if after:
+        # The moved requests' cycles reach the start rule when they move, once each: the
+        # requests routed after the first moves (the 4th was routed before them) start plain.
+        assert all(g.moved_plain for g in outs[:3]) and outs[4].plain_start
+        assert outs[5].plain_start
+        drafted = [g for g in outs if g.cycles]
+        assert len(eng.starts._recent) == len(drafted) < eng.starts.window
     assert passes[T, 3] < passes[T, 0], passes
   cheap = _engine(models, batch_size=3, **CHEAP)
   outs = cheap.generate_batch(prompts, max_new_tokens=max_news, block_size=B)

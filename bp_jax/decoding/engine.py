@@ -319,9 +319,17 @@ class Engine:
     return block_size > 1 and start[1] > 0 and not forced and self.may_start_plain
 
   def request_done(self, gen: Generation) -> None:
-    """A finished request's cycles inform where the next ones start (`start_backoff`)."""
-    if self.starts is not None and gen.block_size > 1:
+    """A finished request's cycles inform where the next ones start (`start_backoff`); those of
+    one that moved to the plain bucket did when it moved (`request_moved`)."""
+    if self.starts is not None and gen.block_size > 1 and not gen.moved_plain:
       self.starts.observe(gen.acceptance_lengths)
+
+  def request_moved(self, acceptance_lengths: Sequence[int]) -> None:
+    """A request that moved to the plain bucket mid-decode (`BatchOptions.move_plain_after`):
+    its cycles, all it will run, inform where the next requests start at once, not when it
+    finishes: those routed meanwhile then see that its batch's drafting lost."""
+    if self.starts is not None:
+      self.starts.observe(acceptance_lengths)
 
   def request_window(self, prompt_len: int, max_new_tokens: int, block_size: int) -> int | None:
     """The attention window of a one-request loop (`programs.request_window`): room for the

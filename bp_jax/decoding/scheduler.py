@@ -351,7 +351,8 @@ class Scheduler:
     if shrunk). Each move copies one request's row (`Engine.move_program`); its seconds are
     split among the moved requests as a loop call's are. The requests keep their tokens, cache
     position, records and keys, so they decode the tokens they would have; their cycles so
-    far still inform the start rule (`Engine.request_done`)."""
+    far inform the start rule at once (`Engine.request_moved`): the requests routed next see
+    that drafting lost here."""
     after = self.engine.move_plain_after
     if b == 1 or not after or self.forced or not self.engine.may_start_plain:
       return
@@ -368,6 +369,13 @@ class Scheduler:
       return
     if len(plain.rows) < self.engine.batch_size:  # moves go into a full-size state only
       plain.resize(self.engine, self.engine.batch_size)
+    r = c.records  # their cycles so far: all they will run
+    accept, is_cycle, verified, forwards = jax.device_get((r.accept_BS, r.is_cycle_BS,
+                                                           r.verified_BS, r.forwards_B))
+    for i in losing:
+      f = int(forwards[i])
+      self.engine.request_moved([int(a) for a, cyc, v in zip(accept[i, :f], is_cycle[i, :f],
+                                                             verified[i, :f]) if cyc and v > 0])
     moved, seconds = [bucket.rows[i] for i in losing], 0.0
     for i, j, staged in zip(losing, plain.free_rows(), moved):
       fn, args = self.engine.move_program(plain.carry, j, bucket.carry, i)  # compiles once
