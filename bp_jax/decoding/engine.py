@@ -302,6 +302,21 @@ class Engine:
       break_even = float(self.break_even_N(block_size, rows)[block_size])
     return self.starts.start(break_even, self.ar_fallback, rows)
 
+  def plain_now(self, block_size: int) -> bool:
+    """Whether a batch's request of `block_size` that is no explorer would take the plain
+    bucket if routed now (`StartBackoff.batch_plain_now`): how the scheduler reconsiders the
+    routes of requests still waiting for a slot once a bucket's drafting lost
+    (`Scheduler._move_losing`)."""
+    if block_size == 1 or self.batch_size == 1 or not self.may_start_plain:
+      return False
+    return self.starts.batch_plain_now(self.prices.start_break_even(block_size,
+                                                                    self.batch_size))
+
+  @property
+  def last_start_explored(self) -> bool:
+    """Whether the last `request_start` in a batch was an explorer's (`StartBackoff`)."""
+    return self.starts is not None and self.starts.last_explored
+
   @property
   def may_start_plain(self) -> bool:
     """Whether a request decoded alone may run the plain AR loop in place of a deep start

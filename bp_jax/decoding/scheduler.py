@@ -102,9 +102,11 @@ class StepReport:
 @dataclasses.dataclass(frozen=True)
 class _Route:
   """Where a request decodes: the bucket (its block size, or 1: a plain start,
-  `Engine.starts_plain`) and the (misses, AR steps) it starts with there."""
+  `Engine.starts_plain`), the (misses, AR steps) it starts with there and whether the start
+  rule made it an explorer (its route is then never reconsidered, `Scheduler._reroute`)."""
   bucket: int
   start: tuple[int, int] = (0, 0)
+  explorer: bool = False
 
 
 @dataclasses.dataclass
@@ -211,7 +213,9 @@ class Scheduler:
     if id(req) not in self._routes:
       start = self.engine.request_start(block_size, self.engine.batch_size)
       plain = self.engine.starts_plain(block_size, start, self.forced)
-      self._routes[id(req)] = _Route(1, (0, 0)) if plain else _Route(block_size, start)
+      explorer = self.engine.last_start_explored
+      self._routes[id(req)] = (_Route(1, (0, 0), explorer) if plain
+                               else _Route(block_size, start, explorer))
     return self._routes[id(req)]
 
   def _learned_bucket(self, picked: int) -> int:
@@ -389,6 +393,24 @@ class Scheduler:
         max_new_B=bucket.carry.max_new_B.at[np.asarray(losing)].set(0))
     for staged in moved:
       staged.decode_s += seconds / len(moved)
+    self._reroute(b)
+
+  def _reroute(self, b: int) -> None:
+    """After bucket `b`'s requests moved (its drafting lost, and the start rule has seen their
+    cycles): the requests routed to draft in it that are no explorers and still wait for a
+    slot (prefilled, or queued with a route) take the plain bucket instead where the start rule
+    now says plain (`Engine.plain_now`). A batch's first requests are routed before any τ is
+    known, and with learned sizes up to `batch_size` of them are prefilled ahead: without this
+    they drafted at a loss after the requests before them had shown it."""
+    if not self.engine.plain_now(b):
+      return
+    for staged in [s for s in self.ready[b] if not s.route.explorer]:
+      self.ready[b].remove(staged)
+      staged.route = _Route(1, (0, 0))
+      self.ready[1].append(staged)
+    for key, route in self._routes.items():
+      if route.bucket == b and not route.explorer:
+        self._routes[key] = _Route(1, (0, 0))
 
   def _stop_ids(self, req: BatchRequest) -> list[int]:
     return list(self.engine.stop_ids) + [int(t) for t in req.stop_token_ids]

@@ -92,6 +92,9 @@ class StartBackoff:
   batch_margin: float = 1.2
   _recent: collections.deque = dataclasses.field(init=False)
   _deep: int = dataclasses.field(default=0, init=False)   # deep starts since the last explorer
+  # Whether the last batch start (`_batch_start`) was an explorer's: its side is the one the
+  # rule did not choose, and a later reconsideration (`batch_plain_now`) must leave it be.
+  last_explored: bool = dataclasses.field(default=False, init=False)
   _batch: _BatchExplorers = dataclasses.field(init=False)
 
   def __post_init__(self):
@@ -134,6 +137,13 @@ class StartBackoff:
     cap = max(int(cap), 1)
     return cap.bit_length() - 1, cap
 
+  def batch_plain_now(self, break_even: float) -> bool:
+    """Whether a batch's request that is no explorer would start plain now (`_batch_start`'s
+    rule, without counting a start): the recent cycles committed fewer tokens than
+    `batch_margin` x `break_even`."""
+    tau = self.tau()
+    return tau is not None and tau < self.batch_margin * break_even
+
   def _batch_start(self, tau: float | None, break_even: float, cap: int, rows: int
                    ) -> tuple[int, int]:
     """A batch's start under `batch_plain`: deep (the scheduler then decodes the request in
@@ -147,6 +157,7 @@ class StartBackoff:
     wanted = deep or tau is None or tau < DECISIVE * break_even
     ratio = None if tau is None else tau / (self.batch_margin * float(break_even))
     explore = self._batch.explores(_Choice(deep, ratio), rows, wanted, self)
+    self.last_explored = explore
     if deep == explore:
       return 0, 0
     cap = max(int(cap), 1)
