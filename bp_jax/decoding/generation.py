@@ -131,6 +131,14 @@ def forward_cost_units(verified: Sequence[int], costs: Sequence[float],
                    for v in verified))
 
 
+def cycle_flags(is_cycle_S, verified_S, block_size: int) -> list[bool]:
+  """Per forward of a loop row's records: a speculative cycle. A request of a block size > 1
+  counts as cycles only the forwards that followed a drafter pass (verified > 0): those the AR
+  loop ran for it (a plain start, or after a move to the plain bucket) are AR steps, not the
+  τ = 1 cycles of a plain request (block size 1)."""
+  return [bool(c) and (block_size == 1 or int(v) > 0) for c, v in zip(is_cycle_S, verified_S)]
+
+
 def generation_of(seq_S, accept_S, is_cycle_S, verified_S, forwards: int, n: int, n_gen: int,
                   stop_ids: Sequence[int], max_new: int, block_size: int, prefill_s: float,
                   decode_s: float, policy_probs: list[float] | None = None,
@@ -142,15 +150,13 @@ def generation_of(seq_S, accept_S, is_cycle_S, verified_S, forwards: int, n: int
   n, then n_gen generated), committed tokens, cycle flags and verified tokens per forward (first
   `forwards`), trimmed at the stop token and max_new_tokens. `plain_start`: the AR loop ran
   it in place of a deep start (`Engine.starts_plain`); `moved_plain`: it moved to the AR loop
-  mid-decode (`BatchOptions.move_plain_after`). A request of a block size > 1 counts as
-  cycles only the forwards that followed a drafter pass: those the AR loop ran for it are AR
-  steps, not the τ = 1 cycles of a plain request (block size 1). `policy_block_size`: a learned
-  request's pick (`Generation.policy_block_size`)."""
+  mid-decode (`BatchOptions.move_plain_after`): the AR loop's forwards are AR steps
+  (`cycle_flags`). `policy_block_size`: a learned request's pick
+  (`Generation.policy_block_size`)."""
   ids = trim_at_stop(np.asarray(seq_S)[n:n + n_gen], stop_ids, max_new)
   # Sliced on the host: a device array sliced to each new length would compile a slice.
   lengths = clip_forward_lengths(np.asarray(accept_S)[:forwards].tolist(), len(ids) - 1)
   verified = [int(v) for v in np.asarray(verified_S)[:len(lengths)]]
-  is_cycle = [bool(c) and (block_size == 1 or v > 0)
-              for c, v in zip(np.asarray(is_cycle_S)[:len(lengths)], verified)]
+  is_cycle = cycle_flags(np.asarray(is_cycle_S)[:len(lengths)], verified, block_size)
   return Generation(ids, prefill_s, decode_s, block_size, lengths, is_cycle, verified, n,
                     policy_probs, features, plain_start, policy_block_size, moved_plain)

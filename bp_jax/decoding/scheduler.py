@@ -64,7 +64,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bp_jax.decoding.generation import Generation, generation_of, trim_at_stop
+from bp_jax.decoding.generation import Generation, cycle_flags, generation_of, trim_at_stop
 from bp_jax.decoding.sampling import sampling_params
 from bp_jax.decoding.state import LoopState
 from bp_jax.errors import BadInputError
@@ -378,8 +378,8 @@ class Scheduler:
                                                            r.verified_BS, r.forwards_B))
     for i in losing:
       f = int(forwards[i])
-      self.engine.request_moved([int(a) for a, cyc, v in zip(accept[i, :f], is_cycle[i, :f],
-                                                             verified[i, :f]) if cyc and v > 0])
+      cycles = cycle_flags(is_cycle[i, :f], verified[i, :f], b)
+      self.engine.request_moved([int(a) for a, c in zip(accept[i, :f], cycles) if c])
     moved, seconds = [bucket.rows[i] for i in losing], 0.0
     for i, j, staged in zip(losing, plain.free_rows(), moved):
       fn, args = self.engine.move_program(plain.carry, j, bucket.carry, i)  # compiles once
