@@ -20,18 +20,13 @@ from __future__ import annotations
 
 import os
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 from absl import flags
 
-from flax import nnx
-
 from benchmarks import common
+from benchmarks.replay import teacher_forced
 from bp_jax import cli
 from bp_jax.decoding import controller as control
-from bp_jax.decoding.engine import Engine
-from bp_jax.decoding.options import ShapeOptions
 from bp_jax.errors import BadInputError
 
 common.define_flags("target", "drafter", "dtype", "max_len", "max_new_tokens", "block_size",
@@ -71,43 +66,11 @@ def main(_):
     raise BadInputError("--bins must be >= 1 and --block_size >= 2")
   target, drafter, tok, stop_ids = common.load_models(FLAGS)
   prompts = common.demo_prompts(tok, "label", skip=FLAGS.skip, limit=FLAGS.num_prompts)
-  eng = Engine(target, stop_ids=stop_ids, shapes=ShapeOptions(max_len=FLAGS.max_len))
-  t_graph, t_state = nnx.split(target)
-  d_graph, d_state = nnx.split(drafter)
-  b, mask_id = FLAGS.block_size, drafter.cfg.mask_token_id
-
-  @jax.jit
-  def context(t_state, d_state, tokens_1S):
-    """The drafter's context cache over every position of the sequence."""
-    model, dr = nnx.merge(t_graph, t_state), nnx.merge(d_graph, d_state)
-    zero = jnp.zeros((1,), jnp.int32)
-    out = model(tokens_1S, target.init_cache(1, FLAGS.max_len).with_lengths(zero),
-                dr.cfg.target_layer_ids)
-    return dr.add_context(out.layer_hiddens, dr.init_cache(1, FLAGS.max_len).with_lengths(zero))
-
-  @jax.jit
-  def draft_at(t_state, d_state, draft_cache, tok, t):
-    """(b-1 greedy drafts, their probabilities) of a cycle starting at position t."""
-    model, dr = nnx.merge(t_graph, t_state), nnx.merge(d_graph, d_state)
-    block_1b = jnp.full((1, b), mask_id, jnp.int32).at[0, 0].set(tok)
-    h = dr.draft(model.embed_tokens(block_1b), draft_cache.with_lengths(t[None]))
-    logits_1kV = model.project_to_vocab(h[:, 1:])
-    drafts_1k = jnp.argmax(logits_1kV, -1).astype(jnp.int32)
-    return drafts_1k[0], control.drafted_probs(logits_1kV, drafts_1k)[0]
-
-  p_rows, hit_rows = [], []
-  for i, (key, ids) in enumerate(prompts):
-    gen = eng.generate(ids, max_new_tokens=FLAGS.max_new_tokens, block_size=1).output_ids
-    seq = ids + gen
-    n = len(ids)
-    tokens = jnp.zeros((1, FLAGS.max_len), jnp.int32).at[0, :len(seq)].set(jnp.asarray(seq))
-    dcache = context(t_state, d_state, tokens)
-    for t in range(n, len(seq) - b + 1):  # positions with b-1 known target tokens after them
-      drafts, p = jax.device_get(draft_at(t_state, d_state, dcache, jnp.int32(seq[t]),
-                                          jnp.int32(t)))
-      p_rows.append(p)
-      hit_rows.append(drafts == np.asarray(seq[t + 1:t + b]))
-    print(f"  {i + 1}/{len(prompts)} {key}: {len(gen)} tokens", flush=True)
+  b = FLAGS.block_size
+  rows = teacher_forced(target, drafter, prompts, b, FLAGS.max_len, FLAGS.max_new_tokens,
+                        stop_ids)
+  p_rows = np.concatenate([p for p, _ in rows])
+  hit_rows = np.concatenate([h for _, h in rows])
   p_N, hit_N, pos_N = conditional_pairs(np.asarray(p_rows), np.asarray(hit_rows))
   table = reliability(p_N, hit_N, FLAGS.bins)
   by_pos = [{"position": int(i), "count": int((pos_N == i).sum()),

@@ -49,6 +49,11 @@ Methods (`--methods`, comma-separated):
                     priced_default whose batched requests stay in their speculative bucket
                     when its cycles keep missing (`BatchOptions.move_plain_after` = 0); the
                     default's move to the plain AR bucket after 3 misses in a row;
+  priced_default_nodecline
+                    priced_default whose cycles always verify their drafts
+                    (`controller_decline=False`); the default's decline a cycle's drafts after
+                    the drafter pass where they are not expected to pay for their verify
+                    (`bp_jax.decoding.decline`; the priced methods above decline too);
   ar_twin           a second engine identical to ar, interleaved like any method: its ratio
                     to ar and that ratio's interval are what two identical programs read on
                     this machine in this run (the noise floor of every other row's interval).
@@ -130,7 +135,8 @@ from bp_jax.errors import BadInputError
 METHODS = ("ar", "none", "backoff", "confidence_1step", "confidence", "confidence_poor",
            "confidence_cal", "confidence_cal_poor", "priced", "priced_online", "priced_long",
            "priced_default", "priced_default_noplain", "priced_default_every8", "ar_full",
-           "priced_default_full", "ar_twin", "priced_default_nomove")
+           "priced_default_full", "ar_twin", "priced_default_nomove",
+           "priced_default_nodecline")
 
 common.define_flags("target", "drafter", "dtype", "max_len", "max_new_tokens", "block_size",
                     num_prompts=24, repeats=3,
@@ -225,6 +231,10 @@ def engine_options(method: str, costs: dict) -> dict:
           "priced_default_noplain": dict(controller="priced", ar_fallback=FLAGS.ar_fallback,
                                          priced_cap=FLAGS.priced_cap, online_costs=True,
                                          start_backoff=True, start_plain=False, **fb),
+          "priced_default_nodecline": dict(controller="priced", ar_fallback=FLAGS.ar_fallback,
+                                           priced_cap=FLAGS.priced_cap, online_costs=True,
+                                           start_backoff=True, start_plain=FLAGS.start_plain,
+                                           controller_decline=False, **fb),
           }[method]}
 
 
@@ -366,7 +376,8 @@ def mean_of_repeats(repeats: list[list[Generation]]) -> tuple[int, float]:
 PAIRS = (("priced", "backoff"), ("priced_online", "priced"), ("priced_long", "priced"),
          ("priced_default", "priced_online"), ("priced_default", "priced_default_full"),
          ("priced_default_full", "ar_full"), ("priced_default", "priced_default_noplain"),
-         ("priced_default", "priced_default_every8"), ("priced_default", "priced_default_nomove"))
+         ("priced_default", "priced_default_every8"), ("priced_default", "priced_default_nomove"),
+         ("priced_default", "priced_default_nodecline"))
 
 
 def method_pairs(methods: list[str]) -> list[tuple[str, str]]:

@@ -200,11 +200,18 @@ def get_config() -> ml_collections.ConfigDict:
   # priced: at most this many AR steps in a row after misses (0: ar_fallback, 64 when that is 0
   # too). Its own cap, so that ar_fallback can stay the back-off label sets were measured under.
   c.controller_priced_cap = 0
+  # priced: after the drafter pass, a cycle verifies none of its drafts (an AR step's forward, a
+  # miss) when the drafter's probabilities, scaled to the acceptance the recent cycles measured,
+  # expect fewer tokens than the verify of all of them costs AR steps on this machine (the
+  # drafter pass, paid already, not counted; bp_jax/decoding/decline.py); False: every cycle
+  # verifies all its drafts.
+  c.controller_decline = True
   # confidence: also count a cycle that verified more than ar_fallback_accept drafts and
   # accepted at most that many as a declined one (backs off into AR steps as backoff does).
   c.controller_poor_miss = False
-  # confidence: a JSON file of the drafter's acceptance rate per bin of its probability p
-  # (benchmarks/controller_calibration.py --out writes one) used instead of the raw p; '' = p.
+  # confidence and priced's decline: a JSON file of the drafter's acceptance rate per bin of its
+  # probability p (benchmarks/controller_calibration.py --out writes one) used instead of the
+  # raw p; '' = p.
   c.controller_calibration = ""
   c.report = ""              # folder for PNG plots (acceptance-length histogram)
   # Comparisons in one run: every prompt is also decoded by each method listed (ar, b<k> for a

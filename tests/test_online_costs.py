@@ -88,6 +88,24 @@ def test_recovers_known_costs_and_follows_a_step_change():
   assert est.break_even(N, rows=8) == pytest.approx(3.0)
 
 
+def test_declined_cycles_are_priced_by_the_prior_not_fitted():
+  """The decline's cycles (verify length 1: a drafter pass and a one-token forward) among AR
+  steps and full cycles: `by_prior` counts each as prior(1) AR steps, so the fit still
+  recovers the two costs it can tell apart, and length 1 keeps the prior's break-even."""
+  prior = lambda n: 2.0 if n == 1 else 3.0
+  est = OnlineCosts(prior, by_prior=(1,))
+  rng = np.random.default_rng(3)
+  for n_ar, n_cycle in _calls(16):
+    declined = int(rng.integers(0, 4))
+    counts = _counts(n_ar, n_cycle)
+    counts[1] = declined  # each really costs its prior, 2 AR steps
+    est.observe(AR_S * (n_ar + 2 * declined) + 5 * AR_S * n_cycle, counts, rows=1)
+  e = est.estimate(1)
+  assert e.ar_step_s == pytest.approx(AR_S, rel=0.02)
+  assert e.break_even[N] == pytest.approx(5.0, rel=0.02) and 1 not in e.cycle_s
+  assert est.break_even(1, rows=1) == pytest.approx(2.0)
+
+
 def test_a_noisy_machine_moves_the_estimate_less_than_a_change_does():
   """Calls whose time is off by a random factor (a VM whose speed moves by a quarter between
   requests, lognormal sigma 0.25) keep the break-even near the truth, where restarting on every
@@ -218,9 +236,13 @@ class FakeClock:
 
 def _engine(models, clock: FakeClock, batch_size: int = 1, shrink: bool = False):
   # start_plain=False: requests that start deep stay in the speculative loop, whose calls these
-  # tests follow (a plain start's AR loop: tests/test_priced.py).
+  # tests follow (a plain start's AR loop: tests/test_priced.py). controller_decline=False: the
+  # toy drafter's probabilities are the same for every draft, so with the decline the explorers'
+  # first cycles all declined while the estimate was dear, fewer full cycles ran, and the
+  # estimate came back from 4.2 to 3.6 AR steps in 8 requests instead of to 1.2 (/tmp/s36/oc.py;
+  # the decline: tests/test_decline.py).
   eng = toy_engine(models, "priced", batch_size=batch_size, sync_cycles=2, online_costs=True,
-                   start_plain=False, shrink=shrink, **CHEAP)
+                   start_plain=False, shrink=shrink, controller_decline=False, **CHEAP)
   eng.clock = clock
   clock.engine = eng
   return eng

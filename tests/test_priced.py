@@ -72,7 +72,9 @@ def test_dearer_verifies_make_more_cycles_misses():
   opts = LoopOptions(controller="priced", block_size=B, **DEAR).in_effect()
   ctl = controller_of(opts)
   assert isinstance(ctl, Priced) and ctl.cap == control.PRICED_SKIP_CAP == 64
-  assert ctl.buckets == (B - 1,)
+  assert ctl.buckets == (0, B - 1)  # the decline (k = 0) or all drafts
+  no_decline = LoopOptions(controller="priced", block_size=B, controller_decline=False, **DEAR)
+  assert controller_of(no_decline.in_effect()).buckets == (B - 1,)
   # A batch decides once for all its rows, by the committed rows' mean (2.5 tokens here; -1
   # committed nothing and does not count): a miss at 4.0 AR steps, none at 1.2.
   assert np.asarray(ctl.miss_B(B - 1, a_B, jnp.bool_(True))).tolist() == [True] * 5

@@ -111,7 +111,7 @@ def random_candidates(cfg, drafter_block_size: int | None) -> tuple[int, ...]:
 def loop_options(cfg) -> dict[str, Any]:
   """The decode loops' form set by a config, as `Engine` keyword arguments: `scan_layers`,
   `ar_fallback`, `priced_cap`, `ar_fallback_accept`, `verify`, `controller`, `controller_costs`,
-  `controller_draft_cost` (None for `measure`), `controller_poor_miss`,
+  `controller_draft_cost` (None for `measure`), `controller_poor_miss`, `controller_decline`,
   `controller_calibration` (the rates of the JSON file at that path, None for '')
   (configs/qwen3.py; checked, a bad value names its flag)."""
   from bp_jax.decoding import controller as control
@@ -129,8 +129,16 @@ def loop_options(cfg) -> dict[str, Any]:
           "controller": controller,
           **controller_costs(cfg),
           "controller_poor_miss": bool(cfg.get("controller_poor_miss", False)),
+          "controller_decline": _decline(cfg),
           "controller_calibration": control.load_calibration(
               str(cfg.get("controller_calibration", "") or ""))}
+
+
+def _decline(cfg) -> bool:
+  decline = cfg.get("controller_decline", True)
+  if not isinstance(decline, bool):
+    raise BadInputError(f"--config.controller_decline={decline!r}: expected True or False")
+  return decline
 
 
 def _priced_cap(cfg) -> int:

@@ -90,6 +90,18 @@ def verify_lengths_chosen(records: list[dict], batch_size: int) -> dict:
   return {"batch_size": int(batch_size), "lengths": {str(k): hist[k] for k in sorted(hist)}}
 
 
+def decline_evidence_of(engine) -> dict | None:
+  """What the priced decline measured of the drafter (`Engine.decline_state`): the recent
+  row-cycles it weighed (decayed) and the drafts accepted per draft its probabilities expected;
+  None where no loop declines."""
+  state = getattr(engine, "decline_state", None)
+  if state is None:
+    return None
+  rows, expected, accepted = (float(x) for x in state)
+  return {"row_cycles": round(rows, 1),
+          "accepted_per_expected": round(accepted / expected, 4) if expected > 0 else None}
+
+
 def controller_costs_of(engine) -> dict | None:
   """The costs the confidence or priced controller priced its choices with: their source ("given",
   "measured" here, or "cached" from an earlier measurement on this machine), the table in AR
@@ -129,6 +141,7 @@ def summarize(records: list[dict], engine, cfg, wall_s: float) -> dict:
           v - 1 for r in records for v in r.get("forward_verified", []) if v > 0),
       "verify_lengths_chosen": verify_lengths_chosen(records, getattr(engine, "batch_size", 1)),
       "controller_costs": controller_costs_of(engine),
+      "decline_evidence": decline_evidence_of(engine),
       "outputs_repeat_for_seed": outputs_repeat_for_seed(cfg, engine),
       "block_sizes_used": dict(collections.Counter(str(r["block_size"]) for r in records)),
       # A learned policy's picks, where a batch decoded some in another bucket (join_learned).
@@ -215,6 +228,11 @@ def print_summary(s: dict) -> None:
           *([(f"verify length per cycle (batch {s['verify_lengths_chosen']['batch_size']})",
               lengths_line(s["verify_lengths_chosen"]["lengths"]))]
             if spec and s.get("verify_lengths_chosen", {}).get("lengths") else []),
+          *([("drafts accepted per expected (decline)",
+              f"{_fmt(s['decline_evidence']['accepted_per_expected'], '.3f')} over the last "
+              f"~{s['decline_evidence']['row_cycles']:g} row-cycles (verify length 1: a "
+              "cycle that declined its drafts)")]
+            if spec and s.get("decline_evidence") else []),
           *([("slot time holding a decoding row", f"{s['slot_use']:.1%} (batched calls; "
               "idle slots cost as much as busy ones" + (
                   "; a batch's tail ran in fewer slots)" if s.get("shrink_batches")

@@ -7,8 +7,14 @@ A controller has
            the loop takes no AR steps);
   shared_backoff  whether a miss backs the batch off as one (`LoopState.backed_off`): a
            controller whose miss is the batch's decision;
-  choose(draft_logits_BkV, draft_Bk, active_B) -> (index into `buckets` [], draft_next [] bool)
-           after the drafter's pass;
+  expected(draft_logits_BkV, draft_Bk) -> [B] what `choose` and `observed` read of the
+           drafter's probabilities (None: nothing), computed once per cycle;
+  choose(draft_logits_BkV, draft_Bk, s, expected_B) -> (index into `buckets` [], draft_next []
+           bool) after the drafter's pass (`s`: the loop state, for its decoding rows and
+           runtime values);
+  observed(s, k, a_B, expected_B) -> the state after a cycle verifying k drafts (a_B accepted
+           per row, -1 for a row that committed nothing) has been committed: what the
+           controller learns from it (`priced` with its decline: `decline.observed`);
   miss_B(k, a_B, draft_next, break_even_N=None) -> [B] bool: which rows' cycle (verifying k
            drafts, a_B of them accepted, -1 for a row that committed nothing) was a miss (only
            when cap > 0); `break_even_N`: the loop state's runtime prices
@@ -23,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from bp_jax.decoding import controller as control
+from bp_jax.decoding import decline as decline_rule
 from bp_jax.errors import BadInputError
 
 
@@ -37,8 +44,19 @@ class Plain:
   def buckets(self) -> tuple[int, ...]:
     return (self.block_size - 1,)
 
-  def choose(self, draft_logits_BkV, draft_Bk, active_B) -> tuple[jax.Array, jax.Array]:
+  # Whether the controller keeps state across its cycles (`observed`): the loop state then
+  # carries `LoopState.decline_3`.
+  stateful = False
+
+  def expected(self, draft_logits_BkV, draft_Bk) -> jax.Array | None:
+    return None
+
+  def choose(self, draft_logits_BkV, draft_Bk, s, expected_B=None
+             ) -> tuple[jax.Array, jax.Array]:
     return jnp.int32(0), jnp.bool_(True)
+
+  def observed(self, s, k: int, a_B: jax.Array, expected_B=None):
+    return s
 
   def miss_B(self, k: int, a_B: jax.Array, draft_next: jax.Array,
              break_even_N: jax.Array | None = None) -> jax.Array:
@@ -66,19 +84,62 @@ class Priced(Plain):
   deepest row's level (`shared_backoff`). The price is
   a runtime value, `break_even_N[k + 1]` of the loop state, which the engine keeps current
   from its timed loop calls (`online_costs`) with no recompilation; a state without one (None)
-  reads the start-up costs `costs`/`draft_cost` (`controller.break_even`)."""
+  reads the start-up costs `costs`/`draft_cost` (`controller.break_even`).
+
+  `decline` (`LoopOptions.controller_decline`): after the drafter pass, the cycle verifies none
+  of its drafts (k = 0, a miss) when the drafter's probabilities, scaled by the acceptance
+  measured on the recent cycles, do not expect them to pay for their verify (`decline`); the
+  state then carries that evidence (`LoopState.decline_3`). `calibration`: the
+  drafter's calibrated rates (`controller.calibrated`) in place of its raw probabilities."""
   cap: int = control.PRICED_SKIP_CAP
   costs: tuple[float, ...] = (1.0,)   # relative verify costs (the engine's, measured or given)
   draft_cost: float = 0.0
+  decline: bool = False
+  calibration: tuple[float, ...] | None = None
   shared_backoff = True  # the batch's miss: every row backs off to the deepest row's level
+
+  @property
+  def buckets(self) -> tuple[int, ...]:
+    return (0, self.block_size - 1) if self.decline else (self.block_size - 1,)
+
+  @property
+  def stateful(self) -> bool:
+    return self.decline
+
+  def price_N(self, break_even_N: jax.Array | None) -> jax.Array:
+    """[b + 1] the break-even per verify length: the state's runtime one, else the start-up
+    costs'."""
+    if break_even_N is not None:
+      return break_even_N
+    return jnp.asarray([1.0] + [control.break_even(n - 1, self.costs, self.draft_cost)
+                                for n in range(1, self.block_size + 1)], jnp.float32)
+
+  def expected(self, draft_logits_BkV, draft_Bk) -> jax.Array | None:
+    if not self.decline:
+      return None
+    p_Bk = control.calibrated(control.drafted_probs(draft_logits_BkV, draft_Bk),
+                              self.calibration)
+    return decline_rule.expected_accepted(p_Bk)
+
+  def choose(self, draft_logits_BkV, draft_Bk, s, expected_B=None
+             ) -> tuple[jax.Array, jax.Array]:
+    if not self.decline:
+      return jnp.int32(0), jnp.bool_(True)
+    price = decline_rule.verify_price(self.block_size, self.price_N(s.break_even_N))
+    active_B = s.active_B()
+    level = jnp.max(jnp.where(active_B, s.misses_B, 0))
+    declined = decline_rule.declines(expected_B, active_B, price, s.decline_3, level)
+    return jnp.where(declined, 0, 1).astype(jnp.int32), jnp.bool_(True)
+
+  def observed(self, s, k: int, a_B: jax.Array, expected_B=None):
+    if not self.decline:
+      return s
+    return s.replace(decline_3=decline_rule.observed(s.decline_3, k, self.block_size,
+                                                     expected_B, a_B))
 
   def miss_B(self, k: int, a_B: jax.Array, draft_next: jax.Array,
              break_even_N: jax.Array | None = None) -> jax.Array:
-    if break_even_N is None:
-      price = control.break_even(k, self.costs, self.draft_cost)
-    else:
-      price = break_even_N[k + 1]
-    return control.batch_below_break_even(a_B, price)
+    return control.batch_below_break_even(a_B, self.price_N(break_even_N)[k + 1])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +151,8 @@ class Fixed(Plain):
   def buckets(self) -> tuple[int, ...]:
     return control.verify_buckets(self.block_size)
 
-  def choose(self, draft_logits_BkV, draft_Bk, active_B) -> tuple[jax.Array, jax.Array]:
+  def choose(self, draft_logits_BkV, draft_Bk, s, expected_B=None
+             ) -> tuple[jax.Array, jax.Array]:
     return jnp.int32(self.buckets.index(self.k)), jnp.bool_(True)
 
 
@@ -112,11 +174,12 @@ class Confidence(Plain):
   def buckets(self) -> tuple[int, ...]:
     return control.verify_buckets(self.block_size)
 
-  def choose(self, draft_logits_BkV, draft_Bk, active_B) -> tuple[jax.Array, jax.Array]:
+  def choose(self, draft_logits_BkV, draft_Bk, s, expected_B=None
+             ) -> tuple[jax.Array, jax.Array]:
     cost_K = control.bucket_costs(self.block_size, self.costs, self.draft_cost)
     p_Bk = control.calibrated(control.drafted_probs(draft_logits_BkV, draft_Bk),
                               self.calibration)
-    return control.choose(p_Bk, active_B, self.buckets, cost_K,
+    return control.choose(p_Bk, s.active_B(), self.buckets, cost_K,
                           control.verify_cost(1, self.costs))
 
   def miss_B(self, k: int, a_B: jax.Array, draft_next: jax.Array,
@@ -139,7 +202,8 @@ def controller_of(opts) -> Plain:
                         "measures them (bp_jax.decoding.costs)")
   if name == "priced":
     return Priced(b, cap=opts.ar_fallback, costs=opts.controller_costs,
-                  draft_cost=opts.controller_draft_cost)
+                  draft_cost=opts.controller_draft_cost, decline=opts.controller_decline,
+                  calibration=opts.controller_calibration)
   if name == "confidence":
     return Confidence(b, cap=opts.ar_fallback, accept=opts.ar_fallback_accept,
                       poor_miss=opts.controller_poor_miss, costs=opts.controller_costs,

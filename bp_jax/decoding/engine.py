@@ -23,6 +23,7 @@ import numpy as np
 from flax import nnx
 
 from bp_jax.decoding import controller as control
+from bp_jax.decoding import decline
 from bp_jax.decoding import loops as decode_loops
 from bp_jax.decoding.costs import ForwardCosts, forward_costs
 from bp_jax.decoding.buckets import default_length_buckets, pick_bucket
@@ -111,6 +112,11 @@ class Engine:
     # Where a request starts the priced back-off (alone or in a batch's slot): `start_backoff`.
     self.starts = (StartBackoff(batch_plain=self.loop_options.start_plain)
                    if self.prices is not None and self.loop_options.start_backoff else None)
+    # The priced decline's state (`decline`), carried from loop call to loop call and from
+    # request to request (None: no loop declines).
+    opts = self.programs.options
+    self.decline_state = (decline.empty_state() if drafter is not None
+                           and opts.controller == "priced" and opts.controller_decline else None)
     self.p_graph = self.p_state = self.policy_key = None
     self.policy_sizes: tuple[int, ...] = ()
     self.mesh = mesh
@@ -149,8 +155,10 @@ class Engine:
     if opts.controller != "priced" or self.drafter is None:
       return None, False
     costs, draft = opts.controller_costs, opts.controller_draft_cost
+    # The decline's cycles (a drafter pass and a one-token forward) are priced by the start-up
+    # costs, not fitted (`OnlineCosts.by_prior`).
     prices = OnlineCosts(lambda n: control.break_even(n - 1, costs, draft), batch_prior_floor=1.0,
-                         one_prior_floor=0.5)
+                         one_prior_floor=0.5, by_prior=(1,) if opts.controller_decline else ())
     online = (self.measured_costs is not None if opts.online_costs is None
               else opts.online_costs)
     return prices, online
@@ -289,7 +297,8 @@ class Engine:
               seed_key, self._stop_arr)
     return (self.t_state, self.d_state, self.seq, self.cache, self.draft_cache, pre.first_tok, n,
             max_new, sampling, seed_key, self._stop_arr, forced_seq,
-            self._on_device(self.break_even_N(block_size, 1)), jnp.asarray(start, jnp.int32))
+            self._on_device(self.break_even_N(block_size, 1)), jnp.asarray(start, jnp.int32),
+            self._on_device(self.decline_state))
 
   def request_start(self, block_size: int, rows: int = 1) -> tuple[int, int]:
     """(misses, AR steps) the next request in a loop of `block_size` and `rows` slots starts
@@ -484,6 +493,8 @@ class Engine:
     out = fn(*loop_args)
     n_gen = int(out.n_gen)
     decode_s = self.loop_ran(t2, np.asarray(out.forward_counts), 1, run_size)
+    if out.decline is not None:
+      self.decline_state = np.asarray(out.decline)
     self.seq, self.cache = out.seq, out.cache
     if out.draft_cache is not None:
       self.draft_cache = out.draft_cache
@@ -582,8 +593,10 @@ class Engine:
       draft_cache = None
     seq = jnp.zeros((rows, self.max_len), jnp.int32)
     forced_seq = jnp.full_like(seq, -1) if forced else None
-    return self._placed(LoopState.empty(seq, cache, draft_cache, forced_seq,
-                                        max(self.block_sizes), self.break_even_N(block_size, rows)))
+    return self._placed(LoopState.empty(
+        seq, cache, draft_cache, forced_seq, max(self.block_sizes),
+        self.break_even_N(block_size, rows),
+        self.decline_state if block_size > 1 else None))
 
   def _placed(self, state: LoopState) -> LoopState:
     """A batched state's rows on the mesh's `data` axis (when the batch divides it), its caches

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from bp_jax.decoding import controllers
+from bp_jax.decoding import decline as decline_rule
 from bp_jax.decoding import verify as verify_rules
 from bp_jax.decoding.options import LoopOptions
 from bp_jax.decoding.sampling import position_keys, sample
@@ -56,6 +57,8 @@ class LoopOut(NamedTuple):
   draft_cache: KVCache | None
   # [N] int32 the loop's target forwards by verify length (`LoopState.forward_counts_N`).
   forward_counts: jax.Array | None = None
+  # [3] float32 the priced decline's evidence after the loop (`LoopState.decline_3`).
+  decline: jax.Array | None = None
 
 
 def _nonfinite(logits: jax.Array) -> jax.Array:
@@ -290,7 +293,10 @@ def make_batched_spec_loop(graphdef, draft_graphdef, opts: LoopOptions) -> Calla
   `controller.choose` with the cost table; a cycle whose best rate is below the AR rate is a
   miss (with `controller_poor_miss`, also one that verified more than `ar_fallback_accept`
   drafts and accepted at most that many), and after it the rows take AR steps as `backoff`
-  does, at most `ar_fallback` (16 when 0). "fixed:k" (tests) verifies k drafts every cycle
+  does, at most `ar_fallback` (16 when 0). `priced` with `controller_decline` verifies k = 0
+  (declines the drafts, a miss) or k = b-1 per cycle (`decline`), and learns the drafter's
+  acceptance per expected draft from its full cycles (`LoopState.decline_3`). "fixed:k"
+  (tests) verifies k drafts every cycle
   through the same machinery. Each bucket is its own verify shape [B, k+1] run as a nested
   `while_loop` of zero or one trips (a `lax.switch` would copy every cache buffer); a cycle
   verifying k = 0 drafts still counts as a cycle (its drafter pass was paid).
@@ -344,9 +350,10 @@ def make_batched_spec_loop(graphdef, draft_graphdef, opts: LoopOptions) -> Calla
                                     draft_layers)
       return new.replace(draft_cache=context.with_lengths(new.pos_B)), a_B
 
-    def verify_k(s, k: int, draft_Bk, draft_logits_BkV, draft_next):
+    def verify_k(s, k: int, draft_Bk, draft_logits_BkV, draft_next, expected_B):
       """The state after the target verifies each row's first k drafts ([B, k+1] tokens, one
-      forward) and commits what the rule keeps; a miss asks for AR steps."""
+      forward) and commits what the rule keeps; the controller learns from it (`observed`); a
+      miss asks for AR steps."""
       out, active_B, pointer_B = forward(
           s, jnp.concatenate([s.tok_B[:, None], draft_Bk[:, :k]], axis=1))
       if k == 0:  # the AR step's own draw at pos + 1 under either verify rule
@@ -355,6 +362,7 @@ def make_batched_spec_loop(graphdef, draft_graphdef, opts: LoopOptions) -> Calla
         y_Bt, a_B = rule.verify(out.logits, draft_logits_BkV[:, :k], draft_Bk[:, :k], s.sp_B,
                                 s.seed_keys_B, s.pos_B)
       new, a_B = commit(s, out, y_Bt, a_B, active_B, pointer_B, True, k + 1)
+      new = ctl.observed(new, k, a_B, expected_B)
       if ctl.cap:
         new = new.backed_off(ctl.miss_B(k, a_B, draft_next, s.break_even_N), active_B, ctl.cap,
                              ctl.shared_backoff)
@@ -366,12 +374,13 @@ def make_batched_spec_loop(graphdef, draft_graphdef, opts: LoopOptions) -> Calla
       if ctl.cap:
         s = flush_context(s)
       draft_Bk, draft_logits_BkV = draft(s)
-      idx, draft_next = ctl.choose(draft_logits_BkV, draft_Bk, s.active_B())
+      expected_B = ctl.expected(draft_logits_BkV, draft_Bk)
+      idx, draft_next = ctl.choose(draft_logits_BkV, draft_Bk, s, expected_B)
       if len(ctl.buckets) == 1:
-        return verify_k(s, ctl.buckets[0], draft_Bk, draft_logits_BkV, draft_next)
+        return verify_k(s, ctl.buckets[0], draft_Bk, draft_logits_BkV, draft_next, expected_B)
       for i, k in enumerate(ctl.buckets):
-        run = lambda t, k=k: (jnp.bool_(False),
-                              verify_k(t[1], k, draft_Bk, draft_logits_BkV, draft_next))
+        run = lambda t, k=k: (jnp.bool_(False), verify_k(t[1], k, draft_Bk, draft_logits_BkV,
+                                                          draft_next, expected_B))
         s = jax.lax.while_loop(lambda t: t[0], run, (idx == i, s))[1]
       return s
     # ------------------------------------------------------------------------------------------
@@ -424,12 +433,20 @@ def make_batched_spec_loop(graphdef, draft_graphdef, opts: LoopOptions) -> Calla
           (jnp.bool_(True), s))[1]
 
     s = _loop_caches(s, opts.scan_layers)
+    # A state without the decline's state (a caller outside the engine): nothing seen, and
+    # nothing kept after the call.
+    keep_decline = s.decline_3 is not None
+    if ctl.stateful and not keep_decline:
+      s = s.replace(decline_3=jnp.asarray(decline_rule.empty_state()))
     run = lambda s: _run(lambda s: s.decodes() & s.fits(b, window), body, s, in_budget)
     if not ctl.cap:
-      return run(s)
-    width = len(layer_ids) * drafter.cfg.layers.hidden_size
-    s = s.replace(pending_BPX=jnp.zeros((s.pos_B.shape[0], pending_len, width), drafter.dtype))
-    return flush_context(run(s)).replace(pending_BPX=None)
+      s = run(s)
+    else:
+      width = len(layer_ids) * drafter.cfg.layers.hidden_size
+      s = s.replace(pending_BPX=jnp.zeros((s.pos_B.shape[0], pending_len, width),
+                                          drafter.dtype))
+      s = flush_context(run(s)).replace(pending_BPX=None)
+    return s if keep_decline else s.replace(decline_3=None)
 
   return spec_loop
 
@@ -439,13 +456,15 @@ def _single(s: LoopState) -> LoopOut:
   r = s.records
   return LoopOut(s.seq_BS, s.n_gen_B[0], r.accept_BS[0], r.is_cycle_BS[0], r.verified_BS[0],
                  r.forwards_B[0], s.bad_B[0], s.cache.stacked(),
-                 None if s.draft_cache is None else s.draft_cache.stacked(), s.forward_counts_N)
+                 None if s.draft_cache is None else s.draft_cache.stacked(), s.forward_counts_N,
+                 s.decline_3)
 
 
 def _one_row(seq_1S, cache, draft_cache, first_tok, n, max_new, sampling, seed_key, stop_ids,
              forced_1S=None, max_verify: int = 1, break_even_N=None,
-             start_2=None) -> LoopState:
-  s = LoopState.empty(seq_1S, cache, draft_cache, forced_1S, max_verify, break_even_N)
+             start_2=None, decline_3=None) -> LoopState:
+  s = LoopState.empty(seq_1S, cache, draft_cache, forced_1S, max_verify, break_even_N,
+                      decline_3)
   return s.start_row(0, first_tok, n, max_new, seed_key, stop_ids, sampling,
                      forced_S=None if forced_1S is None else forced_1S[0], start_2=start_2)
 
@@ -466,18 +485,22 @@ def make_ar_loop(graphdef, opts: LoopOptions = LoopOptions()) -> Callable:
 
 def make_spec_loop(graphdef, draft_graphdef, opts: LoopOptions) -> Callable:
   """spec_loop(state, draft_state, seq, cache, draft_cache, first_tok, n, max_new, sampling,
-  seed_key, stop_ids[, forced_seq[, break_even_N[, start_2]]]) -> LoopOut: one request,
+  seed_key, stop_ids[, forced_seq[, break_even_N[, start_2[, decline_3]]]]) -> LoopOut: one
+  request,
   `make_batched_spec_loop` (see it for the cycle, the controllers, forced drafts and the
   window) on a one-row state; `forced_seq` [1, S] (None: the drafter's drafts);
   `break_even_N` [N >= block_size + 1] the priced controller's runtime break-even
   (`LoopState.break_even_N`; None: the start-up costs); `start_2` [2] int32 the misses and
-  AR steps the request starts with (`LoopState.start_row`; None: none)."""
+  AR steps the request starts with (`LoopState.start_row`; None: none); `decline_3` [3] the
+  priced decline's state so far (`LoopState.decline_3`; None: a loop without the
+  decline), returned as `LoopOut.decline`."""
   batched = make_batched_spec_loop(graphdef, draft_graphdef, opts)
 
   def spec_loop(state, draft_state, seq_1S, cache, draft_cache, first_tok, n, max_new,
-                sampling, seed_key, stop_ids, forced_1S=None, break_even_N=None, start_2=None):
+                sampling, seed_key, stop_ids, forced_1S=None, break_even_N=None, start_2=None,
+                decline_3=None):
     s = _one_row(seq_1S, cache, draft_cache, first_tok, n, max_new, sampling, seed_key,
-                 stop_ids, forced_1S, opts.block_size, break_even_N, start_2)
+                 stop_ids, forced_1S, opts.block_size, break_even_N, start_2, decline_3)
     return _single(batched(state, draft_state, s, stop_ids))
 
   return spec_loop

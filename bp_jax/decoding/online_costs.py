@@ -221,13 +221,19 @@ class OnlineCosts:
   1) or `one_prior_floor` (one request) times the prior (0: no such bound); `restart_calls`
   calls in a row whose seconds the estimate mispredicts by more than `restart_error` (relative),
   all the same way, mark a change: the calls before them keep only `RESTART_WEIGHT` of their
-  weight."""
+  weight. `by_prior`: verify lengths the fit does not estimate: each such forward counts as
+  prior(n) AR steps, and its break-even stays the prior's (the priced decline's cycles, n = 1,
+  a drafter pass and a one-token forward: a few of them among many cycles gave the fit a free
+  parameter it could not pin, and one run's break-even of a full cycle rose to 14.9 AR steps
+  against 4.0 without them, every request then starting plain; /tmp/b36/B1dec)."""
 
   def __init__(self, prior: Callable[[int], float], *, forget: float = 0.8, ridge: float = 0.03,
                min_break_even: float = 1.0, max_break_even_per_token: float = 4.0,
                restart_error: float = 0.2, restart_calls: int = 2,
-               batch_prior_floor: float = 0.0, one_prior_floor: float = 0.0):
+               batch_prior_floor: float = 0.0, one_prior_floor: float = 0.0,
+               by_prior: Sequence[int] = ()):
     self.prior = prior
+    self.by_prior = frozenset(int(n) for n in by_prior if int(n) > 0)
     self.batch_prior_floor = _check_floor(batch_prior_floor, "batch_prior_floor")
     self.one_prior_floor = _check_floor(one_prior_floor, "one_prior_floor")
     self.forget = _check_positive(forget, "forget", upper=1.0)
@@ -274,7 +280,11 @@ class OnlineCosts:
     seconds = _call_seconds(seconds)
     if not counts.sum() or seconds is None:
       return False
-    used = {int(n): int(c) for n, c in enumerate(counts) if c}
+    used = {int(n): float(c) for n, c in enumerate(counts) if c and n not in self.by_prior}
+    folded = sum(float(counts[n]) * float(self.prior(n)) for n in self.by_prior
+                 if n < len(counts) and counts[n])
+    if folded:  # AR steps' worth of the forwards priced by the prior
+      used[0] = used.get(0, 0.0) + folded
     self._fit(int(rows)).update(seconds, used, self.forget, self.ridge, self._clip_of(rows),
                                 self.restart_error, self.restart_calls)
     return True

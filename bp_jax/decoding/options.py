@@ -111,7 +111,12 @@ class LoopOptions:
     controller_draft_cost: one drafter pass, same unit. The two come as a pair: both given, or
       neither (None: measured where the engine runs, `Engine` through `costs.forward_costs`).
     controller_poor_miss: `confidence` counts a poorly accepted cycle as a miss too.
-    controller_calibration: acceptance rates per p bin replacing the drafter's p (None: raw p).
+    controller_calibration: acceptance rates per p bin replacing the drafter's p (None: raw p;
+      `confidence`, and `priced`'s decline).
+    controller_decline: `priced`: after the drafter pass, a cycle verifies none of its drafts
+      (a miss) when they are not expected to commit more tokens than their verify costs AR
+      steps, by the drafter's probabilities scaled to the acceptance measured on the recent
+      cycles (`decline`); False: every cycle verifies all its drafts.
     online_costs: `priced` keeps its costs current from the engine's timed loop calls
       (`online_costs.OnlineCosts`; a runtime value of the loop state, no recompilation): True
       (every loop call), False (the start-up costs throughout), or None: every call when the
@@ -151,6 +156,7 @@ class LoopOptions:
   controller_draft_cost: float | None = None
   controller_poor_miss: bool = False
   controller_calibration: tuple[float, ...] | None = None
+  controller_decline: bool = True
   online_costs: bool | None = None
   start_backoff: bool = True
   start_plain: bool = True
@@ -186,6 +192,7 @@ class LoopOptions:
                                  control.check_calibration(calibration,
                                                            "controller_calibration")),
          controller_poor_miss=bool(self.controller_poor_miss),
+         controller_decline=bool(self.controller_decline),
          online_costs=None if self.online_costs is None else bool(self.online_costs),
          start_backoff=bool(self.start_backoff), start_plain=bool(self.start_plain),
          ar_fallback=int(self.ar_fallback), priced_cap=int(self.priced_cap),

@@ -134,6 +134,7 @@ class _Bucket:
     self.counted_N = np.zeros(carry.forward_counts_N.shape, np.int64)
     self.break_even_N: np.ndarray | None = None  # the break-even last written into the carry
     self.min_active = 0                          # the `min_active` last written into it
+    self.decline: np.ndarray | None = None  # the decline state the carry holds, when read
 
   def priced(self, break_even_N: np.ndarray | None) -> None:
     """The carry with the priced controller's current break-even (None: it has none), placed
@@ -144,6 +145,16 @@ class _Bucket:
     self.carry = self.carry.replace(break_even_N=jax.device_put(
         break_even_N, self.carry.break_even_N.sharding))
     self.break_even_N = break_even_N
+
+  def with_decline(self, state_3: np.ndarray | None) -> None:
+    """The carry with the engine's current decline state (`Engine.decline_state`: other
+    buckets' calls and requests alone add to it), placed only when it is not the carry's own
+    already (a runtime value, as `priced`'s)."""
+    if state_3 is None or self.carry.decline_3 is None or state_3 is self.decline:
+      return
+    self.carry = self.carry.replace(decline_3=jax.device_put(
+        state_3, self.carry.decline_3.sharding))
+    self.decline = state_3
 
   def refill_on_finish(self, rows: int) -> None:
     """The carry's `min_active` (the next call returns once fewer than `rows` rows decode; 0:
@@ -325,6 +336,7 @@ class Scheduler:
                 if r is not None and not done[i] and n_gen[i] < max_new[i]]
     if decoding:
       bucket.priced(self.engine.break_even_N(b, rows))
+      bucket.with_decline(self.engine.decline_state)
       # Requests wait for a slot (this bucket's, or a learned one's whose bucket is not known
       # yet): the call returns when a row finishes, so its slot is refilled at once.
       bucket.refill_on_finish(len(decoding) if wanted else 0)
@@ -334,7 +346,11 @@ class Scheduler:
       t0 = self.engine.clock()
       bucket.carry = fn(*args)
       jax.block_until_ready(bucket.carry.pos_B)
-      counted_N = np.asarray(jax.device_get(bucket.carry.forward_counts_N))
+      counted_N, decline = jax.device_get((bucket.carry.forward_counts_N,
+                                           bucket.carry.decline_3))
+      counted_N = np.asarray(counted_N)
+      if decline is not None:  # what this call saw, for every loop after it
+        self.engine.decline_state = bucket.decline = np.asarray(decline)
       secs = self.engine.loop_ran(t0, counted_N - bucket.counted_N, rows, b,
                                   decoding=len(decoding))
       bucket.counted_N = counted_N

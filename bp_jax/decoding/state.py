@@ -91,6 +91,11 @@ class LoopState:
   # tokens costs break_even_N[n] AR steps (a runtime value the host may replace between loop
   # calls, `online_costs`; None: the start-up costs, compile-time constants).
   break_even_N: jax.Array | None = None
+  # [3] float32 the priced controller's decline evidence (`decline.empty_state`): decayed
+  # row-cycles, expected and accepted drafts of the recent cycles that verified all their
+  # drafts. A runtime value the engine carries across calls and requests (None: a loop without
+  # the decline).
+  decline_3: jax.Array | None = None
   # [B, P, X] the drafter inputs (`DFlashDrafter.context_inputs`) of the AR steps a row took
   # since its drafter context was last written, entry i at position `draft_cache.lengths + i`:
   # a speculative loop adds them to the context before its next drafter pass, P at most at a
@@ -101,7 +106,8 @@ class LoopState:
   @classmethod
   def empty(cls, seq_BS: jax.Array, cache: KVCache, draft_cache: KVCache | None = None,
             forced_BS: jax.Array | None = None, max_verify: int = 1,
-            break_even_N: jax.Array | None = None) -> "LoopState":
+            break_even_N: jax.Array | None = None,
+            decline_3: jax.Array | None = None) -> "LoopState":
     """Every slot empty (max_new = 0), around the given buffers; forward counts for verify
     lengths up to `max_verify` (the largest block size)."""
     B, S = seq_BS.shape
@@ -116,7 +122,9 @@ class LoopState:
                min_active=jnp.zeros((), jnp.int32), draft_cache=draft_cache,
                forced_BS=forced_BS,
                break_even_N=(None if break_even_N is None
-                             else jnp.asarray(break_even_N, jnp.float32)))
+                             else jnp.asarray(break_even_N, jnp.float32)),
+               decline_3=(None if decline_3 is None
+                                 else jnp.asarray(decline_3, jnp.float32)))
 
   def start_row(self, row, first_tok, n, max_new, seed_key, stop_ids, sampling=None,
                 row_stop_K: jax.Array | None = None,
@@ -156,17 +164,17 @@ class LoopState:
   def take_rows(self, rows_R: jax.Array, keep_R: jax.Array) -> "LoopState":
     """A state of R rows: row i is a copy of this state's row `rows_R[i]` (tokens, caches,
     records, sampling settings, seed key, back-off) where `keep_R[i]`, an empty slot
-    (max_new 0) where not. The batch-wide fields (forward counts, `min_active`, break-even)
-    stay as they are. How the scheduler shrinks a bucket's state to the requests it still
+    (max_new 0) where not. The batch-wide fields (forward counts, `min_active`, break-even,
+    decline state) stay as they are. How the scheduler shrinks a bucket's state to the requests it still
     decodes, or grows it back (`Scheduler`)."""
     shared = dict(cache=None, draft_cache=None, forward_counts_N=None, min_active=None,
-                  break_even_N=None, pending_BPX=None)
+                  break_even_N=None, decline_3=None, pending_BPX=None)
     out = jax.tree.map(lambda x: x[rows_R], self.replace(**shared))
     return out.replace(
         max_new_B=jnp.where(keep_R, out.max_new_B, 0), cache=self.cache.take_rows(rows_R),
         draft_cache=None if self.draft_cache is None else self.draft_cache.take_rows(rows_R),
         forward_counts_N=self.forward_counts_N, min_active=self.min_active,
-        break_even_N=self.break_even_N)
+        break_even_N=self.break_even_N, decline_3=self.decline_3)
 
   def with_row_from(self, row, src: "LoopState", src_row) -> "LoopState":
     """This state with slot `row` holding a copy of `src`'s row `src_row` (tokens, position,
@@ -177,14 +185,14 @@ class LoopState:
     one = src.replace(draft_cache=None, forced_BS=None).take_rows(
         jnp.reshape(jnp.asarray(src_row, jnp.int32), (1,)), jnp.ones((1,), jnp.bool_))
     own = dict(cache=None, draft_cache=None, forced_BS=None, forward_counts_N=None,
-               min_active=None, break_even_N=None, pending_BPX=None)
+               min_active=None, break_even_N=None, decline_3=None, pending_BPX=None)
     out = jax.tree.map(lambda dst, x: dst.at[row].set(x[0]), self.replace(**own),
                        one.replace(**own))
     return out.replace(
         cache=self.cache.put_rows(one.cache, row), draft_cache=self.draft_cache,
         forced_BS=self.forced_BS, forward_counts_N=self.forward_counts_N,
         min_active=self.min_active, break_even_N=self.break_even_N,
-        pending_BPX=self.pending_BPX, misses_B=out.misses_B.at[row].set(0),
+        decline_3=self.decline_3, pending_BPX=self.pending_BPX, misses_B=out.misses_B.at[row].set(0),
         wait_B=out.wait_B.at[row].set(0))
 
   # -- read by the loops --------------------------------------------------------------------

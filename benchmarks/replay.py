@@ -1,0 +1,124 @@
+"""Replays for the benchmarks that study the drafter's probabilities against its acceptance
+(`controller_calibration`, `decline_replay`): the drafter's drafts at every position of the
+target's own greedy output (teacher-forced: what a cycle starting there would draft and
+accept), and the priced back-off simulated over them at given costs, with and without the
+decline (`bp_jax.decoding.decline`)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from bp_jax.decoding import controller as control
+from bp_jax.decoding import decline
+from bp_jax.decoding.engine import Engine
+from bp_jax.decoding.options import ShapeOptions
+
+
+def teacher_forced(target, drafter, prompts, block_size: int, max_len: int, max_new_tokens: int,
+                   stop_ids=()) -> list[tuple[np.ndarray, np.ndarray]]:
+  """Per prompt, (p_Tk, hit_Tk) [T, b-1] over the T positions t of its greedy AR output with b-1
+  known target tokens after them: the drafter's probability of each of its b-1 greedy drafts
+  after seq[t] (from the target features of positions < t, as a cycle starting at t drafts)
+  and whether each equals the target's own token there."""
+  eng = Engine(target, stop_ids=stop_ids, shapes=ShapeOptions(max_len=max_len))
+  t_graph, t_state = nnx.split(target)
+  d_graph, d_state = nnx.split(drafter)
+  b, mask_id = block_size, drafter.cfg.mask_token_id
+
+  @jax.jit
+  def context(t_state, d_state, tokens_1S):
+    """The drafter's context cache over every position of the sequence."""
+    model, dr = nnx.merge(t_graph, t_state), nnx.merge(d_graph, d_state)
+    zero = jnp.zeros((1,), jnp.int32)
+    out = model(tokens_1S, target.init_cache(1, max_len).with_lengths(zero),
+                dr.cfg.target_layer_ids)
+    return dr.add_context(out.layer_hiddens, dr.init_cache(1, max_len).with_lengths(zero))
+
+  @jax.jit
+  def draft_at(t_state, d_state, draft_cache, tok, t):
+    """(b-1 greedy drafts, their probabilities) of a cycle starting at position t."""
+    model, dr = nnx.merge(t_graph, t_state), nnx.merge(d_graph, d_state)
+    block_1b = jnp.full((1, b), mask_id, jnp.int32).at[0, 0].set(tok)
+    h = dr.draft(model.embed_tokens(block_1b), draft_cache.with_lengths(t[None]))
+    logits_1kV = model.project_to_vocab(h[:, 1:])
+    drafts_1k = jnp.argmax(logits_1kV, -1).astype(jnp.int32)
+    return drafts_1k[0], control.drafted_probs(logits_1kV, drafts_1k)[0]
+
+  out = []
+  for i, (key, ids) in enumerate(prompts):
+    gen = eng.generate(ids, max_new_tokens=max_new_tokens, block_size=1).output_ids
+    seq = ids + gen
+    n = len(ids)
+    tokens = jnp.zeros((1, max_len), jnp.int32).at[0, :len(seq)].set(jnp.asarray(seq))
+    dcache = context(t_state, d_state, tokens)
+    p_rows, hit_rows = [], []
+    for t in range(n, len(seq) - b + 1):  # positions with b-1 known target tokens after them
+      drafts, p = jax.device_get(draft_at(t_state, d_state, dcache, jnp.int32(seq[t]),
+                                          jnp.int32(t)))
+      p_rows.append(p)
+      hit_rows.append(drafts == np.asarray(seq[t + 1:t + b]))
+    k = b - 1
+    out.append((np.asarray(p_rows, np.float32).reshape(-1, k),
+                np.asarray(hit_rows, bool).reshape(-1, k)))
+    print(f"  {i + 1}/{len(prompts)} {key}: {len(gen)} tokens", flush=True)
+  return out
+
+
+def accepted_and_expected(p_Tk: np.ndarray, hit_Tk: np.ndarray, rates=None
+                          ) -> tuple[np.ndarray, np.ndarray]:
+  """([T] drafts a cycle at each position accepts, [T] the drafts its probabilities expect,
+  `decline.expected_accepted`, with `rates` interpolated as `controller.calibrated` does)."""
+  if rates is not None:
+    centres = (np.arange(len(rates)) + 0.5) / len(rates)
+    p_Tk = np.interp(p_Tk, centres, rates)
+  accepted = np.cumprod(hit_Tk, axis=1).sum(axis=1)
+  return accepted, np.cumprod(p_Tk, axis=1).sum(axis=1)
+
+
+def simulate(prompts: list[tuple[np.ndarray, np.ndarray]], draft_cost: float,
+             verify_cost: float, cap: int, declines: bool) -> dict:
+  """The priced back-off over every prompt's positions (module doc): committed tokens, cost in
+  AR steps, verified and declined cycles."""
+  evidence = np.zeros(3)
+  tokens = cost = 0.0
+  verified = declined = 0
+  for accepted_T, expected_T in prompts:
+    end, m, misses, wait = len(accepted_T), 0, 0, 0
+    while m < end:
+      if wait:
+        steps = min(wait, end - m)
+        cost, m, wait = cost + steps, m + steps, 0
+        continue
+      a, e = int(accepted_T[m]), float(expected_T[m])
+      scale = evidence[2] / max(evidence[1], 1e-6)
+      if (declines and evidence[0] >= decline.EVIDENCE_ROWS
+          and misses <= decline.MAX_DECLINE_LEVEL and 1 + scale * e < verify_cost):
+        cost, m, declined = cost + draft_cost + 1, m + 1, declined + 1
+        misses += 1
+        wait = min(2 ** misses, cap)
+        continue
+      cost, m, verified = cost + draft_cost + verify_cost, m + a + 1, verified + 1
+      evidence = decline.EVIDENCE_FORGET * evidence + np.asarray([1.0, e, a])
+      misses = misses + 1 if a + 1 < draft_cost + verify_cost else 0
+      wait = min(2 ** misses, cap) if misses else 0
+    tokens += end
+  return {"tokens_per_ar_step": tokens / cost, "verified": verified, "declined": declined}
+
+
+def oracle(prompts, draft_cost: float, verify_cost: float) -> float:
+  """Tokens per AR step of cost when each position takes a cycle exactly where it commits more
+  tokens than it costs, an AR step elsewhere."""
+  tokens = cost = 0.0
+  for accepted_T, _ in prompts:
+    m = 0
+    while m < len(accepted_T):
+      a = int(accepted_T[m])
+      if a + 1 > draft_cost + verify_cost:
+        cost, m = cost + draft_cost + verify_cost, m + a + 1
+      else:
+        cost, m = cost + 1, m + 1
+    tokens += len(accepted_T)
+  return tokens / cost
