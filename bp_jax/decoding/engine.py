@@ -25,6 +25,7 @@ from flax import nnx
 from bp_jax.decoding import controller as control
 from bp_jax.decoding import decline
 from bp_jax.decoding import loops as decode_loops
+from bp_jax.decoding.loops import LoopWeights
 from bp_jax.decoding.costs import ForwardCosts, forward_costs
 from bp_jax.decoding.buckets import default_length_buckets, pick_bucket
 from bp_jax.decoding.generation import Generation, generation_of
@@ -124,8 +125,21 @@ class Engine:
       self.t_state, self.d_state = (shard_state(s, mesh) for s in (self.t_state, self.d_state))
       self.cache, self.draft_cache = (shard_cache(c, mesh) for c in (self.cache, self.draft_cache))
       self.seq = jax.device_put(self.seq, replicated(mesh))
+    # The loops' weights, their per-layer slices taken once here (`loops.LoopWeights`).
+    self.t_weights = self._loop_weights(self.t_graph, self.t_state)
+    self.d_weights = (None if drafter is None else
+                      self._loop_weights(self.d_graph, self.d_state))
     if policy is not None:
       self.set_policy(policy, policy_sizes)
+
+  def _loop_weights(self, graph, state) -> LoopWeights:
+    """A model's `LoopWeights`: its per-layer weights sliced once from `state` (placed as it
+    is), none where the loops scan the stacked layers. They stay beside the stacked ones, which
+    prefill reads: the layers' weights twice, which a loop call held anyway while it sliced its
+    own copy, now without the copy."""
+    layers = (None if self.scan_layers else
+              tuple(nnx.merge(graph, state).layers.per_layer()))
+    return LoopWeights(state, layers)
 
   def _priced(self, loop: LoopOptions, target, drafter, batch_size: int,
               cost_cache: str | None) -> LoopOptions:
@@ -279,7 +293,7 @@ class Engine:
   def _prefill_args(self, tokens_1P, n, seed_key, sampling, with_policy: bool,
                     buffers: tuple | None = None) -> tuple:
     cache, draft_cache = buffers or (self.cache, self.draft_cache)
-    return (self.t_state, self.d_state, tokens_1P, n, cache, draft_cache, seed_key,
+    return (self.t_weights, self.d_weights, tokens_1P, n, cache, draft_cache, seed_key,
             sampling) + ((self.p_state,) if with_policy else ())
 
   def _prefill(self, tokens_1P, n, seed_key, sampling, with_policy: bool = False,
@@ -293,10 +307,10 @@ class Engine:
   def _loop_args(self, pre, n, max_new, sampling, seed_key, block_size,
                  forced_seq=None, start: tuple[int, int] = (0, 0)) -> tuple:
     if block_size == 1:
-      return (self.t_state, self.seq, self.cache, pre.first_tok, n, max_new, sampling,
+      return (self.t_weights, self.seq, self.cache, pre.first_tok, n, max_new, sampling,
               seed_key, self._stop_arr)
-    return (self.t_state, self.d_state, self.seq, self.cache, self.draft_cache, pre.first_tok, n,
-            max_new, sampling, seed_key, self._stop_arr, forced_seq,
+    return (self.t_weights, self.d_weights, self.seq, self.cache, self.draft_cache,
+            pre.first_tok, n, max_new, sampling, seed_key, self._stop_arr, forced_seq,
             self._on_device(self.break_even_N(block_size, 1)), jnp.asarray(start, jnp.int32),
             self._on_device(self.decline_state))
 
@@ -392,7 +406,7 @@ class Engine:
           # Shapes suffice on one device; on a mesh the placements count too.
           carry = (self.slot_carry(b, rows=rows) if self.mesh is not None else
                    jax.eval_shape(lambda: self.slot_carry(b, rows=rows)))
-          args = ((self.t_state,) if b == 1 else (self.t_state, self.d_state)) + (
+          args = ((self.t_weights,) if b == 1 else (self.t_weights, self.d_weights)) + (
               carry, self._stop_arr)
           self.programs.batched_loop(b, rows, self.sync_cycles, None, args)
           if not all_windows:
@@ -691,7 +705,7 @@ class Engine:
     every decoding row asks for first, which need one slot each). Compiles the loop and runs
     it once on an idle copy of the carry (its first run's fixed cost) on first use, before any
     clock starts."""
-    states = (self.t_state,) if block_size == 1 else (self.t_state, self.d_state)
+    states = (self.t_weights,) if block_size == 1 else (self.t_weights, self.d_weights)
     args = states + (carry, self._stop_arr)
     window = (None if max_pos is None else
               window_for(max_pos, block_size, self.sync_cycles, self.max_len, ar_steps))

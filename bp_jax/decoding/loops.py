@@ -11,7 +11,7 @@ the drafter's context and the controller's back-off.
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -69,7 +69,8 @@ def _nonfinite(logits: jax.Array) -> jax.Array:
 
 def make_prefill(graphdef, draft_graphdef=None, policy_graphdef=None) -> Callable:
   """prefill(state, draft_state, tokens_1P, n, cache, draft_cache, seed_key, sampling,
-  policy_state=None) -> PrefillOut.
+  policy_state=None) -> PrefillOut. `state`, `draft_state`: `LoopWeights` (the layers run
+  unrolled on their per-layer weights) or bare states (scanned).
 
   `sampling`: a `sampling.SamplingParams` (or a temperature scalar), as in the loops.
 
@@ -84,21 +85,26 @@ def make_prefill(graphdef, draft_graphdef=None, policy_graphdef=None) -> Callabl
 
   def prefill(state, draft_state, tokens_1P, n, cache, draft_cache, seed_key, sampling,
               policy_state=None):
-    model = nnx.merge(graphdef, state)
-    drafter = None if draft_graphdef is None else nnx.merge(draft_graphdef, draft_state)
+    # `LoopWeights` run the layers unrolled on the loops' own per-layer weights (no copy, and
+    # the loop then finds them in cache); a bare state scans the stacked layers.
+    model, layers = _merged(graphdef, state, scan_layers=not _sliced(state))
+    drafter, draft_layers = (None, None) if draft_graphdef is None else _merged(
+        draft_graphdef, draft_state, scan_layers=not _sliced(draft_state))
     layer_ids = () if drafter is None else drafter.cfg.target_layer_ids
     zero = jnp.zeros((1,), jnp.int32)
-    out = model(tokens_1P, cache.with_lengths(zero), layer_ids, logits_at=(n - 1)[None])
+    out = model(tokens_1P, cache.with_lengths(zero), layer_ids, logits_at=(n - 1)[None],
+                layers=layers)
     logits_1V = out.logits[:, 0]
     first = sample(logits_1V, sampling, position_keys(seed_key, n[None]))[0]
     draft_logits = None
     if drafter is not None:
-      draft_cache = drafter.add_context(out.layer_hiddens, draft_cache.with_lengths(zero))
+      draft_cache = drafter.add_context(out.layer_hiddens, draft_cache.with_lengths(zero),
+                                        draft_layers)
       draft_cache = draft_cache.with_lengths(n[None])
       # The drafter's first block from the prompt's context (the `draft_confidence` feature).
       b0 = drafter.cfg.block_size
       block_1b = jnp.full((1, b0), drafter.cfg.mask_token_id, jnp.int32).at[0, 0].set(first)
-      h_1bD = drafter.draft(model.embed_tokens(block_1b), draft_cache)
+      h_1bD = drafter.draft(model.embed_tokens(block_1b), draft_cache, draft_layers)
       draft_logits = model.project_to_vocab(h_1bD[:, 1:])
     features = prefill_features(logits_1V, out.final_hidden[:, 0],
                                 out.layer_hiddens if drafter is not None else None, n,
@@ -114,10 +120,30 @@ def make_prefill(graphdef, draft_graphdef=None, policy_graphdef=None) -> Callabl
   return prefill
 
 
-def _layers_of(module, scan_layers: bool):
-  """The `layers=` argument of a forward inside a decode loop: None runs `lax.scan` over the
-  stacked weights; otherwise per-layer weights, sliced once here, outside the `while_loop`."""
-  return None if scan_layers else module.layers.per_layer()
+class LoopWeights(NamedTuple):
+  """A model's parameters as the decode loops take them: its state (`nnx.split`; the stacked
+  layers stay in it, unread by the loops) and its per-layer weights (`LayerStack.per_layer`),
+  sliced once by the engine. Sliced inside a loop's jitted call, every call copied every
+  layer's weights (the demo's target and drafter: 19 MB, ~1.3 ms per call on this CPU, as
+  about half a cycle; a 4B model's ~7 GB on an accelerator). The engine makes them
+  (`Engine._loop_weights`)."""
+  state: Any
+  layers: tuple[dict[str, jax.Array], ...] | None  # None: the loops scan the stacked layers
+
+
+def _sliced(weights) -> bool:
+  """Whether `weights` carry per-layer weights (`LoopWeights` with layers)."""
+  return isinstance(weights, LoopWeights) and weights.layers is not None
+
+
+def _merged(graphdef, weights, scan_layers: bool):
+  """(the module, the `layers=` argument of its forwards inside a decode loop): None runs
+  `lax.scan` over the stacked weights; otherwise per-layer weights, those of a `LoopWeights`,
+  else sliced here from a bare state (callers outside the engine: one copy per call)."""
+  module = nnx.merge(graphdef, weights.state if isinstance(weights, LoopWeights) else weights)
+  if scan_layers:
+    return module, None
+  return module, list(weights.layers) if _sliced(weights) else module.layers.per_layer()
 
 
 def _loop_cache(cache: KVCache | None, scan_layers: bool) -> KVCache | None:
@@ -222,8 +248,7 @@ def make_batched_ar_loop(graphdef, opts: LoopOptions = LoopOptions()) -> Callabl
   window = opts.window
 
   def ar_loop(state, s: LoopState, stop_ids) -> LoopState:
-    model = nnx.merge(graphdef, state)
-    layers = _layers_of(model, opts.scan_layers)
+    model, layers = _merged(graphdef, state, opts.scan_layers)
 
     def body(s):
       active_B = s.active_B()
@@ -315,9 +340,8 @@ def make_batched_spec_loop(graphdef, draft_graphdef, opts: LoopOptions) -> Calla
   pending_len = -(-ctl.cap // CONTEXT_CHUNK) * CONTEXT_CHUNK
 
   def spec_loop(state, draft_state, s: LoopState, stop_ids) -> LoopState:
-    model, drafter = nnx.merge(graphdef, state), nnx.merge(draft_graphdef, draft_state)
-    layers, draft_layers = _layers_of(model, opts.scan_layers), _layers_of(drafter,
-                                                                           opts.scan_layers)
+    model, layers = _merged(graphdef, state, opts.scan_layers)
+    drafter, draft_layers = _merged(draft_graphdef, draft_state, opts.scan_layers)
     layer_ids, mask_id = drafter.cfg.target_layer_ids, drafter.cfg.mask_token_id
     in_budget = _in_budget(s, opts.sync_cycles)  # the call's target forwards
 
@@ -486,9 +510,8 @@ def make_ar_loop(graphdef, opts: LoopOptions = LoopOptions()) -> Callable:
 def make_spec_loop(graphdef, draft_graphdef, opts: LoopOptions) -> Callable:
   """spec_loop(state, draft_state, seq, cache, draft_cache, first_tok, n, max_new, sampling,
   seed_key, stop_ids[, forced_seq[, break_even_N[, start_2[, decline_3]]]]) -> LoopOut: one
-  request,
-  `make_batched_spec_loop` (see it for the cycle, the controllers, forced drafts and the
-  window) on a one-row state; `forced_seq` [1, S] (None: the drafter's drafts);
+  request, `make_batched_spec_loop` (see it for the cycle, the controllers, forced drafts and
+  the window) on a one-row state; `forced_seq` [1, S] (None: the drafter's drafts);
   `break_even_N` [N >= block_size + 1] the priced controller's runtime break-even
   (`LoopState.break_even_N`; None: the start-up costs); `start_2` [2] int32 the misses and
   AR steps the request starts with (`LoopState.start_row`; None: none); `decline_3` [3] the

@@ -117,9 +117,13 @@ class ForwardReplay:
 
   @functools.partial(jax.jit, static_argnums=(0, 5))
   def _prefill(self, state, tokens_1P, n, cache, layer_ids):
+    """The engine's prefill forward: its layers unrolled, as the engine's prefill runs them on
+    its per-layer weights (`loops.LoopWeights`), or scanned with `scan_layers`."""
     model = nnx.merge(self.engine.t_graph, state)
     zero = jnp.zeros((1,), jnp.int32)
-    out = model(tokens_1P, cache.with_lengths(zero), layer_ids, logits_at=(n - 1)[None])
+    layers = None if self.engine.scan_layers else model.layers.per_layer()
+    out = model(tokens_1P, cache.with_lengths(zero), layer_ids, logits_at=(n - 1)[None],
+                layers=layers)
     return out.logits[0], out.cache.per_layer()
 
   @functools.partial(jax.jit, static_argnums=(0, 5))

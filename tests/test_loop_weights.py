@@ -1,0 +1,49 @@
+"""The decode loops take per-layer weights the engine sliced once (`loops.LoopWeights`): a loop
+call slices no stacked layer weight (each call used to copy every layer's weights), and its
+outputs stay AR's."""
+
+from __future__ import annotations
+
+import jax
+import pytest
+
+from bp_jax.decoding import loops
+from bp_jax.models import layers as L
+from toy_models import toy_ar_outputs, toy_engine, toy_requests, zeros_drafter_pair
+
+
+@pytest.fixture(scope="module")
+def models():
+  return zeros_drafter_pair(64)
+
+
+def _slices(fn, *args) -> int:
+  return jax.jit(fn).lower(*args).as_text().count("stablehlo.slice")
+
+
+def test_a_loop_call_slices_no_stacked_weight(models):
+  target, drafter = models
+  eng = toy_engine(models, "priced", batch_size=2, sync_cycles=2)
+  assert len(eng.t_weights.layers) == target.cfg.num_hidden_layers
+  assert len(eng.d_weights.layers) == drafter.cfg.layers.num_hidden_layers
+  per_call = len(L.LAYER_PARAM_NAMES) * target.cfg.num_hidden_layers
+  opts = eng.programs.options.for_loop(1, sync_cycles=2)
+  ar = loops.make_batched_ar_loop(eng.t_graph, opts)
+  carry, stop = eng.slot_carry(1), eng._stop_arr
+  # The same loop on a bare state slices every stacked weight of every layer in each call.
+  assert _slices(ar, eng.t_state, carry, stop) - _slices(ar, eng.t_weights, carry, stop) >= per_call
+  spec = loops.make_batched_spec_loop(eng.t_graph, eng.d_graph,
+                                      eng.programs.options.for_loop(4, sync_cycles=2))
+  carry = eng.slot_carry(4)
+  # (The toy drafter has one layer: its "slices" are whole stacks, which lower to no slice.)
+  assert (_slices(spec, eng.t_state, eng.d_state, carry, stop)
+          - _slices(spec, eng.t_weights, eng.d_weights, carry, stop)) >= per_call
+
+
+def test_scanned_layers_take_no_slices_and_outputs_stay_ar(models):
+  eng = toy_engine(models, "priced", scan_layers=True)
+  assert eng.t_weights.layers is None and eng.d_weights.layers is None
+  prompts, max_news = toy_requests(3)
+  got = [eng.generate(p, max_new_tokens=m, block_size=4).output_ids
+         for p, m in zip(prompts, max_news)]
+  assert got == toy_ar_outputs(models, 3)
