@@ -115,22 +115,21 @@ class ForwardReplay:
     d = engine.drafter
     self.layer_ids = () if d is None else tuple(d.cfg.target_layer_ids)
 
-  @functools.partial(jax.jit, static_argnums=(0, 5))
-  def _prefill(self, state, tokens_1P, n, cache, layer_ids):
-    """The engine's prefill forward: its layers unrolled, as the engine's prefill runs them on
-    its per-layer weights (`loops.LoopWeights`), or scanned with `scan_layers`."""
+  @functools.partial(jax.jit, static_argnums=(0, 6))
+  def _prefill(self, state, layers, tokens_1P, n, cache, layer_ids):
+    """The engine's prefill forward: on the engine's own per-layer weights
+    (`loops.LoopWeights`; None: scanned, with `scan_layers`)."""
     model = nnx.merge(self.engine.t_graph, state)
     zero = jnp.zeros((1,), jnp.int32)
-    layers = None if self.engine.scan_layers else model.layers.per_layer()
     out = model(tokens_1P, cache.with_lengths(zero), layer_ids, logits_at=(n - 1)[None],
-                layers=layers)
+                layers=None if layers is None else list(layers))
     return out.logits[0], out.cache.per_layer()
 
-  @functools.partial(jax.jit, static_argnums=(0, 5))
-  def _step(self, state, tokens_1w, cache, pos, layer_ids):
+  @functools.partial(jax.jit, static_argnums=(0, 6))
+  def _step(self, state, layers, tokens_1w, cache, pos, layer_ids):
     model = nnx.merge(self.engine.t_graph, state)
     out = model(tokens_1w, cache.with_lengths(pos[None]), layer_ids,
-                layers=model.layers.per_layer())
+                layers=model.layers.per_layer() if layers is None else list(layers))
     return out.logits[0], out.cache
 
   def logits(self, prompt_ids: Sequence[int], output_ids: Sequence[int],
@@ -144,7 +143,9 @@ class ForwardReplay:
     upto = len(out) - 1 if upto is None else upto
     toks, _ = eng.encode_padded(prompt_ids)
     cache = eng.cache.with_lengths(jnp.zeros((1,), jnp.int32))
-    first, cache = self._prefill(eng.t_state, toks, jnp.int32(n), cache, self.layer_ids)
+    weights = eng.t_weights
+    first, cache = self._prefill(weights.state, weights.layers, toks, jnp.int32(n), cache,
+                                 self.layer_ids)
     rows, pos, seq = [np.asarray(first[0])], n, list(prompt_ids) + out
     # The engine's speculative loop asks its forwards for the drafter's features, its AR loop not.
     ids = self.layer_ids if any(w > 1 for w, _ in schedule) else ()
@@ -153,8 +154,8 @@ class ForwardReplay:
         break
       block = seq[pos:pos + width]
       block += [0] * (width - len(block))
-      logits, cache = self._step(eng.t_state, jnp.asarray([block], jnp.int32), cache,
-                                 jnp.int32(pos), ids)
+      logits, cache = self._step(weights.state, weights.layers,
+                                 jnp.asarray([block], jnp.int32), cache, jnp.int32(pos), ids)
       rows += list(np.asarray(logits[:advance]))
       pos += advance
     return np.stack(rows[:upto + 1])
