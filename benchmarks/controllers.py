@@ -211,6 +211,8 @@ def engine_options(method: str, costs: dict) -> dict:
              controller_calibration=control.load_calibration(FLAGS.calibration, "--calibration"),
              **fb) if "_cal" in method else {}
   plain = dict(ar_fallback_accept=FLAGS.ar_fallback_accept)
+  default = dict(controller="priced", ar_fallback=FLAGS.ar_fallback, priced_cap=FLAGS.priced_cap,
+                 online_costs=True, start_backoff=True, start_plain=FLAGS.start_plain, **fb)
   verify = {} if method == "ar" else {"verify": FLAGS.verify}
   return {**verify, **{"ar": dict(controller="none"), "none": dict(controller="none"),
           "backoff": dict(controller="backoff", ar_fallback=FLAGS.ar_fallback, **plain),
@@ -225,16 +227,9 @@ def engine_options(method: str, costs: dict) -> dict:
                                 online_costs=True, start_backoff=False, **fb),
           "priced_long": dict(controller="priced", ar_fallback=FLAGS.long_ar_fallback,
                               online_costs=False, start_backoff=False, **fb),
-          "priced_default": dict(controller="priced", ar_fallback=FLAGS.ar_fallback,
-                                 priced_cap=FLAGS.priced_cap, online_costs=True,
-                                 start_backoff=True, start_plain=FLAGS.start_plain, **fb),
-          "priced_default_noplain": dict(controller="priced", ar_fallback=FLAGS.ar_fallback,
-                                         priced_cap=FLAGS.priced_cap, online_costs=True,
-                                         start_backoff=True, start_plain=False, **fb),
-          "priced_default_nodecline": dict(controller="priced", ar_fallback=FLAGS.ar_fallback,
-                                           priced_cap=FLAGS.priced_cap, online_costs=True,
-                                           start_backoff=True, start_plain=FLAGS.start_plain,
-                                           controller_decline=False, **fb),
+          "priced_default": default,
+          "priced_default_noplain": dict(default, start_plain=False),
+          "priced_default_nodecline": dict(default, controller_decline=False),
           }[method]}
 
 

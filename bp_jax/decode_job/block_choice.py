@@ -123,30 +123,34 @@ def loop_options(cfg) -> dict[str, Any]:
   return {"scan_layers": bool(cfg.get("scan_layers", False)),
           "ar_fallback": (int(cfg.get("ar_fallback", 0))
                           if controller in ("backoff", "confidence", "priced") else 0),
-          "priced_cap": _priced_cap(cfg) if controller == "priced" else 0,
+          "priced_cap": (_config_count(cfg, "controller_priced_cap", 0,
+                                       "0: ar_fallback, or 64 when that is 0 too")
+                         if controller == "priced" else 0),
           "ar_fallback_accept": int(cfg.get("ar_fallback_accept", 1)),
           "verify": check_verify_mode(str(cfg.get("verify", "exact"))),
           "controller": controller,
           **controller_costs(cfg),
           "controller_poor_miss": bool(cfg.get("controller_poor_miss", False)),
-          "controller_decline": _decline(cfg),
+          "controller_decline": _config_bool(cfg, "controller_decline", True),
           "controller_calibration": control.load_calibration(
               str(cfg.get("controller_calibration", "") or ""))}
 
 
-def _decline(cfg) -> bool:
-  decline = cfg.get("controller_decline", True)
-  if not isinstance(decline, bool):
-    raise BadInputError(f"--config.controller_decline={decline!r}: expected True or False")
-  return decline
+def _config_bool(cfg, key: str, default: bool) -> bool:
+  """`--config.<key>`, checked to be true or false (a bad value names its flag)."""
+  value = cfg.get(key, default)
+  if not isinstance(value, bool):
+    raise BadInputError(f"--config.{key}={value!r} must be true or false")
+  return value
 
 
-def _priced_cap(cfg) -> int:
-  cap = cfg.get("controller_priced_cap", 0)
-  if isinstance(cap, bool) or not isinstance(cap, int) or cap < 0:
-    raise BadInputError(f"--config.controller_priced_cap={cap!r}: expected an integer >= 0 "
-                        "(0: ar_fallback, or 64 when that is 0 too)")
-  return cap
+def _config_count(cfg, key: str, default: int, zero_means: str) -> int:
+  """`--config.<key>`, checked to be an integer >= 0 (not a bool; a bad value names its flag
+  and what 0 means)."""
+  value = cfg.get(key, default)
+  if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+    raise BadInputError(f"--config.{key}={value!r} must be an integer >= 0 ({zero_means})")
+  return value
 
 
 def labelling_loop_options(cfg) -> dict[str, Any]:
@@ -200,16 +204,10 @@ def batch_options(cfg) -> dict[str, Any]:
   from bp_jax.decoding.requests import check_batching
   out = {"batch_size": cfg.get("batch_size", 1), "sync_cycles": cfg.get("sync_cycles", 16)}
   check_batching(**out)
-  flags = {}
-  for key, field in (("shrink_batches", "shrink"), ("join_learned_sizes", "join_learned")):
-    flags[field] = cfg.get(key, True)
-    if not isinstance(flags[field], bool):
-      raise BadInputError(f"--config.{key}={flags[field]!r} must be true or false")
-  after = cfg.get("move_plain_after", 3)
-  if isinstance(after, bool) or not isinstance(after, int) or after < 0:
-    raise BadInputError(f"--config.move_plain_after={after!r} must be an integer >= 0 "
-                        "(0 = never)")
-  return {**{k: int(v) for k, v in out.items()}, **flags, "move_plain_after": after}
+  return {**{k: int(v) for k, v in out.items()},
+          "shrink": _config_bool(cfg, "shrink_batches", True),
+          "join_learned": _config_bool(cfg, "join_learned_sizes", True),
+          "move_plain_after": _config_count(cfg, "move_plain_after", 3, "0 = never")}
 
 
 def sampling_options(cfg) -> dict[str, Any]:

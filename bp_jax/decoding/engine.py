@@ -134,9 +134,9 @@ class Engine:
 
   def _loop_weights(self, graph, state) -> LoopWeights:
     """A model's `LoopWeights`: its per-layer weights sliced once from `state` (placed as it
-    is), none where the loops scan the stacked layers. They stay beside the stacked ones, which
-    prefill reads: the layers' weights twice, which a loop call held anyway while it sliced its
-    own copy, now without the copy."""
+    is), none where the loops scan the stacked layers. Prefill and the loops read them; the
+    stacked ones stay in `state` beside them: the layers' weights twice, which a loop call held
+    anyway while it sliced its own copy, now without the copy."""
     layers = (None if self.scan_layers else
               tuple(nnx.merge(graph, state).layers.per_layer()))
     return LoopWeights(state, layers)

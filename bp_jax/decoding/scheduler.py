@@ -132,29 +132,22 @@ class _Bucket:
     # The carry's forward counts when last read (`LoopState.forward_counts_N`): a call's own
     # forwards are the difference.
     self.counted_N = np.zeros(carry.forward_counts_N.shape, np.int64)
-    self.break_even_N: np.ndarray | None = None  # the break-even last written into the carry
     self.min_active = 0                          # the `min_active` last written into it
-    self.decline: np.ndarray | None = None  # the decline state the carry holds, when read
+    # Per runtime field of the carry (`place`): the host value it holds, as last written or
+    # read back.
+    self.placed: dict[str, np.ndarray] = {}
 
-  def priced(self, break_even_N: np.ndarray | None) -> None:
-    """The carry with the priced controller's current break-even (None: it has none), placed
-    as the carry's own when it changed: a runtime value, the next call compiles nothing new."""
-    if (break_even_N is None or self.carry.break_even_N is None
-        or np.array_equal(break_even_N, self.break_even_N)):
+  def place(self, field: str, value: np.ndarray | None) -> None:
+    """The carry with the host's current `value` of a runtime field (`break_even_N`: the
+    priced controller's break-even; `decline_3`: the engine's decline evidence, which other
+    buckets' calls and requests alone add to), placed as the carry's own when it changed: the
+    next call compiles nothing new. Nothing where either has none."""
+    if (value is None or getattr(self.carry, field) is None
+        or np.array_equal(value, self.placed.get(field))):
       return
-    self.carry = self.carry.replace(break_even_N=jax.device_put(
-        break_even_N, self.carry.break_even_N.sharding))
-    self.break_even_N = break_even_N
-
-  def with_decline(self, state_3: np.ndarray | None) -> None:
-    """The carry with the engine's current decline state (`Engine.decline_state`: other
-    buckets' calls and requests alone add to it), placed only when it is not the carry's own
-    already (a runtime value, as `priced`'s)."""
-    if state_3 is None or self.carry.decline_3 is None or state_3 is self.decline:
-      return
-    self.carry = self.carry.replace(decline_3=jax.device_put(
-        state_3, self.carry.decline_3.sharding))
-    self.decline = state_3
+    self.carry = self.carry.replace(**{field: jax.device_put(
+        value, getattr(self.carry, field).sharding)})
+    self.placed[field] = value
 
   def refill_on_finish(self, rows: int) -> None:
     """The carry's `min_active` (the next call returns once fewer than `rows` rows decode; 0:
@@ -335,8 +328,8 @@ class Scheduler:
     decoding = [i for i, r in enumerate(bucket.rows)
                 if r is not None and not done[i] and n_gen[i] < max_new[i]]
     if decoding:
-      bucket.priced(self.engine.break_even_N(b, rows))
-      bucket.with_decline(self.engine.decline_state)
+      bucket.place("break_even_N", self.engine.break_even_N(b, rows))
+      bucket.place("decline_3", self.engine.decline_state)
       # Requests wait for a slot (this bucket's, or a learned one's whose bucket is not known
       # yet): the call returns when a row finishes, so its slot is refilled at once.
       bucket.refill_on_finish(len(decoding) if wanted else 0)
@@ -350,7 +343,7 @@ class Scheduler:
                                            bucket.carry.decline_3))
       counted_N = np.asarray(counted_N)
       if decline is not None:  # what this call saw, for every loop after it
-        self.engine.decline_state = bucket.decline = np.asarray(decline)
+        self.engine.decline_state = bucket.placed["decline_3"] = np.asarray(decline)
       secs = self.engine.loop_ran(t0, counted_N - bucket.counted_N, rows, b,
                                   decoding=len(decoding))
       bucket.counted_N = counted_N

@@ -141,7 +141,11 @@ class StartBackoff:
     """Whether a batch's request that is no explorer would start plain now (`_batch_start`'s
     rule, without counting a start): the recent cycles committed fewer tokens than
     `batch_margin` x `break_even`."""
-    tau = self.tau()
+    return self._plain(self.tau(), break_even)
+
+  def _plain(self, tau: float | None, break_even: float) -> bool:
+    """A batch's rule: plain when the recent cycles committed fewer tokens (τ) than
+    `batch_margin` x `break_even` (drafting before any τ)."""
     return tau is not None and tau < self.batch_margin * break_even
 
   def _batch_start(self, tau: float | None, break_even: float, cap: int, rows: int
@@ -151,7 +155,7 @@ class StartBackoff:
     `break_even`, drafting first otherwise (also before enough cycles were seen); explorer runs
     of `rows` requests (`_BatchExplorers`) take the other side (drafting where the rule says
     plain; plain where it says draft, unless drafting is `DECISIVE`)."""
-    deep = tau is not None and tau < self.batch_margin * break_even
+    deep = self._plain(tau, break_even)
     # Where drafting commits twice its price or more, a plain run cannot win and would cost
     # its requests up to half their speed (an accelerator): no plain explorers there.
     wanted = deep or tau is None or tau < DECISIVE * break_even
