@@ -8,24 +8,35 @@
 #
 #   bash benchmarks/accelerator_choice.sh [seconds per batch size, default 130]
 #
+# BATCHES="1 16 8 4" runs those batch sizes in that order; DEADLINE=540 ends the whole run within
+# that many seconds (each batch size gets what is left, up to its limit; none starts with under
+# a minute left), so that a device lease's one call returns with the rows it finished.
 # Writes ${OUT:-out}/accelerator_choice/B<batch>/{controllers.json,log.txt}. SHAPE=tiny runs the
 # same at the test shape (a CPU smoke run); programs are cached in $JAX_COMPILATION_CACHE_DIR
 # (ar_twin's are ar's).
 set -uo pipefail
 limit=${1:-130}
+batches=${BATCHES:-1 8 4 16}
+deadline=$(( $(date +%s) + ${DEADLINE:-100000} ))
+export PYTHONUNBUFFERED=1
 shape=${SHAPE:-4b}
 root=${OUT:-out}/accelerator_choice
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/bp_jax_jax_cache}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null || true
-for B in 1 8 4 16; do
+python3 -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())"
+for B in $batches; do
+  left=$(( deadline - $(date +%s) ))
+  if (( left < 60 )); then echo "batch $B: skipped, $left s left"; continue; fi
+  run_limit=$(( left < limit ? left : limit ))
   mkdir -p "$root/B$B"
   prompts=$(( B == 1 ? 12 : 4 * B ))
   start=$(date +%s)
-  timeout "$limit" python -m benchmarks.controllers --shape "$shape" --block_size 16 \
+  timeout "$run_limit" python3 -m benchmarks.controllers --shape "$shape" --block_size 16 \
     --prompt_len 256 --max_new_tokens 128 --num_prompts "$prompts" --repeats 2 \
     --batch_size "$B" --group_size "$B" --methods none,priced_default,ar_twin \
     --cost_cache "" --out "$root/B$B" > "$root/B$B/log.txt" 2>&1
   rc=$?
   echo "batch $B: rc $rc in $(( $(date +%s) - start )) s"
+  (( rc == 0 )) || tail -4 "$root/B$B/log.txt"
   sed -n '/ method /,$p' "$root/B$B/log.txt" | grep -v '^  wrote' | head -30
 done
