@@ -522,6 +522,9 @@ def main(_):
   if slot_use:  # batches: the idle slots (e.g. each group's tail) cost as much as busy ones
     print("  slot use (share of batched slot time holding a decoding request, every repeat): "
           + ", ".join(f"{m} {u:.3f}" for m, u in slot_use.items()))
+  compiles = {m: engines[m].compiled.summary() for m in methods}
+  print("  compiled programs (count, seconds): " + ", ".join(
+      f"{m} {c['compilations']}, {c['compile_s']:.1f} s" for m, c in compiles.items()))
   online = {m: engines[m].cost_estimate for m in methods if m.startswith("priced")}
   for m, est in online.items():
     for rows_, e in est["by_batch_size"].items():
@@ -539,7 +542,7 @@ def main(_):
               "intervals_mean_of_repeats": mean_cis,
               "ar_fallback_accept": FLAGS.ar_fallback_accept, "methods": rows,
               "controller_costs": {**costs, "source": source}, "cost_estimates": online,
-              "slot_use": slot_use, "drafted_every_repeat": drafted,
+              "slot_use": slot_use, "drafted_every_repeat": drafted, "compiles": compiles,
               "shape": FLAGS.shape or "demo", "prompt_set": setup.label,
               "sim_tau": FLAGS.sim_tau if FLAGS.shape else None,
               "repeats_per_group": per_repeat}

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from bp_jax.decoding.programs import LoopPrograms
 from bp_jax.decoding import compiled as compiled_lib
 from bp_jax.decoding.engine import Engine
 from bp_jax.decoding import controller as control
@@ -188,3 +189,24 @@ def test_loop_state_fields_have_the_shapes_their_names_say(models):
       checked += 1
   assert checked == 17
   assert state.draft_cache is not None and eng.slot_carry(1).draft_cache is None
+
+
+def test_batched_warm_up_runs_the_rows_on_a_copy_of_the_carry_only():
+  """A batched loop's untimed first run decodes the carry's rows as they are (an idle carry
+  left the loop body's first-run cost inside the first timed call, which the online costs then
+  fitted as AR steps costing ~0), on a copy of the carry: the weights are passed as they are (a
+  copy would hold a second model on the device), once per program."""
+  programs = LoopPrograms(None, None)
+  seen = []
+  weights, stop = jnp.ones(3), jnp.zeros(1)
+  carry = {"max_new_B": jnp.asarray([5, 7])}
+  for block_size, args, at in ((4, (weights, weights, carry, stop), 2),
+                               (1, (weights, carry, stop), 1)):
+    programs.warm_batched(("loop", block_size), lambda *a: seen.append(a) or a[at], args,
+                          block_size)
+    programs.warm_batched(("loop", block_size), lambda *a: seen.append(a), args, block_size)
+    got = seen.pop()
+    assert not seen  # the second call of a key runs nothing
+    assert all(got[i] is args[i] for i in range(len(args)) if i != at)
+    assert got[at]["max_new_B"] is not carry["max_new_B"]
+    assert got[at]["max_new_B"].tolist() == [5, 7]  # the rows decode

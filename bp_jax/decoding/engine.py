@@ -703,8 +703,8 @@ class Engine:
     (`LoopState.sp_B`), attending over the window that the
     furthest decoding row (`max_pos`) needs (`programs.window_for`; `ar_steps`: the AR steps
     every decoding row asks for first, which need one slot each). Compiles the loop and runs
-    it once on an idle copy of the carry (its first run's fixed cost) on first use, before any
-    clock starts."""
+    it once on a copy of the carry (its first run's fixed cost) on first use, before any clock
+    starts."""
     states = (self.t_weights,) if block_size == 1 else (self.t_weights, self.d_weights)
     args = states + (carry, self._stop_arr)
     window = (None if max_pos is None else
@@ -712,9 +712,7 @@ class Engine:
     rows = int(carry.pos_B.shape[0])
     fn = self.programs.batched_loop(block_size, rows, self.sync_cycles, window, args, forced)
     key = self.programs.batched_loop_key(block_size, rows, self.sync_cycles, window, forced)
-    if key not in self.programs.warmup_seconds:
-      idle = carry.replace(max_new_B=jnp.zeros_like(carry.max_new_B))
-      self.programs.warm_batched(key, fn, states + (idle, self._stop_arr))
+    self.programs.warm_batched(key, fn, args, block_size)
     return fn, args
 
   @staticmethod

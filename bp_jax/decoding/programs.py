@@ -86,6 +86,17 @@ def window_for(max_pos: int, block_size: int, sync_cycles: int, max_len: int,
   return None if w >= max_len else w
 
 
+# The arguments each loop form donates (its carry and caches), by position: (weights, ...).
+AR_DONATED, SPEC_DONATED = (1, 2), (2, 3, 4)          # one request's loops
+BATCHED_AR_DONATED, BATCHED_SPEC_DONATED = (1,), (2,)  # the batched loops' carry
+
+
+def _copy_donated(args: tuple, donated: tuple[int, ...]) -> tuple:
+  """`args` with copies of the donated ones (a warm-up run consumes those): the weights are
+  read, not donated, and stay shared (a copy would hold a second model on the device)."""
+  return tuple(jax.tree.map(jnp.copy, a) if i in donated else a for i, a in enumerate(args))
+
+
 class LoopPrograms:
   """Builds, caches and warms the jitted functions of one (target, drafter, loop form).
 
@@ -116,10 +127,10 @@ class LoopPrograms:
     opts = self.options.for_loop(block_size, forced, window=window)
     if block_size == 1:
       return self.cache.get(opts.key(), lambda: loops.make_ar_loop(self.t_graph, opts),
-                            args, donate_argnums=(1, 2))
+                            args, donate_argnums=AR_DONATED)
     return self.cache.get(opts.key(),
                           lambda: loops.make_spec_loop(self.t_graph, self.d_graph, opts),
-                          args, donate_argnums=(2, 3, 4))
+                          args, donate_argnums=SPEC_DONATED)
 
   def batched_loop(self, block_size: int, batch: int, sync_cycles: int, window: int | None,
                    args: tuple, forced: bool = False):
@@ -130,9 +141,10 @@ class LoopPrograms:
     opts = self.options.for_loop(block_size, forced, sync_cycles, window)
     if block_size == 1:
       return self.cache.get(opts.key(batch), lambda: loops.make_batched_ar_loop(self.t_graph, opts),
-                            args, donate_argnums=(1,), out_shardings=_placements_of(args[1]))
+                            args, donate_argnums=BATCHED_AR_DONATED,
+                            out_shardings=_placements_of(args[1]))
     make = lambda: loops.make_batched_spec_loop(self.t_graph, self.d_graph, opts)
-    return self.cache.get(opts.key(batch), make, args, donate_argnums=(2,),
+    return self.cache.get(opts.key(batch), make, args, donate_argnums=BATCHED_SPEC_DONATED,
                           out_shardings=_placements_of(args[2]))
 
   def batched_loop_key(self, block_size: int, batch: int, sync_cycles: int,
@@ -166,24 +178,30 @@ class LoopPrograms:
                           state.with_row_from(row, source, source_row),
                           args, donate_argnums=(0,), out_shardings=_placements_of(s))
 
-  def warm_batched(self, key: tuple, fn, args: tuple) -> None:
-    """Runs a batched loop once, untimed, on a copy of an idle carry (no row decodes: the first
-    run's fixed cost, not a decode), the first time the loop is used."""
+  def warm_batched(self, key: tuple, fn, args: tuple, block_size: int) -> None:
+    """Runs a batched loop once, untimed, on a copy of its carry (the rows as they are: the
+    loop body's first run has a fixed cost of its own, e.g. XLA:CPU's kernels set up on first
+    use, ~60 ms at the test shapes, that an idle carry, no row decoding, never pays), the first
+    time the loop is used. Priced by the online costs, that cost made a new batch size's first
+    call look several times dearer than its next, and a least-squares fit over the two priced
+    its AR steps at ~0 and its cycles at the cap (64 AR steps)."""
     if key in self.warmup_seconds:
       return
     t0 = time.perf_counter()
-    jax.block_until_ready(fn(*jax.tree.map(jnp.copy, args)))
+    jax.block_until_ready(fn(*_copy_donated(
+        args, BATCHED_AR_DONATED if block_size == 1 else BATCHED_SPEC_DONATED)))
     self.warmup_seconds[key] = time.perf_counter() - t0
 
   def warm(self, block_size: int, args: tuple, forced: bool = False,
            window: int | None = None) -> None:
-    """Runs a loop once, untimed, on copies of `args` (its buffers are donated; the caller caps
-    max_new at WARMUP_TOKENS), the first time the loop is used; compiles it first, outside the
-    warm-up clock."""
+    """Runs a loop once, untimed, on copies of its donated `args` (the caller caps max_new at
+    WARMUP_TOKENS), the first time the loop is used; compiles it first, outside the warm-up
+    clock."""
     key = self.loop_key(block_size, forced, window)
     if key in self.warmup_seconds:
       return
     fn = self.loop(block_size, args, forced, window)
     t0 = time.perf_counter()
-    jax.block_until_ready(fn(*jax.tree.map(jnp.copy, args)))
+    donated = AR_DONATED if block_size == 1 else SPEC_DONATED
+    jax.block_until_ready(fn(*_copy_donated(args, donated)))
     self.warmup_seconds[key] = time.perf_counter() - t0
