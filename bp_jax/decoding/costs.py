@@ -98,11 +98,18 @@ class ForwardCosts:
 
   def relative(self) -> tuple[tuple[float, ...], float]:
     """(the cost table of forwards over 1, 2, 4, ... tokens, one drafter pass) in AR steps: what
-    `LoopOptions.controller_costs` / `controller_draft_cost` take. A longer forward is never
-    priced below a shorter one (timing noise); a block size that is not a power of two adds the
-    next power of two, extrapolated so that the table reads the measured cost at block_size."""
+    `LoopOptions.controller_costs` / `controller_draft_cost` take. From two tokens on, a longer
+    forward is never priced below a shorter one (timing noise). The one-token forward, the AR
+    step and the unit, is kept as measured even where it is dearer than longer ones: on an
+    H200 at Qwen3-4B shapes it was (5.39 ms against 3.32-3.64 ms over 2-16 tokens; the one-row
+    products run other kernels), and raising those to one AR step priced a 16-token cycle at
+    1.14 AR steps, not 0.81: its cycles that accepted no draft counted as misses and backed
+    off into AR steps that cost more than the cycles would have (docs/results/accelerator.md).
+    A block size that is not a power of two adds the next power of two, extrapolated so that
+    the table reads the measured cost at block_size."""
     ar = self.verify_s[0]
-    rel = np.maximum.accumulate(np.asarray(self.verify_s, np.float64) / ar)
+    rel = np.asarray(self.verify_s, np.float64) / ar
+    rel[1:] = np.maximum.accumulate(rel[1:])
     table = [float(c) for n, c in zip(self.lengths, rel) if n & (n - 1) == 0]
     last = self.lengths[-1]
     if last & (last - 1):  # not a power of two: extend to 2P through (P, c_P) and (last, c)
