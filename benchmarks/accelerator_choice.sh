@@ -4,7 +4,8 @@
 # speculative method drafts the SIMULATED acceptance profile, mean τ 6.5 at b = 16) at batch 1,
 # 8, 4 and 16, each batch size its own process under a time limit so that the rows done come
 # back when a later one runs out. Methods: our AR, the paper's loop at b = 16 (none), the default
-# (priced_default) and an engine identical to AR (ar_twin: the run's noise floor).
+# (priced_default), an engine identical to AR (ar_twin: the run's noise floor) and, at batch 1,
+# our AR with its steps run as two-token forwards (ar_padded).
 #
 #   bash benchmarks/accelerator_choice.sh [seconds per batch size, default 130]
 #
@@ -30,10 +31,12 @@ for B in $batches; do
   run_limit=$(( left < limit ? left : limit ))
   mkdir -p "$root/B$B"
   prompts=$(( B == 1 ? 12 : 4 * B ))
+  methods=none,priced_default,ar_twin
+  (( B == 1 )) && methods=$methods,ar_padded  # one-row AR steps as two-token forwards
   start=$(date +%s)
   timeout "$run_limit" python3 -m benchmarks.controllers --shape "$shape" --block_size 16 \
     --prompt_len 256 --max_new_tokens 128 --num_prompts "$prompts" --repeats 2 \
-    --batch_size "$B" --group_size "$B" --methods none,priced_default,ar_twin \
+    --batch_size "$B" --group_size "$B" --methods "$methods" \
     --cost_cache "" --out "$root/B$B" > "$root/B$B/log.txt" 2>&1
   rc=$?
   echo "batch $B: rc $rc in $(( $(date +%s) - start )) s"

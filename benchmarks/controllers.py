@@ -56,7 +56,10 @@ Methods (`--methods`, comma-separated):
                     (`bp_jax.decoding.decline`; the priced methods above decline too);
   ar_twin           a second engine identical to ar, interleaved like any method: its ratio
                     to ar and that ratio's interval are what two identical programs read on
-                    this machine in this run (the noise floor of every other row's interval).
+                    this machine in this run (the noise floor of every other row's interval);
+  ar_padded         our AR with its steps run as two-token forwards (`ar_step_tokens=2`: the
+                    same tokens; faster where a one-row matrix product costs more than a
+                    two-row one, as on an H200 at Qwen3-4B shapes).
 
 With --batch_size B > 1 every method decodes the prompts in groups of --group_size consecutive
 prompts (default 4B; the same groups for every method, interleaved per group), each group
@@ -136,7 +139,7 @@ METHODS = ("ar", "none", "backoff", "confidence_1step", "confidence", "confidenc
            "confidence_cal", "confidence_cal_poor", "priced", "priced_online", "priced_long",
            "priced_default", "priced_default_noplain", "priced_default_every8", "ar_full",
            "priced_default_full", "ar_twin", "priced_default_nomove",
-           "priced_default_nodecline")
+           "priced_default_nodecline", "ar_padded")
 
 common.define_flags("target", "drafter", "dtype", "max_len", "max_new_tokens", "block_size",
                     num_prompts=24, repeats=3,
@@ -197,7 +200,7 @@ def loop_method(method: str) -> str:
   priced_default_every8: priced_default's, its start rule set in `main`)."""
   if method in ("priced_default_every8", "priced_default_nomove"):
     return "priced_default"
-  if method == "ar_twin":
+  if method in ("ar_twin", "ar_padded"):
     return "ar"
   return method[:-len("_full")] if method.endswith("_full") else method
 
@@ -205,6 +208,8 @@ def loop_method(method: str) -> str:
 def engine_options(method: str, costs: dict) -> dict:
   """The `LoopOptions` fields of a method (its loop form, with --verify for the speculative
   ones); `costs`: the confidence methods' `controller_costs` and `controller_draft_cost`."""
+  if method == "ar_padded":  # AR steps as two-token forwards (`LoopOptions.ar_step_tokens`)
+    return dict(controller="none", ar_step_tokens=2)
   method = loop_method(method)
   fb = dict(ar_fallback_accept=FLAGS.ar_fallback_accept, **costs)
   cal = dict(controller="confidence", ar_fallback=FLAGS.ar_fallback,

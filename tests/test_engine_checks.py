@@ -152,7 +152,7 @@ def test_loop_options_are_checked_hashable_compile_keys():
   assert a == b and hash(a) == hash(b) and len({a, b}) == 1
   assert a.in_effect().ar_fallback == control.DEFAULT_SKIP_CAP
   assert LoopOptions(ar_fallback=0).in_effect().controller == "none"
-  assert LoopOptions(ar_fallback=3).in_effect() == LoopOptions(ar_fallback=3)
+  assert LoopOptions(ar_fallback=3).in_effect() == LoopOptions(ar_fallback=3, ar_step_tokens=1)
   assert a.for_loop(4).key() == ("spec_loop", 4)
   assert a.for_loop(4, forced=True).key(3) == ("batch_spec_loop_forced", 4, 3, 0, "all")
   assert LoopOptions(verify="rejection").for_loop(4, forced=True).verify == "exact"

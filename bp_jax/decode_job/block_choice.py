@@ -110,7 +110,7 @@ def random_candidates(cfg, drafter_block_size: int | None) -> tuple[int, ...]:
 
 def loop_options(cfg) -> dict[str, Any]:
   """The decode loops' form set by a config, as `Engine` keyword arguments: `scan_layers`,
-  `ar_fallback`, `priced_cap`, `ar_fallback_accept`, `verify`, `controller`, `controller_costs`,
+  `ar_step_tokens`, `ar_fallback`, `priced_cap`, `ar_fallback_accept`, `verify`, `controller`, `controller_costs`,
   `controller_draft_cost` (None for `measure`), `controller_poor_miss`, `controller_decline`,
   `controller_calibration` (the rates of the JSON file at that path, None for '')
   (configs/qwen3.py; checked, a bad value names its flag)."""
@@ -120,7 +120,12 @@ def loop_options(cfg) -> dict[str, Any]:
   # `backoff` takes fallback steps, `confidence` (`priced`) backs its declined cycles (misses)
   # off up to as many
   # (what label sets record as the loop's form); `none` takes none.
+  ar_step_tokens = _config_count(cfg, "ar_step_tokens", 0, "2 where the measured costs price "
+                                 "a forward over two tokens below one")
+  if ar_step_tokens > 2:
+    raise BadInputError(f"--config.ar_step_tokens={ar_step_tokens} must be 0, 1 or 2")
   return {"scan_layers": bool(cfg.get("scan_layers", False)),
+          "ar_step_tokens": ar_step_tokens,
           "ar_fallback": (int(cfg.get("ar_fallback", 0))
                           if controller in ("backoff", "confidence", "priced") else 0),
           "priced_cap": (_config_count(cfg, "controller_priced_cap", 0,

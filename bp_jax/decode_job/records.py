@@ -114,7 +114,8 @@ def controller_costs_of(engine) -> dict | None:
           "draft_cost": opts.controller_draft_cost,
           "measured": None if measured is None else measured.to_json(),
           "described": None if measured is None else measured.describe(),
-          "online": getattr(engine, "cost_estimate", None)}
+          "online": getattr(engine, "cost_estimate", None),
+          "ar_step_tokens": opts.ar_step_tokens}
 
 
 def outputs_repeat_for_seed(cfg, engine) -> bool:
@@ -166,6 +167,8 @@ def costs_line(c: dict) -> str:
   table = ",".join(f"{x:g}" for x in c["verify_costs"])
   line = f"{c['source']}: verify {table} AR steps (1, 2, 4, ... tokens), drafter {c['draft_cost']:g}"
   line += f" [{c['described']}]" if c.get("described") else ""
+  if c.get("ar_step_tokens") == 2:
+    line += "; AR steps run as two-token forwards (a one-token one costs more here)"
   return line + online_line(c.get("online"))
 
 

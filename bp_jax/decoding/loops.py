@@ -162,6 +162,20 @@ def _row_keys(seed_keys_B: jax.Array, pos_BT: jax.Array) -> jax.Array:
   return jax.vmap(position_keys)(seed_keys_B, pos_BT)
 
 
+def _forward(model, tokens_Bt: jax.Array, cache, ar_step_tokens: int, **kw):
+  """The target's forward over each row's tokens at its cache pointer. A one-token forward with
+  `ar_step_tokens` 2 runs over the token and a copy of it at the next position, and returns the
+  first position's outputs alone: the copy's cache write lies past the row's position (the next
+  forward overwrites it before any read; past the cache it is dropped), and no query attends to
+  it (causal). For machines where a one-row matrix product costs more than a two-row one
+  (`LoopOptions.ar_step_tokens`)."""
+  if tokens_Bt.shape[1] != 1 or ar_step_tokens == 1:
+    return model(tokens_Bt, cache, **kw)
+  out = model(jnp.concatenate([tokens_Bt, tokens_Bt], axis=1), cache, **kw)
+  return out._replace(logits=out.logits[:, :1], final_hidden=out.final_hidden[:, :1],
+                      layer_hiddens=out.layer_hiddens[:, :, :1])
+
+
 def _ar_draw(s: LoopState, out) -> jax.Array:
   """[B, 1] the target's sample at pos + 1 from a one-token forward: what plain AR decoding
   commits there (each row's own settings and key)."""
@@ -245,15 +259,15 @@ def make_batched_ar_loop(graphdef, opts: LoopOptions = LoopOptions()) -> Callabl
   Each row samples with its own settings (`LoopState.sp_B`) and draws with its own seed key at
   its own positions, so a row's tokens are those it gets decoded alone. `opts.scan_layers`: run the target's layers with `lax.scan` (faster to compile
   for deep models) instead of unrolled with per-layer weights (faster per step; the default)."""
-  window = opts.window
+  window, pad = opts.window, opts.ar_step_tokens_in_effect()
 
   def ar_loop(state, s: LoopState, stop_ids) -> LoopState:
     model, layers = _merged(graphdef, state, opts.scan_layers)
 
     def body(s):
       active_B = s.active_B()
-      out = model(s.tok_B[:, None], s.cache.with_lengths(s.pointer_B(active_B)), layers=layers,
-                  window=window)
+      out = _forward(model, s.tok_B[:, None], s.cache.with_lengths(s.pointer_B(active_B)), pad,
+                     layers=layers, window=window)
       # Plain AR decoding is speculative decoding with block size 1: each step is a cycle that
       # drafts nothing and commits one token (τ = 1).
       return _commit(s, out, _ar_draw(s, out), jnp.zeros_like(s.pos_B), active_B, True, 0,
@@ -334,7 +348,7 @@ def make_batched_spec_loop(graphdef, draft_graphdef, opts: LoopOptions) -> Calla
   and the drafter (a cycle needs b slots of room, an AR step one).
   """
   opts = opts.in_effect()
-  b, window = opts.block_size, opts.window
+  b, window, pad = opts.block_size, opts.window, opts.ar_step_tokens
   rule, ctl = verify_rules.RULES[opts.verify], controllers.controller_of(opts)
   # Room for the AR steps a row may take between two drafter passes (at most the cap).
   pending_len = -(-ctl.cap // CONTEXT_CHUNK) * CONTEXT_CHUNK
@@ -363,8 +377,8 @@ def make_batched_spec_loop(graphdef, draft_graphdef, opts: LoopOptions) -> Calla
       pointers it wrote at); rows not decoding write nothing."""
       active_B = s.active_B()
       pointer_B = s.pointer_B(active_B)
-      out = model(tokens_Bt, s.cache.with_lengths(pointer_B), layer_ids, layers=layers,
-                  window=window)
+      out = _forward(model, tokens_Bt, s.cache.with_lengths(pointer_B), pad,
+                     hidden_layers=layer_ids, layers=layers, window=window)
       return out, active_B, pointer_B
 
     def commit(s, out, y_Bt, a_B, active_B, pointer_B, is_cycle: bool, verified: int):

@@ -1,0 +1,86 @@
+"""AR steps run as two-token forwards (`LoopOptions.ar_step_tokens`): the same tokens, chosen by
+the costs in effect (an H200 at Qwen3-4B shapes priced a forward over 2 tokens at 0.62 of one)."""
+
+from __future__ import annotations
+
+import ml_collections
+import pytest
+
+from bp_jax.decode_job.block_choice import loop_options
+from bp_jax.decode_job.records import costs_line
+from bp_jax.decoding.options import LoopOptions
+from bp_jax.errors import BadInputError
+from bp_jax.models.qwen3 import Qwen3
+from toy_models import (assert_sampled_like_ar, toy_ar_outputs, toy_engine, toy_requests,
+                        zeros_drafter_pair)
+
+UNDER = dict(controller="priced", controller_costs="1,0.6,0.65", controller_draft_cost=0.1)
+
+
+@pytest.fixture(scope="module")
+def models():
+  return zeros_drafter_pair(64)
+
+
+@pytest.fixture(scope="module")
+def ar_outputs(models):
+  return toy_ar_outputs(models, 6)
+
+
+def test_auto_pads_where_the_costs_price_two_tokens_below_one():
+  in_effect = lambda **kw: LoopOptions(**kw).in_effect().ar_step_tokens
+  assert in_effect() == 1  # no costs: nothing says a one-token forward is dear
+  assert in_effect(**UNDER) == 2
+  assert in_effect(controller="priced", controller_costs="1,0.95,1.1",
+                   controller_draft_cost=0.1) == 1  # within noise of one AR step
+  assert in_effect(controller="priced", controller_costs="1,1.1,1.3",
+                   controller_draft_cost=0.5) == 1  # the development CPU
+  assert in_effect(ar_step_tokens=1, **UNDER) == 1 and in_effect(ar_step_tokens=2) == 2
+  for bad in (3, -1, True):
+    with pytest.raises(BadInputError, match="ar_step_tokens"):
+      LoopOptions(ar_step_tokens=bad)
+  cfg = lambda v: ml_collections.ConfigDict(dict(controller="priced", ar_step_tokens=v))
+  assert loop_options(cfg(2))["ar_step_tokens"] == 2
+  for bad in (3, "two"):
+    with pytest.raises(BadInputError, match="--config.ar_step_tokens"):
+      loop_options(cfg(bad))
+
+
+def test_padded_ar_steps_decode_ar_s_tokens_alone_in_batches_and_at_the_cache_end(
+    models, ar_outputs, monkeypatch):
+  """The AR loop and the speculative loop's AR steps (priced, costs that pad) give AR's tokens,
+  alone and in a batch, greedy and sampled; a request that fills the cache too (its last step's
+  copy writes the last slot). The forwards traced are two-token ones."""
+  shapes = []
+  real_call = Qwen3.__call__
+
+  def spy(self, tokens_BT, *a, **kw):
+    shapes.append(tuple(tokens_BT.shape))
+    return real_call(self, tokens_BT, *a, **kw)
+
+  monkeypatch.setattr(Qwen3, "__call__", spy)
+  prompts, max_news = toy_requests(6)
+  padded = toy_engine(models, "none", ar_step_tokens=2)
+  assert [padded.generate(p, max_new_tokens=m).output_ids
+          for p, m in zip(prompts, max_news)] == ar_outputs
+  assert (1, 2) in shapes and (1, 1) not in shapes  # prefill runs [1, bucket]
+  priced = toy_engine(models, "priced", **{k: v for k, v in UNDER.items() if k != "controller"})
+  assert priced.loop_options.ar_step_tokens == 2
+  assert [priced.generate(p, max_new_tokens=m, block_size=4).output_ids
+          for p, m in zip(prompts, max_news)] == ar_outputs
+  batch = toy_engine(models, "none", batch_size=3, ar_step_tokens=2)
+  assert [g.output_ids for g in batch.generate_batch(prompts, max_new_tokens=max_news,
+                                                     block_size=1)] == ar_outputs
+  assert (3, 2) in shapes
+  plain = toy_engine(models, "none")
+  full = [1 + i % 62 for i in range(64)]  # 64 + 64 new tokens: max_len
+  assert (padded.generate(full, max_new_tokens=64).output_ids ==
+          plain.generate(full, max_new_tokens=64).output_ids)
+  assert_sampled_like_ar(models, padded, block_size=1)
+
+
+def test_the_summary_says_ar_steps_are_padded():
+  c = {"source": "measured", "verify_costs": [1.0, 0.62], "draft_cost": 0.14,
+       "ar_step_tokens": 2}
+  assert "AR steps run as two-token forwards" in costs_line(c)
+  assert "two-token" not in costs_line({**c, "ar_step_tokens": 1})
