@@ -14,6 +14,8 @@ from bp_jax.models.qwen3 import Qwen3
 from toy_models import (assert_sampled_like_ar, toy_ar_outputs, toy_engine, toy_requests,
                         zeros_drafter_pair)
 
+# Forwards over 2 and 4 tokens cheaper than the AR step (the H200's 0.62-0.68): a b = 4 cycle
+# costs 0.75 AR steps.
 UNDER = dict(controller="priced", controller_costs="1,0.6,0.65", controller_draft_cost=0.1)
 
 
@@ -66,8 +68,11 @@ def test_padded_ar_steps_decode_ar_s_tokens_alone_in_batches_and_at_the_cache_en
   assert (1, 2) in shapes and (1, 1) not in shapes  # prefill runs [1, bucket]
   priced = toy_engine(models, "priced", **{k: v for k, v in UNDER.items() if k != "controller"})
   assert priced.loop_options.ar_step_tokens == 2
-  assert [priced.generate(p, max_new_tokens=m, block_size=4).output_ids
-          for p, m in zip(prompts, max_news)] == ar_outputs
+  gens = [priced.generate(p, max_new_tokens=m, block_size=4) for p, m in zip(prompts, max_news)]
+  assert [g.output_ids for g in gens] == ar_outputs
+  # A cycle costs 0.75 AR steps here: even one accepting no draft is no miss, no AR step runs
+  # (before 17bde9a, measured costs raised to one AR step priced such a cycle above its token).
+  assert sum(g.ar_steps for g in gens) == 0 and sum(g.drafter_passes for g in gens) > 0
   batch = toy_engine(models, "none", batch_size=3, ar_step_tokens=2)
   assert [g.output_ids for g in batch.generate_batch(prompts, max_new_tokens=max_news,
                                                      block_size=1)] == ar_outputs

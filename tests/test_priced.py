@@ -31,9 +31,6 @@ V, MAX_LEN, BUCKETS, B = 64, 128, (16, 32, 64), 4
 CHEAP = dict(controller_costs="1,1.05,1.1", controller_draft_cost=0.1)
 DEAR = dict(controller_costs="1,2,2.5", controller_draft_cost=1.5)
 DEAREST = dict(controller_costs="1,3,6", controller_draft_cost=3.0)
-# A forward over 2 and 4 tokens cheaper than the AR step (an H200 at Qwen3-4B shapes: 0.62-0.68):
-# a cycle costs 0.75 AR steps, and even one that accepts no draft beats an AR step.
-UNDER = dict(controller_costs="1,0.6,0.65", controller_draft_cost=0.1)
 
 
 @pytest.fixture(scope="module")
@@ -132,11 +129,11 @@ def test_greedy_outputs_are_ar_and_batched_rows_equal_their_request_alone(models
 @pytest.mark.parametrize("batch_size", [1, 3])
 def test_dearer_costs_take_more_ar_steps(models, ar_outputs, batch_size):
   """The same requests under dearer given costs count more cycles as misses: more AR steps and
-  fewer drafter passes, the same tokens; in a batch too (the rows back off together). Where a
-  cycle costs less than an AR step, no cycle is a miss: no AR step runs."""
+  fewer drafter passes, the same tokens; in a batch too (the rows back off together). (Where a
+  cycle costs less than an AR step, no cycle is a miss: test_ar_step_tokens.)"""
   prompts, max_news = _requests(6)
   steps, passes = {}, {}
-  for name, kw in (("under", UNDER), ("cheap", CHEAP), ("dear", DEAR), ("dearest", DEAREST)):
+  for name, kw in (("cheap", CHEAP), ("dear", DEAR), ("dearest", DEAREST)):
     eng = _engine(models, batch_size=batch_size, **kw)
     outs = ([eng.generate(p, max_new_tokens=m, block_size=B) for p, m in zip(prompts, max_news)]
             if batch_size == 1 else
@@ -144,8 +141,8 @@ def test_dearer_costs_take_more_ar_steps(models, ar_outputs, batch_size):
     assert [g.output_ids for g in outs] == ar_outputs
     steps[name] = sum(g.ar_steps for g in outs)
     passes[name] = sum(g.drafter_passes for g in outs)
-  assert steps["under"] == 0 and steps["cheap"] < steps["dear"] < steps["dearest"]
-  assert passes["under"] >= passes["cheap"] > passes["dear"] > passes["dearest"]
+  assert steps["cheap"] < steps["dear"] < steps["dearest"]
+  assert passes["cheap"] > passes["dear"] > passes["dearest"]
 
 
 def test_sampled_output_equals_ar_for_a_seed(models):
