@@ -113,3 +113,18 @@ SLOWEST_FILES = ("test_sharding.py", "test_labels.py", "test_controller.py",
 def pytest_collection_modifyitems(config, items):
   rank = {name: i for i, name in enumerate(SLOWEST_FILES)}
   items.sort(key=lambda item: rank.get(item.path.name, len(SLOWEST_FILES)))  # stable
+
+
+@pytest.fixture(scope="session")
+def zeros_models():
+  """`toy_models.zeros_drafter_pair(64)`: (target, drafter) whose drafter always drafts token 0,
+  shared by the modules that decode on it."""
+  from toy_models import zeros_drafter_pair
+  return zeros_drafter_pair(64)
+
+
+@pytest.fixture(scope="session")
+def zeros_ar_outputs(zeros_models):
+  """Plain AR outputs of `toy_models.toy_requests(6)` on `zeros_models`."""
+  from toy_models import toy_ar_outputs
+  return toy_ar_outputs(zeros_models, 6)

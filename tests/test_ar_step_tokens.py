@@ -11,22 +11,11 @@ from bp_jax.decode_job.records import costs_line
 from bp_jax.decoding.options import LoopOptions
 from bp_jax.errors import BadInputError
 from bp_jax.models.qwen3 import Qwen3
-from toy_models import (assert_sampled_like_ar, toy_ar_outputs, toy_engine, toy_requests,
-                        zeros_drafter_pair)
+from toy_models import assert_sampled_like_ar, toy_engine, toy_requests
 
 # Forwards over 2 and 4 tokens cheaper than the AR step (the H200's 0.62-0.68): a b = 4 cycle
 # costs 0.75 AR steps.
 UNDER = dict(controller="priced", controller_costs="1,0.6,0.65", controller_draft_cost=0.1)
-
-
-@pytest.fixture(scope="module")
-def models():
-  return zeros_drafter_pair(64)
-
-
-@pytest.fixture(scope="module")
-def ar_outputs(models):
-  return toy_ar_outputs(models, 6)
 
 
 def test_auto_pads_where_the_costs_price_two_tokens_below_one():
@@ -49,7 +38,7 @@ def test_auto_pads_where_the_costs_price_two_tokens_below_one():
 
 
 def test_padded_ar_steps_decode_ar_s_tokens_alone_in_batches_and_at_the_cache_end(
-    models, ar_outputs, monkeypatch):
+    zeros_models, zeros_ar_outputs, monkeypatch):
   """The AR loop and the speculative loop's AR steps (priced, costs that pad) give AR's tokens,
   alone and in a batch, greedy and sampled; a request that fills the cache too (its last step's
   copy writes the last slot). The forwards traced are two-token ones."""
@@ -62,26 +51,27 @@ def test_padded_ar_steps_decode_ar_s_tokens_alone_in_batches_and_at_the_cache_en
 
   monkeypatch.setattr(Qwen3, "__call__", spy)
   prompts, max_news = toy_requests(6)
-  padded = toy_engine(models, "none", ar_step_tokens=2)
+  padded = toy_engine(zeros_models, "none", ar_step_tokens=2)
   assert [padded.generate(p, max_new_tokens=m).output_ids
-          for p, m in zip(prompts, max_news)] == ar_outputs
+          for p, m in zip(prompts, max_news)] == zeros_ar_outputs
   assert (1, 2) in shapes and (1, 1) not in shapes  # prefill runs [1, bucket]
-  priced = toy_engine(models, "priced", **{k: v for k, v in UNDER.items() if k != "controller"})
+  priced = toy_engine(zeros_models, "priced",
+                      **{k: v for k, v in UNDER.items() if k != "controller"})
   assert priced.loop_options.ar_step_tokens == 2
   gens = [priced.generate(p, max_new_tokens=m, block_size=4) for p, m in zip(prompts, max_news)]
-  assert [g.output_ids for g in gens] == ar_outputs
+  assert [g.output_ids for g in gens] == zeros_ar_outputs
   # A cycle costs 0.75 AR steps here: even one accepting no draft is no miss, no AR step runs
   # (before 17bde9a, measured costs raised to one AR step priced such a cycle above its token).
   assert sum(g.ar_steps for g in gens) == 0 and sum(g.drafter_passes for g in gens) > 0
-  batch = toy_engine(models, "none", batch_size=3, ar_step_tokens=2)
+  batch = toy_engine(zeros_models, "none", batch_size=3, ar_step_tokens=2)
   assert [g.output_ids for g in batch.generate_batch(prompts, max_new_tokens=max_news,
-                                                     block_size=1)] == ar_outputs
+                                                     block_size=1)] == zeros_ar_outputs
   assert (3, 2) in shapes
-  plain = toy_engine(models, "none")
+  plain = toy_engine(zeros_models, "none")
   full = [1 + i % 62 for i in range(64)]  # 64 + 64 new tokens: max_len
   assert (padded.generate(full, max_new_tokens=64).output_ids ==
           plain.generate(full, max_new_tokens=64).output_ids)
-  assert_sampled_like_ar(models, padded, block_size=1)
+  assert_sampled_like_ar(zeros_models, padded, block_size=1)
 
 
 def test_the_summary_says_ar_steps_are_padded():

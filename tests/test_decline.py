@@ -19,23 +19,13 @@ import pytest
 from bp_jax.decode_job.block_choice import loop_options
 from bp_jax.decoding import decline
 from bp_jax.errors import BadInputError
-from toy_models import assert_sampled_like_ar, toy_ar_outputs, toy_engine, toy_requests, zeros_drafter_pair
+from toy_models import assert_sampled_like_ar, toy_engine, toy_requests
 
 B = 4  # the toy engine's block size
 CHEAP = dict(controller_costs="1,1.05,1.1", controller_draft_cost=0.1)
 # A verify of 4 tokens costs 4 AR steps (the drafter pass aside): only a cycle expected to
 # accept 3 drafts pays for it.
 DEAR = dict(controller_costs="1,2.5,4", controller_draft_cost=1.0)
-
-
-@pytest.fixture(scope="module")
-def models():
-  return zeros_drafter_pair(64)
-
-
-@pytest.fixture(scope="module")
-def ar_outputs(models):
-  return toy_ar_outputs(models, 6)
 
 
 def _declines(expected, active, price, state, level: int = 0) -> bool:
@@ -100,18 +90,19 @@ def _declined(gens) -> int:
 
 
 @pytest.mark.parametrize("batch_size", [1, 3])
-def test_dear_verifies_decline_drafts_and_the_outputs_stay_ar(models, ar_outputs, batch_size):
+def test_dear_verifies_decline_drafts_and_the_outputs_stay_ar(zeros_models, zeros_ar_outputs,
+                                                              batch_size):
   prompts, max_news = toy_requests(6)
   declined, evidence = {}, {}
   for name, kw in (("cheap", CHEAP), ("dear", DEAR), ("off", dict(DEAR, controller_decline=False))):
-    eng = toy_engine(models, "priced", batch_size=batch_size, sync_cycles=2,
+    eng = toy_engine(zeros_models, "priced", batch_size=batch_size, sync_cycles=2,
                      start_backoff=False, **kw)
     # Three times over: the later passes decide on the earlier passes' evidence.
     for _ in range(3):
       outs = ([eng.generate(p, max_new_tokens=m, block_size=B)
                for p, m in zip(prompts, max_news)] if batch_size == 1 else
               eng.generate_batch(prompts, max_new_tokens=max_news, block_size=B))
-      assert [g.output_ids for g in outs] == ar_outputs
+      assert [g.output_ids for g in outs] == zeros_ar_outputs
     declined[name], evidence[name] = _declined(outs), eng.decline_state
   assert declined["dear"] > 0 and declined["cheap"] == declined["off"] == 0
   assert evidence["off"] is None
@@ -120,12 +111,12 @@ def test_dear_verifies_decline_drafts_and_the_outputs_stay_ar(models, ar_outputs
   assert rows >= decline.EVIDENCE_ROWS and accepted > 10 * expected
 
 
-def test_sampled_output_equals_ar_for_a_seed(models):
-  eng = toy_engine(models, "priced", sync_cycles=2, start_backoff=False, **DEAR)
+def test_sampled_output_equals_ar_for_a_seed(zeros_models):
+  eng = toy_engine(zeros_models, "priced", sync_cycles=2, start_backoff=False, **DEAR)
   prompts, max_news = toy_requests(6)
   for p, m in zip(prompts, max_news):  # evidence first, so that cycles may decline below
     eng.generate(p, max_new_tokens=m, block_size=B)
   assert eng.decline_state[0] >= decline.EVIDENCE_ROWS
   declined_before = eng.forwards_run[1]  # forwards over 1 token after a drafter pass
-  assert_sampled_like_ar(models, eng, B)
+  assert_sampled_like_ar(zeros_models, eng, B)
   assert eng.forwards_run[1] > declined_before

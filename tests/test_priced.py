@@ -23,7 +23,7 @@ from bp_jax.decoding.options import LoopOptions, ShapeOptions
 from bp_jax.errors import BadInputError
 from toy_models import toy_engine
 from toy_models import toy_requests as _requests
-from toy_models import assert_one_spec_loop, assert_sampled_like_ar, toy_ar_outputs, zeros_drafter_pair
+from toy_models import assert_one_spec_loop, assert_sampled_like_ar
 
 V, MAX_LEN, BUCKETS, B = 64, 128, (16, 32, 64), 4
 # A forward over 1, 2, 4 tokens and a drafter pass, in AR steps: a b=4 cycle (3 drafts) costs
@@ -33,18 +33,8 @@ DEAR = dict(controller_costs="1,2,2.5", controller_draft_cost=1.5)
 DEAREST = dict(controller_costs="1,3,6", controller_draft_cost=3.0)
 
 
-@pytest.fixture(scope="module")
-def models():
-  return zeros_drafter_pair(V)
-
-
-def _engine(models, controller: str = "priced", batch_size: int = 1, **loop) -> Engine:
-  return toy_engine(models, controller, batch_size=batch_size, sync_cycles=2, **loop)
-
-
-@pytest.fixture(scope="module")
-def ar_outputs(models):
-  return toy_ar_outputs(models, 6)
+def _engine(zeros_models, controller: str = "priced", batch_size: int = 1, **loop) -> Engine:
+  return toy_engine(zeros_models, controller, batch_size=batch_size, sync_cycles=2, **loop)
 
 
 # -- the rule -----------------------------------------------------------------------------------
@@ -108,16 +98,16 @@ def test_priced_needs_costs_and_the_command_line_carries_it():
 
 # -- the loops ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("kw", [CHEAP, DEAREST, {}])  # DEAR's outputs: test_dearer_costs...
-def test_greedy_outputs_are_ar_and_batched_rows_equal_their_request_alone(models, ar_outputs,
-                                                                          kw):
-  one = _engine(models, **kw)
+def test_greedy_outputs_are_ar_and_batched_rows_equal_their_request_alone(zeros_models,
+                                                                          zeros_ar_outputs, kw):
+  one = _engine(zeros_models, **kw)
   prompts, max_news = _requests(6)
   alone = [one.generate(p, max_new_tokens=m, block_size=B) for p, m in zip(prompts, max_news)]
-  assert [g.output_ids for g in alone] == ar_outputs
+  assert [g.output_ids for g in alone] == zeros_ar_outputs
   assert one.controller == "priced" and one.costs_source in ({"measured", "cached"} if not kw else {"given"})
-  many = _engine(models, batch_size=3, **kw)
+  many = _engine(zeros_models, batch_size=3, **kw)
   together = many.generate_batch(prompts, max_new_tokens=max_news, block_size=B)
-  assert [g.output_ids for g in together] == ar_outputs
+  assert [g.output_ids for g in together] == zeros_ar_outputs
   if not kw:  # measured costs: every loop call updates them (auto), one request or a batch
     # A request of one new token runs no loop call; a plain start's AR loop feeds nothing.
     ran = sum(m > 1 and not g.plain_start for m, g in zip(max_news, alone))
@@ -127,30 +117,30 @@ def test_greedy_outputs_are_ar_and_batched_rows_equal_their_request_alone(models
 
 
 @pytest.mark.parametrize("batch_size", [1, 3])
-def test_dearer_costs_take_more_ar_steps(models, ar_outputs, batch_size):
+def test_dearer_costs_take_more_ar_steps(zeros_models, zeros_ar_outputs, batch_size):
   """The same requests under dearer given costs count more cycles as misses: more AR steps and
   fewer drafter passes, the same tokens; in a batch too (the rows back off together). (Where a
   cycle costs less than an AR step, no cycle is a miss: test_ar_step_tokens.)"""
   prompts, max_news = _requests(6)
   steps, passes = {}, {}
   for name, kw in (("cheap", CHEAP), ("dear", DEAR), ("dearest", DEAREST)):
-    eng = _engine(models, batch_size=batch_size, **kw)
+    eng = _engine(zeros_models, batch_size=batch_size, **kw)
     outs = ([eng.generate(p, max_new_tokens=m, block_size=B) for p, m in zip(prompts, max_news)]
             if batch_size == 1 else
             eng.generate_batch(prompts, max_new_tokens=max_news, block_size=B))
-    assert [g.output_ids for g in outs] == ar_outputs
+    assert [g.output_ids for g in outs] == zeros_ar_outputs
     steps[name] = sum(g.ar_steps for g in outs)
     passes[name] = sum(g.drafter_passes for g in outs)
   assert steps["cheap"] < steps["dear"] < steps["dearest"]
   assert passes["cheap"] > passes["dear"] > passes["dearest"]
 
 
-def test_sampled_output_equals_ar_for_a_seed(models):
-  assert_sampled_like_ar(models, _engine(models, verify="exact", **DEAR), B)
+def test_sampled_output_equals_ar_for_a_seed(zeros_models):
+  assert_sampled_like_ar(zeros_models, _engine(zeros_models, verify="exact", **DEAR), B)
 
 
-def test_one_loop_per_block_size(models):
-  assert_one_spec_loop(_engine(models, **DEAR), B)
+def test_one_loop_per_block_size(zeros_models):
+  assert_one_spec_loop(_engine(zeros_models, **DEAR), B)
 
 
 def test_priced_is_labelled_as_backoff():
@@ -279,7 +269,7 @@ def test_a_batch_miss_backs_every_row_off_to_the_deepest_level():
   assert hit.misses_B.tolist() == [0, 0, 0, 9] and hit.wait_B.tolist() == [0, 0, 0, 0]
 
 
-def test_requests_start_deep_where_drafting_loses_and_stay_lossless(models, ar_outputs):
+def test_requests_start_deep_where_drafting_loses_and_stay_lossless(zeros_models, zeros_ar_outputs):
   """Under the dearest costs (every cycle a miss) the first requests draft first and later ones
   mostly start with AR steps (fewer drafter passes for the same tokens); greedy output stays
   AR's, and nothing recompiles for the start. With start_backoff=False every request drafts
@@ -287,10 +277,10 @@ def test_requests_start_deep_where_drafting_loses_and_stay_lossless(models, ar_o
   prompts, max_news = _requests(6)
   runs = {}
   for on in (True, False):
-    eng = _engine(models, start_backoff=on, start_plain=False, **DEAREST)
+    eng = _engine(zeros_models, start_backoff=on, start_plain=False, **DEAREST)
     gens = [eng.generate(p, max_new_tokens=m, block_size=B)
             for _ in range(3) for p, m in zip(prompts, max_news)]
-    assert [g.output_ids for g in gens] == ar_outputs * 3
+    assert [g.output_ids for g in gens] == zeros_ar_outputs * 3
     assert eng.compiled.counts["spec_loop"] == 1
     runs[on] = gens
   first_is_cycle = lambda g: bool(g.forward_is_cycle[0]) if g.forward_is_cycle else None
@@ -302,7 +292,7 @@ def test_requests_start_deep_where_drafting_loses_and_stay_lossless(models, ar_o
           sum(g.drafter_passes for g in runs[False]))
 
 
-def test_a_request_alone_that_would_start_deep_decodes_plain(models, ar_outputs):
+def test_a_request_alone_that_would_start_deep_decodes_plain(zeros_models, zeros_ar_outputs):
   """start_plain (the default): where the recent requests' drafting lost (dearest costs), a
   request alone that would start deep runs the plain AR loop: no drafter pass, its forwards AR
   steps (not τ = 1 cycles), its bucket kept, AR's very tokens; every 4th deep start still
@@ -310,10 +300,10 @@ def test_a_request_alone_that_would_start_deep_decodes_plain(models, ar_outputs)
   prompts, max_news = _requests(6)
   runs = {}
   for plain in (True, False):
-    eng = _engine(models, start_plain=plain, **DEAREST)
+    eng = _engine(zeros_models, start_plain=plain, **DEAREST)
     gens = [eng.generate(p, max_new_tokens=m, block_size=B)
             for _ in range(3) for p, m in zip(prompts, max_news)]
-    assert [g.output_ids for g in gens] == ar_outputs * 3
+    assert [g.output_ids for g in gens] == zeros_ar_outputs * 3
     assert eng.compiled.counts["spec_loop"] == 1
     runs[plain] = gens
   plain_gens = [g for g in runs[True] if g.plain_start]
@@ -326,23 +316,23 @@ def test_a_request_alone_that_would_start_deep_decodes_plain(models, ar_outputs)
   assert not any(g.plain_start for g in runs[False])
 
 
-def test_precompile_includes_the_plain_loop_a_start_may_take(models):
+def test_precompile_includes_the_plain_loop_a_start_may_take(zeros_models):
   """An engine that may start requests plain compiles the AR loop with its buckets (a batched
   one: the plain bucket's batched loop), so that no plain start compiles mid-run; without
   start_plain it does not."""
   for plain, want in ((True, {"spec_loop": 1, "ar_loop": 1}), (False, {"spec_loop": 1})):
-    eng = _engine(models, start_plain=plain, **DEAREST)
+    eng = _engine(zeros_models, start_plain=plain, **DEAREST)
     by_function = eng.precompile([B], length_buckets=(16,))["by_function"]
     assert {k: v for k, v in by_function.items() if k != "prefill"} == want, by_function
   # A batch's plain starts take the plain AR bucket: its batched loop too.
   for plain, want in ((True, {"batch_spec_loop": 1, "batch_ar_loop": 1}),
                       (False, {"batch_spec_loop": 1})):
-    eng = _engine(models, batch_size=3, start_plain=plain, **DEAREST)
+    eng = _engine(zeros_models, batch_size=3, start_plain=plain, **DEAREST)
     by_function = eng.precompile([B], length_buckets=(16,))["by_function"]
     assert {k: v for k, v in by_function.items() if k != "prefill"} == want, by_function
 
 
-def test_batched_rows_start_deep_where_drafting_loses(models, ar_outputs):
+def test_batched_rows_start_deep_where_drafting_loses(zeros_models, zeros_ar_outputs):
   """A request taking a batch's slot starts where the requests before it say (as one request
   alone does): under the dearest costs later rows start with AR steps, fewer drafter passes
   than with every row drafting first, the same tokens, one insertion and one loop program.
@@ -350,10 +340,10 @@ def test_batched_rows_start_deep_where_drafting_loses(models, ar_outputs):
   prompts, max_news = _requests(6)
   passes = {}
   for on in (True, False):
-    eng = _engine(models, batch_size=3, start_backoff=on, start_plain=False, **DEAREST)
+    eng = _engine(zeros_models, batch_size=3, start_backoff=on, start_plain=False, **DEAREST)
     for _ in range(3):
       outs = eng.generate_batch(prompts, max_new_tokens=max_news, block_size=B)
-      assert [g.output_ids for g in outs] == ar_outputs
+      assert [g.output_ids for g in outs] == zeros_ar_outputs
       assert not any(g.plain_start for g in outs)
     passes[on] = sum(g.drafter_passes for g in outs)
     assert eng.compiled.counts["insert"] == 1 and eng.compiled.counts["batch_spec_loop"] == 1
@@ -362,8 +352,8 @@ def test_batched_rows_start_deep_where_drafting_loses(models, ar_outputs):
 
 
 @pytest.mark.parametrize("costs", ["dearest", "cheap"])
-def test_batched_requests_that_would_start_deep_decode_in_the_plain_bucket(models, ar_outputs,
-                                                                           costs):
+def test_batched_requests_that_would_start_deep_decode_in_the_plain_bucket(zeros_models,
+                                                                           zeros_ar_outputs, costs):
   """start_plain (the default) in a batch of 3: where drafting loses (the dearest costs) a
   request that would start deep takes a slot of the plain AR bucket: no drafter pass, its
   forwards AR steps, its block size kept, AR's very tokens. Explorers come in runs of the batch
@@ -372,12 +362,12 @@ def test_batched_requests_that_would_start_deep_decode_in_the_plain_bucket(model
   explorers included (their other side elsewhere:
   test_a_batchs_start_weighs_the_plain_price_with_runs_of_explorers)."""
   prompts, max_news = _requests(6)
-  eng = _engine(models, batch_size=3, **(DEAREST if costs == "dearest" else CHEAP))
+  eng = _engine(zeros_models, batch_size=3, **(DEAREST if costs == "dearest" else CHEAP))
   eng.starts.batch_explore_every = 4
   gens = []
   for _ in range(3):
     outs = eng.generate_batch(prompts, max_new_tokens=max_news, block_size=B)
-    assert [g.output_ids for g in outs] == ar_outputs
+    assert [g.output_ids for g in outs] == zeros_ar_outputs
     gens += outs
   plain = [g.plain_start for g in gens]
   if costs == "dearest":
@@ -392,7 +382,7 @@ def test_batched_requests_that_would_start_deep_decode_in_the_plain_bucket(model
   assert ("batch_ar_loop" in eng.compiled.counts) == (costs == "dearest")
 
 
-def test_a_batchs_requests_move_to_the_plain_bucket_where_its_cycles_keep_missing(models):
+def test_a_batchs_requests_move_to_the_plain_bucket_where_its_cycles_keep_missing(zeros_models):
   """Plain starts on, batch 3, the dearest costs (every cycle misses): the first requests draft
   (no τ is known yet) and, once their batch missed 3 cycles in a row, move to the plain AR
   bucket mid-decode (`BatchOptions.move_plain_after`): AR's very tokens, greedy and at T = 1
@@ -404,13 +394,13 @@ def test_a_batchs_requests_move_to_the_plain_bucket_where_its_cycles_keep_missin
   costs (an accelerator's) nothing misses and nothing moves."""
   prompts, _ = _requests(6)
   max_news = [70] * 6  # long enough for the probes after a deep back-off (8, 16, 32 AR steps)
-  ar = Engine(models[0], shapes=ShapeOptions(max_len=MAX_LEN, length_buckets=BUCKETS))
+  ar = Engine(zeros_models[0], shapes=ShapeOptions(max_len=MAX_LEN, length_buckets=BUCKETS))
   passes = {}
   for T in (0.0, 1.0):
     want = [ar.generate(p, max_new_tokens=m, temperature=T, top_k=20, seed=7 + i).output_ids
             for i, (p, m) in enumerate(zip(prompts, max_news))]
     for after in (3, 0):
-      eng = _engine(models, batch_size=3, move_plain_after=after, **DEAREST)
+      eng = _engine(zeros_models, batch_size=3, move_plain_after=after, **DEAREST)
       outs = eng.generate_batch(prompts, max_new_tokens=max_news, block_size=B, temperature=T,
                                 top_k=20, seeds=7)
       assert [g.output_ids for g in outs] == want, (T, after)
@@ -428,11 +418,11 @@ def test_a_batchs_requests_move_to_the_plain_bucket_where_its_cycles_keep_missin
         assert all(g.moved_plain for g in outs[:3]) and all(g.plain_start for g in outs[3:])
         assert len(eng.starts._recent) == 3 < eng.starts.window
     assert passes[T, 3] < passes[T, 0], passes
-  cheap = _engine(models, batch_size=3, **CHEAP)
+  cheap = _engine(zeros_models, batch_size=3, **CHEAP)
   outs = cheap.generate_batch(prompts, max_new_tokens=max_news, block_size=B)
   assert not any(g.moved_plain for g in outs) and "move" not in cheap.compiled.counts
   # A server's warm-up (every window, size and move) leaves no move to compile.
-  eng = _engine(models, batch_size=3, shrink=True, **DEAREST)
+  eng = _engine(zeros_models, batch_size=3, shrink=True, **DEAREST)
   moves = eng.precompile([B], length_buckets=BUCKETS, all_windows=True)["by_function"]["move"]
   assert moves == len(eng.slot_sizes())  # from each size of the speculative state
   outs = eng.generate_batch(prompts, max_new_tokens=max_news, block_size=B)
