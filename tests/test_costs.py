@@ -19,14 +19,8 @@ from bp_jax.decoding.controllers import controller_of
 from bp_jax.decoding.engine import Engine
 from bp_jax.decoding.options import LoopOptions, ShapeOptions
 from bp_jax.errors import BadInputError, named_as_flags
-from toy_models import zeros_drafter_pair
 
 V, MAX_LEN, B = 64, 128, 4
-
-
-@pytest.fixture(scope="module")
-def models():
-  return zeros_drafter_pair(V)
 
 
 def test_verify_lengths_are_the_controllers_choices():
@@ -61,8 +55,8 @@ def test_relative_costs_read_back_the_measured_ones():
   assert costs.ForwardCosts.from_json(json.loads(json.dumps(c.to_json()))) == c
 
 
-def test_measurement_on_toy_shapes(models):
-  target, drafter = models
+def test_measurement_on_toy_shapes(zeros_models):
+  target, drafter = zeros_models
   c = costs.measure_forward_costs(target, drafter, 2, B, MAX_LEN, reps=4, repeats=3)
   assert c.batch_size == 2 and c.block_size == B and len(c.verify_s) == len(c.lengths) == 3
   assert all(s > 0 for s in c.verify_s) and c.draft_s > 0
@@ -71,12 +65,15 @@ def test_measurement_on_toy_shapes(models):
   # controller reads is made monotone by relative(), checked here.
   table, draft = c.relative()
   assert table[0] == 1.0 and list(table[1:]) == sorted(table[1:]) and draft > 0
+  # and one row's one-token forward beside the batch's: what a batch's tail would save
+  assert c.one_row_s > 0 and c.rows_cost() == c.verify_s[0] / c.one_row_s
+  assert costs.ForwardCosts.from_json(json.loads(json.dumps(c.to_json()))) == c
   LoopOptions(controller="confidence", controller_costs=table, controller_draft_cost=draft)
 
 
-def test_cache_hits_for_equal_keys_and_misses_when_shapes_change(models, tmp_path,
+def test_cache_hits_for_equal_keys_and_misses_when_shapes_change(zeros_models, tmp_path,
                                                                  monkeypatch):
-  target, drafter = models
+  target, drafter = zeros_models
   calls = []
 
   def fake(target, drafter, batch_size, block_size, max_len, **kw):
@@ -172,23 +169,23 @@ def test_config_refuses_half_a_pair_naming_both_flags(kw):
   assert "--config.controller_draft_cost=" in str(e.value)
 
 
-def _engine(models, tmp_path, **loop) -> Engine:
-  target, drafter = models
+def _engine(zeros_models, tmp_path, **loop) -> Engine:
+  target, drafter = zeros_models
   return Engine(target, drafter=drafter, cost_cache=str(tmp_path / "costs"),
                 shapes=ShapeOptions(max_len=MAX_LEN, length_buckets=(16, 32, 64),
                                     block_sizes=(1, B)),
                 loop=LoopOptions(**loop))
 
 
-def test_engine_measures_caches_and_uses_its_costs(models, tmp_path):
-  eng = _engine(models, tmp_path, controller="confidence")
+def test_engine_measures_caches_and_uses_its_costs(zeros_models, tmp_path):
+  eng = _engine(zeros_models, tmp_path, controller="confidence")
   assert eng.measured_costs is not None and eng.costs_from_cache is False
   assert eng.costs_source == "measured"
   assert eng.measured_costs.block_size == B and eng.measured_costs.batch_size == 1
   table, draft = eng.measured_costs.relative()
   assert eng.loop_options.controller_costs == table
   assert eng.loop_options.controller_draft_cost == draft
-  again = _engine(models, tmp_path, controller="confidence")
+  again = _engine(zeros_models, tmp_path, controller="confidence")
   assert again.costs_from_cache is True and again.costs_source == "cached"
   assert again.measured_costs == eng.measured_costs
   # Greedy output is AR's with measured costs.
@@ -196,13 +193,13 @@ def test_engine_measures_caches_and_uses_its_costs(models, tmp_path):
   ar = eng.generate(prompt, max_new_tokens=30, block_size=1).output_ids
   assert eng.generate(prompt, max_new_tokens=30, block_size=B).output_ids == ar
   # Nothing to measure: given costs, a loop that prices nothing, or no drafter.
-  given = _engine(models, tmp_path, controller="confidence", controller_costs="1,2,3",
+  given = _engine(zeros_models, tmp_path, controller="confidence", controller_costs="1,2,3",
                   controller_draft_cost=0.5)
   assert given.measured_costs is None and given.costs_source == "given"
   assert given.loop_options.controller_costs == (1.0, 2.0, 3.0)
-  plain = _engine(models, tmp_path, controller="backoff", ar_fallback=4)
+  plain = _engine(zeros_models, tmp_path, controller="backoff", ar_fallback=4)
   assert plain.measured_costs is None and plain.costs_source is None
-  alone = Engine(models[0], shapes=ShapeOptions(max_len=MAX_LEN),
+  alone = Engine(zeros_models[0], shapes=ShapeOptions(max_len=MAX_LEN),
                  loop=LoopOptions(controller="confidence"))
   assert alone.measured_costs is None
 
@@ -215,8 +212,8 @@ def _record(verified: list[int]) -> dict:
           "forward_verified": verified, "block_size": B, "ids_beyond_tokenizer": 0}
 
 
-def test_summary_says_which_costs_and_the_verify_lengths_chosen(models, tmp_path, capsys):
-  eng = _engine(models, tmp_path, controller="confidence")
+def test_summary_says_which_costs_and_the_verify_lengths_chosen(zeros_models, tmp_path, capsys):
+  eng = _engine(zeros_models, tmp_path, controller="confidence")
   cfg = ml_collections.ConfigDict(dict(mode="spec", block_policy="fixed", temperature=0.0))
   records = [_record([4, 4, 0, 1, 2]), _record([4, 1])]
   s = rec.summarize(records, eng, cfg, wall_s=1.0)
@@ -231,12 +228,12 @@ def test_summary_says_which_costs_and_the_verify_lengths_chosen(models, tmp_path
   assert "target forward over 1/2/4 tokens" in out
   assert re.search(r"verify length per cycle \(batch 1\)\s+1: 2 \(33%\), 2: 1 \(17%\), "
                    r"4: 3 \(50%\)", out)
-  given = _engine(models, tmp_path, controller="confidence", controller_costs="1,2",
+  given = _engine(zeros_models, tmp_path, controller="confidence", controller_costs="1,2",
                   controller_draft_cost=0.5)
   rec.print_summary(rec.summarize(records, given, cfg, wall_s=1.0))
   assert re.search(r"controller costs\s+given: verify 1,2 AR steps \(1, 2, 4, \.\.\. tokens\), "
                    r"drafter 0\.5\n", capsys.readouterr().out)
-  plain = _engine(models, tmp_path, controller="backoff", ar_fallback=4)
+  plain = _engine(zeros_models, tmp_path, controller="backoff", ar_fallback=4)
   s = rec.summarize(records, plain, cfg, wall_s=1.0)
   assert s["controller_costs"] is None and s["plain_starts"] == 0
   rec.print_summary(s)
@@ -248,3 +245,30 @@ def test_summary_says_which_costs_and_the_verify_lengths_chosen(models, tmp_path
   assert s["plain_starts"] == 1
   rec.print_summary(s)
   assert re.search(r"decoded plain by the priced start\s+1 of 3 requests", capsys.readouterr().out)
+
+
+def test_batch_tails_shrink_only_where_rows_cost(zeros_models, monkeypatch):
+  """A batch's tail runs in fewer slots only where the measured costs say rows cost: a full
+  batch's one-token forward at least `SHRINK_ROWS_COST` one-row ones (this CPU at the demo's
+  shapes: ~5 at 8 rows). Where it costs less (an H200 at Qwen3-4B shapes: 16 rows 3.85 ms, one
+  row 5.39 ms) the tail keeps its slots and compiles no loop per tail size; the summary says
+  so. Costs not measured (given, or a cache entry from before one_row_s): shrink as set."""
+  from bp_jax.decoding import engine as engine_lib
+  from bp_jax.decoding.options import BatchOptions
+  target, drafter = zeros_models
+
+  def engine(rows_s, one_row_s, **loop):
+    measured = costs.ForwardCosts((rows_s, 1.1 * rows_s, 1.2 * rows_s), 0.5 * rows_s, 4, B,
+                                  one_row_s)
+    monkeypatch.setattr(engine_lib, "forward_costs", lambda *a, **k: (measured, False))
+    return Engine(target, drafter=drafter, loop=LoopOptions(controller="priced", **loop),
+                  shapes=ShapeOptions(max_len=MAX_LEN, block_sizes=(1, B)),
+                  batching=BatchOptions(batch_size=4, sync_cycles=4, shrink=True))
+
+  assert engine(5e-3, 1e-3).shrink
+  flat = engine(3.85e-3, 5.39e-3)
+  assert not flat.shrink
+  assert "batch tails keep their slots (a full batch's step costs 0.71" in rec.costs_line(
+      rec.controller_costs_of(flat))
+  assert engine(3.85e-3, None).shrink  # not measured
+  assert engine(1.0, 2.0, controller_costs="1,1.1,1.2", controller_draft_cost=0.5).shrink

@@ -115,7 +115,9 @@ def controller_costs_of(engine) -> dict | None:
           "measured": None if measured is None else measured.to_json(),
           "described": None if measured is None else measured.describe(),
           "online": getattr(engine, "cost_estimate", None),
-          "ar_step_tokens": opts.ar_step_tokens}
+          "ar_step_tokens": opts.ar_step_tokens,
+          "rows_cost": None if measured is None else measured.rows_cost(),
+          "tail_shrink": bool(getattr(engine, "shrink", False))}
 
 
 def outputs_repeat_for_seed(cfg, engine) -> bool:
@@ -169,6 +171,9 @@ def costs_line(c: dict) -> str:
   line += f" [{c['described']}]" if c.get("described") else ""
   if c.get("ar_step_tokens") == 2:
     line += "; AR steps run as two-token forwards (a one-token one costs more here)"
+  if c.get("rows_cost") is not None and not c.get("tail_shrink"):
+    line += (f"; batch tails keep their slots (a full batch's step costs {c['rows_cost']:.2f} "
+             "one-row steps here)")
   return line + online_line(c.get("online"))
 
 

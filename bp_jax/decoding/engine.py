@@ -46,6 +46,14 @@ from bp_jax.parallel.rules import replicated, shard_batch, shard_cache, shard_st
 LEARNED = "learned"  # `generate(block_size=LEARNED)`: the policy chooses the bucket
 
 
+# A batch's tail runs in fewer slots (`BatchOptions.shrink`) only where rows cost: where the
+# engine measured its costs, a one-token forward over all its rows must cost at least this many
+# one-row ones (`ForwardCosts.rows_cost`). On this CPU 8 rows cost ~5 one-row forwards; on an
+# H200 at Qwen3-4B shapes 16 rows cost 0.71 of one row, and each tail size is one more loop to
+# compile (the default at batch 16: 12 programs against the paper's loop's 3, at test shapes).
+SHRINK_ROWS_COST = 1.5
+
+
 class Engine:
   """Decodes requests one at a time: block_size 1 is plain AR decoding with the target; block
   sizes > 1 are speculative cycles with the DFlash drafter (one compiled loop per block size).
@@ -101,6 +109,9 @@ class Engine:
     self.checks = RequestChecks(max_len, target.cfg.vocab_size, self.block_sizes,
                                 drafter is not None)
     loop = self._priced(loop, target, drafter, batching.batch_size, cost_cache)
+    rows_cost = None if self.measured_costs is None else self.measured_costs.rows_cost()
+    if rows_cost is not None and rows_cost < SHRINK_ROWS_COST:
+      self.shrink = False  # idle slots cost about nothing here: no loop per tail size
     self.programs = LoopPrograms(self.t_graph, self.d_graph, loop)
     self.clock = clock
     # Target forwards of every loop call so far, by verify length (0: AR steps; n: cycles

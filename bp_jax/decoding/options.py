@@ -68,7 +68,10 @@ class BatchOptions:
   fewer slots, the fewest of batch_size, ceil(batch_size / 2), ..., 1 that holds its
   requests, and grows back to batch_size when requests come for it (`Scheduler`): a step
   costs the same with idle slots, so a tail of 2 requests in 8 slots paid for 8. No effect
-  with sync_cycles 0 (a static batch runs to its end in one call);
+  with sync_cycles 0 (a static batch runs to its end in one call), nor where the engine
+  measured its costs and a one-token forward over all rows costs under
+  `engine.SHRINK_ROWS_COST` one-row ones (bandwidth-bound: fewer slots save little, and each
+  tail size compiles a loop);
   join_learned: a request whose block size the policy picks (`LEARNED`) decodes in the
   bucket of the policy's sizes that holds or awaits the most requests, its policy's own size
   only when no such bucket does (`Scheduler._learned_bucket`): each bucket's calls compute
