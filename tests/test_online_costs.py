@@ -88,6 +88,26 @@ def test_recovers_known_costs_and_follows_a_step_change():
   assert est.break_even(N, rows=8) == pytest.approx(3.0)
 
 
+def test_a_batch_size_prices_by_its_prior_until_its_third_call():
+  """Two calls give as many equations as unknowns: a batch tail's first two calls at a new size
+  (these, from a batch-16 run at the test shapes on this CPU) fitted an AR step at ~0 and a
+  cycle at the 64-step cap. The prior prices until the fit has seen MIN_CALLS (3) calls."""
+  est = OnlineCosts(lambda n: 5.47, batch_prior_floor=1.0)
+  for seconds, n_ar, n_cycle in ((87.24e-3, 2, 3), (13.14e-3, 11, 2)):
+    est.observe(seconds, _counts(n_ar, n_cycle), rows=4)
+    assert est.break_even(N, rows=4) == pytest.approx(5.47)
+  assert est.estimate(4).calls == 2
+  loose = OnlineCosts(lambda n: 5.47, batch_prior_floor=1.0, min_calls=1)  # the rule before
+  for seconds, n_ar, n_cycle in ((87.24e-3, 2, 3), (13.14e-3, 11, 2)):
+    loose.observe(seconds, _counts(n_ar, n_cycle), rows=4)
+  assert loose.break_even(N, rows=4) == 4.0 * N  # the cap: 4 AR steps per token verified
+  for n_ar, n_cycle in _calls(12):  # then the fit prices: here cycles at 5 AR steps
+    est.observe(AR_S * n_ar + 5 * AR_S * n_cycle, _counts(n_ar, n_cycle), rows=4)
+  assert est.break_even(N, rows=4) == pytest.approx(5.0, rel=0.1)
+  with pytest.raises(BadInputError, match="min_calls=0"):
+    OnlineCosts(lambda n: 3.0, min_calls=0)
+
+
 def test_declined_cycles_are_priced_by_the_prior_not_fitted():
   """The decline's cycles (verify length 1: a drafter pass and a one-token forward) among AR
   steps and full cycles: `by_prior` counts each as prior(1) AR steps, so the fit still

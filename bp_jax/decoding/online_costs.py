@@ -191,8 +191,8 @@ class _Fit:
       A, b = forget * A + np.outer(x, x), forget * b + x * seconds
     self.A, self.b, self.recent = A, b, []
 
-  def break_even(self, n: int, clip: Callable[[int, float], float]) -> float:
-    if n not in self.lengths or self.theta is None:
+  def break_even(self, n: int, clip: Callable[[int, float], float], min_calls: int = 1) -> float:
+    if n not in self.lengths or self.theta is None or self.calls < min_calls:
       return clip(n, self.prior(n))
     return clip(n, float(self.theta[self.lengths.index(n)] / self.theta[0]))
 
@@ -204,6 +204,12 @@ class _Fit:
 # the bar rises to ~50%, above its noise and below the changes that matter (a cycle 2x dearer).
 NOISE_MULTIPLE = 2.5
 NOISE_WEIGHT = 0.2
+
+# A batch size's fit prices cycles only from its MIN_CALLS-th call on; before, the prior does.
+# Two or three calls give as many equations as unknowns, and on a machine whose calls' times
+# move by a quarter they fitted an AR step at ~0 and a cycle at the 64-step cap: the sizes a
+# batch-16 run's tail shrank to, 1-3 calls each (`--shape tiny`, this CPU, /tmp/s37/obs2.py).
+MIN_CALLS = 3
 
 # The weight older calls keep, beyond `forget`, after a call the estimate mispredicted by more than
 # `restart_error`: the calls before a change of the costs would otherwise pin the directions that
@@ -225,14 +231,18 @@ class OnlineCosts:
   prior(n) AR steps, and its break-even stays the prior's (the priced decline's cycles, n = 1,
   a drafter pass and a one-token forward: a few of them among many cycles gave the fit a free
   parameter it could not pin, and one run's break-even of a full cycle rose to 14.9 AR steps
-  against 4.0 without them, every request then starting plain; /tmp/b36/B1dec)."""
+  against 4.0 without them, every request then starting plain; /tmp/b36/B1dec). A batch
+  size's break-even is the prior's until its fit has seen `min_calls` calls (`MIN_CALLS`)."""
 
   def __init__(self, prior: Callable[[int], float], *, forget: float = 0.8, ridge: float = 0.03,
                min_break_even: float = 1.0, max_break_even_per_token: float = 4.0,
                restart_error: float = 0.2, restart_calls: int = 2,
                batch_prior_floor: float = 0.0, one_prior_floor: float = 0.0,
-               by_prior: Sequence[int] = ()):
+               by_prior: Sequence[int] = (), min_calls: int = MIN_CALLS):
     self.prior = prior
+    if isinstance(min_calls, bool) or int(min_calls) != min_calls or min_calls < 1:
+      raise BadInputError(f"min_calls={min_calls!r}: expected a whole number >= 1")
+    self.min_calls = int(min_calls)
     self.by_prior = frozenset(int(n) for n in by_prior if int(n) > 0)
     self.batch_prior_floor = _check_floor(batch_prior_floor, "batch_prior_floor")
     self.one_prior_floor = _check_floor(one_prior_floor, "one_prior_floor")
@@ -313,14 +323,14 @@ class OnlineCosts:
     clipped as `break_even`; the speculative loop's own `break_even` until both that loop's
     cycles and the plain loop's steps have been timed at this batch size."""
     fit, plain = self._fit(int(rows)), self.plain_step_s(rows)
-    if plain is None or fit.theta is None or n not in fit.lengths:
+    if plain is None or fit.theta is None or n not in fit.lengths or fit.calls < self.min_calls:
       return self.break_even(n, rows)
     return self.clip(n, float(fit.theta[fit.lengths.index(n)]) / plain, int(rows))
 
   def break_even(self, n: int, rows: int) -> float:
     """The cost of a cycle verifying n tokens (n - 1 drafts, a drafter pass) in AR steps at
     batch size `rows`: the current fit, or the prior before the calls tell it."""
-    return self._fit(int(rows)).break_even(int(n), self._clip_of(rows))
+    return self._fit(int(rows)).break_even(int(n), self._clip_of(rows), self.min_calls)
 
   def break_even_N(self, max_verify: int, rows: int) -> np.ndarray:
     """[max_verify + 1] float32: entry n the break-even of a cycle verifying n tokens (entry 0,
