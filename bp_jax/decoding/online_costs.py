@@ -83,7 +83,7 @@ def _check_floor(value: float, name: str) -> float:
 @dataclasses.dataclass(frozen=True)
 class CostEstimate:
   """One batch size's current estimate: seconds per AR step and per cycle of each verify length
-  n seen (None before any observation: only the prior's ratios are known), each cycle's
+  n seen (None before `OnlineCosts.min_calls` observations: the prior prices), each cycle's
   break-even in AR steps (the priced controller's threshold) and the calls it has seen; the
   plain AR loop's seconds per step at this batch size (None: none timed) and what a new
   request weighs drafting against (`OnlineCosts.start_break_even`)."""
@@ -340,7 +340,7 @@ class OnlineCosts:
 
   def estimate(self, rows: int) -> CostEstimate:
     fit = self._fit(int(rows))
-    known = fit.theta is not None
+    known = fit.theta is not None and fit.calls >= self.min_calls  # what prices: its seconds
     cycle_lengths = [n for n in fit.lengths if n > 0]
     th = fit.theta
     return CostEstimate(
