@@ -208,7 +208,8 @@ NOISE_WEIGHT = 0.2
 # A batch size's fit prices cycles only from its MIN_CALLS-th call on; before, the prior does.
 # Two or three calls give as many equations as unknowns, and on a machine whose calls' times
 # move by a quarter they fitted an AR step at ~0 and a cycle at the 64-step cap: the sizes a
-# batch-16 run's tail shrank to, 1-3 calls each (`--shape tiny`, this CPU, /tmp/s37/obs2.py).
+# batch-16 run's tail shrank to, 1-3 calls each (benchmarks/controllers `--shape tiny`, this CPU;
+# docs/results/controller.md).
 MIN_CALLS = 3
 
 # The weight older calls keep, beyond `forget`, after a call the estimate mispredicted by more than
