@@ -254,16 +254,13 @@ def test_batch_tails_shrink_only_where_rows_cost(zeros_models, monkeypatch):
   row 5.39 ms) the tail keeps its slots and compiles no loop per tail size; the summary says
   so. Costs not measured (given, or a cache entry from before one_row_s): shrink as set."""
   from bp_jax.decoding import engine as engine_lib
-  from bp_jax.decoding.options import BatchOptions
-  target, drafter = zeros_models
+  from toy_models import toy_engine
 
   def engine(rows_s, one_row_s, **loop):
     measured = costs.ForwardCosts((rows_s, 1.1 * rows_s, 1.2 * rows_s), 0.5 * rows_s, 4, B,
                                   one_row_s)
     monkeypatch.setattr(engine_lib, "forward_costs", lambda *a, **k: (measured, False))
-    return Engine(target, drafter=drafter, loop=LoopOptions(controller="priced", **loop),
-                  shapes=ShapeOptions(max_len=MAX_LEN, block_sizes=(1, B)),
-                  batching=BatchOptions(batch_size=4, sync_cycles=4, shrink=True))
+    return toy_engine(zeros_models, "priced", batch_size=4, sync_cycles=4, shrink=True, **loop)
 
   assert engine(5e-3, 1e-3).shrink
   flat = engine(3.85e-3, 5.39e-3)

@@ -83,8 +83,6 @@ class Engine:
                           f"max_position_embeddings={target.cfg.max_position_embeddings}")
     max_len = shapes.max_len
     self.batch_size, self.sync_cycles = batching.batch_size, batching.sync_cycles
-    # Static batching (sync_cycles 0) runs a batch to its end in one call: no tail to shrink.
-    self.shrink = batching.shrink and batching.batch_size > 1 and batching.sync_cycles > 0
     self.join_learned = batching.join_learned and batching.batch_size > 1
     self.move_plain_after = (batching.move_plain_after
                              if batching.batch_size > 1 and batching.sync_cycles > 0 else 0)
@@ -109,9 +107,11 @@ class Engine:
     self.checks = RequestChecks(max_len, target.cfg.vocab_size, self.block_sizes,
                                 drafter is not None)
     loop = self._priced(loop, target, drafter, batching.batch_size, cost_cache)
+    # Static batching (sync_cycles 0) runs a batch to its end in one call: no tail to shrink.
+    # Where idle slots cost about nothing (measured), no loop per tail size either.
     rows_cost = None if self.measured_costs is None else self.measured_costs.rows_cost()
-    if rows_cost is not None and rows_cost < SHRINK_ROWS_COST:
-      self.shrink = False  # idle slots cost about nothing here: no loop per tail size
+    self.shrink = (batching.shrink and batching.batch_size > 1 and batching.sync_cycles > 0
+                   and not (rows_cost is not None and rows_cost < SHRINK_ROWS_COST))
     self.programs = LoopPrograms(self.t_graph, self.d_graph, loop)
     self.clock = clock
     # Target forwards of every loop call so far, by verify length (0: AR steps; n: cycles

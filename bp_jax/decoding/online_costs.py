@@ -73,6 +73,13 @@ def _call_seconds(seconds: float) -> float | None:
   return seconds if math.isfinite(seconds) and seconds > 0 else None
 
 
+def _check_count(value: int, name: str) -> int:
+  """A whole number >= 1 (not a bool), else a BadInputError naming `name`."""
+  if isinstance(value, bool) or int(value) != value or value < 1:
+    raise BadInputError(f"{name}={value!r}: expected a whole number >= 1")
+  return int(value)
+
+
 def _check_floor(value: float, name: str) -> float:
   value = float(value)
   if not math.isfinite(value) or value < 0:
@@ -106,8 +113,9 @@ class CostEstimate:
 class _Fit:
   """The forgetting least-squares fit of one batch size (see the module doc)."""
 
-  def __init__(self, prior: Callable[[int], float]):
+  def __init__(self, prior: Callable[[int], float], min_calls: int):
     self.prior = lambda n: 1.0 if n == 0 else float(prior(n))  # an AR step is the unit
+    self.min_calls = min_calls  # calls before the fit prices (`OnlineCosts.min_calls`)
     self.lengths: list[int] = [0]                 # verify lengths with a parameter, in order
     self.A = np.zeros((1, 1))                     # sum of forget^age x x^T
     self.b = np.zeros(1)                          # sum of forget^age x y
@@ -117,6 +125,11 @@ class _Fit:
     # and whether the estimate mispredicted it (+1 slower, -1 faster, 0 within the error).
     self.recent: list[tuple[np.ndarray, np.ndarray, Mapping[int, int], float, int]] = []
     self.noise = 0.0  # mean relative misprediction of the calls that were not off (`update`)
+
+  @property
+  def pricing(self) -> bool:
+    """Whether the fit prices cycles: it has an estimate from at least `min_calls` calls."""
+    return self.theta is not None and self.calls >= self.min_calls
 
   def _grow(self, n: int) -> None:
     """Adds verify length n as a parameter: its prior ratio to an AR step, on the current scale."""
@@ -191,8 +204,8 @@ class _Fit:
       A, b = forget * A + np.outer(x, x), forget * b + x * seconds
     self.A, self.b, self.recent = A, b, []
 
-  def break_even(self, n: int, clip: Callable[[int, float], float], min_calls: int = 1) -> float:
-    if n not in self.lengths or self.theta is None or self.calls < min_calls:
+  def break_even(self, n: int, clip: Callable[[int, float], float]) -> float:
+    if n not in self.lengths or not self.pricing:
       return clip(n, self.prior(n))
     return clip(n, float(self.theta[self.lengths.index(n)] / self.theta[0]))
 
@@ -241,9 +254,7 @@ class OnlineCosts:
                batch_prior_floor: float = 0.0, one_prior_floor: float = 0.0,
                by_prior: Sequence[int] = (), min_calls: int = MIN_CALLS):
     self.prior = prior
-    if isinstance(min_calls, bool) or int(min_calls) != min_calls or min_calls < 1:
-      raise BadInputError(f"min_calls={min_calls!r}: expected a whole number >= 1")
-    self.min_calls = int(min_calls)
+    self.min_calls = _check_count(min_calls, "min_calls")
     self.by_prior = frozenset(int(n) for n in by_prior if int(n) > 0)
     self.batch_prior_floor = _check_floor(batch_prior_floor, "batch_prior_floor")
     self.one_prior_floor = _check_floor(one_prior_floor, "one_prior_floor")
@@ -253,9 +264,7 @@ class OnlineCosts:
     self.max_break_even_per_token = _check_positive(max_break_even_per_token,
                                                     "max_break_even_per_token")
     self.restart_error = _check_positive(restart_error, "restart_error")
-    if isinstance(restart_calls, bool) or int(restart_calls) != restart_calls or restart_calls < 1:
-      raise BadInputError(f"restart_calls={restart_calls!r}: expected a whole number >= 1")
-    self.restart_calls = int(restart_calls)
+    self.restart_calls = _check_count(restart_calls, "restart_calls")
     self._fits: dict[int, _Fit] = {}
     # Per batch size: the plain AR loop's seconds and steps, each older call forgotten as in
     # the fits (`observe_plain`).
@@ -275,7 +284,7 @@ class OnlineCosts:
 
   def _fit(self, rows: int) -> _Fit:
     if rows not in self._fits:
-      self._fits[rows] = _Fit(self.prior)
+      self._fits[rows] = _Fit(self.prior, self.min_calls)
     return self._fits[rows]
 
   def observe(self, seconds: float, counts_N: Sequence[int] | np.ndarray, rows: int) -> bool:
@@ -324,14 +333,14 @@ class OnlineCosts:
     clipped as `break_even`; the speculative loop's own `break_even` until both that loop's
     cycles and the plain loop's steps have been timed at this batch size."""
     fit, plain = self._fit(int(rows)), self.plain_step_s(rows)
-    if plain is None or fit.theta is None or n not in fit.lengths or fit.calls < self.min_calls:
+    if plain is None or not fit.pricing or n not in fit.lengths:
       return self.break_even(n, rows)
     return self.clip(n, float(fit.theta[fit.lengths.index(n)]) / plain, int(rows))
 
   def break_even(self, n: int, rows: int) -> float:
     """The cost of a cycle verifying n tokens (n - 1 drafts, a drafter pass) in AR steps at
     batch size `rows`: the current fit, or the prior before the calls tell it."""
-    return self._fit(int(rows)).break_even(int(n), self._clip_of(rows), self.min_calls)
+    return self._fit(int(rows)).break_even(int(n), self._clip_of(rows))
 
   def break_even_N(self, max_verify: int, rows: int) -> np.ndarray:
     """[max_verify + 1] float32: entry n the break-even of a cycle verifying n tokens (entry 0,
@@ -341,7 +350,7 @@ class OnlineCosts:
 
   def estimate(self, rows: int) -> CostEstimate:
     fit = self._fit(int(rows))
-    known = fit.theta is not None and fit.calls >= self.min_calls  # what prices: its seconds
+    known = fit.pricing
     cycle_lengths = [n for n in fit.lengths if n > 0]
     th = fit.theta
     return CostEstimate(

@@ -86,9 +86,13 @@ def window_for(max_pos: int, block_size: int, sync_cycles: int, max_len: int,
   return None if w >= max_len else w
 
 
-# The arguments each loop form donates (its carry and caches), by position: (weights, ...).
-AR_DONATED, SPEC_DONATED = (1, 2), (2, 3, 4)          # one request's loops
-BATCHED_AR_DONATED, BATCHED_SPEC_DONATED = (1,), (2,)  # the batched loops' carry
+def donated(block_size: int, batched: bool) -> tuple[int, ...]:
+  """The arguments a loop donates (its carry and caches), by position after its weights (the
+  target's, and the drafter's for block sizes > 1): one request's loops their sequence and
+  caches, the batched loops their carry."""
+  if batched:
+    return (1,) if block_size == 1 else (2,)
+  return (1, 2) if block_size == 1 else (2, 3, 4)
 
 
 def _copy_donated(args: tuple, donated: tuple[int, ...]) -> tuple:
@@ -127,10 +131,10 @@ class LoopPrograms:
     opts = self.options.for_loop(block_size, forced, window=window)
     if block_size == 1:
       return self.cache.get(opts.key(), lambda: loops.make_ar_loop(self.t_graph, opts),
-                            args, donate_argnums=AR_DONATED)
+                            args, donate_argnums=donated(1, batched=False))
     return self.cache.get(opts.key(),
                           lambda: loops.make_spec_loop(self.t_graph, self.d_graph, opts),
-                          args, donate_argnums=SPEC_DONATED)
+                          args, donate_argnums=donated(block_size, batched=False))
 
   def batched_loop(self, block_size: int, batch: int, sync_cycles: int, window: int | None,
                    args: tuple, forced: bool = False):
@@ -141,10 +145,11 @@ class LoopPrograms:
     opts = self.options.for_loop(block_size, forced, sync_cycles, window)
     if block_size == 1:
       return self.cache.get(opts.key(batch), lambda: loops.make_batched_ar_loop(self.t_graph, opts),
-                            args, donate_argnums=BATCHED_AR_DONATED,
+                            args, donate_argnums=donated(1, batched=True),
                             out_shardings=_placements_of(args[1]))
     make = lambda: loops.make_batched_spec_loop(self.t_graph, self.d_graph, opts)
-    return self.cache.get(opts.key(batch), make, args, donate_argnums=BATCHED_SPEC_DONATED,
+    return self.cache.get(opts.key(batch), make, args,
+                          donate_argnums=donated(block_size, batched=True),
                           out_shardings=_placements_of(args[2]))
 
   def batched_loop_key(self, block_size: int, batch: int, sync_cycles: int,
@@ -188,8 +193,7 @@ class LoopPrograms:
     if key in self.warmup_seconds:
       return
     t0 = time.perf_counter()
-    jax.block_until_ready(fn(*_copy_donated(
-        args, BATCHED_AR_DONATED if block_size == 1 else BATCHED_SPEC_DONATED)))
+    jax.block_until_ready(fn(*_copy_donated(args, donated(block_size, batched=True))))
     self.warmup_seconds[key] = time.perf_counter() - t0
 
   def warm(self, block_size: int, args: tuple, forced: bool = False,
@@ -202,6 +206,5 @@ class LoopPrograms:
       return
     fn = self.loop(block_size, args, forced, window)
     t0 = time.perf_counter()
-    donated = AR_DONATED if block_size == 1 else SPEC_DONATED
-    jax.block_until_ready(fn(*_copy_donated(args, donated)))
+    jax.block_until_ready(fn(*_copy_donated(args, donated(block_size, batched=False))))
     self.warmup_seconds[key] = time.perf_counter() - t0
