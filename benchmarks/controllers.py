@@ -119,6 +119,7 @@ from __future__ import annotations
 
 import collections
 import os
+import time
 from typing import NamedTuple
 
 import numpy as np
@@ -427,11 +428,13 @@ def main(_):
   if FLAGS.group_size and FLAGS.group_size < FLAGS.batch_size:
     raise BadInputError(f"--group_size={FLAGS.group_size}: give 0 (4 x --batch_size) or at "
                         f"least --batch_size={FLAGS.batch_size}")
+  started = time.perf_counter()
   setup = load_setup()
   target, drafter, prompts = setup.target, setup.drafter, setup.prompts
   costs, source = controller_costs(target, drafter, setup.max_len)
   print(f"  controller costs ({source}): verify {costs['controller_costs']}, drafter "
-        f"{costs['controller_draft_cost']}", flush=True)
+        f"{costs['controller_draft_cost']} ({time.perf_counter() - started:.0f} s since start)",
+        flush=True)
   engines = {m: Engine(target, stop_ids=setup.stop_ids, drafter=drafter,
                        shapes=ShapeOptions(max_len=setup.max_len,
                                            length_buckets=setup.length_buckets,
@@ -480,7 +483,8 @@ def main(_):
                              sum(not g.plain_start and g.drafter_passes > 0 for g in r),
                              sum(g.moved_plain for g in r)]
                             for r in runs[m]])
-    print(f"  {i + 1}/{len(groups)} {', '.join(k for k, _ in group)}", flush=True)
+    print(f"  {i + 1}/{len(groups)} {', '.join(k for k, _ in group)} "
+          f"({time.perf_counter() - started:.0f} s since start)", flush=True)
   flat = {m: [g for grp in best[m] for g in grp] for m in methods}
   rows = {m: method_figures(flat[m], flat["ar"], costs) for m in methods}
   cis = intervals(best, methods, batched=B > 1)
