@@ -119,6 +119,8 @@ from __future__ import annotations
 
 import collections
 import os
+import shutil
+import tempfile
 import time
 from typing import NamedTuple
 
@@ -206,9 +208,13 @@ def loop_method(method: str) -> str:
   return method[:-len("_full")] if method.endswith("_full") else method
 
 
-def engine_options(method: str, costs: dict) -> dict:
+def engine_options(method: str, costs: dict, default_costs: dict) -> dict:
   """The `LoopOptions` fields of a method (its loop form, with --verify for the speculative
-  ones); `costs`: the confidence methods' `controller_costs` and `controller_draft_cost`."""
+  ones); `costs`: the confidence methods' `controller_costs` and `controller_draft_cost`;
+  `default_costs`: the default's (priced_default and its variants): the given costs, or none,
+  so that its engine measures them as a user's does (through the run's cost cache: the same
+  figures), and with them decides what a user's decides from its measurement (whether a
+  batch's tail shrinks, `Engine.shrink`)."""
   if method == "ar_padded":  # AR steps as two-token forwards (`LoopOptions.ar_step_tokens`)
     return dict(controller="none", ar_step_tokens=2)
   method = loop_method(method)
@@ -218,7 +224,8 @@ def engine_options(method: str, costs: dict) -> dict:
              **fb) if "_cal" in method else {}
   plain = dict(ar_fallback_accept=FLAGS.ar_fallback_accept)
   default = dict(controller="priced", ar_fallback=FLAGS.ar_fallback, priced_cap=FLAGS.priced_cap,
-                 online_costs=True, start_backoff=True, start_plain=FLAGS.start_plain, **fb)
+                 online_costs=True, start_backoff=True, start_plain=FLAGS.start_plain,
+                 ar_fallback_accept=FLAGS.ar_fallback_accept, **default_costs)
   verify = {} if method == "ar" else {"verify": FLAGS.verify}
   return {**verify, **{"ar": dict(controller="none"), "none": dict(controller="none"),
           "backoff": dict(controller="backoff", ar_fallback=FLAGS.ar_fallback, **plain),
@@ -325,9 +332,10 @@ def verify_lengths(gens: list[Generation]) -> dict[str, int]:
   return {("ar" if v == 0 else f"k={v - 1}"): c for v, c in sorted(n.items())}
 
 
-def controller_costs(target, drafter, max_len: int) -> tuple[dict, str]:
+def controller_costs(target, drafter, max_len: int, cache_dir: str) -> tuple[dict, str]:
   """(the confidence methods' cost fields, "given" | "measured" | "cached"): the flags' costs,
-  or those measured once on this machine at b = --block_size, --batch_size rows."""
+  or those measured once on this machine at b = --block_size, --batch_size rows (cached in
+  `cache_dir`)."""
   given = bool(FLAGS.controller_costs), FLAGS.controller_draft_cost >= 0
   if any(given):
     if not all(given):
@@ -335,7 +343,7 @@ def controller_costs(target, drafter, max_len: int) -> tuple[dict, str]:
     return {"controller_costs": control.parse_costs(FLAGS.controller_costs, "--controller_costs"),
             "controller_draft_cost": FLAGS.controller_draft_cost}, "given"
   measured, hit = forward_costs(target, drafter, FLAGS.batch_size, FLAGS.block_size, max_len,
-                                cache_dir=FLAGS.cost_cache)
+                                cache_dir=cache_dir)
   print(f"  {measured.describe()}")
   table, draft = measured.relative()
   return ({"controller_costs": table, "controller_draft_cost": draft},
@@ -378,7 +386,8 @@ PAIRS = (("priced", "backoff"), ("priced_online", "priced"), ("priced_long", "pr
          ("priced_default", "priced_online"), ("priced_default", "priced_default_full"),
          ("priced_default_full", "ar_full"), ("priced_default", "priced_default_noplain"),
          ("priced_default", "priced_default_every8"), ("priced_default", "priced_default_nomove"),
-         ("priced_default", "priced_default_nodecline"))
+         ("priced_default", "priced_default_nodecline"), ("priced_default", "none"),
+         ("priced_default", "ar_padded"))
 
 
 def method_pairs(methods: list[str]) -> list[tuple[str, str]]:
@@ -430,16 +439,29 @@ def main(_):
                         f"least --batch_size={FLAGS.batch_size}")
   started = time.perf_counter()
   setup = load_setup()
+  # --cost_cache '' measures afresh: into this run's own folder, which the default's engines
+  # then read (their engines measure through a cache, as a user's do).
+  cost_dir = FLAGS.cost_cache or tempfile.mkdtemp(prefix="bp_jax_costs_")
+  try:
+    _run(setup, methods, started, cost_dir)
+  finally:
+    if not FLAGS.cost_cache:
+      shutil.rmtree(cost_dir, ignore_errors=True)
+
+
+def _run(setup, methods: list[str], started: float, cost_dir: str) -> None:
+  """`main` after its checks and the models' set-up, the costs cached in `cost_dir`."""
   target, drafter, prompts = setup.target, setup.drafter, setup.prompts
-  costs, source = controller_costs(target, drafter, setup.max_len)
+  costs, source = controller_costs(target, drafter, setup.max_len, cost_dir)
   print(f"  controller costs ({source}): verify {costs['controller_costs']}, drafter "
         f"{costs['controller_draft_cost']} ({time.perf_counter() - started:.0f} s since start)",
         flush=True)
-  engines = {m: Engine(target, stop_ids=setup.stop_ids, drafter=drafter,
+  default_costs = costs if source == "given" else {}
+  engines = {m: Engine(target, stop_ids=setup.stop_ids, drafter=drafter, cost_cache=cost_dir,
                        shapes=ShapeOptions(max_len=setup.max_len,
                                            length_buckets=setup.length_buckets,
                                            block_sizes=(1, FLAGS.block_size)),
-                       loop=LoopOptions(**engine_options(m, costs)),
+                       loop=LoopOptions(**engine_options(m, costs, default_costs)),
                        batching=BatchOptions(batch_size=FLAGS.batch_size,
                                              shrink=not m.endswith("_full"),
                                              move_plain_after=0 if m.endswith("_nomove")
@@ -534,6 +556,10 @@ def main(_):
   compiles = {m: engines[m].compiled.summary() for m in methods}
   print("  compiled programs (count, seconds): " + ", ".join(
       f"{m} {c['compilations']}, {c['compile_s']:.1f} s" for m, c in compiles.items()))
+  shrinks = {m: engines[m].shrink for m in methods if B > 1 and size[m] > 1}
+  if shrinks:  # the engine's rule (`Engine.shrink`): where rows cost, a tail runs fewer slots
+    print("  batch tails shrink: " + ", ".join(f"{m} {'yes' if v else 'no'}"
+                                               for m, v in shrinks.items()))
   online = {m: engines[m].cost_estimate for m in methods if m.startswith("priced")}
   for m, est in online.items():
     for rows_, e in est["by_batch_size"].items():
@@ -552,6 +578,11 @@ def main(_):
               "ar_fallback_accept": FLAGS.ar_fallback_accept, "methods": rows,
               "controller_costs": {**costs, "source": source}, "cost_estimates": online,
               "slot_use": slot_use, "drafted_every_repeat": drafted, "compiles": compiles,
+              "tails_shrink": shrinks,
+              # the engines that measured their own costs (the default's): from the cache the
+              # run's measurement filled, or measured again
+              "engine_costs": {m: "cached" if e.costs_from_cache else "measured"
+                               for m, e in engines.items() if e.measured_costs is not None},
               "shape": FLAGS.shape or "demo", "prompt_set": setup.label,
               "sim_tau": FLAGS.sim_tau if FLAGS.shape else None,
               "repeats_per_group": per_repeat}

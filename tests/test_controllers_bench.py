@@ -77,7 +77,13 @@ def test_simulated_drafts_at_a_model_shape_with_an_identical_twin(tmp_path):
   assert report["methods"]["ar_twin"]["verify_lengths"] == {"ar": sum(
       report["methods"]["ar_twin"]["verify_lengths"].values())}
   assert "priced_default target forwards by verify length:" in proc.stdout
-  assert set(report["intervals"]) == {"none/ar", "priced_default/ar", "ar_twin/ar"}
+  assert set(report["intervals"]) == {"none/ar", "priced_default/ar", "ar_twin/ar",
+                                      "priced_default/none"}
+  # The default's engine measures its costs as a user's does (here from the cache the run's
+  # own measurement filled) and decides from them whether a batch's tail shrinks.
+  assert report["engine_costs"] == {"priced_default": "cached"}
+  assert set(report["tails_shrink"]) == {"none", "priced_default"}
+  assert "batch tails shrink: none " in proc.stdout
   assert report["intervals"]["ar_twin/ar"]["lo"] is not None  # 2 groups: an interval
   # each group's repeats, in the order run: (new tokens, seconds, requests that drafted,
   # requests moved to the plain bucket)
