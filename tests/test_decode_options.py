@@ -64,14 +64,21 @@ def test_mode_ar_on_the_demo_config_decodes_plainly(cfg, capsys):
   assert "block_policy=learned is not used" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("n, want", [(0, 3), (-1, 3), (1, 1), (2, 2)])
 @pytest.mark.parametrize("policy", ["fixed", "learned"])
-def test_num_prompts_all_or_first_n(cfg, n, want, policy):
+def test_num_prompts_all_or_first_n(cfg, policy):
+  """0 and -1: every prompt; n: the first n; the selection the job decodes (with the learned
+  policy, after its labelling prompts would be removed), and the records of one whole run."""
   if policy == "learned" and not os.path.isdir(cfg.policy):
     pytest.skip("no shipped policy")
-  cfg.update(dict(num_prompts=n, block_policy=policy))
+  cfg.block_policy = policy
+  choice = run_decode.resolve_block_choice(cfg, run_decode._drafter_block_size(cfg))
+  for n, want in ((0, 3), (-1, 3), (1, 1), (2, 2)):
+    cfg.num_prompts = n
+    assert [p.id for p in run_decode.select_prompts(cfg, choice)] == [
+        f"p{i}" for i in range(want)], n
+  cfg.num_prompts = 2
   records, _ = run_decode.run(cfg)
-  assert [r["id"] for r in records] == [f"p{i}" for i in range(want)]
+  assert [r["id"] for r in records] == ["p0", "p1"]
 
 
 def test_num_prompts_below_minus_one_is_refused(cfg):

@@ -385,8 +385,8 @@ def test_batched_requests_that_would_start_deep_decode_in_the_plain_bucket(zeros
 def test_a_batchs_requests_move_to_the_plain_bucket_where_its_cycles_keep_missing(zeros_models):
   """Plain starts on, batch 3, the dearest costs (every cycle misses): the first requests draft
   (no τ is known yet) and, once their batch missed 3 cycles in a row, move to the plain AR
-  bucket mid-decode (`BatchOptions.move_plain_after`): AR's very tokens, greedy and at T = 1
-  for each seed (exact), their drafted forwards counted as cycles and the plain loop's as AR
+  bucket mid-decode (`BatchOptions.move_plain_after`): AR's very tokens at T = 1 for each
+  seed (exact), and greedy (the server warm-up's engine at the end), their drafted forwards counted as cycles and the plain loop's as AR
   steps, fewer drafter passes than staying (move_plain_after = 0: none moves, and the rows
   probe again after 8, 16, 32 AR steps); their cycles reach the start rule when they move, so
   the requests after them start plain, even one routed to draft before the moves (no explorer:
@@ -396,9 +396,11 @@ def test_a_batchs_requests_move_to_the_plain_bucket_where_its_cycles_keep_missin
   max_news = [70] * 6  # long enough for the probes after a deep back-off (8, 16, 32 AR steps)
   ar = Engine(zeros_models[0], shapes=ShapeOptions(max_len=MAX_LEN, length_buckets=BUCKETS))
   passes = {}
-  for T in (0.0, 1.0):
-    want = [ar.generate(p, max_new_tokens=m, temperature=T, top_k=20, seed=7 + i).output_ids
-            for i, (p, m) in enumerate(zip(prompts, max_news))]
+  ar_outputs = lambda T: [ar.generate(p, max_new_tokens=m, temperature=T, top_k=20,
+                                      seed=7 + i).output_ids
+                          for i, (p, m) in enumerate(zip(prompts, max_news))]
+  for T in (1.0,):
+    want = ar_outputs(T)
     for after in (3, 0):
       eng = _engine(zeros_models, batch_size=3, move_plain_after=after, **DEAREST)
       outs = eng.generate_batch(prompts, max_new_tokens=max_news, block_size=B, temperature=T,
@@ -427,3 +429,4 @@ def test_a_batchs_requests_move_to_the_plain_bucket_where_its_cycles_keep_missin
   assert moves == len(eng.slot_sizes())  # from each size of the speculative state
   outs = eng.generate_batch(prompts, max_new_tokens=max_news, block_size=B)
   assert any(g.moved_plain for g in outs) and eng.compiled.counts["move"] == moves
+  assert [g.output_ids for g in outs] == ar_outputs(0.0)  # greedy: AR's tokens, moved or not
