@@ -119,8 +119,6 @@ from __future__ import annotations
 
 import collections
 import os
-import shutil
-import tempfile
 import time
 from typing import NamedTuple
 
@@ -131,7 +129,7 @@ from benchmarks import accelerator, common
 from bp_jax import cli
 from bp_jax.decoding import controller as control
 from bp_jax.decode_job.compare import check_repeats_agree
-from bp_jax.decoding.costs import forward_costs
+from bp_jax.decoding.costs import ForwardCosts, forward_costs
 from bp_jax.decoding.engine import Engine
 from bp_jax.decoding.generation import Generation, forward_cost_units
 from bp_jax.decoding.options import BatchOptions, LoopOptions, ShapeOptions
@@ -212,9 +210,9 @@ def engine_options(method: str, costs: dict, default_costs: dict) -> dict:
   """The `LoopOptions` fields of a method (its loop form, with --verify for the speculative
   ones); `costs`: the confidence methods' `controller_costs` and `controller_draft_cost`;
   `default_costs`: the default's (priced_default and its variants): the given costs, or none,
-  so that its engine measures them as a user's does (through the run's cost cache: the same
-  figures), and with them decides what a user's decides from its measurement (whether a
-  batch's tail shrinks, `Engine.shrink`)."""
+  so that its engine takes the run's measurement (`Engine(measured_costs=...)`) as a user's
+  takes its own, and decides from it what a user's does (whether a batch's tail shrinks,
+  `Engine.shrink`)."""
   if method == "ar_padded":  # AR steps as two-token forwards (`LoopOptions.ar_step_tokens`)
     return dict(controller="none", ar_step_tokens=2)
   method = loop_method(method)
@@ -332,22 +330,23 @@ def verify_lengths(gens: list[Generation]) -> dict[str, int]:
   return {("ar" if v == 0 else f"k={v - 1}"): c for v, c in sorted(n.items())}
 
 
-def controller_costs(target, drafter, max_len: int, cache_dir: str) -> tuple[dict, str]:
-  """(the confidence methods' cost fields, "given" | "measured" | "cached"): the flags' costs,
-  or those measured once on this machine at b = --block_size, --batch_size rows (cached in
-  `cache_dir`)."""
+def controller_costs(target, drafter, max_len: int
+                     ) -> tuple[dict, str, ForwardCosts | None]:
+  """(the confidence methods' cost fields, "given" | "measured" | "cached", the measurement):
+  the flags' costs (no measurement), or those measured once on this machine at
+  b = --block_size, --batch_size rows."""
   given = bool(FLAGS.controller_costs), FLAGS.controller_draft_cost >= 0
   if any(given):
     if not all(given):
       raise BadInputError("--controller_costs and --controller_draft_cost: give both or neither")
     return {"controller_costs": control.parse_costs(FLAGS.controller_costs, "--controller_costs"),
-            "controller_draft_cost": FLAGS.controller_draft_cost}, "given"
+            "controller_draft_cost": FLAGS.controller_draft_cost}, "given", None
   measured, hit = forward_costs(target, drafter, FLAGS.batch_size, FLAGS.block_size, max_len,
-                                cache_dir=cache_dir)
+                                cache_dir=FLAGS.cost_cache)
   print(f"  {measured.describe()}")
   table, draft = measured.relative()
   return ({"controller_costs": table, "controller_draft_cost": draft},
-          "cached" if hit else "measured")
+          "cached" if hit else "measured", measured)
 
 
 def decode_group(engine: Engine, group: list, block_size: int, first: int,
@@ -439,25 +438,14 @@ def main(_):
                         f"least --batch_size={FLAGS.batch_size}")
   started = time.perf_counter()
   setup = load_setup()
-  # --cost_cache '' measures afresh: into this run's own folder, which the default's engines
-  # then read (their engines measure through a cache, as a user's do).
-  cost_dir = FLAGS.cost_cache or tempfile.mkdtemp(prefix="bp_jax_costs_")
-  try:
-    _run(setup, methods, started, cost_dir)
-  finally:
-    if not FLAGS.cost_cache:
-      shutil.rmtree(cost_dir, ignore_errors=True)
-
-
-def _run(setup, methods: list[str], started: float, cost_dir: str) -> None:
-  """`main` after its checks and the models' set-up, the costs cached in `cost_dir`."""
   target, drafter, prompts = setup.target, setup.drafter, setup.prompts
-  costs, source = controller_costs(target, drafter, setup.max_len, cost_dir)
+  costs, source, measured = controller_costs(target, drafter, setup.max_len)
   print(f"  controller costs ({source}): verify {costs['controller_costs']}, drafter "
         f"{costs['controller_draft_cost']} ({time.perf_counter() - started:.0f} s since start)",
         flush=True)
   default_costs = costs if source == "given" else {}
-  engines = {m: Engine(target, stop_ids=setup.stop_ids, drafter=drafter, cost_cache=cost_dir,
+  engines = {m: Engine(target, stop_ids=setup.stop_ids, drafter=drafter,
+                       measured_costs=measured,
                        shapes=ShapeOptions(max_len=setup.max_len,
                                            length_buckets=setup.length_buckets,
                                            block_sizes=(1, FLAGS.block_size)),
@@ -579,10 +567,9 @@ def _run(setup, methods: list[str], started: float, cost_dir: str) -> None:
               "controller_costs": {**costs, "source": source}, "cost_estimates": online,
               "slot_use": slot_use, "drafted_every_repeat": drafted, "compiles": compiles,
               "tails_shrink": shrinks,
-              # the engines that measured their own costs (the default's): from the cache the
-              # run's measurement filled, or measured again
-              "engine_costs": {m: "cached" if e.costs_from_cache else "measured"
-                               for m, e in engines.items() if e.measured_costs is not None},
+              # the engines holding a measurement (the default's): the run's, as their source
+              "engine_costs": {m: source for m, e in engines.items()
+                               if measured is not None and e.measured_costs is measured},
               "shape": FLAGS.shape or "demo", "prompt_set": setup.label,
               "sim_tau": FLAGS.sim_tau if FLAGS.shape else None,
               "repeats_per_group": per_repeat}

@@ -79,9 +79,9 @@ def test_simulated_drafts_at_a_model_shape_with_an_identical_twin(tmp_path):
   assert "priced_default target forwards by verify length:" in proc.stdout
   assert set(report["intervals"]) == {"none/ar", "priced_default/ar", "ar_twin/ar",
                                       "priced_default/none"}
-  # The default's engine measures its costs as a user's does (here from the cache the run's
-  # own measurement filled) and decides from them whether a batch's tail shrinks.
-  assert report["engine_costs"] == {"priced_default": "cached"}
+  # The default's engine holds a measurement as a user's does (the run's, measured once here)
+  # and decides from it whether a batch's tail shrinks.
+  assert report["engine_costs"] == {"priced_default": "measured"}
   assert set(report["tails_shrink"]) == {"none", "priced_default"}
   assert "batch tails shrink: none " in proc.stdout
   assert report["intervals"]["ar_twin/ar"]["lo"] is not None  # 2 groups: an interval

@@ -16,8 +16,9 @@ from bp_jax.decode_job.block_choice import loop_options
 from bp_jax.decoding import controller as control
 from bp_jax.decoding import costs
 from bp_jax.decoding.controllers import controller_of
+from bp_jax.decoding import engine as engine_module
 from bp_jax.decoding.engine import Engine
-from bp_jax.decoding.options import LoopOptions, ShapeOptions
+from bp_jax.decoding.options import BatchOptions, LoopOptions, ShapeOptions
 from bp_jax.errors import BadInputError, named_as_flags
 
 V, MAX_LEN, B = 64, 128, 4
@@ -169,15 +170,16 @@ def test_config_refuses_half_a_pair_naming_both_flags(kw):
   assert "--config.controller_draft_cost=" in str(e.value)
 
 
-def _engine(zeros_models, tmp_path, **loop) -> Engine:
+def _engine(zeros_models, tmp_path, measured_costs=None, batching=BatchOptions(), **loop
+            ) -> Engine:
   target, drafter = zeros_models
   return Engine(target, drafter=drafter, cost_cache=str(tmp_path / "costs"),
                 shapes=ShapeOptions(max_len=MAX_LEN, length_buckets=(16, 32, 64),
                                     block_sizes=(1, B)),
-                loop=LoopOptions(**loop))
+                loop=LoopOptions(**loop), batching=batching, measured_costs=measured_costs)
 
 
-def test_engine_measures_caches_and_uses_its_costs(zeros_models, tmp_path):
+def test_engine_measures_caches_and_uses_its_costs(zeros_models, tmp_path, monkeypatch):
   eng = _engine(zeros_models, tmp_path, controller="confidence")
   assert eng.measured_costs is not None and eng.costs_from_cache is False
   assert eng.costs_source == "measured"
@@ -202,6 +204,19 @@ def test_engine_measures_caches_and_uses_its_costs(zeros_models, tmp_path):
   alone = Engine(zeros_models[0], shapes=ShapeOptions(max_len=MAX_LEN),
                  loop=LoopOptions(controller="confidence"))
   assert alone.measured_costs is None
+  # A caller's measurement (a benchmark building several engines measures once): taken as it
+  # is, neither measured again nor read from the cache; one of other shapes is refused.
+  monkeypatch.setattr(engine_module, "forward_costs",
+                      lambda *a, **k: pytest.fail("measured again"))
+  shared = _engine(zeros_models, tmp_path / "other", controller="confidence",
+                   measured_costs=eng.measured_costs)
+  assert shared.measured_costs is eng.measured_costs and shared.costs_source == "measured"
+  assert shared.loop_options.controller_costs == table
+  with pytest.raises(BadInputError, match=re.escape(
+      "measured_costs: measured at batch size 1 and block size 4, but the engine runs batch "
+      "size 2 and block sizes up to 4")):
+    _engine(zeros_models, tmp_path, controller="confidence", measured_costs=eng.measured_costs,
+            batching=BatchOptions(batch_size=2))
 
 
 def _record(verified: list[int]) -> dict:

@@ -92,13 +92,14 @@ def test_a_batch_size_prices_by_its_prior_until_its_third_call():
   """Two calls give as many equations as unknowns: a batch tail's first two calls at a new size
   (these, from a batch-16 run at the test shapes on this CPU) fitted an AR step at ~0 and a
   cycle at the 64-step cap. The prior prices until the fit has seen MIN_CALLS (3) calls."""
+  first_two = ((87.24e-3, 2, 3), (13.14e-3, 11, 2))  # (seconds, AR steps, cycles)
   est = OnlineCosts(lambda n: 5.47, batch_prior_floor=1.0)
-  for seconds, n_ar, n_cycle in ((87.24e-3, 2, 3), (13.14e-3, 11, 2)):
+  for seconds, n_ar, n_cycle in first_two:
     est.observe(seconds, _counts(n_ar, n_cycle), rows=4)
     assert est.break_even(N, rows=4) == pytest.approx(5.47)
   assert est.estimate(4).calls == 2
   loose = OnlineCosts(lambda n: 5.47, batch_prior_floor=1.0, min_calls=1)  # the rule before
-  for seconds, n_ar, n_cycle in ((87.24e-3, 2, 3), (13.14e-3, 11, 2)):
+  for seconds, n_ar, n_cycle in first_two:
     loose.observe(seconds, _counts(n_ar, n_cycle), rows=4)
   assert loose.break_even(N, rows=4) == 4.0 * N  # the cap: 4 AR steps per token verified
   for n_ar, n_cycle in _calls(12):  # then the fit prices: here cycles at 5 AR steps

@@ -111,8 +111,8 @@ def random_candidates(cfg, drafter_block_size: int | None) -> tuple[int, ...]:
 def loop_options(cfg) -> dict[str, Any]:
   """The decode loops' form set by a config, as `Engine` keyword arguments: `scan_layers`,
   `ar_step_tokens`, `ar_fallback`, `priced_cap`, `ar_fallback_accept`, `verify`, `controller`,
-  `controller_costs`, `controller_draft_cost` (None for `measure`), `controller_poor_miss`, `controller_decline`,
-  `controller_calibration` (the rates of the JSON file at that path, None for '')
+  `controller_costs`, `controller_draft_cost` (None for `measure`), `controller_poor_miss`,
+  `controller_decline`, `controller_calibration` (the rates of the JSON file at that path, None for '')
   (configs/qwen3.py; checked, a bad value names its flag)."""
   from bp_jax.decoding import controller as control
   from bp_jax.decoding.verify import check_verify_mode

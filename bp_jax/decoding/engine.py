@@ -68,6 +68,7 @@ class Engine:
                loop: LoopOptions = LoopOptions(), batching: BatchOptions = BatchOptions(),
                stop_ids: Sequence[int] = (), policy=None, policy_sizes: Sequence[int] = (),
                mesh=None, cost_cache: str | None = None,
+               measured_costs: ForwardCosts | None = None,
                clock: Callable[[], float] = time.perf_counter):
     """`shapes`: what to compile for (cache length, prompt length buckets, block sizes);
     `loop`: the decode loops' form (verify rule, controller, AR fallback, layer form; the
@@ -76,8 +77,11 @@ class Engine:
     `set_policy`; `mesh`: a jax.sharding.Mesh (`bp_jax.parallel.mesh.make_mesh`) or None;
     `cost_cache`: where the `confidence` and `priced` controllers' measured costs are cached
     when `loop` gives none (`costs.forward_costs`: None = `$XDG_CACHE_HOME/bp_jax/costs`,
-    "" = measure every time); `clock`: the time source of the loop calls' wall times (seconds;
-    tests inject a fake one), which the priced controller's online costs learn from."""
+    "" = measure every time); `measured_costs`: costs measured already on this machine for
+    these models, this engine's batch size, largest block size, cache length and layer form
+    (a caller building several engines measures once), used instead of `cost_cache`;
+    `clock`: the time source of the loop calls' wall times (seconds; tests inject a fake one),
+    which the priced controller's online costs learn from."""
     if shapes.max_len > target.cfg.max_position_embeddings:
       raise BadInputError(f"max_len={shapes.max_len} exceeds the model's "
                           f"max_position_embeddings={target.cfg.max_position_embeddings}")
@@ -106,7 +110,7 @@ class Engine:
     self.seq = jnp.zeros((1, max_len), jnp.int32)
     self.checks = RequestChecks(max_len, target.cfg.vocab_size, self.block_sizes,
                                 drafter is not None)
-    loop = self._priced(loop, target, drafter, batching.batch_size, cost_cache)
+    loop = self._priced(loop, target, drafter, batching.batch_size, cost_cache, measured_costs)
     # Static batching (sync_cycles 0) runs a batch to its end in one call: no tail to shrink.
     # Where idle slots cost about nothing (measured), no loop per tail size either.
     rows_cost = None if self.measured_costs is None else self.measured_costs.rows_cost()
@@ -153,17 +157,25 @@ class Engine:
     return LoopWeights(state, layers)
 
   def _priced(self, loop: LoopOptions, target, drafter, batch_size: int,
-              cost_cache: str | None) -> LoopOptions:
+              cost_cache: str | None, measured: ForwardCosts | None) -> LoopOptions:
     """`loop` with the costs of a controller that prices cycles (`confidence`, `priced`): as
     given, or measured on this engine's shapes (batch size, largest block size, cache length)
-    where it runs, through the cache (`costs.forward_costs`); sets `measured_costs` and `costs_from_cache`."""
+    where it runs: `measured` (the caller's measurement), else through the cache
+    (`costs.forward_costs`); sets `measured_costs` and `costs_from_cache`."""
     self.measured_costs: ForwardCosts | None = None
     self.costs_from_cache: bool | None = None
     spec_sizes = [b for b in self.block_sizes if b > 1]
     if drafter is None or not spec_sizes or not loop.needs_costs():
       return loop
-    measured, hit = forward_costs(target, drafter, batch_size, max(spec_sizes), self.max_len,
-                                  scan_layers=loop.scan_layers, cache_dir=cost_cache)
+    if measured is None:
+      measured, hit = forward_costs(target, drafter, batch_size, max(spec_sizes), self.max_len,
+                                    scan_layers=loop.scan_layers, cache_dir=cost_cache)
+    elif (measured.batch_size, measured.block_size) != (batch_size, max(spec_sizes)):
+      raise BadInputError(f"measured_costs: measured at batch size {measured.batch_size} and "
+                          f"block size {measured.block_size}, but the engine runs batch size "
+                          f"{batch_size} and block sizes up to {max(spec_sizes)}")
+    else:
+      hit = False
     table, draft = measured.relative()
     self.measured_costs, self.costs_from_cache = measured, hit
     return loop.replace(controller_costs=table, controller_draft_cost=draft)
