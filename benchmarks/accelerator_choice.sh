@@ -12,6 +12,8 @@
 # BATCHES="1 16 8 4" runs those batch sizes in that order; DEADLINE=540 ends the whole run within
 # that many seconds (each batch size gets what is left, up to its limit; none starts with under
 # a minute left), so that a device lease's one call returns with the rows it finished.
+# METHODS=none,priced_default,priced_default_nogate replaces the methods besides our AR (e.g. the
+# default with and without its back-off gate).
 # Writes ${OUT:-out}/accelerator_choice/B<batch>/{controllers.json,log.txt}. SHAPE=tiny runs the
 # same at the test shape (a CPU smoke run); programs are cached in $JAX_COMPILATION_CACHE_DIR
 # (ar_twin's are ar's).
@@ -31,7 +33,7 @@ for B in $batches; do
   run_limit=$(( left < limit ? left : limit ))
   mkdir -p "$root/B$B"
   prompts=$(( B == 1 ? 12 : 4 * B ))
-  methods=none,priced_default,ar_twin
+  methods=${METHODS:-none,priced_default,ar_twin}
   (( B == 1 )) && methods=$methods,ar_padded  # one-row AR steps as two-token forwards
   start=$(date +%s)
   timeout "$run_limit" python3 -m benchmarks.controllers --shape "$shape" --block_size 16 \

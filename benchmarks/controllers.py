@@ -54,6 +54,11 @@ Methods (`--methods`, comma-separated):
                     (`controller_decline=False`); the default's decline a cycle's drafts after
                     the drafter pass where they are not expected to pay for their verify
                     (`bp_jax.decoding.decline`; the priced methods above decline too);
+  priced_default_nogate
+                    priced_default whose every miss backs the rows off
+                    (`controller_persist=False`); the default's misses back off only while the
+                    cycles right after misses commit clearly less than cycles on average
+                    (`bp_jax.decoding.evidence`; the priced methods above gate too);
   ar_twin           a second engine identical to ar, interleaved like any method: its ratio
                     to ar and that ratio's interval are what two identical programs read on
                     this machine in this run (the noise floor of every other row's interval);
@@ -140,7 +145,7 @@ METHODS = ("ar", "none", "backoff", "confidence_1step", "confidence", "confidenc
            "confidence_cal", "confidence_cal_poor", "priced", "priced_online", "priced_long",
            "priced_default", "priced_default_noplain", "priced_default_every8", "ar_full",
            "priced_default_full", "ar_twin", "priced_default_nomove",
-           "priced_default_nodecline", "ar_padded")
+           "priced_default_nodecline", "priced_default_nogate", "ar_padded")
 
 common.define_flags("target", "drafter", "dtype", "max_len", "max_new_tokens", "block_size",
                     num_prompts=24, repeats=3,
@@ -241,6 +246,7 @@ def engine_options(method: str, costs: dict, default_costs: dict) -> dict:
           "priced_default": default,
           "priced_default_noplain": dict(default, start_plain=False),
           "priced_default_nodecline": dict(default, controller_decline=False),
+          "priced_default_nogate": dict(default, controller_persist=False),
           }[method]}
 
 
@@ -385,7 +391,8 @@ PAIRS = (("priced", "backoff"), ("priced_online", "priced"), ("priced_long", "pr
          ("priced_default", "priced_online"), ("priced_default", "priced_default_full"),
          ("priced_default_full", "ar_full"), ("priced_default", "priced_default_noplain"),
          ("priced_default", "priced_default_every8"), ("priced_default", "priced_default_nomove"),
-         ("priced_default", "priced_default_nodecline"), ("priced_default", "none"),
+         ("priced_default", "priced_default_nodecline"),
+         ("priced_default", "priced_default_nogate"), ("priced_default", "none"),
          ("priced_default", "ar_padded"))
 
 

@@ -1,6 +1,6 @@
-"""Replay of the priced back-off with and without its decline (`bp_jax.decoding.decline`), at
-given costs, on teacher-forced acceptances: what the decline can gain where one timed run
-cannot resolve a percent or two.
+"""Replay of the priced back-off with and without its decline (`bp_jax.decoding.decline`) and
+its gate (`bp_jax.decoding.evidence`), at given costs, on teacher-forced acceptances: what each
+can gain where one timed run cannot resolve a percent or two.
 
 For each prompt the target decodes greedily; at every position t of its output the drafter
 drafts b-1 tokens as a cycle starting there would (`replay.teacher_forced`),
@@ -12,8 +12,13 @@ most --cap); with the decline, a cycle whose evidence-scaled expectation is belo
 cost commits one token for --draft_cost + 1 (a miss), under the engine's rules (evidence of
 EVIDENCE_ROWS cycles, at most MAX_DECLINE_LEVEL misses deep, forgetting EVIDENCE_FORGET per
 verified cycle; one evidence across the prompts, as the engine carries it). Also the per-cycle
-oracle (a cycle exactly where it commits more than it costs, an AR step elsewhere). Reported:
-committed tokens per AR step of cost, each over the simulated back-off without the decline.
+oracle (a cycle exactly where it commits more than it costs, an AR step elsewhere), the gated
+back-off (a miss backs off only while the cycles right after misses commit clearly less than
+cycles on average, `evidence.persists`; no decline) and every cycle verified (the paper's loop,
+no misses). Reported: committed tokens per AR step of cost, each over the simulated back-off
+without the decline. With --iid each half is replayed a second time with every position's
+acceptance drawn independently from the half's (`replay.iid`): the same profile without runs
+of hard positions, where backing off after a miss gains nothing.
 
   python -m benchmarks.decline_replay --halves label,eval --costs 1.26:2.62,1.1:3.0,0.3:1.2
 
@@ -28,7 +33,7 @@ import os
 from absl import flags
 
 from benchmarks import common
-from benchmarks.replay import accepted_and_expected, oracle, simulate, teacher_forced
+from benchmarks.replay import accepted_and_expected, iid, oracle, simulate, teacher_forced
 from bp_jax import cli
 from bp_jax.decoding import controller as control
 from bp_jax.errors import BadInputError
@@ -43,6 +48,8 @@ flags.DEFINE_string("costs", "1.26:2.62,1.1:3.0,1.4:2.4,0.3:1.2", "comma-separat
 flags.DEFINE_integer("cap", control.PRICED_SKIP_CAP, "most AR steps in a row after misses")
 flags.DEFINE_string("calibration", "", "also simulate with this calibration JSON's rates "
                     "(--config.controller_calibration) in place of the raw probabilities")
+flags.DEFINE_bool("iid", False, "also replay each half with independently drawn acceptances "
+                  "(`replay.iid`, seed 0)")
 flags.DEFINE_string("out", "", "folder for decline_replay.json (empty: print only)")
 FLAGS = flags.FLAGS
 
@@ -73,23 +80,37 @@ def main(_):
     forms = {"raw p": [accepted_and_expected(p, h) for p, h in raw]}
     if rates is not None:
       forms["calibrated"] = [accepted_and_expected(p, h, rates) for p, h in raw]
+    if FLAGS.iid:
+      forms["iid"] = iid(forms["raw p"])
     for draft_cost, verify_cost in costs:
       for form, per_prompt in forms.items():
         base = simulate(per_prompt, draft_cost, verify_cost, FLAGS.cap, declines=False)
         new = simulate(per_prompt, draft_cost, verify_cost, FLAGS.cap, declines=True)
+        gated = simulate(per_prompt, draft_cost, verify_cost, FLAGS.cap, declines=False,
+                         gate=True)
+        every = simulate(per_prompt, draft_cost, verify_cost, FLAGS.cap, declines=False,
+                         every_cycle=True)
         row = {"half": half, "prompts": len(prompts), "draft_cost": draft_cost,
                "verify_cost": verify_cost, "probabilities": form,
                "backoff": round(base["tokens_per_ar_step"], 4),
                "with_decline": round(new["tokens_per_ar_step"], 4),
                "ratio": round(new["tokens_per_ar_step"] / base["tokens_per_ar_step"], 4),
                "declined": new["declined"], "verified": new["verified"],
+               "gated": round(gated["tokens_per_ar_step"], 4),
+               "gated_ratio": round(gated["tokens_per_ar_step"] / base["tokens_per_ar_step"], 4),
+               "every_cycle": round(every["tokens_per_ar_step"], 4),
+               "every_cycle_ratio": round(every["tokens_per_ar_step"] /
+                                          base["tokens_per_ar_step"], 4),
+               "ar_steps": base["ar_steps"], "gated_ar_steps": gated["ar_steps"],
                "oracle": round(oracle(per_prompt, draft_cost, verify_cost), 4)}
         report["rows"].append(row)
         print(f"  {half} ({len(prompts)} prompts), draft {draft_cost:g} + verify "
               f"{verify_cost:g} AR steps, {form}: back-off {row['backoff']:.4f}, with the "
               f"decline {row['with_decline']:.4f} tokens per AR step ({row['ratio']:.3f}x; "
-              f"{row['declined']} declined, {row['verified']} verified); oracle "
-              f"{row['oracle']:.4f}", flush=True)
+              f"{row['declined']} declined, {row['verified']} verified); gated "
+              f"{row['gated']:.4f} ({row['gated_ratio']:.3f}x; AR steps {row['gated_ar_steps']} "
+              f"against {row['ar_steps']}); every cycle {row['every_cycle']:.4f} "
+              f"({row['every_cycle_ratio']:.3f}x); oracle {row['oracle']:.4f}", flush=True)
   if FLAGS.out:
     common.write_json(os.path.join(FLAGS.out, "decline_replay.json"), report)
 

@@ -2,7 +2,7 @@
 (`controller_calibration`, `decline_replay`): the drafter's drafts at every position of the
 target's own greedy output (teacher-forced: what a cycle starting there would draft and
 accept), and the priced back-off simulated over them at given costs, with and without the
-decline (`bp_jax.decoding.decline`)."""
+decline (`bp_jax.decoding.decline`) and its gate (`bp_jax.decoding.evidence`)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from flax import nnx
 
 from bp_jax.decoding import controller as control
 from bp_jax.decoding import decline
+from bp_jax.decoding import evidence
 from bp_jax.decoding.engine import Engine
 from bp_jax.decoding.options import ShapeOptions
 
@@ -78,34 +79,58 @@ def accepted_and_expected(p_Tk: np.ndarray, hit_Tk: np.ndarray, rates=None
   return accepted, np.cumprod(p_Tk, axis=1).sum(axis=1)
 
 
+# The gate's rules as the loop runs them, on one row (jitted: called once per simulated cycle).
+_gate_observed = jax.jit(evidence.observed, static_argnums=(1, 2))
+_gate_persists = jax.jit(evidence.persists)
+
+
+def iid(prompts: list[tuple[np.ndarray, np.ndarray]], seed: int = 0
+        ) -> list[tuple[np.ndarray, np.ndarray]]:
+  """The same prompts with each position's accepted drafts drawn independently from all
+  prompts' (the same acceptance profile, no runs of hard or easy positions)."""
+  rng = np.random.default_rng(seed)
+  pooled = np.concatenate([a for a, _ in prompts])
+  return [(rng.choice(pooled, len(a)), e) for a, e in prompts]
+
+
 def simulate(prompts: list[tuple[np.ndarray, np.ndarray]], draft_cost: float,
-             verify_cost: float, cap: int, declines: bool) -> dict:
+             verify_cost: float, cap: int, declines: bool, gate: bool = False,
+             every_cycle: bool = False) -> dict:
   """The priced back-off over every prompt's positions (module doc): committed tokens, cost in
-  AR steps, verified and declined cycles."""
-  evidence = np.zeros(3)
+  AR steps, verified and declined cycles, AR steps. `gate`: a miss backs off only while misses
+  persist (`evidence.persists`, its evidence carried across the prompts as the engine carries
+  it); `every_cycle`: no cycle is a miss (the paper's loop)."""
+  decline_3 = np.zeros(3)
+  seen = jnp.asarray(evidence.empty_state())
+  block = 2  # the gate reads full cycles only: any k = block - 1 > 0 marks one
   tokens = cost = 0.0
-  verified = declined = 0
+  verified = declined = ar_steps = 0
   for accepted_T, expected_T in prompts:
     end, m, misses, wait = len(accepted_T), 0, 0, 0
     while m < end:
       if wait:
         steps = min(wait, end - m)
-        cost, m, wait = cost + steps, m + steps, 0
+        cost, m, wait, ar_steps = cost + steps, m + steps, 0, ar_steps + steps
         continue
       a, e = int(accepted_T[m]), float(expected_T[m])
-      scale = evidence[2] / max(evidence[1], 1e-6)
-      if (declines and evidence[0] >= decline.EVIDENCE_ROWS
+      scale = decline_3[2] / max(decline_3[1], 1e-6)
+      if (declines and decline_3[0] >= decline.EVIDENCE_ROWS
           and misses <= decline.MAX_DECLINE_LEVEL and 1 + scale * e < verify_cost):
         cost, m, declined = cost + draft_cost + 1, m + 1, declined + 1
         misses += 1
-        wait = min(2 ** misses, cap)
+        wait = min(2 ** misses, cap) if not gate or bool(_gate_persists(seen)) else 0
         continue
       cost, m, verified = cost + draft_cost + verify_cost, m + a + 1, verified + 1
-      evidence = decline.EVIDENCE_FORGET * evidence + np.asarray([1.0, e, a])
-      misses = misses + 1 if a + 1 < draft_cost + verify_cost else 0
-      wait = min(2 ** misses, cap) if misses else 0
+      decline_3 = decline.EVIDENCE_FORGET * decline_3 + np.asarray([1.0, e, a])
+      if gate:
+        seen = _gate_observed(seen, block - 1, block, jnp.asarray([a]), jnp.bool_(misses > 0))
+      miss = a + 1 < draft_cost + verify_cost and not every_cycle
+      misses = misses + 1 if miss else 0
+      backs_off = not gate or bool(_gate_persists(seen))
+      wait = min(2 ** misses, cap) if miss and backs_off else 0
     tokens += end
-  return {"tokens_per_ar_step": tokens / cost, "verified": verified, "declined": declined}
+  return {"tokens_per_ar_step": tokens / cost, "verified": verified, "declined": declined,
+          "ar_steps": ar_steps}
 
 
 def oracle(prompts, draft_cost: float, verify_cost: float) -> float:

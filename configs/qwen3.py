@@ -211,6 +211,11 @@ def get_config() -> ml_collections.ConfigDict:
   # drafter pass, paid already, not counted; bp_jax/decoding/decline.py); False: every cycle
   # verifies all its drafts.
   c.controller_decline = True
+  # priced: after a miss, the rows take AR steps only while the cycles right after misses commit
+  # clearly fewer tokens than cycles do on average (bp_jax/decoding/evidence.py): where one
+  # cycle's acceptance says nothing of the next, backing off only loses; False: every miss
+  # backs off.
+  c.controller_persist = True
   # confidence: also count a cycle that verified more than ar_fallback_accept drafts and
   # accepted at most that many as a declined one (backs off into AR steps as backoff does).
   c.controller_poor_miss = False

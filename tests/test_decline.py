@@ -18,6 +18,7 @@ import pytest
 
 from bp_jax.decode_job.block_choice import loop_options
 from bp_jax.decoding import decline
+from bp_jax.decoding import evidence
 from bp_jax.errors import BadInputError
 from toy_models import assert_sampled_like_ar, toy_engine, toy_requests
 
@@ -75,12 +76,13 @@ def test_the_evidence_adds_the_rows_that_committed_and_forgets_the_older():
   np.testing.assert_allclose(np.asarray(decline.expected_accepted(p)), [0.75, 3.0])
 
 
-def test_the_command_line_carries_it():
+@pytest.mark.parametrize("field", ["controller_decline", "controller_persist"])  # and the gate's
+def test_the_command_line_carries_it(field):
   cfg = lambda **kw: ml_collections.ConfigDict(dict(controller="priced", **kw))
-  assert loop_options(cfg())["controller_decline"] is True
-  assert loop_options(cfg(controller_decline=False))["controller_decline"] is False
-  with pytest.raises(BadInputError, match="--config.controller_decline='yes'"):
-    loop_options(cfg(controller_decline="yes"))
+  assert loop_options(cfg())[field] is True
+  assert loop_options(cfg(**{field: False}))[field] is False
+  with pytest.raises(BadInputError, match=f"--config.{field}='yes'"):
+    loop_options(cfg(**{field: "yes"}))
 
 
 # -- the loops ----------------------------------------------------------------------------------
@@ -93,7 +95,7 @@ def _declined(gens) -> int:
 def test_dear_verifies_decline_drafts_and_the_outputs_stay_ar(zeros_models, zeros_ar_outputs,
                                                               batch_size):
   prompts, max_news = toy_requests(6)
-  declined, evidence = {}, {}
+  declined, seen = {}, {}
   for name, kw in (("cheap", CHEAP), ("dear", DEAR), ("off", dict(DEAR, controller_decline=False))):
     eng = toy_engine(zeros_models, "priced", batch_size=batch_size, sync_cycles=2,
                      start_backoff=False, **kw)
@@ -103,10 +105,10 @@ def test_dear_verifies_decline_drafts_and_the_outputs_stay_ar(zeros_models, zero
                for p, m in zip(prompts, max_news)] if batch_size == 1 else
               eng.generate_batch(prompts, max_new_tokens=max_news, block_size=B))
       assert [g.output_ids for g in outs] == zeros_ar_outputs
-    declined[name], evidence[name] = _declined(outs), eng.decline_state
+    declined[name], seen[name] = _declined(outs), eng.evidence_state[evidence.DECLINE]
   assert declined["dear"] > 0 and declined["cheap"] == declined["off"] == 0
-  assert evidence["off"] is None
-  rows, expected, accepted = evidence["dear"]
+  assert not np.any(seen["off"])  # the state is the back-off gate's there (`evidence`)
+  rows, expected, accepted = seen["dear"]
   # The toy drafter accepts far more than its probabilities say, and the engine measured it.
   assert rows >= decline.EVIDENCE_ROWS and accepted > 10 * expected
 
@@ -116,7 +118,7 @@ def test_sampled_output_equals_ar_for_a_seed(zeros_models):
   prompts, max_news = toy_requests(6)
   for p, m in zip(prompts, max_news):  # evidence first, so that cycles may decline below
     eng.generate(p, max_new_tokens=m, block_size=B)
-  assert eng.decline_state[0] >= decline.EVIDENCE_ROWS
+  assert eng.evidence_state[0] >= decline.EVIDENCE_ROWS
   declined_before = eng.forwards_run[1]  # forwards over 1 token after a drafter pass
   assert_sampled_like_ar(zeros_models, eng, B)
   assert eng.forwards_run[1] > declined_before

@@ -112,8 +112,8 @@ def loop_options(cfg) -> dict[str, Any]:
   """The decode loops' form set by a config, as `Engine` keyword arguments: `scan_layers`,
   `ar_step_tokens`, `ar_fallback`, `priced_cap`, `ar_fallback_accept`, `verify`, `controller`,
   `controller_costs`, `controller_draft_cost` (None for `measure`), `controller_poor_miss`,
-  `controller_decline`, `controller_calibration` (the rates of the JSON file at that path, None for '')
-  (configs/qwen3.py; checked, a bad value names its flag)."""
+  `controller_decline`, `controller_persist`, `controller_calibration` (the rates of the JSON
+  file at that path, None for '') (configs/qwen3.py; checked, a bad value names its flag)."""
   from bp_jax.decoding import controller as control
   from bp_jax.decoding.verify import check_verify_mode
   controller = control.check_controller(str(cfg.get("controller", "backoff")))
@@ -137,6 +137,7 @@ def loop_options(cfg) -> dict[str, Any]:
           **controller_costs(cfg),
           "controller_poor_miss": bool(cfg.get("controller_poor_miss", False)),
           "controller_decline": _config_bool(cfg, "controller_decline", True),
+          "controller_persist": _config_bool(cfg, "controller_persist", True),
           "controller_calibration": control.load_calibration(
               str(cfg.get("controller_calibration", "") or ""))}
 

@@ -8,6 +8,7 @@ import collections
 import numpy as np
 
 from bp_jax.decode_job.block_choice import block_policy_of, sampling_options
+from bp_jax.decoding import evidence
 from bp_jax.decoding.generation import Generation
 from bp_jax.decoding.verify import same_tokens_as_ar
 from bp_jax.eval.resources import peak_rss_mb
@@ -91,15 +92,30 @@ def verify_lengths_chosen(records: list[dict], batch_size: int) -> dict:
 
 
 def decline_evidence_of(engine) -> dict | None:
-  """What the priced decline measured of the drafter (`Engine.decline_state`): the recent
+  """What the priced decline measured of the drafter (`Engine.evidence_state`): the recent
   row-cycles it weighed (decayed) and the drafts accepted per draft its probabilities expected;
   None where no loop declines."""
-  state = getattr(engine, "decline_state", None)
-  if state is None:
+  state = getattr(engine, "evidence_state", None)
+  if state is None or not engine.loop_options.controller_decline:
     return None
-  rows, expected, accepted = (float(x) for x in state)
+  rows, expected, accepted = (float(x) for x in state[evidence.DECLINE])
   return {"row_cycles": round(rows, 1),
           "accepted_per_expected": round(accepted / expected, 4) if expected > 0 else None}
+
+
+def backoff_gate_of(engine) -> dict | None:
+  """What the priced back-off's gate measured (`evidence.persists`): the tokens a row-cycle
+  committed right after a miss and on average (decayed, over about the last 100 of each), and
+  whether misses then backed the rows off; None where no loop gates its back-off."""
+  state = getattr(engine, "evidence_state", None)
+  if state is None or not engine.loop_options.controller_persist:
+    return None
+  after_rows, after_tokens, rows, tokens = (float(x) for x in state[evidence.PERSIST])
+  return {"row_cycles_after_miss": round(after_rows, 1),
+          "tokens_after_miss": round(after_tokens / after_rows, 3) if after_rows > 0 else None,
+          "row_cycles": round(rows, 1),
+          "tokens_per_cycle": round(tokens / rows, 3) if rows > 0 else None,
+          "backs_off": bool(evidence.persists(state))}
 
 
 def controller_costs_of(engine) -> dict | None:
@@ -145,6 +161,7 @@ def summarize(records: list[dict], engine, cfg, wall_s: float) -> dict:
       "verify_lengths_chosen": verify_lengths_chosen(records, getattr(engine, "batch_size", 1)),
       "controller_costs": controller_costs_of(engine),
       "decline_evidence": decline_evidence_of(engine),
+      "backoff_gate": backoff_gate_of(engine),
       "outputs_repeat_for_seed": outputs_repeat_for_seed(cfg, engine),
       "block_sizes_used": dict(collections.Counter(str(r["block_size"]) for r in records)),
       # A learned policy's picks, where a batch decoded some in another bucket (join_learned).
@@ -241,6 +258,12 @@ def print_summary(s: dict) -> None:
               f"~{s['decline_evidence']['row_cycles']:g} row-cycles (verify length 1: a "
               "cycle that declined its drafts)")]
             if spec and s.get("decline_evidence") else []),
+          *([("tokens per row-cycle after a miss (back-off gate)",
+              f"{_fmt(s['backoff_gate']['tokens_after_miss'], '.2f')} against "
+              f"{_fmt(s['backoff_gate']['tokens_per_cycle'], '.2f')} on average: misses "
+              + ("back the rows off" if s["backoff_gate"]["backs_off"] else
+                 "do not persist, the next cycle runs at once"))]
+            if spec and s.get("backoff_gate") else []),
           *([("slot time holding a decoding row", f"{s['slot_use']:.1%} (batched calls; "
               "idle slots cost as much as busy ones" + (
                   "; a batch's tail ran in fewer slots)" if s.get("shrink_batches")

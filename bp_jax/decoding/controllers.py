@@ -14,11 +14,13 @@ A controller has
            runtime values);
   observed(s, k, a_B, expected_B) -> the state after a cycle verifying k drafts (a_B accepted
            per row, -1 for a row that committed nothing) has been committed: what the
-           controller learns from it (`priced` with its decline: `decline.observed`);
+           controller learns from it (`priced`: `decline.observed`, `evidence.observed`);
   miss_B(k, a_B, draft_next, break_even_N=None) -> [B] bool: which rows' cycle (verifying k
            drafts, a_B of them accepted, -1 for a row that committed nothing) was a miss (only
            when cap > 0); `break_even_N`: the loop state's runtime prices
-           (`LoopState.break_even_N`), which only `priced` reads.
+           (`LoopState.break_even_N`), which only `priced` reads;
+  backs_off(s) -> [] bool: whether the cycle's misses take their AR steps now (`priced` with
+           its gate: only while misses persist, `evidence.persists`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import jax.numpy as jnp
 
 from bp_jax.decoding import controller as control
 from bp_jax.decoding import decline as decline_rule
+from bp_jax.decoding import evidence
 from bp_jax.errors import BadInputError
 
 
@@ -45,7 +48,7 @@ class Plain:
     return (self.block_size - 1,)
 
   # Whether the controller keeps state across its cycles (`observed`): the loop state then
-  # carries `LoopState.decline_3`.
+  # carries `LoopState.evidence_7` (`evidence`).
   stateful = False
 
   def expected(self, draft_logits_BkV, draft_Bk) -> jax.Array | None:
@@ -61,6 +64,11 @@ class Plain:
   def miss_B(self, k: int, a_B: jax.Array, draft_next: jax.Array,
              break_even_N: jax.Array | None = None) -> jax.Array:
     return jnp.zeros_like(a_B, jnp.bool_)  # never a miss
+
+  def backs_off(self, s) -> jax.Array:
+    """[] bool: whether this cycle's misses (`miss_B`) take AR steps now; a miss that does not
+    still counts as one (`LoopState.backed_off`)."""
+    return jnp.bool_(True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,13 +97,19 @@ class Priced(Plain):
   `decline` (`LoopOptions.controller_decline`): after the drafter pass, the cycle verifies none
   of its drafts (k = 0, a miss) when the drafter's probabilities, scaled by the acceptance
   measured on the recent cycles, do not expect them to pay for their verify (`decline`); the
-  state then carries that evidence (`LoopState.decline_3`). `calibration`: the
-  drafter's calibrated rates (`controller.calibrated`) in place of its raw probabilities."""
+  state then carries that evidence (`LoopState.evidence_7`). `calibration`: the
+  drafter's calibrated rates (`controller.calibrated`) in place of its raw probabilities.
+
+  `persist` (`LoopOptions.controller_persist`): a miss backs the rows off only while the cycles
+  right after misses commit clearly less than cycles do on average (`evidence.persists`);
+  otherwise the next cycle runs at once (the miss still counts, so that cycle is the gate's next
+  evidence)."""
   cap: int = control.PRICED_SKIP_CAP
   costs: tuple[float, ...] = (1.0,)   # relative verify costs (the engine's, measured or given)
   draft_cost: float = 0.0
   decline: bool = False
   calibration: tuple[float, ...] | None = None
+  persist: bool = False  # the back-off gate (`LoopOptions.controller_persist`, `evidence`)
   shared_backoff = True  # the batch's miss: every row backs off to the deepest row's level
 
   @property
@@ -104,7 +118,7 @@ class Priced(Plain):
 
   @property
   def stateful(self) -> bool:
-    return self.decline
+    return self.decline or self.persist
 
   def price_N(self, break_even_N: jax.Array | None) -> jax.Array:
     """[b + 1] the break-even per verify length: the state's runtime one, else the start-up
@@ -128,18 +142,30 @@ class Priced(Plain):
     price = decline_rule.verify_price(self.block_size, self.price_N(s.break_even_N))
     active_B = s.active_B()
     level = jnp.max(jnp.where(active_B, s.misses_B, 0))
-    declined = decline_rule.declines(expected_B, active_B, price, s.decline_3, level)
+    declined = decline_rule.declines(expected_B, active_B, price,
+                                     s.evidence_7[evidence.DECLINE], level)
     return jnp.where(declined, 0, 1).astype(jnp.int32), jnp.bool_(True)
 
   def observed(self, s, k: int, a_B: jax.Array, expected_B=None):
-    if not self.decline:
-      return s
-    return s.replace(decline_3=decline_rule.observed(s.decline_3, k, self.block_size,
-                                                     expected_B, a_B))
+    """The state after a cycle that verified k drafts: the decline's and the back-off gate's
+    evidence (`evidence`; the cycle follows a miss when the batch's back-off level, its decoding
+    rows' deepest `misses_B`, is above 0: `misses_B` is this cycle's before `backed_off`)."""
+    e = s.evidence_7
+    if self.decline:
+      e = e.at[evidence.DECLINE].set(decline_rule.observed(e[evidence.DECLINE], k,
+                                                           self.block_size, expected_B, a_B))
+    if self.persist:
+      after_miss = jnp.max(jnp.where(s.active_B(), s.misses_B, 0)) > 0
+      e = evidence.observed(e, k, self.block_size, a_B, after_miss)
+    return s.replace(evidence_7=e) if self.stateful else s
+
 
   def miss_B(self, k: int, a_B: jax.Array, draft_next: jax.Array,
              break_even_N: jax.Array | None = None) -> jax.Array:
     return control.batch_below_break_even(a_B, self.price_N(break_even_N)[k + 1])
+
+  def backs_off(self, s) -> jax.Array:
+    return evidence.persists(s.evidence_7) if self.persist else jnp.bool_(True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,7 +229,7 @@ def controller_of(opts) -> Plain:
   if name == "priced":
     return Priced(b, cap=opts.ar_fallback, costs=opts.controller_costs,
                   draft_cost=opts.controller_draft_cost, decline=opts.controller_decline,
-                  calibration=opts.controller_calibration)
+                  calibration=opts.controller_calibration, persist=opts.controller_persist)
   if name == "confidence":
     return Confidence(b, cap=opts.ar_fallback, accept=opts.ar_fallback_accept,
                       poor_miss=opts.controller_poor_miss, costs=opts.controller_costs,

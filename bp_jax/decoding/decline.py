@@ -12,7 +12,7 @@ priced back-off (it commits 1 token against its full price), so the rows then ta
 E[A] comes from the drafter's own probability p_i of each drafted token (softmax; the argmax's
 under `exact`, or the calibrated rate with `controller_calibration`): sum_j prod_{i<=j} p_i,
 scaled by how many drafts were really accepted per expected one over the recent verified
-cycles (the state `decline_3`, kept in the loop state and across calls by the engine). A
+cycles (the state `evidence_7`, kept in the loop state and across calls by the engine). A
 drafter whose probabilities understate its acceptance (the demo's: p 0.45 accepts 61%) or
 overstate it is thus read at its measured rate; before `EVIDENCE_ROWS` row-cycles have been
 seen no cycle declines, so a drafter is never judged on probabilities nothing has checked.
@@ -59,7 +59,7 @@ EVIDENCE_FORGET = 0.99
 
 
 def empty_state() -> np.ndarray:
-  """[3] float32 the decline's evidence (`LoopState.decline_3`): decayed row-cycles, expected
+  """[3] float32 the decline's evidence (`LoopState.evidence_7`): decayed row-cycles, expected
   accepted drafts and accepted drafts of the cycles that verified all their drafts; none."""
   return np.zeros((3,), np.float32)
 

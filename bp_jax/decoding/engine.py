@@ -23,7 +23,7 @@ import numpy as np
 from flax import nnx
 
 from bp_jax.decoding import controller as control
-from bp_jax.decoding import decline
+from bp_jax.decoding import evidence
 from bp_jax.decoding import loops as decode_loops
 from bp_jax.decoding.loops import LoopWeights
 from bp_jax.decoding.costs import ForwardCosts, forward_costs
@@ -128,11 +128,12 @@ class Engine:
     # Where a request starts the priced back-off (alone or in a batch's slot): `start_backoff`.
     self.starts = (StartBackoff(batch_plain=self.loop_options.start_plain)
                    if self.prices is not None and self.loop_options.start_backoff else None)
-    # The priced decline's state (`decline`), carried from loop call to loop call and from
-    # request to request (None: no loop declines).
+    # The priced controller's evidence (`evidence`: its decline's and its back-off gate's),
+    # carried from loop call to loop call and from request to request (None: none kept).
     opts = self.programs.options
-    self.decline_state = (decline.empty_state() if drafter is not None
-                           and opts.controller == "priced" and opts.controller_decline else None)
+    self.evidence_state = (evidence.empty_state() if drafter is not None
+                           and opts.controller == "priced"
+                           and (opts.controller_decline or opts.controller_persist) else None)
     self.p_graph = self.p_state = self.policy_key = None
     self.policy_sizes: tuple[int, ...] = ()
     self.mesh = mesh
@@ -335,7 +336,7 @@ class Engine:
     return (self.t_weights, self.d_weights, self.seq, self.cache, self.draft_cache,
             pre.first_tok, n, max_new, sampling, seed_key, self._stop_arr, forced_seq,
             self._on_device(self.break_even_N(block_size, 1)), jnp.asarray(start, jnp.int32),
-            self._on_device(self.decline_state))
+            self._on_device(self.evidence_state))
 
   def request_start(self, block_size: int, rows: int = 1) -> tuple[int, int]:
     """(misses, AR steps) the next request in a loop of `block_size` and `rows` slots starts
@@ -530,8 +531,8 @@ class Engine:
     out = fn(*loop_args)
     n_gen = int(out.n_gen)
     decode_s = self.loop_ran(t2, np.asarray(out.forward_counts), 1, run_size)
-    if out.decline is not None:
-      self.decline_state = np.asarray(out.decline)
+    if out.evidence is not None:
+      self.evidence_state = np.asarray(out.evidence)
     self.seq, self.cache = out.seq, out.cache
     if out.draft_cache is not None:
       self.draft_cache = out.draft_cache
@@ -633,7 +634,7 @@ class Engine:
     return self._placed(LoopState.empty(
         seq, cache, draft_cache, forced_seq, max(self.block_sizes),
         self.break_even_N(block_size, rows),
-        self.decline_state if block_size > 1 else None))
+        self.evidence_state if block_size > 1 else None))
 
   def _placed(self, state: LoopState) -> LoopState:
     """A batched state's rows on the mesh's `data` axis (when the batch divides it), its caches

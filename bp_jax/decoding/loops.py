@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from bp_jax.decoding import controllers
-from bp_jax.decoding import decline as decline_rule
+from bp_jax.decoding import evidence
 from bp_jax.decoding import verify as verify_rules
 from bp_jax.decoding.options import LoopOptions
 from bp_jax.decoding.sampling import position_keys, sample
@@ -57,8 +57,8 @@ class LoopOut(NamedTuple):
   draft_cache: KVCache | None
   # [N] int32 the loop's target forwards by verify length (`LoopState.forward_counts_N`).
   forward_counts: jax.Array | None = None
-  # [3] float32 the priced decline's evidence after the loop (`LoopState.decline_3`).
-  decline: jax.Array | None = None
+  # [7] float32 the priced controller's evidence after the loop (`LoopState.evidence_7`).
+  evidence: jax.Array | None = None
 
 
 def _nonfinite(logits: jax.Array) -> jax.Array:
@@ -334,7 +334,9 @@ def make_batched_spec_loop(graphdef, draft_graphdef, opts: LoopOptions) -> Calla
   drafts and accepted at most that many), and after it the rows take AR steps as `backoff`
   does, at most `ar_fallback` (16 when 0). `priced` with `controller_decline` verifies k = 0
   (declines the drafts, a miss) or k = b-1 per cycle (`decline`), and learns the drafter's
-  acceptance per expected draft from its full cycles (`LoopState.decline_3`). "fixed:k"
+  acceptance per expected draft from its full cycles (`LoopState.evidence_7`); with
+  `controller_persist` a miss takes its AR steps only while misses persist
+  (`evidence.persists`). "fixed:k"
   (tests) verifies k drafts every cycle
   through the same machinery. Each bucket is its own verify shape [B, k+1] run as a nested
   `while_loop` of zero or one trips (a `lax.switch` would copy every cache buffer); a cycle
@@ -403,7 +405,7 @@ def make_batched_spec_loop(graphdef, draft_graphdef, opts: LoopOptions) -> Calla
       new = ctl.observed(new, k, a_B, expected_B)
       if ctl.cap:
         new = new.backed_off(ctl.miss_B(k, a_B, draft_next, s.break_even_N), active_B, ctl.cap,
-                             ctl.shared_backoff)
+                             ctl.shared_backoff, waits=ctl.backs_off(new))
       return new
 
     def cycle(s):
@@ -473,9 +475,9 @@ def make_batched_spec_loop(graphdef, draft_graphdef, opts: LoopOptions) -> Calla
     s = _loop_caches(s, opts.scan_layers)
     # A state without the decline's state (a caller outside the engine): nothing seen, and
     # nothing kept after the call.
-    keep_decline = s.decline_3 is not None
-    if ctl.stateful and not keep_decline:
-      s = s.replace(decline_3=jnp.asarray(decline_rule.empty_state()))
+    keep_evidence = s.evidence_7 is not None
+    if ctl.stateful and not keep_evidence:
+      s = s.replace(evidence_7=jnp.asarray(evidence.empty_state()))
     run = lambda s: _run(lambda s: s.decodes() & s.fits(b, window), body, s, in_budget)
     if not ctl.cap:
       s = run(s)
@@ -484,7 +486,7 @@ def make_batched_spec_loop(graphdef, draft_graphdef, opts: LoopOptions) -> Calla
       s = s.replace(pending_BPX=jnp.zeros((s.pos_B.shape[0], pending_len, width),
                                           drafter.dtype))
       s = flush_context(run(s)).replace(pending_BPX=None)
-    return s if keep_decline else s.replace(decline_3=None)
+    return s if keep_evidence else s.replace(evidence_7=None)
 
   return spec_loop
 
@@ -495,14 +497,14 @@ def _single(s: LoopState) -> LoopOut:
   return LoopOut(s.seq_BS, s.n_gen_B[0], r.accept_BS[0], r.is_cycle_BS[0], r.verified_BS[0],
                  r.forwards_B[0], s.bad_B[0], s.cache.stacked(),
                  None if s.draft_cache is None else s.draft_cache.stacked(), s.forward_counts_N,
-                 s.decline_3)
+                 s.evidence_7)
 
 
 def _one_row(seq_1S, cache, draft_cache, first_tok, n, max_new, sampling, seed_key, stop_ids,
              forced_1S=None, max_verify: int = 1, break_even_N=None,
-             start_2=None, decline_3=None) -> LoopState:
+             start_2=None, evidence_7=None) -> LoopState:
   s = LoopState.empty(seq_1S, cache, draft_cache, forced_1S, max_verify, break_even_N,
-                      decline_3)
+                      evidence_7)
   return s.start_row(0, first_tok, n, max_new, seed_key, stop_ids, sampling,
                      forced_S=None if forced_1S is None else forced_1S[0], start_2=start_2)
 
@@ -523,21 +525,21 @@ def make_ar_loop(graphdef, opts: LoopOptions = LoopOptions()) -> Callable:
 
 def make_spec_loop(graphdef, draft_graphdef, opts: LoopOptions) -> Callable:
   """spec_loop(state, draft_state, seq, cache, draft_cache, first_tok, n, max_new, sampling,
-  seed_key, stop_ids[, forced_seq[, break_even_N[, start_2[, decline_3]]]]) -> LoopOut: one
+  seed_key, stop_ids[, forced_seq[, break_even_N[, start_2[, evidence_7]]]]) -> LoopOut: one
   request, `make_batched_spec_loop` (see it for the cycle, the controllers, forced drafts and
   the window) on a one-row state; `forced_seq` [1, S] (None: the drafter's drafts);
   `break_even_N` [N >= block_size + 1] the priced controller's runtime break-even
   (`LoopState.break_even_N`; None: the start-up costs); `start_2` [2] int32 the misses and
-  AR steps the request starts with (`LoopState.start_row`; None: none); `decline_3` [3] the
-  priced decline's state so far (`LoopState.decline_3`; None: a loop without the
-  decline), returned as `LoopOut.decline`."""
+  AR steps the request starts with (`LoopState.start_row`; None: none); `evidence_7` [7] the
+  priced controller's evidence so far (`LoopState.evidence_7`; None: a loop whose controller
+  keeps none), returned as `LoopOut.evidence`."""
   batched = make_batched_spec_loop(graphdef, draft_graphdef, opts)
 
   def spec_loop(state, draft_state, seq_1S, cache, draft_cache, first_tok, n, max_new,
                 sampling, seed_key, stop_ids, forced_1S=None, break_even_N=None, start_2=None,
-                decline_3=None):
+                evidence_7=None):
     s = _one_row(seq_1S, cache, draft_cache, first_tok, n, max_new, sampling, seed_key,
-                 stop_ids, forced_1S, opts.block_size, break_even_N, start_2, decline_3)
+                 stop_ids, forced_1S, opts.block_size, break_even_N, start_2, evidence_7)
     return _single(batched(state, draft_state, s, stop_ids))
 
   return spec_loop

@@ -126,6 +126,10 @@ class LoopOptions:
       (a miss) when they are not expected to commit more tokens than their verify costs AR
       steps, by the drafter's probabilities scaled to the acceptance measured on the recent
       cycles (`decline`); False: every cycle verifies all its drafts.
+    controller_persist: `priced`: after a miss the rows take AR steps only while the cycles
+      right after misses commit clearly less than cycles do on average (`evidence`: where one
+      cycle's acceptance says nothing of the next, backing off is a pure loss); False: every
+      miss backs off.
     online_costs: `priced` keeps its costs current from the engine's timed loop calls
       (`online_costs.OnlineCosts`; a runtime value of the loop state, no recompilation): True
       (every loop call), False (the start-up costs throughout), or None: every call when the
@@ -172,6 +176,7 @@ class LoopOptions:
   controller_poor_miss: bool = False
   controller_calibration: tuple[float, ...] | None = None
   controller_decline: bool = True
+  controller_persist: bool = True
   online_costs: bool | None = None
   start_backoff: bool = True
   start_plain: bool = True
@@ -212,6 +217,7 @@ class LoopOptions:
                                                            "controller_calibration")),
          controller_poor_miss=bool(self.controller_poor_miss),
          controller_decline=bool(self.controller_decline),
+         controller_persist=bool(self.controller_persist),
          online_costs=None if self.online_costs is None else bool(self.online_costs),
          start_backoff=bool(self.start_backoff), start_plain=bool(self.start_plain),
          ar_fallback=int(self.ar_fallback), priced_cap=int(self.priced_cap),

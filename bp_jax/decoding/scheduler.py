@@ -139,7 +139,7 @@ class _Bucket:
 
   def place(self, field: str, value: np.ndarray | None) -> None:
     """The carry with the host's current `value` of a runtime field (`break_even_N`: the
-    priced controller's break-even; `decline_3`: the engine's decline evidence, which other
+    priced controller's break-even; `evidence_7`: the engine's priced evidence, which other
     buckets' calls and requests alone add to), placed as the carry's own when it changed: the
     next call compiles nothing new. Nothing where either has none."""
     if (value is None or getattr(self.carry, field) is None
@@ -329,7 +329,7 @@ class Scheduler:
                 if r is not None and not done[i] and n_gen[i] < max_new[i]]
     if decoding:
       bucket.place("break_even_N", self.engine.break_even_N(b, rows))
-      bucket.place("decline_3", self.engine.decline_state)
+      bucket.place("evidence_7", self.engine.evidence_state)
       # Requests wait for a slot (this bucket's, or a learned one's whose bucket is not known
       # yet): the call returns when a row finishes, so its slot is refilled at once.
       bucket.refill_on_finish(len(decoding) if wanted else 0)
@@ -339,11 +339,11 @@ class Scheduler:
       t0 = self.engine.clock()
       bucket.carry = fn(*args)
       jax.block_until_ready(bucket.carry.pos_B)
-      counted_N, decline = jax.device_get((bucket.carry.forward_counts_N,
-                                           bucket.carry.decline_3))
+      counted_N, seen = jax.device_get((bucket.carry.forward_counts_N,
+                                        bucket.carry.evidence_7))
       counted_N = np.asarray(counted_N)
-      if decline is not None:  # what this call saw, for every loop after it
-        self.engine.decline_state = bucket.placed["decline_3"] = np.asarray(decline)
+      if seen is not None:  # what this call saw, for every loop after it
+        self.engine.evidence_state = bucket.placed["evidence_7"] = np.asarray(seen)
       secs = self.engine.loop_ran(t0, counted_N - bucket.counted_N, rows, b,
                                   decoding=len(decoding))
       bucket.counted_N = counted_N

@@ -91,11 +91,12 @@ class LoopState:
   # tokens costs break_even_N[n] AR steps (a runtime value the host may replace between loop
   # calls, `online_costs`; None: the start-up costs, compile-time constants).
   break_even_N: jax.Array | None = None
-  # [3] float32 the priced controller's decline evidence (`decline.empty_state`): decayed
-  # row-cycles, expected and accepted drafts of the recent cycles that verified all their
-  # drafts. A runtime value the engine carries across calls and requests (None: a loop without
-  # the decline).
-  decline_3: jax.Array | None = None
+  # [7] float32 what the priced controller has seen of the drafts (`evidence`): its decline's
+  # evidence (decayed row-cycles, expected and accepted drafts of the recent cycles that
+  # verified all their drafts) and its back-off gate's (row-cycles and tokens after misses and
+  # overall). A runtime value the engine carries across calls and requests (None: a loop whose
+  # controller keeps none).
+  evidence_7: jax.Array | None = None
   # [B, P, X] the drafter inputs (`DFlashDrafter.context_inputs`) of the AR steps a row took
   # since its drafter context was last written, entry i at position `draft_cache.lengths + i`:
   # a speculative loop adds them to the context before its next drafter pass, P at most at a
@@ -107,7 +108,7 @@ class LoopState:
   def empty(cls, seq_BS: jax.Array, cache: KVCache, draft_cache: KVCache | None = None,
             forced_BS: jax.Array | None = None, max_verify: int = 1,
             break_even_N: jax.Array | None = None,
-            decline_3: jax.Array | None = None) -> "LoopState":
+            evidence_7: jax.Array | None = None) -> "LoopState":
     """Every slot empty (max_new = 0), around the given buffers; forward counts for verify
     lengths up to `max_verify` (the largest block size)."""
     B, S = seq_BS.shape
@@ -123,8 +124,8 @@ class LoopState:
                forced_BS=forced_BS,
                break_even_N=(None if break_even_N is None
                              else jnp.asarray(break_even_N, jnp.float32)),
-               decline_3=(None if decline_3 is None
-                                 else jnp.asarray(decline_3, jnp.float32)))
+               evidence_7=(None if evidence_7 is None
+                                 else jnp.asarray(evidence_7, jnp.float32)))
 
   def start_row(self, row, first_tok, n, max_new, seed_key, stop_ids, sampling=None,
                 row_stop_K: jax.Array | None = None,
@@ -168,13 +169,13 @@ class LoopState:
     decline state) stay as they are. How the scheduler shrinks a bucket's state to the requests it still
     decodes, or grows it back (`Scheduler`)."""
     shared = dict(cache=None, draft_cache=None, forward_counts_N=None, min_active=None,
-                  break_even_N=None, decline_3=None, pending_BPX=None)
+                  break_even_N=None, evidence_7=None, pending_BPX=None)
     out = jax.tree.map(lambda x: x[rows_R], self.replace(**shared))
     return out.replace(
         max_new_B=jnp.where(keep_R, out.max_new_B, 0), cache=self.cache.take_rows(rows_R),
         draft_cache=None if self.draft_cache is None else self.draft_cache.take_rows(rows_R),
         forward_counts_N=self.forward_counts_N, min_active=self.min_active,
-        break_even_N=self.break_even_N, decline_3=self.decline_3)
+        break_even_N=self.break_even_N, evidence_7=self.evidence_7)
 
   def with_row_from(self, row, src: "LoopState", src_row) -> "LoopState":
     """This state with slot `row` holding a copy of `src`'s row `src_row` (tokens, position,
@@ -185,14 +186,14 @@ class LoopState:
     one = src.replace(draft_cache=None, forced_BS=None).take_rows(
         jnp.reshape(jnp.asarray(src_row, jnp.int32), (1,)), jnp.ones((1,), jnp.bool_))
     own = dict(cache=None, draft_cache=None, forced_BS=None, forward_counts_N=None,
-               min_active=None, break_even_N=None, decline_3=None, pending_BPX=None)
+               min_active=None, break_even_N=None, evidence_7=None, pending_BPX=None)
     out = jax.tree.map(lambda dst, x: dst.at[row].set(x[0]), self.replace(**own),
                        one.replace(**own))
     return out.replace(
         cache=self.cache.put_rows(one.cache, row), draft_cache=self.draft_cache,
         forced_BS=self.forced_BS, forward_counts_N=self.forward_counts_N,
         min_active=self.min_active, break_even_N=self.break_even_N,
-        decline_3=self.decline_3, pending_BPX=self.pending_BPX, misses_B=out.misses_B.at[row].set(0),
+        evidence_7=self.evidence_7, pending_BPX=self.pending_BPX, misses_B=out.misses_B.at[row].set(0),
         wait_B=out.wait_B.at[row].set(0))
 
   # -- read by the loops --------------------------------------------------------------------
@@ -240,16 +241,19 @@ class LoopState:
         bad_B=self.bad_B | bad_B)
 
   def backed_off(self, miss_B: jax.Array, active_B: jax.Array, cap: int,
-                 shared: bool = False) -> "LoopState":
+                 shared: bool = False, waits: jax.Array | bool = True) -> "LoopState":
     """Each decoding row's consecutive misses after this cycle and the AR steps it asks for:
     2, 4, 8, ... at most `cap` (`controller.backoff_steps`); a cycle that is no miss resets
     both. `shared` (a controller whose miss is the batch's, `priced`): a missing row takes the
     decoding rows' deepest back-off plus one, so that the batch backs off as one. Per row, a
     row that had just started drafting (every 4th request explores) asked for 2, 4, 8, ...
     steps while the others waited up to the cap, and the batch ran a cycle for all its rows
-    each time that row asked: batch 8, T = 1, 528 row-cycles against 156 shared."""
+    each time that row asked: batch 8, T = 1, 528 row-cycles against 156 shared. `waits` ([]
+    bool): whether the misses take their AR steps now (the priced back-off's gate,
+    `evidence.persists`); a miss that does not still counts, so the next cycle is one after a
+    miss."""
     level = jnp.max(jnp.where(active_B, self.misses_B, 0)) if shared else self.misses_B
     misses_B = jnp.where(miss_B, level + 1, 0)
-    wait_B = jnp.where(miss_B, backoff_steps(misses_B, cap), 0)
+    wait_B = jnp.where(miss_B & waits, backoff_steps(misses_B, cap), 0)
     return self.replace(misses_B=jnp.where(active_B, misses_B, self.misses_B),
                         wait_B=jnp.where(active_B, wait_B, self.wait_B))

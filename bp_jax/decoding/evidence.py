@@ -1,0 +1,88 @@
+"""What the priced controller has seen of the drafts (`LoopState.evidence_7`), and its back-off
+gate (`LoopOptions.controller_persist`): the rows take AR steps after a miss only while misses
+persist.
+
+The evidence is one [7] float32 vector, a runtime value that the engine carries from loop call
+to loop call and from request to request (`Engine.evidence_state`): entries DECLINE hold the
+decline's (`decline.empty_state`), entries PERSIST the gate's, below.
+
+A miss (a cycle that committed fewer tokens than it cost, `controller.batch_below_break_even`)
+backs the rows off 2, 4, 8, ... AR steps, a bet that the cycles right after it would miss too.
+On text whose hard stretches span several cycles the bet pays: on the demo's teacher-forced
+HumanEval acceptances at b = 16, a cycle right after a miss (a cycle committing under 2.25
+tokens) commits 2.0 tokens where cycles commit 3.6-3.9 on average. Where one cycle's acceptance
+says nothing of the next it is a pure loss: the same acceptances drawn independently made the
+back-off 0.80-0.93x of verifying every cycle at five cost tables (`benchmarks/decline_replay.py
+--iid`, docs/results/controller.md). On an H100 at batch 4-16, with simulated drafts whose
+acceptances are independent by construction, the default ran 0.90-0.91x of the paper's loop
+(docs/results/accelerator.md): most of its misses fell in its batches' tails, where a few rows
+decode and each AR step costs a whole batch's forward.
+
+So the gate measures the bet: decayed, the row-cycles verified right after a miss and the tokens
+they committed, and all verified row-cycles and theirs. After a miss the rows back off only while
+a cycle after a miss commits less than PERSIST_RATIO of what cycles commit overall (its estimate
+starting from PRIOR_ROWS row-cycles of one token each, so that an engine backs off until its
+cycles say otherwise). A gated miss still counts as a miss (`LoopState.misses_B`): the next cycle
+is the one after it, and the gate's next evidence.
+
+While the rows back off, the cycle after a miss runs after the AR steps and commits more than it
+would have right after the miss, so the estimate leans towards lifting the back-off; where misses
+persist, the cycles that follow once it is lifted bring it back. In the replay (b = 16, both
+halves, five cost tables) the gate left the back-off as it was on the real acceptances (all 10
+rows: the same AR steps, the same tokens per unit cost) and took the independent ones from
+0.80-0.93x to 0.95-1.01x of verifying every cycle. Two rules tried first in the same replay (cap
+16, `/tmp/s39/gate.py`) lost on the real acceptances: PERSIST_RATIO 0.8 up to 3.6% of the
+back-off on two rows, and comparing the cycles after misses with the cycle's price instead of
+the mean up to 3.5% at an accelerator's prices (those cycles ran after the AR steps).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bp_jax.decoding import decline
+
+SIZE = 7
+DECLINE = slice(0, 3)  # `decline.empty_state`'s entries
+PERSIST = slice(3, 7)  # post-miss row-cycles, their tokens; all row-cycles, their tokens
+# The estimate of a post-miss cycle's tokens starts as this many row-cycles of one token each.
+PRIOR_ROWS = 2.0
+PRIOR_TOKENS = 1.0
+# A post-miss cycle must commit less than this share of the overall mean for misses to persist.
+PERSIST_RATIO = 0.9
+# The weight the evidence keeps per cycle of its kind after it (about the last 100 count).
+FORGET = decline.EVIDENCE_FORGET
+
+
+def empty_state() -> np.ndarray:
+  """[SIZE] float32: nothing seen."""
+  return np.zeros((SIZE,), np.float32)
+
+
+def persists(state_7: jax.Array) -> jax.Array:
+  """[] bool: whether cycles right after a miss commit less than PERSIST_RATIO of the mean
+  (module doc): the rows back off after a miss. True before any cycle was seen."""
+  after_rows, after_tokens, rows, tokens = (state_7[PERSIST][i] for i in range(4))
+  after = (PRIOR_ROWS * PRIOR_TOKENS + after_tokens) / (PRIOR_ROWS + after_rows)
+  return (rows <= 0) | (after < PERSIST_RATIO * tokens / jnp.maximum(rows, 1e-6))
+
+
+def observed(state_7: jax.Array, k: int, block_size: int, a_B: jax.Array,
+             after_miss: jax.Array) -> jax.Array:
+  """[SIZE] the gate's evidence after a cycle that verified k drafts, `after_miss` ([] bool)
+  when the batch's back-off level was above 0 (the cycle after a miss): a cycle that verified all
+  its drafts adds its committing rows (a_B >= 0) and their tokens, a_B + 1, to all cycles' and,
+  after a miss, to the post-miss cycles' (each kind forgetting FORGET of its older weight); a
+  declined cycle (k = 0) tells nothing."""
+  if k != block_size - 1:
+    return state_7
+  seen_B = a_B >= 0
+  rows = jnp.sum(seen_B).astype(jnp.float32)
+  tokens = jnp.sum(jnp.where(seen_B, a_B + 1, 0)).astype(jnp.float32)
+  old = state_7[PERSIST]
+  after = jnp.where(after_miss, FORGET * old[:2] + jnp.stack([rows, tokens]), old[:2])
+  every = FORGET * old[2:] + jnp.stack([rows, tokens])
+  new = jnp.concatenate([after, every])
+  return state_7.at[PERSIST].set(jnp.where(rows > 0, new, old))

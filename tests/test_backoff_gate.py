@@ -1,0 +1,93 @@
+"""The priced back-off's gate (`evidence`, `LoopOptions.controller_persist`): after a miss the
+rows take AR steps only while the cycles right after misses commit clearly less than cycles do
+on average.
+
+The rule is unit-tested on made-up evidence; the loop on `toy_models.zeros_drafter_pair` with
+forced drafts (the target's own tokens, wrong at chosen positions): where wrong positions fall
+independently the gated engine takes far fewer AR steps than one whose every miss backs off,
+where they come in runs it still backs off, and the outputs are AR's either way.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from bp_jax.decode_job.records import backoff_gate_of
+from bp_jax.decoding import evidence
+from toy_models import toy_engine, toy_requests
+
+B = 4
+# A b = 4 cycle costs 0.5 + 2 = 2.5 AR steps: one committing 1 or 2 tokens is a miss.
+COSTS = dict(controller_costs="1,1.5,2", controller_draft_cost=0.5, start_backoff=False)
+
+
+def _seen(cycles) -> jnp.ndarray:
+  """The evidence after full cycles given as (accepted drafts per row, after a miss)."""
+  state = jnp.asarray(evidence.empty_state())
+  for a, after in cycles:
+    state = evidence.observed(state, B - 1, B, jnp.asarray(a), jnp.bool_(after))
+  return state
+
+
+def test_misses_persist_until_the_cycles_after_them_commit_as_much_as_the_others():
+  assert bool(evidence.persists(jnp.asarray(evidence.empty_state())))  # nothing seen: back off
+  every = [([3, 3], False)] * 30  # 4 tokens per row-cycle on average
+  # Cycles after misses commit 4 tokens too: a miss says nothing of the next cycle.
+  assert not bool(evidence.persists(_seen(every + [([3, 3], True)] * 10)))
+  # They commit 1 token (a hard stretch goes on): back off.
+  assert bool(evidence.persists(_seen(every + [([0, 0], True)] * 10)))
+  # The bar is PERSIST_RATIO of the mean: 3.7 of 4.0-ish lifts it, 3.0 does not.
+  assert not bool(evidence.persists(_seen(every * 3 + [([3, 3], True), ([2, 3], True)] * 20)))
+  assert bool(evidence.persists(_seen(every * 3 + [([2, 2], True)] * 40)))
+  # The prior (2 row-cycles of 1 token) holds the back-off until cycles after misses outweigh it.
+  assert bool(evidence.persists(_seen(every + [([3], True)])))
+
+
+def test_the_evidence_counts_full_cycles_rows_that_committed_and_forgets():
+  state = _seen([([3, -1, 1], False)])  # a row that committed nothing (-1) does not count
+  np.testing.assert_allclose(np.asarray(state[evidence.PERSIST]), [0, 0, 2, 6])
+  state = _seen([([3, -1, 1], False), ([0, 2], True)])
+  f = evidence.FORGET
+  np.testing.assert_allclose(np.asarray(state[evidence.PERSIST]), [2, 4, 2 * f + 2, 6 * f + 4],
+                             rtol=1e-6)
+  # A declined cycle (k = 0) and a cycle where no row committed tell nothing; the decline's
+  # entries are left alone.
+  same = evidence.observed(state, 0, B, jnp.asarray([0, 0]), jnp.bool_(True))
+  np.testing.assert_array_equal(np.asarray(same), np.asarray(state))
+  same = evidence.observed(state, B - 1, B, jnp.asarray([-1, -1]), jnp.bool_(True))
+  np.testing.assert_array_equal(np.asarray(same), np.asarray(state))
+  assert np.all(np.asarray(state[evidence.DECLINE]) == 0)
+
+
+# -- the loop -----------------------------------------------------------------------------------
+def _forced(outputs: list[list[int]], wrong) -> list[list[int]]:
+  """Each request's AR output as its drafts, with another token at the positions `wrong(i, j)`
+  picks (a cycle accepts up to the first such position)."""
+  return [[(t % 60) + 1 if wrong(i, j) else t for j, t in enumerate(out)]
+          for i, out in enumerate(outputs)]
+
+
+def test_the_gate_lifts_the_back_off_where_misses_do_not_persist(zeros_models):
+  prompts, _ = toy_requests(8, seed=3)
+  gated = toy_engine(zeros_models, "priced", **COSTS)
+  always = toy_engine(zeros_models, "priced", controller_persist=False, **COSTS)
+  ar = [gated.generate(p, max_new_tokens=60, block_size=1).output_ids for p in prompts]
+  rng = np.random.default_rng(0)
+  independent = rng.random((len(prompts), 60)) < 0.25  # each position wrong with p 1/4
+  hard = np.repeat(rng.random((len(prompts), 4)) < 0.5, 15, axis=1)  # 15-token stretches
+  steps = {}
+  for pattern, wrong in (("independent", independent), ("runs", hard)):
+    forced = _forced(ar, lambda i, j: wrong[i, j])
+    for name, eng in (("gated", gated), ("always", always)):
+      eng.evidence_state = evidence.empty_state()
+      outs = [eng.generate(p, max_new_tokens=60, block_size=B, forced_continuation=f)
+              for p, f in zip(prompts, forced)]
+      assert [g.output_ids for g in outs] == ar
+      steps[pattern, name] = sum(g.ar_steps for g in outs)
+    gate = backoff_gate_of(gated)
+    assert gate["backs_off"] is (pattern == "runs"), (pattern, gate)
+  assert steps["independent", "always"] > 40
+  assert steps["independent", "gated"] < 0.25 * steps["independent", "always"]
+  assert steps["runs", "gated"] > 0.5 * steps["runs", "always"] > 0
+  assert backoff_gate_of(always) is None and gated.evidence_state.shape == (evidence.SIZE,)
