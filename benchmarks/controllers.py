@@ -64,7 +64,9 @@ Methods (`--methods`, comma-separated):
                     this machine in this run (the noise floor of every other row's interval);
   ar_padded         our AR with its steps run as two-token forwards (`ar_step_tokens=2`: the
                     same tokens; faster where a one-row matrix product costs more than a
-                    two-row one, as on an H200 at Qwen3-4B shapes).
+                    two-row one, as on an H200 at Qwen3-4B shapes). On an accelerator `ar`
+                    measures that itself and pads where it pays (`Engine._padded`), so there
+                    the two are one engine's form twice; on a CPU `ar` does not pad.
 
 With --batch_size B > 1 every method decodes the prompts in groups of --group_size consecutive
 prompts (default 4B; the same groups for every method, interleaved per group), each group

@@ -8,7 +8,8 @@ import pytest
 
 from bp_jax.decode_job.block_choice import loop_options
 from bp_jax.decode_job.records import costs_line
-from bp_jax.decoding.options import LoopOptions
+from bp_jax.decoding.engine import Engine
+from bp_jax.decoding.options import LoopOptions, ShapeOptions
 from bp_jax.errors import BadInputError
 from bp_jax.models.qwen3 import Qwen3
 from toy_models import assert_sampled_like_ar, toy_engine, toy_requests
@@ -79,3 +80,39 @@ def test_the_summary_says_ar_steps_are_padded():
        "ar_step_tokens": 2}
   assert "AR steps run as two-token forwards" in costs_line(c)
   assert "two-token" not in costs_line({**c, "ar_step_tokens": 1})
+
+
+def test_an_engine_that_prices_nothing_measures_its_ar_step_where_it_may_pay(zeros_models,
+                                                                             monkeypatch):
+  """A plain AR engine (no costs, `ar_step_tokens` auto) times its target over one and two
+  tokens on an accelerator (`probes_ar_step`) and pads where two cost below PAD_AR_BELOW of
+  one; not on a CPU, nor where costs or the form are given. The probe itself, on the toy
+  target: two positive times."""
+  from bp_jax.decode_job.records import ar_step_line, ar_step_probe_of
+  from bp_jax.decoding import costs, engine as engine_lib
+
+  assert not engine_lib.probes_ar_step()  # this CPU: no probe, no compiles for it
+  assert toy_engine(zeros_models, "none").ar_step_probe is None
+  one, two = costs.measure_ar_step(zeros_models[0], 2, 32, reps=2, repeats=2)
+  assert one > 0 and two > 0
+  monkeypatch.setattr(engine_lib, "probes_ar_step", lambda: True)
+  for probe, form in (((6.19e-3, 4.16e-3), 2), ((1e-3, 0.95e-3), 1)):
+    monkeypatch.setattr(engine_lib, "measure_ar_step", lambda *a, probe=probe, **kw: probe)
+    eng = toy_engine(zeros_models, "none")
+    assert eng.loop_options.ar_step_tokens == form and eng.ar_step_probe == probe
+    assert ar_step_probe_of(eng) == {"one_token_ms": round(1e3 * probe[0], 3),
+                                     "two_tokens_ms": round(1e3 * probe[1], 3),
+                                     "ar_step_tokens": form}
+  assert ar_step_line(ar_step_probe_of(eng)) == (
+      "one-token forwards (measured here: one token 1.000 ms, two 0.950 ms)")
+  monkeypatch.setattr(engine_lib, "measure_ar_step", lambda *a, **kw: pytest.fail("measured"))
+  for kw in (dict(ar_step_tokens=1), dict(controller_costs="1,1.1,1.2",
+                                          controller_draft_cost=0.2)):
+    assert toy_engine(zeros_models, "none", **kw).ar_step_probe is None
+  # A caller's measurement at this batch size decides it without a probe, on any machine.
+  monkeypatch.setattr(engine_lib, "probes_ar_step", lambda: False)
+  measured = costs.ForwardCosts((4e-3, 2.4e-3, 2.5e-3), 1e-3, batch_size=1, block_size=4)
+  target, drafter = zeros_models
+  eng = Engine(target, drafter=drafter, measured_costs=measured,
+               shapes=ShapeOptions(max_len=128, block_sizes=(1, 4)))
+  assert eng.ar_step_probe == (4e-3, 2.4e-3) and eng.loop_options.ar_step_tokens == 2

@@ -118,6 +118,17 @@ def backoff_gate_of(engine) -> dict | None:
           "backs_off": bool(evidence.persists(state))}
 
 
+def ar_step_probe_of(engine) -> dict | None:
+  """What an engine that prices nothing else measured of its AR step (`Engine._padded`): a
+  forward over one token and over two, in ms, and the form its AR steps took; None where it
+  measured nothing (a CPU, costs given or measured, or the form set)."""
+  probe = getattr(engine, "ar_step_probe", None)
+  if probe is None:
+    return None
+  return {"one_token_ms": round(1e3 * probe[0], 3), "two_tokens_ms": round(1e3 * probe[1], 3),
+          "ar_step_tokens": engine.loop_options.ar_step_tokens}
+
+
 def controller_costs_of(engine) -> dict | None:
   """The costs the confidence or priced controller priced its choices with: their source ("given",
   "measured" here, or "cached" from an earlier measurement on this machine), the table in AR
@@ -160,6 +171,7 @@ def summarize(records: list[dict], engine, cfg, wall_s: float) -> dict:
           v - 1 for r in records for v in r.get("forward_verified", []) if v > 0),
       "verify_lengths_chosen": verify_lengths_chosen(records, getattr(engine, "batch_size", 1)),
       "controller_costs": controller_costs_of(engine),
+      "ar_step_probe": ar_step_probe_of(engine),
       "decline_evidence": decline_evidence_of(engine),
       "backoff_gate": backoff_gate_of(engine),
       "outputs_repeat_for_seed": outputs_repeat_for_seed(cfg, engine),
@@ -192,6 +204,14 @@ def costs_line(c: dict) -> str:
     line += (f"; batch tails keep their slots (a full batch's step costs {c['rows_cost']:.2f} "
              "one-row steps here)")
   return line + online_line(c.get("online"))
+
+
+def ar_step_line(p: dict) -> str:
+  """'two-token forwards (measured here: one token 6.190 ms, two 4.160 ms)': the AR steps'
+  form and the probe it came from (`ar_step_probe_of`)."""
+  form = "two-token forwards" if p["ar_step_tokens"] == 2 else "one-token forwards"
+  return (f"{form} (measured here: one token {p['one_token_ms']:.3f} ms, two "
+          f"{p['two_tokens_ms']:.3f} ms)")
 
 
 def online_line(online: dict | None) -> str:
@@ -233,6 +253,7 @@ def print_summary(s: dict) -> None:
           *([("controller costs", costs_line(s["controller_costs"]))]
             if spec and s.get("controller_costs") else []),
           *([("drafter", s["drafter"])] if spec and s.get("drafter") else []),
+          *([("AR steps", ar_step_line(s["ar_step_probe"]))] if s.get("ar_step_probe") else []),
           ("prompts", s["prompts"]),
           ("new tokens", s["new_tokens"]),
           ("tokens/s (prefill+decode)", s["tokens_per_s"]),

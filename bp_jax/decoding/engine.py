@@ -26,12 +26,12 @@ from bp_jax.decoding import controller as control
 from bp_jax.decoding import evidence
 from bp_jax.decoding import loops as decode_loops
 from bp_jax.decoding.loops import LoopWeights
-from bp_jax.decoding.costs import ForwardCosts, forward_costs
+from bp_jax.decoding.costs import ForwardCosts, forward_costs, measure_ar_step
 from bp_jax.decoding.buckets import default_length_buckets, pick_bucket
 from bp_jax.decoding.generation import Generation, generation_of
 from bp_jax.decoding.online_costs import OnlineCosts
 from bp_jax.decoding.start_backoff import StartBackoff
-from bp_jax.decoding.options import BatchOptions, LoopOptions, ShapeOptions
+from bp_jax.decoding.options import PAD_AR_BELOW, BatchOptions, LoopOptions, ShapeOptions
 from bp_jax.decoding.policy_binding import check_policy_fits
 from bp_jax.decoding.programs import (WARMUP_TOKENS, LoopPrograms, request_window,
                                      window_buckets, window_for)
@@ -52,6 +52,15 @@ LEARNED = "learned"  # `generate(block_size=LEARNED)`: the policy chooses the bu
 # H200 at Qwen3-4B shapes 16 rows cost 0.71 of one row, and each tail size is one more loop to
 # compile (the default at batch 16: 12 programs against the paper's loop's 3, at test shapes).
 SHRINK_ROWS_COST = 1.5
+
+
+def probes_ar_step() -> bool:
+  """Whether an engine that prices nothing else measures its AR step as a two-token forward
+  (`Engine._padded`): on an accelerator, where a one-row product may run slower kernels than a
+  two-row one (an H100 at Qwen3-4B shapes: one token 6.19 ms, two 4.16 ms). Not on a CPU, where
+  a product's cost grows with its rows (this development CPU: two tokens 1.1 AR steps) and the
+  probe's compiles would only delay the engine."""
+  return jax.default_backend() != "cpu"
 
 
 class Engine:
@@ -111,6 +120,7 @@ class Engine:
     self.checks = RequestChecks(max_len, target.cfg.vocab_size, self.block_sizes,
                                 drafter is not None)
     loop = self._priced(loop, target, drafter, batching.batch_size, cost_cache, measured_costs)
+    loop = self._padded(loop, target, batching.batch_size, measured_costs)
     # Static batching (sync_cycles 0) runs a batch to its end in one call: no tail to shrink.
     # Where idle slots cost about nothing (measured), no loop per tail size either.
     rows_cost = None if self.measured_costs is None else self.measured_costs.rows_cost()
@@ -156,6 +166,26 @@ class Engine:
     layers = (None if self.scan_layers else
               tuple(nnx.merge(graph, state).layers.per_layer()))
     return LoopWeights(state, layers)
+
+  def _padded(self, loop: LoopOptions, target, batch_size: int,
+              measured: ForwardCosts | None) -> LoopOptions:
+    """`loop` with its AR steps' form decided by a measurement where nothing else decides it
+    (`ar_step_tokens` auto and no costs, e.g. a plain AR engine, or the paper's loop's): two
+    tokens where a forward over them costs below `PAD_AR_BELOW` of one over a single token,
+    as `measured` (the caller's measurement at this batch size) has them, else as timed here
+    (`costs.measure_ar_step`, on machines that `probes_ar_step`); sets `ar_step_probe` (the two
+    forwards' seconds, None where not measured)."""
+    self.ar_step_probe: tuple[float, float] | None = None
+    if loop.ar_step_tokens or loop.controller_costs is not None:
+      return loop
+    if measured is not None and measured.batch_size == batch_size:
+      one, two = measured.verify_s[:2]
+    elif probes_ar_step():
+      one, two = measure_ar_step(target, batch_size, self.max_len, scan_layers=loop.scan_layers)
+    else:
+      return loop
+    self.ar_step_probe = (one, two)
+    return loop.replace(ar_step_tokens=2 if two < PAD_AR_BELOW * one else 1)
 
   def _priced(self, loop: LoopOptions, target, drafter, batch_size: int,
               cost_cache: str | None, measured: ForwardCosts | None) -> LoopOptions:
