@@ -75,6 +75,12 @@ slot takes the next one, as a server's would); the intervals then resample the g
 group's requests share its loop calls and its repeat's luck), so a batch row needs many groups
 for a narrow interval: a smaller --group_size gives more. --group_size B gives one static batch
 per group (every request of a group starts together, the batch's slowest sets its time).
+A batch's forward costs the same however many of its rows decode, so the report also counts
+each method's target forwards as its batches ran them (`batch_forwards`: by verify length,
+every repeat, and their cost in AR steps of the run's table). With --hold_costs the default
+keeps its start-up prices (no online updates): with given --controller_costs that replays
+another machine's prices here, its choices and those counts following them alone (e.g. an
+H100's at batch 16: `--controller_costs 1.0,1.03,1.15,1.38,1.90 --controller_draft_cost 0.35`).
 
 Intervals: each method's speedup over AR, and those of `PAIRS` where both methods ran (e.g.
 `priced`'s over `backoff`, `priced_default`'s over `priced_default_every8`), with a 95% paired
@@ -190,6 +196,10 @@ flags.DEFINE_enum("shape", "", ["", *accelerator.SHAPES], "'' = the demo's model
 flags.DEFINE_integer("prompt_len", 128, "--shape: tokens per random prompt")
 flags.DEFINE_float("sim_tau", 6.5, "--shape: mean τ at b = 16 of the SIMULATED acceptance "
                    "profile (benchmarks/accelerator.py)")
+flags.DEFINE_bool("hold_costs", False, "the default and its variants keep the start-up costs "
+                  "(given or measured) instead of updating them from their loop calls: their "
+                  "choices then follow those prices alone (with --controller_costs: a replay at "
+                  "another machine's prices, counted in `batch_forwards`)")
 flags.DEFINE_string("cost_cache", "default", "folder caching measured costs ('default' = "
                     "~/.cache/bp_jax/costs, '' = measure every run)")
 FLAGS = flags.FLAGS
@@ -229,7 +239,8 @@ def engine_options(method: str, costs: dict, default_costs: dict) -> dict:
              **fb) if "_cal" in method else {}
   plain = dict(ar_fallback_accept=FLAGS.ar_fallback_accept)
   default = dict(controller="priced", ar_fallback=FLAGS.ar_fallback, priced_cap=FLAGS.priced_cap,
-                 online_costs=True, start_backoff=True, start_plain=FLAGS.start_plain,
+                 online_costs=not FLAGS.hold_costs, start_backoff=True,
+                 start_plain=FLAGS.start_plain,
                  ar_fallback_accept=FLAGS.ar_fallback_accept, **default_costs)
   verify = {} if method == "ar" else {"verify": FLAGS.verify}
   return {**verify, **{"ar": dict(controller="none"), "none": dict(controller="none"),
@@ -334,8 +345,23 @@ def simulated_drafts(ar_engine: Engine, setup: Setup) -> dict[str, list[int]]:
 def verify_lengths(gens: list[Generation]) -> dict[str, int]:
   """Target forwards by what they verified: "ar" (an AR step, no drafter pass) and "k=n" (n
   drafts after a drafter pass), in that order."""
-  n = collections.Counter(v for g in gens for v in g.forward_verified)
-  return {("ar" if v == 0 else f"k={v - 1}"): c for v, c in sorted(n.items())}
+  return by_verify_length(collections.Counter(v for g in gens for v in g.forward_verified))
+
+
+def by_verify_length(counts: collections.Counter) -> dict[str, int]:
+  """`verify_lengths`' labels for counts keyed by `forward_verified` values."""
+  return {("ar" if v == 0 else f"k={v - 1}"): c for v, c in sorted(counts.items())}
+
+
+def batch_forwards(engine: Engine, costs: dict) -> dict:
+  """The target forwards `engine`'s loop calls ran, each over all its slots, every repeat
+  (`Engine.forwards_run`: a batch's forward counts once however many rows decode), by verify
+  length, and their cost in AR steps of the run's table (`forward_cost_units`): what a batch
+  pays, where `est_cost_per_token` counts each row's forwards."""
+  counts = engine.forwards_run
+  units = forward_cost_units(list(counts.elements()), costs["controller_costs"],
+                             costs["controller_draft_cost"])
+  return {"by_verify_length": by_verify_length(counts), "cost": round(units, 1)}
 
 
 def controller_costs(target, drafter, max_len: int
@@ -557,6 +583,11 @@ def main(_):
   if shrinks:  # the engine's rule (`Engine.shrink`): where rows cost, a tail runs fewer slots
     print("  batch tails shrink: " + ", ".join(f"{m} {'yes' if v else 'no'}"
                                                for m, v in shrinks.items()))
+  batched = {m: batch_forwards(engines[m], costs) for m in methods} if B > 1 else {}
+  if batched:
+    print("  the batches' target forwards, every repeat (cost in AR steps of the table): "
+          + "; ".join(f"{m} " + ", ".join(f"{k} {c}" for k, c in b["by_verify_length"].items())
+                      + f" ({b['cost']:,.1f})" for m, b in batched.items()))
   online = {m: engines[m].cost_estimate for m in methods if m.startswith("priced")}
   for m, est in online.items():
     for rows_, e in est["by_batch_size"].items():
@@ -575,7 +606,8 @@ def main(_):
               "ar_fallback_accept": FLAGS.ar_fallback_accept, "methods": rows,
               "controller_costs": {**costs, "source": source}, "cost_estimates": online,
               "slot_use": slot_use, "drafted_every_repeat": drafted, "compiles": compiles,
-              "tails_shrink": shrinks,
+              "tails_shrink": shrinks, "batch_forwards": batched,
+              "hold_costs": FLAGS.hold_costs,
               # the engines holding a measurement (the default's): the run's, as their source
               "engine_costs": {m: source for m, e in engines.items()
                                if measured is not None and e.measured_costs is measured},

@@ -13,6 +13,10 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def report_costs(out) -> dict:
+  return json.loads((out / "controllers.json").read_text())["controller_costs"]
+
+
 def test_sampled_comparison_gives_ar_tokens_for_each_seed(tmp_path):
   out = tmp_path / "bench"
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
@@ -20,10 +24,13 @@ def test_sampled_comparison_gives_ar_tokens_for_each_seed(tmp_path):
       [sys.executable, "-m", "benchmarks.controllers", "--num_prompts=3", "--repeats=2",
        "--max_new_tokens=12", "--methods=priced_online", "--half=eval",
        "--temperature=1", "--top_k=20", "--drafter=demo/drafter_sampling",
-       "--batch_size=2", f"--cost_cache={tmp_path / 'costs'}", "--bootstrap_reps=50",
-       f"--out={out}"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+       "--batch_size=2", "--controller_costs=1,1.1,1.3,1.6", "--controller_draft_cost=0.8",
+       "--bootstrap_reps=50", f"--out={out}"],  # costs given: no measurement's compiles
+      cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "3 HumanEval eval-half prompts, T=1, top_k 20, verify exact" in proc.stdout
+  assert report_costs(out) == {"controller_costs": [1.0, 1.1, 1.3, 1.6],
+                               "controller_draft_cost": 0.8, "source": "given"}
   report = json.loads((out / "controllers.json").read_text())
   assert (report["temperature"], report["top_k"], report["verify"]) == (1.0, 20, "exact")
   assert report["drafter"] == "demo/drafter_sampling" and report["batch_size"] == 2
@@ -85,6 +92,17 @@ def test_simulated_drafts_at_a_model_shape_with_an_identical_twin(tmp_path):
   assert set(report["tails_shrink"]) == {"none", "priced_default"}
   assert "batch tails shrink: none " in proc.stdout
   assert report["intervals"]["ar_twin/ar"]["lo"] is not None  # 2 groups: an interval
+  # The forwards as the batches ran them (a forward of 2 slots counts once), every repeat, and
+  # their cost in AR steps of the run's table: an AR step costs one.
+  batched = report["batch_forwards"]
+  (steps,) = batched["ar"]["by_verify_length"].values()
+  assert set(batched["ar"]["by_verify_length"]) == {"ar"} and batched["ar"]["cost"] == steps
+  assert set(batched["none"]["by_verify_length"]) == {"k=3"}
+  for name in ("ar", "none", "ar_twin"):  # the same path every repeat: per row, 2 repeats
+    ran, rows = sum(batched[name]["by_verify_length"].values()), report["methods"][name]
+    assert rows["target_forwards"] <= ran <= 2 * rows["target_forwards"], name
+  assert batched["priced_default"]["cost"] > 0
+  assert "the batches' target forwards, every repeat" in proc.stdout
   # each group's repeats, in the order run: (new tokens, seconds, requests that drafted,
   # requests moved to the plain bucket)
   groups = report["repeats_per_group"]
