@@ -103,6 +103,7 @@ def simulate(prompts: list[tuple[np.ndarray, np.ndarray]], draft_cost: float,
   decline_3 = np.zeros(3)
   seen = jnp.asarray(evidence.empty_state())
   block = 2  # the gate reads full cycles only: any k = block - 1 > 0 marks one
+  backs_off = lambda: not gate or bool(_gate_persists(seen))  # a miss takes its AR steps now
   tokens = cost = 0.0
   verified = declined = ar_steps = 0
   for accepted_T, expected_T in prompts:
@@ -118,7 +119,7 @@ def simulate(prompts: list[tuple[np.ndarray, np.ndarray]], draft_cost: float,
           and misses <= decline.MAX_DECLINE_LEVEL and 1 + scale * e < verify_cost):
         cost, m, declined = cost + draft_cost + 1, m + 1, declined + 1
         misses += 1
-        wait = min(2 ** misses, cap) if not gate or bool(_gate_persists(seen)) else 0
+        wait = min(2 ** misses, cap) if backs_off() else 0
         continue
       cost, m, verified = cost + draft_cost + verify_cost, m + a + 1, verified + 1
       decline_3 = decline.EVIDENCE_FORGET * decline_3 + np.asarray([1.0, e, a])
@@ -126,8 +127,7 @@ def simulate(prompts: list[tuple[np.ndarray, np.ndarray]], draft_cost: float,
         seen = _gate_observed(seen, block - 1, block, jnp.asarray([a]), jnp.bool_(misses > 0))
       miss = a + 1 < draft_cost + verify_cost and not every_cycle
       misses = misses + 1 if miss else 0
-      backs_off = not gate or bool(_gate_persists(seen))
-      wait = min(2 ** misses, cap) if miss and backs_off else 0
+      wait = min(2 ** misses, cap) if miss and backs_off() else 0
     tokens += end
   return {"tokens_per_ar_step": tokens / cost, "verified": verified, "declined": declined,
           "ar_steps": ar_steps}

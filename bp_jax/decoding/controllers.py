@@ -141,7 +141,7 @@ class Priced(Plain):
       return jnp.int32(0), jnp.bool_(True)
     price = decline_rule.verify_price(self.block_size, self.price_N(s.break_even_N))
     active_B = s.active_B()
-    level = jnp.max(jnp.where(active_B, s.misses_B, 0))
+    level = s.backoff_level(active_B)
     declined = decline_rule.declines(expected_B, active_B, price,
                                      s.evidence_7[evidence.DECLINE], level)
     return jnp.where(declined, 0, 1).astype(jnp.int32), jnp.bool_(True)
@@ -155,10 +155,9 @@ class Priced(Plain):
       e = e.at[evidence.DECLINE].set(decline_rule.observed(e[evidence.DECLINE], k,
                                                            self.block_size, expected_B, a_B))
     if self.persist:
-      after_miss = jnp.max(jnp.where(s.active_B(), s.misses_B, 0)) > 0
+      after_miss = s.backoff_level(s.active_B()) > 0
       e = evidence.observed(e, k, self.block_size, a_B, after_miss)
     return s.replace(evidence_7=e) if self.stateful else s
-
 
   def miss_B(self, k: int, a_B: jax.Array, draft_next: jax.Array,
              break_even_N: jax.Array | None = None) -> jax.Array:

@@ -125,7 +125,7 @@ class LoopState:
                break_even_N=(None if break_even_N is None
                              else jnp.asarray(break_even_N, jnp.float32)),
                evidence_7=(None if evidence_7 is None
-                                 else jnp.asarray(evidence_7, jnp.float32)))
+                           else jnp.asarray(evidence_7, jnp.float32)))
 
   def start_row(self, row, first_tok, n, max_new, seed_key, stop_ids, sampling=None,
                 row_stop_K: jax.Array | None = None,
@@ -201,6 +201,11 @@ class LoopState:
     """[B] bool: rows still decoding (not stopped, below their max_new_tokens)."""
     return (~self.done_B) & (self.n_gen_B < self.max_new_B)
 
+  def backoff_level(self, active_B: jax.Array) -> jax.Array:
+    """[] int32 the batch's back-off level: the deepest `misses_B` among the rows `active_B`
+    marks (0 where none)."""
+    return jnp.max(jnp.where(active_B, self.misses_B, 0))
+
   def decodes(self) -> jax.Array:
     """[] bool: some row decodes, and no fewer than `min_active` rows do."""
     n = jnp.sum(self.active_B(), dtype=jnp.int32)
@@ -252,7 +257,7 @@ class LoopState:
     bool): whether the misses take their AR steps now (the priced back-off's gate,
     `evidence.persists`); a miss that does not still counts, so the next cycle is one after a
     miss."""
-    level = jnp.max(jnp.where(active_B, self.misses_B, 0)) if shared else self.misses_B
+    level = self.backoff_level(active_B) if shared else self.misses_B
     misses_B = jnp.where(miss_B, level + 1, 0)
     wait_B = jnp.where(miss_B & waits, backoff_steps(misses_B, cap), 0)
     return self.replace(misses_B=jnp.where(active_B, misses_B, self.misses_B),
