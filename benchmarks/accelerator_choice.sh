@@ -13,7 +13,9 @@
 # that many seconds (each batch size gets what is left, up to its limit; none starts with under
 # a minute left), so that a device lease's one call returns with the rows it finished.
 # METHODS=none,priced_default,priced_default_nogate replaces the methods besides our AR (e.g. the
-# default with and without its back-off gate).
+# default with and without its back-off gate). PROFILE=0 drops the profiler pass that counts
+# each method's device kernels and device-to-host copies per batch target forward (on a GPU each
+# evaluated predicate of a data-dependent loop is such a copy, and the host waits for it).
 # Writes ${OUT:-out}/accelerator_choice/B<batch>/{controllers.json,log.txt}. SHAPE=tiny runs the
 # same at the test shape (a CPU smoke run); programs are cached in $JAX_COMPILATION_CACHE_DIR
 # (ar_twin's are ar's).
@@ -34,15 +36,16 @@ for B in $batches; do
   mkdir -p "$root/B$B"
   prompts=$(( B == 1 ? 12 : 4 * B ))
   methods=${METHODS:-none,priced_default,ar_twin}
+  profile=$( (( ${PROFILE:-1} )) && echo --profile )
   (( B == 1 )) && methods=$methods,ar_padded  # one-row AR steps as two-token forwards
   start=$(date +%s)
   timeout "$run_limit" python3 -m benchmarks.controllers --shape "$shape" --block_size 16 \
     --prompt_len 256 --max_new_tokens 128 --num_prompts "$prompts" --repeats 2 \
     --batch_size "$B" --group_size "$B" --methods "$methods" \
-    --cost_cache "" --out "$root/B$B" > "$root/B$B/log.txt" 2>&1
+    --cost_cache "" $profile --out "$root/B$B" > "$root/B$B/log.txt" 2>&1
   rc=$?
   echo "batch $B: rc $rc in $(( $(date +%s) - start )) s"
   (( rc == 0 )) || tail -4 "$root/B$B/log.txt"
-  grep -E 'target forward over|since start' "$root/B$B/log.txt" | cut -c1-160
+  grep -E 'target forward over|since start|  profile ' "$root/B$B/log.txt" | cut -c1-160
   sed -n '/ method /,$p' "$root/B$B/log.txt" | grep -v '^  wrote' | head -30
 done

@@ -196,6 +196,11 @@ flags.DEFINE_enum("shape", "", ["", *accelerator.SHAPES], "'' = the demo's model
 flags.DEFINE_integer("prompt_len", 128, "--shape: tokens per random prompt")
 flags.DEFINE_float("sim_tau", 6.5, "--shape: mean τ at b = 16 of the SIMULATED acceptance "
                    "profile (benchmarks/accelerator.py)")
+flags.DEFINE_bool("profile", False, "after the timed runs, decode the first group once more "
+                  "per method under jax.profiler and print its device kernels and "
+                  "device-to-host copies per batch target forward (a GPU's stream lines: "
+                  "each copy of a loop predicate is a wait of the host for the device; a CPU "
+                  "has none to count)")
 flags.DEFINE_bool("hold_costs", False, "the default and its variants keep the start-up costs "
                   "(given or measured) instead of updating them from their loop calls: their "
                   "choices then follow those prices alone (with --controller_costs: a replay at "
@@ -398,6 +403,19 @@ def decode_group(engine: Engine, group: list, block_size: int, first: int,
                                forced_continuations=conts)
 
 
+def profiled(engine: Engine, group: list, block_size: int,
+             forced: dict[str, list[int]] | None) -> dict:
+  """`accelerator.profile_counts` of one more decode of `group` by `engine`, per target
+  forward its batches ran (`Engine.forwards_run`: a batch's forward counts once): the device
+  kernels and device-to-host copies (on a GPU each evaluated predicate of a data-dependent
+  loop copies to the host and waits) per forward, under "cycles" the forwards."""
+  def run() -> int:
+    before = sum(engine.forwards_run.values())
+    decode_group(engine, group, block_size, 0, forced)
+    return max(sum(engine.forwards_run.values()) - before, 1)
+  return accelerator.profile_counts(run)
+
+
 def seconds_per_token(gens: list[Generation]) -> float:
   """Decode seconds per new token of one repeat of a group: the repeat kept is the fastest by
   this (by its seconds alone when repeats give the same tokens)."""
@@ -593,6 +611,13 @@ def main(_):
     for rows_, e in est["by_batch_size"].items():
       print(f"  {m} cost estimate (batch {rows_}, {e['calls']} calls): break-even "
             f"{e['break_even']} AR steps, AR step {e['ar_step_s']} s")
+  profiles = {m: profiled(engines[m], groups[0], size[m], forced[m])
+              for m in methods} if FLAGS.profile else {}
+  for m, p in profiles.items():
+    counts = ("no device stream lines to count (a CPU)" if p["kernels_per_cycle"] is None else
+              f"{p['kernels_per_cycle']} device kernels and {p['d2h_copies_per_cycle']} "
+              "device-to-host copies per forward")
+    print(f"  profile {m}: {p['cycles']} batch target forwards, {counts}")
   if FLAGS.out:
     report = {"prompts": [k for k, _ in prompts], "half": FLAGS.half,
               "repeats": FLAGS.repeats, "max_new_tokens": FLAGS.max_new_tokens,
@@ -607,6 +632,8 @@ def main(_):
               "controller_costs": {**costs, "source": source}, "cost_estimates": online,
               "slot_use": slot_use, "drafted_every_repeat": drafted, "compiles": compiles,
               "tails_shrink": shrinks, "batch_forwards": batched,
+              "profile": {m: {k: v for k, v in p.items() if k != "device_lines"}
+                          for m, p in profiles.items()},
               "hold_costs": FLAGS.hold_costs,
               # the engines holding a measurement (the default's): the run's, as their source
               "engine_costs": {m: source for m, e in engines.items()

@@ -65,7 +65,8 @@ def test_simulated_drafts_at_a_model_shape_with_an_identical_twin(tmp_path):
       [sys.executable, "-m", "benchmarks.controllers", "--shape=tiny", "--prompt_len=16",
        "--num_prompts=3", "--repeats=2", "--max_new_tokens=20", "--block_size=4",
        "--methods=none,priced_default,ar_twin", "--batch_size=2", "--group_size=2",
-       f"--cost_cache={tmp_path / 'costs'}", "--bootstrap_reps=50", f"--out={out}"],
+       f"--cost_cache={tmp_path / 'costs'}", "--bootstrap_reps=50", "--profile",
+       f"--out={out}"],
       cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert ("3 random 16-token prompts (tiny shapes, SIMULATED drafts: tau 6.5 at b=16), T=0"
@@ -103,6 +104,12 @@ def test_simulated_drafts_at_a_model_shape_with_an_identical_twin(tmp_path):
     assert rows["target_forwards"] <= ran <= 2 * rows["target_forwards"], name
   assert batched["priced_default"]["cost"] > 0
   assert "the batches' target forwards, every repeat" in proc.stdout
+  # The profiler pass: each method's first group once more, its batches' forwards counted; a
+  # CPU's trace has no device stream lines, so there are no kernels or copies to count.
+  assert set(report["profile"]) == set(report["methods"])
+  for name, p in report["profile"].items():
+    assert p["cycles"] > 0 and p["kernels_per_cycle"] is None, name
+  assert "profile priced_default: " in proc.stdout and "no device stream lines" in proc.stdout
   # each group's repeats, in the order run: (new tokens, seconds, requests that drafted,
   # requests moved to the plain bucket)
   groups = report["repeats_per_group"]

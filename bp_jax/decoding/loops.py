@@ -316,14 +316,15 @@ def make_batched_spec_loop(graphdef, draft_graphdef, opts: LoopOptions) -> Calla
   after a cycle that accepts at most `ar_fallback_accept` drafts, a row asks for plain AR steps
   instead of cycles, 2, 4, 8, ... in a row for consecutive poor cycles (at most `ar_fallback`),
   then drafts again. The batch takes AR steps while every decoding row asks for them (a row
-  alone: exactly its own schedule). A loop iteration runs the AR steps the rows ask for first,
-  then one cycle (while the rows decode and it fits), so a row that starts with AR steps
-  (`LoopState.start_row`'s `start_2`, the engine's `start_backoff`) takes them before its
-  first cycle, and a call ends on a cycle unless its rows stop. An AR step is one target
-  forward over `tok` whose chosen-layer features still become drafter context, so the next
-  cycle drafts from the full context: they wait in `LoopState.pending_BPX` and the next cycle
-  adds them, CONTEXT_CHUNK positions per drafter context write (one write per AR step cost ~8%
-  of the step on the demo). Every token is still the target's own sample at its position
+  alone: exactly its own schedule). A loop iteration runs the AR steps the rows ask for, then
+  cycles until a cycle's misses ask for AR steps (while the rows decode and a cycle fits), so a
+  row that starts with AR steps (`LoopState.start_row`'s `start_2`, the engine's
+  `start_backoff`) takes them before its first cycle, and a run of cycles evaluates one loop
+  predicate per cycle besides its buckets' (on a GPU each is a wait of the host for the
+  device). An AR step is one target forward over `tok` whose chosen-layer features still
+  become drafter context, so the next cycle drafts from the full context: they wait in
+  `LoopState.pending_BPX` and the run's end adds them, CONTEXT_CHUNK positions per drafter
+  context write (one write per AR step cost ~8% of the step on the demo). Every token is still the target's own sample at its position
   (same keys), so the output is unchanged; only the time differs. `records.is_cycle_BS` tells
   cycles from AR steps (τ counts cycles only); `records.verified_BS` holds k + 1 for a forward
   verifying k drafts after a drafter pass, 0 for one without (the AR steps). `confidence`
@@ -411,8 +412,6 @@ def make_batched_spec_loop(graphdef, draft_graphdef, opts: LoopOptions) -> Calla
     def cycle(s):
       """Draft, let the controller pick k, verify k: with several buckets, one nested loop of
       zero or one trips per bucket (exactly one runs)."""
-      if ctl.cap:
-        s = flush_context(s)
       draft_Bk, draft_logits_BkV = draft(s)
       expected_B = ctl.expected(draft_logits_BkV, draft_Bk)
       idx, draft_next = ctl.choose(draft_logits_BkV, draft_Bk, s, expected_B)
@@ -460,17 +459,24 @@ def make_batched_spec_loop(graphdef, draft_graphdef, opts: LoopOptions) -> Calla
       return (jnp.any(active_B) & jnp.all(~active_B | (s.wait_B > 0)) & s.fits(1, window)
               & in_budget(s))
 
+    def ar_run(s):
+      """The AR steps the rows ask for (after a miss, or from the start:
+      `LoopState.start_row`), then their drafter inputs added to the context (`flush_context`),
+      so that every drafter pass finds its context whole: the steps' own loop inside a loop of
+      zero or one trips (a `lax.cond` would copy every cache buffer)."""
+      steps = lambda s: flush_context(jax.lax.while_loop(wants_ar, ar_step, ar_step(s)))
+      return jax.lax.while_loop(wants_ar, steps, s)
+
+    runs = lambda s: s.decodes() & s.fits(b, window)
+
     def body(s):
       if not ctl.cap:
         return cycle(s)
-      # The AR steps the rows ask for (after misses, or from the start: `LoopState.start_row`),
-      # then a cycle while the rows still decode and it fits, each a nested loop (of zero or
-      # one trips for the cycle): a `lax.cond` would copy every cache buffer at every step.
-      s = jax.lax.while_loop(wants_ar, ar_step, s)
-      once = lambda t: (jnp.bool_(False), cycle(t[1]))
-      return jax.lax.while_loop(
-          lambda t: t[0] & t[1].decodes() & t[1].fits(b, window) & in_budget(t[1]), once,
-          (jnp.bool_(True), s))[1]
+      # The AR steps the rows ask for, then cycles until one's misses ask for AR steps: a run
+      # of cycles evaluates one loop predicate per cycle, as the paper's loop does (on a GPU
+      # each evaluated predicate of a data-dependent loop is a wait of the host for the device).
+      return jax.lax.while_loop(lambda s: runs(s) & in_budget(s) & ~wants_ar(s), cycle,
+                                ar_run(s))
 
     s = _loop_caches(s, opts.scan_layers)
     # A state without the decline's state (a caller outside the engine): nothing seen, and
@@ -478,14 +484,13 @@ def make_batched_spec_loop(graphdef, draft_graphdef, opts: LoopOptions) -> Calla
     keep_evidence = s.evidence_7 is not None
     if ctl.stateful and not keep_evidence:
       s = s.replace(evidence_7=jnp.asarray(evidence.empty_state()))
-    run = lambda s: _run(lambda s: s.decodes() & s.fits(b, window), body, s, in_budget)
-    if not ctl.cap:
-      s = run(s)
-    else:
+    if ctl.cap:
       width = len(layer_ids) * drafter.cfg.layers.hidden_size
       s = s.replace(pending_BPX=jnp.zeros((s.pos_B.shape[0], pending_len, width),
                                           drafter.dtype))
-      s = flush_context(run(s)).replace(pending_BPX=None)
+    s = _run(runs, body, s, in_budget)
+    if ctl.cap:
+      s = s.replace(pending_BPX=None)
     return s if keep_evidence else s.replace(evidence_7=None)
 
   return spec_loop

@@ -1,0 +1,72 @@
+"""Loop predicates per cycle. On a GPU, XLA evaluates each predicate of a data-dependent
+`while_loop` on the device, copies it to the host and waits there for the device before it
+launches what follows, so every predicate a cycle evaluates is time the device idles. A run of
+the default's cycles (`priced`, with its back-off, decline and gate) must evaluate no more of
+them than the paper's loop (one per cycle) plus its verify buckets' (a nested loop of zero or
+one trips each: two evaluations for the bucket that runs, one for the other).
+
+Counted on this CPU by wrapping `jax.lax.while_loop`'s predicates, while the loops compile, with
+a host callback that counts each evaluation.
+"""
+
+from __future__ import annotations
+
+import jax
+import pytest
+
+from toy_models import toy_engine, toy_requests
+
+B = 4
+# Cheap verifies: a cycle that accepts its drafts is never a miss, so a run of cycles takes no
+# AR steps (the count below is the cycles' own).
+COSTS = dict(controller_costs="1,1.05,1.1", controller_draft_cost=0.1, start_backoff=False)
+
+
+@pytest.fixture
+def evaluations(monkeypatch) -> list[int]:
+  """[n]: the loop predicates evaluated so far by loops compiled from here on."""
+  seen = [0]
+  real = jax.lax.while_loop
+
+  def while_loop(cond, body, init):
+    def counted(s):
+      jax.debug.callback(lambda: seen.__setitem__(0, seen[0] + 1))
+      return cond(s)
+    return real(counted, body, init)
+
+  monkeypatch.setattr(jax.lax, "while_loop", while_loop)
+  return seen
+
+
+def _decode(eng, prompts, drafts, evaluations) -> tuple[int, int]:
+  """(predicates evaluated, cycles) of decoding each prompt alone with its drafts forced."""
+  before, cycles = evaluations[0], 0
+  for p, d in zip(prompts, drafts):
+    g = eng.generate(p, max_new_tokens=48, block_size=B, forced_continuation=d)
+    assert g.ar_steps == 0 and g.output_ids == d
+    cycles += g.cycles
+  return evaluations[0] - before, cycles
+
+
+def test_a_run_of_cycles_evaluates_one_predicate_besides_its_buckets(zeros_models,
+                                                                      evaluations):
+  prompts, _ = toy_requests(3, seed=5)
+  plain = toy_engine(zeros_models, "none", sync_cycles=0)
+  ar = [plain.generate(p, max_new_tokens=48, block_size=1).output_ids for p in prompts]
+  default = toy_engine(zeros_models, "priced", sync_cycles=0, **COSTS)
+  assert default.loop_options.controller_decline and default.loop_options.controller_persist
+  # First decodes compile (and run their loops' first calls); the counts come from the second.
+  for eng in (plain, default):
+    _decode(eng, prompts, ar, evaluations)
+  n_plain, c_plain = _decode(plain, prompts, ar, evaluations)
+  n_default, c_default = _decode(default, prompts, ar, evaluations)
+  assert c_plain == c_default > 8 * len(prompts)
+  calls = len(prompts)  # one loop call per request (sync_cycles 0)
+  # The paper's loop: its one predicate per cycle, and one more per call (the exit).
+  assert n_plain == c_plain + calls
+  # The default: the cycles' loop and the two buckets' (2 + 1) per cycle; per call, the outer
+  # loop's two, the AR steps' loop of zero or one trips and the cycles' loop's exit. Nested in
+  # a loop of zero or one trips after AR steps that ran first (the form before), a cycle
+  # evaluated 8 (the outer loop, the AR steps', its own twice, the context flush's, buckets').
+  per_cycle = (n_default - 4 * calls) / c_default
+  assert per_cycle == pytest.approx(4.0), (n_default, c_default)
