@@ -20,7 +20,9 @@ A controller has
            when cap > 0); `break_even_N`: the loop state's runtime prices
            (`LoopState.break_even_N`), which only `priced` reads;
   backs_off(s) -> [] bool: whether the cycle's misses take their AR steps now (`priced` with
-           its gate: only while misses persist, `evidence.persists`).
+           its gate: only while misses persist, `evidence.persists`);
+  declines  whether `choose`'s bucket 0 declines the drafts (`priced`'s decline): the loop
+           verifies nothing in that cycle and the rows' next AR step is its forward.
 """
 
 from __future__ import annotations
@@ -46,6 +48,10 @@ class Plain:
   @property
   def buckets(self) -> tuple[int, ...]:
     return (self.block_size - 1,)
+
+  # Whether `choose`'s bucket 0 declines the drafts (`priced`'s decline): the loop then verifies
+  # nothing in that cycle, and the rows' next AR step is its forward (`loops`).
+  declines = False
 
   # Whether the controller keeps state across its cycles (`observed`): the loop state then
   # carries `LoopState.evidence_7` (`evidence`).
@@ -115,6 +121,10 @@ class Priced(Plain):
   @property
   def buckets(self) -> tuple[int, ...]:
     return (0, self.block_size - 1) if self.decline else (self.block_size - 1,)
+
+  @property
+  def declines(self) -> bool:
+    return self.decline
 
   @property
   def stateful(self) -> bool:

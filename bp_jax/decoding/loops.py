@@ -199,7 +199,8 @@ def _commit(s: LoopState, out, y_Bt: jax.Array, a_B: jax.Array, active_B: jax.Ar
             is_cycle: bool, verified: int, stop_ids) -> tuple[LoopState, jax.Array]:
   """(the state after a target forward that commits y[r, 0..a_r] for every decoding row r, a_B
   with -1 where a row committed nothing): NaN check, accept and roll back, record. `is_cycle`
-  and `verified` (static) are the forward's records (`state.ForwardRecords`)."""
+  ([] or [B]) and `verified` ([]) are the forward's records (`state.ForwardRecords`), static
+  or traced."""
   a_B, bad_B = _checked(out.logits, a_B, active_B)
   s = s.committed(y_Bt, a_B, active_B, bad_B, out.cache, stop_ids)
   return s.replace(records=s.records.recorded(active_B, a_B, is_cycle, verified),
@@ -335,13 +336,13 @@ def make_batched_spec_loop(graphdef, draft_graphdef, opts: LoopOptions) -> Calla
   drafts and accepted at most that many), and after it the rows take AR steps as `backoff`
   does, at most `ar_fallback` (16 when 0). `priced` with `controller_decline` verifies k = 0
   (declines the drafts, a miss) or k = b-1 per cycle (`decline`), and learns the drafter's
-  acceptance per expected draft from its full cycles (`LoopState.evidence_7`); with
-  `controller_persist` a miss takes its AR steps only while misses persist
-  (`evidence.persists`). "fixed:k"
-  (tests) verifies k drafts every cycle
-  through the same machinery. Each bucket is its own verify shape [B, k+1] run as a nested
-  `while_loop` of zero or one trips (a `lax.switch` would copy every cache buffer); a cycle
-  verifying k = 0 drafts still counts as a cycle (its drafter pass was paid).
+  acceptance per expected draft from its full cycles (`LoopState.evidence_7`); a declined
+  cycle's forward over `tok` alone is the rows' next AR step (`declined`), recorded as the
+  cycle's; with `controller_persist` a miss takes its AR steps only while misses persist
+  (`evidence.persists`). "fixed:k" (tests) verifies k drafts every cycle through the same
+  machinery. Each bucket is its own verify shape [B, k+1] run as a nested `while_loop` of zero
+  or one trips (a `lax.switch` would copy every cache buffer); a cycle verifying k = 0 drafts
+  still counts as a cycle (its drafter pass was paid).
 
   `opts.forced_drafts` (tests and benchmarks; `exact` only): the state has `forced_BS`, and
   each row drafts the tokens stored there at its positions (where >= 0; elsewhere the
@@ -409,27 +410,53 @@ def make_batched_spec_loop(graphdef, draft_graphdef, opts: LoopOptions) -> Calla
                              ctl.shared_backoff, waits=ctl.backs_off(new))
       return new
 
+    def declined(s, declines, draft_next, expected_B):
+      """The state after a cycle that declines its drafts (`declines` [] bool; unchanged
+      where not): a miss, whose rows' next AR step is the cycle's forward over `tok` alone
+      (one AR step more than the miss asks for; `declined_B` records it as this cycle's, one
+      verifying no draft). A verify of one token beside the full one would be a third target
+      forward in the program and a second nested loop in every cycle."""
+      active_B = s.active_B()
+      a_B = jnp.where(active_B, 0, -1)  # the forward commits the target's own token
+      new = ctl.observed(s, 0, a_B, expected_B)
+      new = new.backed_off(ctl.miss_B(0, a_B, draft_next, s.break_even_N), active_B, ctl.cap,
+                           ctl.shared_backoff, waits=ctl.backs_off(new))
+      pick = lambda x, y: jnp.where(declines, x, y)
+      return s.replace(
+          misses_B=pick(new.misses_B, s.misses_B),
+          wait_B=pick(jnp.where(active_B, new.wait_B + 1, new.wait_B), s.wait_B),
+          declined_B=pick(active_B, s.declined_B),
+          evidence_7=None if s.evidence_7 is None else pick(new.evidence_7, s.evidence_7))
+
     def cycle(s):
       """Draft, let the controller pick k, verify k: with several buckets, one nested loop of
-      zero or one trips per bucket (exactly one runs)."""
+      zero or one trips per bucket (exactly one runs); a controller that declines (its bucket
+      0) runs the full verify in the one loop where it does not (`declined`)."""
       draft_Bk, draft_logits_BkV = draft(s)
       expected_B = ctl.expected(draft_logits_BkV, draft_Bk)
       idx, draft_next = ctl.choose(draft_logits_BkV, draft_Bk, s, expected_B)
+      verify = lambda s, k: verify_k(s, k, draft_Bk, draft_logits_BkV, draft_next, expected_B)
       if len(ctl.buckets) == 1:
-        return verify_k(s, ctl.buckets[0], draft_Bk, draft_logits_BkV, draft_next, expected_B)
-      for i, k in enumerate(ctl.buckets):
-        run = lambda t, k=k: (jnp.bool_(False), verify_k(t[1], k, draft_Bk, draft_logits_BkV,
-                                                          draft_next, expected_B))
-        s = jax.lax.while_loop(lambda t: t[0], run, (idx == i, s))[1]
+        return verify(s, ctl.buckets[0])
+      runs_K = [(idx == i, k) for i, k in enumerate(ctl.buckets)]
+      if ctl.declines:
+        s = declined(s, idx == 0, draft_next, expected_B)
+        runs_K = runs_K[1:]
+      for go, k in runs_K:
+        run = lambda t, k=k: (jnp.bool_(False), verify(t[1], k))
+        s = jax.lax.while_loop(lambda t: t[0], run, (go, s))[1]
       return s
     # ------------------------------------------------------------------------------------------
 
     def ar_step(s):
-      """A fallback AR step: the target over `tok` alone, no drafter pass; its drafter inputs
-      wait in `pending_BPX` (`flush_context` adds them before the next drafter pass)."""
+      """A fallback AR step: the target over `tok` alone, no drafter pass (or the forward of a
+      cycle that declined its drafts, `declined`, recorded as that cycle's); its drafter inputs
+      wait in `pending_BPX` (`flush_context` adds them when the run of AR steps ends)."""
       out, active_B, _ = forward(s, s.tok_B[:, None])
-      new, _ = _commit(s, out, _ar_draw(s, out), jnp.zeros_like(s.pos_B), active_B, False, 0,
-                       stop_ids)
+      cycle_B = s.declined_B & active_B
+      new, _ = _commit(s, out, _ar_draw(s, out), jnp.zeros_like(s.pos_B), active_B, cycle_B,
+                       jnp.any(cycle_B).astype(jnp.int32), stop_ids)
+      new = new.replace(declined_B=jnp.zeros_like(s.declined_B))
       rows_B = jnp.arange(s.pos_B.shape[0])
       at_B = jnp.where(active_B, s.pos_B - s.draft_cache.lengths, pending_len)
       pending = s.pending_BPX.at[rows_B, at_B].set(

@@ -73,6 +73,9 @@ class LoopState:
   records: ForwardRecords    # per forward: committed tokens, cycle or AR step, drafts verified
   misses_B: jax.Array        # [B] int32 consecutive poor / declined cycles (the back-off)
   wait_B: jax.Array          # [B] int32 AR steps the row still asks for before drafting again
+  # [B] bool: the row's last cycle declined its drafts (`priced`'s decline): its next AR step is
+  # that cycle's forward, recorded as a cycle that verified no draft (`loops`).
+  declined_B: jax.Array
   seed_keys_B: jax.Array     # [B] typed PRNG keys: each request's own seed
   sp_B: SamplingParams       # [B] each row's sampling settings (temperature, top-k/p, min-p)
   stop_BK: jax.Array         # [B, K] int32 each row's own stop ids besides the engine's (-1)
@@ -116,7 +119,7 @@ class LoopState:
     return cls(seq_BS=seq_BS, cache=cache, pos_B=zeros(), tok_B=zeros(), n_gen_B=zeros() + 1,
                max_new_B=zeros(), done_B=jnp.zeros((B,), jnp.bool_),
                bad_B=jnp.zeros((B,), jnp.bool_), records=ForwardRecords.empty(B, S),
-               misses_B=zeros(), wait_B=zeros(),
+               misses_B=zeros(), wait_B=zeros(), declined_B=jnp.zeros((B,), jnp.bool_),
                seed_keys_B=jax.random.split(jax.random.key(0), B), sp_B=row_params(B),
                stop_BK=jnp.full((B, MAX_ROW_STOP_IDS), -1, jnp.int32),
                forward_counts_N=jnp.zeros((max_verify + 1,), jnp.int32),
@@ -150,6 +153,7 @@ class LoopState:
         bad_B=self.bad_B.at[row].set(False), records=self.records.cleared(row),
         misses_B=self.misses_B.at[row].set(start_2[0]),
         wait_B=self.wait_B.at[row].set(start_2[1]),
+        declined_B=self.declined_B.at[row].set(False),
         seed_keys_B=self.seed_keys_B.at[row].set(seed_key), sp_B=set_row(self.sp_B, row, sp),
         stop_BK=self.stop_BK.at[row].set(row_stop))
     if forced_S is not None:
@@ -193,8 +197,9 @@ class LoopState:
         cache=self.cache.put_rows(one.cache, row), draft_cache=self.draft_cache,
         forced_BS=self.forced_BS, forward_counts_N=self.forward_counts_N,
         min_active=self.min_active, break_even_N=self.break_even_N,
-        evidence_7=self.evidence_7, pending_BPX=self.pending_BPX, misses_B=out.misses_B.at[row].set(0),
-        wait_B=out.wait_B.at[row].set(0))
+        evidence_7=self.evidence_7, pending_BPX=self.pending_BPX,
+        misses_B=out.misses_B.at[row].set(0), wait_B=out.wait_B.at[row].set(0),
+        declined_B=out.declined_B.at[row].set(False))
 
   # -- read by the loops --------------------------------------------------------------------
   def active_B(self) -> jax.Array:
