@@ -60,6 +60,30 @@ def test_the_evidence_counts_full_cycles_rows_that_committed_and_forgets():
   assert np.all(np.asarray(state[evidence.DECLINE]) == 0)
 
 
+def test_a_cycle_follows_a_miss_by_the_rows_that_decoded_in_it():
+  """The gate reads "after a miss" from the rows the cycle decoded (as the decline's choice
+  read them before it), not the rows still decoding after it: a row with a miss that the cycle
+  finished still makes it a cycle after a miss."""
+  from bp_jax.decoding.controllers import controller_of
+  from bp_jax.decoding.options import LoopOptions
+  from bp_jax.decoding.state import LoopState
+  from bp_jax.models.kv_cache import KVCache
+  ctl = controller_of(LoopOptions(block_size=B, controller="priced", ar_fallback=16,
+                                  controller_decline=False, **COSTS))
+  s = LoopState.empty(jnp.zeros((2, 16), jnp.int32), KVCache.create(1, 2, 16, 1, 4, jnp.float32),
+                      evidence_7=evidence.empty_state())
+  # Row 0 (one miss before this cycle) finished in it; row 1 (none) decodes on.
+  s = s.replace(misses_B=jnp.asarray([1, 0], jnp.int32), done_B=jnp.asarray([True, False]),
+                n_gen_B=jnp.asarray([5, 5], jnp.int32), max_new_B=jnp.asarray([9, 9], jnp.int32))
+  a_B = jnp.asarray([2, 3], jnp.int32)
+  seen = np.asarray(ctl.observed(s, B - 1, a_B).evidence_7)
+  after = evidence.observed(jnp.asarray(evidence.empty_state()), B - 1, B, a_B, jnp.bool_(True))
+  np.testing.assert_allclose(seen, np.asarray(after))
+  not_after = evidence.observed(jnp.asarray(evidence.empty_state()), B - 1, B, a_B,
+                                jnp.bool_(False))
+  assert not np.allclose(seen, np.asarray(not_after))
+
+
 # -- the loop -----------------------------------------------------------------------------------
 def _forced(outputs: list[list[int]], wrong) -> list[list[int]]:
   """Each request's AR output as its drafts, with another token at the positions `wrong(i, j)`

@@ -158,14 +158,15 @@ class Priced(Plain):
 
   def observed(self, s, k: int, a_B: jax.Array, expected_B=None):
     """The state after a cycle that verified k drafts: the decline's and the back-off gate's
-    evidence (`evidence`; the cycle follows a miss when the batch's back-off level, its decoding
-    rows' deepest `misses_B`, is above 0: `misses_B` is this cycle's before `backed_off`)."""
+    evidence (`evidence`; the cycle follows a miss when the batch's back-off level, the deepest
+    `misses_B` of the rows that decoded in it (a_B >= 0, as its choice read them: a row the
+    cycle finished counts), is above 0: `misses_B` is this cycle's before `backed_off`)."""
     e = s.evidence_7
     if self.decline:
       e = e.at[evidence.DECLINE].set(decline_rule.observed(e[evidence.DECLINE], k,
                                                            self.block_size, expected_B, a_B))
     if self.persist:
-      after_miss = s.backoff_level(s.active_B()) > 0
+      after_miss = s.backoff_level(a_B >= 0) > 0
       e = evidence.observed(e, k, self.block_size, a_B, after_miss)
     return s.replace(evidence_7=e) if self.stateful else s
 
