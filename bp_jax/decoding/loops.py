@@ -258,8 +258,9 @@ def make_batched_ar_loop(graphdef, opts: LoopOptions = LoopOptions()) -> Callabl
   `programs.window_for`): a step reads the live part of the cache instead of all its slots.
 
   Each row samples with its own settings (`LoopState.sp_B`) and draws with its own seed key at
-  its own positions, so a row's tokens are those it gets decoded alone. `opts.scan_layers`: run the target's layers with `lax.scan` (faster to compile
-  for deep models) instead of unrolled with per-layer weights (faster per step; the default)."""
+  its own positions, so a row's tokens are those it gets decoded alone. `opts.scan_layers`: run
+  the target's layers with `lax.scan` (faster to compile for deep models) instead of unrolled
+  with per-layer weights (faster per step; the default)."""
   window, pad = opts.window, opts.ar_step_tokens_in_effect()
 
   def ar_loop(state, s: LoopState, stop_ids) -> LoopState:
@@ -325,8 +326,9 @@ def make_batched_spec_loop(graphdef, draft_graphdef, opts: LoopOptions) -> Calla
   device). An AR step is one target forward over `tok` whose chosen-layer features still
   become drafter context, so the next cycle drafts from the full context: they wait in
   `LoopState.pending_BPX` and the run's end adds them, CONTEXT_CHUNK positions per drafter
-  context write (one write per AR step cost ~8% of the step on the demo). Every token is still the target's own sample at its position
-  (same keys), so the output is unchanged; only the time differs. `records.is_cycle_BS` tells
+  context write (one write per AR step cost ~8% of the step on the demo). Every token is still
+  the target's own sample at its position (same keys), so the output is unchanged; only the
+  time differs. `records.is_cycle_BS` tells
   cycles from AR steps (τ counts cycles only); `records.verified_BS` holds k + 1 for a forward
   verifying k drafts after a drafter pass, 0 for one without (the AR steps). `confidence`
   verifies k of the b-1 drafts, k from `controller.verify_buckets(b)` chosen per cycle (one k

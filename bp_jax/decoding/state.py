@@ -170,8 +170,8 @@ class LoopState:
     """A state of R rows: row i is a copy of this state's row `rows_R[i]` (tokens, caches,
     records, sampling settings, seed key, back-off) where `keep_R[i]`, an empty slot
     (max_new 0) where not. The batch-wide fields (forward counts, `min_active`, break-even,
-    decline state) stay as they are. How the scheduler shrinks a bucket's state to the requests it still
-    decodes, or grows it back (`Scheduler`)."""
+    the priced controller's evidence) stay as they are. How the scheduler shrinks a bucket's
+    state to the requests it still decodes, or grows it back (`Scheduler`)."""
     shared = dict(cache=None, draft_cache=None, forward_counts_N=None, min_active=None,
                   break_even_N=None, evidence_7=None, pending_BPX=None)
     out = jax.tree.map(lambda x: x[rows_R], self.replace(**shared))
