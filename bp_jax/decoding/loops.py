@@ -406,11 +406,17 @@ def make_batched_spec_loop(graphdef, draft_graphdef, opts: LoopOptions) -> Calla
         y_Bt, a_B = rule.verify(out.logits, draft_logits_BkV[:, :k], draft_Bk[:, :k], s.sp_B,
                                 s.seed_keys_B, s.pos_B)
       new, a_B = commit(s, out, y_Bt, a_B, active_B, pointer_B, True, k + 1)
-      new = ctl.observed(new, k, a_B, expected_B)
-      if ctl.cap:
-        new = new.backed_off(ctl.miss_B(k, a_B, draft_next, s.break_even_N), active_B, ctl.cap,
-                             ctl.shared_backoff, waits=ctl.backs_off(new))
-      return new
+      return learned(new, k, a_B, active_B, draft_next, expected_B)
+
+    def learned(s, k: int, a_B, active_B, draft_next, expected_B):
+      """The state after a cycle that verified k drafts and committed a_B + 1 tokens per row
+      (-1: none) of the rows `active_B`: the controller learns from it (`observed`), and a miss
+      asks for AR steps (`backed_off`)."""
+      s = ctl.observed(s, k, a_B, expected_B)
+      if not ctl.cap:
+        return s
+      return s.backed_off(ctl.miss_B(k, a_B, draft_next, s.break_even_N), active_B, ctl.cap,
+                          ctl.shared_backoff, waits=ctl.backs_off(s))
 
     def declined(s, declines, draft_next, expected_B):
       """The state after a cycle that declines its drafts (`declines` [] bool; unchanged
@@ -419,16 +425,13 @@ def make_batched_spec_loop(graphdef, draft_graphdef, opts: LoopOptions) -> Calla
       verifying no draft). A verify of one token beside the full one would be a third target
       forward in the program and a second nested loop in every cycle."""
       active_B = s.active_B()
-      a_B = jnp.where(active_B, 0, -1)  # the forward commits the target's own token
-      new = ctl.observed(s, 0, a_B, expected_B)
-      new = new.backed_off(ctl.miss_B(0, a_B, draft_next, s.break_even_N), active_B, ctl.cap,
-                           ctl.shared_backoff, waits=ctl.backs_off(new))
+      # The forward will commit the target's own token (a = 0) for every decoding row.
+      new = learned(s, 0, jnp.where(active_B, 0, -1), active_B, draft_next, expected_B)
       pick = lambda x, y: jnp.where(declines, x, y)
-      return s.replace(
+      return s.replace(  # a controller that declines keeps evidence: `evidence_7` is set
           misses_B=pick(new.misses_B, s.misses_B),
           wait_B=pick(jnp.where(active_B, new.wait_B + 1, new.wait_B), s.wait_B),
-          declined_B=pick(active_B, s.declined_B),
-          evidence_7=None if s.evidence_7 is None else pick(new.evidence_7, s.evidence_7))
+          declined_B=pick(active_B, s.declined_B), evidence_7=pick(new.evidence_7, s.evidence_7))
 
     def cycle(s):
       """Draft, let the controller pick k, verify k: with several buckets, one nested loop of
@@ -440,13 +443,13 @@ def make_batched_spec_loop(graphdef, draft_graphdef, opts: LoopOptions) -> Calla
       verify = lambda s, k: verify_k(s, k, draft_Bk, draft_logits_BkV, draft_next, expected_B)
       if len(ctl.buckets) == 1:
         return verify(s, ctl.buckets[0])
-      runs_K = [(idx == i, k) for i, k in enumerate(ctl.buckets)]
-      if ctl.declines:
+      buckets = list(enumerate(ctl.buckets))
+      if ctl.declines:  # bucket 0 verifies nothing
         s = declined(s, idx == 0, draft_next, expected_B)
-        runs_K = runs_K[1:]
-      for go, k in runs_K:
+        buckets = buckets[1:]
+      for i, k in buckets:
         run = lambda t, k=k: (jnp.bool_(False), verify(t[1], k))
-        s = jax.lax.while_loop(lambda t: t[0], run, (go, s))[1]
+        s = jax.lax.while_loop(lambda t: t[0], run, (idx == i, s))[1]
       return s
     # ------------------------------------------------------------------------------------------
 
