@@ -67,6 +67,11 @@ Methods (`--methods`, comma-separated):
                     two-row one, as on an H200 at Qwen3-4B shapes). On an accelerator `ar`
                     measures that itself and pads where it pays (`Engine._padded`), so there
                     the two are one engine's form twice; on a CPU `ar` does not pad.
+  ar_tied, none_tied
+                    ar and none with a tied target's output projection contracted with the
+                    embedding as stored (`Engine(head_apart=False)`): on a CPU the other
+                    methods decode with it stored apart, transposed (`engine.decode_form`);
+                    elsewhere the same engines as ar and none.
 
 With --batch_size B > 1 every method decodes the prompts in groups of --group_size consecutive
 prompts (default 4B; the same groups for every method, interleaved per group), each group
@@ -143,7 +148,7 @@ from bp_jax import cli
 from bp_jax.decoding import controller as control
 from bp_jax.decode_job.compare import check_repeats_agree
 from bp_jax.decoding.costs import ForwardCosts, forward_costs
-from bp_jax.decoding.engine import Engine
+from bp_jax.decoding.engine import Engine, decode_form
 from bp_jax.decoding.generation import Generation, forward_cost_units
 from bp_jax.decoding.options import BatchOptions, LoopOptions, ShapeOptions
 from bp_jax.eval.bootstrap import bootstrap_speedup
@@ -153,7 +158,8 @@ METHODS = ("ar", "none", "backoff", "confidence_1step", "confidence", "confidenc
            "confidence_cal", "confidence_cal_poor", "priced", "priced_online", "priced_long",
            "priced_default", "priced_default_noplain", "priced_default_every8", "ar_full",
            "priced_default_full", "ar_twin", "priced_default_nomove",
-           "priced_default_nodecline", "priced_default_nogate", "ar_padded")
+           "priced_default_nodecline", "priced_default_nogate", "ar_padded", "ar_tied",
+           "none_tied")
 
 common.define_flags("target", "drafter", "dtype", "max_len", "max_new_tokens", "block_size",
                     num_prompts=24, repeats=3,
@@ -223,8 +229,10 @@ def loop_method(method: str) -> str:
   priced_default_every8: priced_default's, its start rule set in `main`)."""
   if method in ("priced_default_every8", "priced_default_nomove"):
     return "priced_default"
-  if method in ("ar_twin", "ar_padded"):
+  if method in ("ar_twin", "ar_padded", "ar_tied"):
     return "ar"
+  if method == "none_tied":
+    return "none"
   return method[:-len("_full")] if method.endswith("_full") else method
 
 
@@ -439,7 +447,7 @@ PAIRS = (("priced", "backoff"), ("priced_online", "priced"), ("priced_long", "pr
          ("priced_default", "priced_default_every8"), ("priced_default", "priced_default_nomove"),
          ("priced_default", "priced_default_nodecline"),
          ("priced_default", "priced_default_nogate"), ("priced_default", "none"),
-         ("priced_default", "ar_padded"))
+         ("priced_default", "ar_padded"), ("ar", "ar_tied"), ("none", "none_tied"))
 
 
 def method_pairs(methods: list[str]) -> list[tuple[str, str]]:
@@ -491,13 +499,16 @@ def main(_):
                         f"least --batch_size={FLAGS.batch_size}")
   started = time.perf_counter()
   setup = load_setup()
-  target, drafter, prompts = setup.target, setup.drafter, setup.prompts
+  # The form every engine decodes with (a tied head apart on a CPU), measured as it runs.
+  target, drafter, prompts = decode_form(setup.target), setup.drafter, setup.prompts
   costs, source, measured = controller_costs(target, drafter, setup.max_len)
   print(f"  controller costs ({source}): verify {costs['controller_costs']}, drafter "
         f"{costs['controller_draft_cost']} ({time.perf_counter() - started:.0f} s since start)",
         flush=True)
   default_costs = costs if source == "given" else {}
-  engines = {m: Engine(target, stop_ids=setup.stop_ids, drafter=drafter,
+  tied = lambda m: m.endswith("_tied")
+  engines = {m: Engine(setup.target if tied(m) else target, stop_ids=setup.stop_ids,
+                       drafter=drafter, head_apart=False if tied(m) else None,
                        measured_costs=measured,
                        shapes=ShapeOptions(max_len=setup.max_len,
                                            length_buckets=setup.length_buckets,

@@ -4,13 +4,18 @@ outputs stay AR's."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import jax
+import jax.numpy as jnp
 import pytest
+from flax import nnx
 
 from bp_jax.decoding import loops
+from bp_jax.decoding.engine import keeps_head_apart
 from bp_jax.models import layers as L
+from bp_jax.models.qwen3 import Qwen3
 from toy_models import toy_ar_outputs, toy_engine, toy_requests, zeros_drafter_pair
 
 
@@ -51,3 +56,34 @@ def test_scanned_layers_take_no_slices_and_outputs_stay_ar(models):
   got = [eng.generate(p, max_new_tokens=m, block_size=4).output_ids
          for p, m in zip(prompts, max_news)]
   assert got == toy_ar_outputs(models, 3)
+
+
+def _tied(target):
+  """A tied model of the untied toy target's shapes: its embedding is the toy's lm_head^T."""
+  graph, state = nnx.split(Qwen3(dataclasses.replace(target.cfg, tie_word_embeddings=True),
+                                 rngs=nnx.Rngs(0)))
+  weights = nnx.state(target).to_pure_dict()
+  weights["embed"] = jnp.transpose(weights.pop("lm_head"))
+  nnx.replace_by_pure_dict(state, weights)
+  return nnx.merge(graph, state)
+
+
+def test_a_tied_head_apart_decodes_the_same_tokens(models):
+  """A tied target's head is stored apart, transposed, where `keeps_head_apart` (on a CPU,
+  where the product with the embedding as stored ran slower): its engine holds lm_head [D, V],
+  decodes exactly what the tied engine decodes (AR and speculative, batched: all equal), and
+  `head_apart=False` keeps the model as given."""
+  target, drafter = models
+  tied = _tied(target)
+  assert keeps_head_apart() == (jax.default_backend() == "cpu")
+  engines = {}
+  for apart in (True, False):
+    engines[apart] = toy_engine((tied, drafter), "priced", batch_size=2, head_apart=apart)
+    assert ("lm_head" in engines[apart].t_state.to_pure_dict()) == apart
+  V, D = target.cfg.vocab_size, target.cfg.hidden_size
+  assert engines[True].t_state.to_pure_dict()["lm_head"].shape == (D, V)
+  prompts, max_news = toy_requests(4)
+  got = {(apart, size): [g.output_ids for g in eng.generate_batch(
+      prompts, max_new_tokens=max_news, block_size=size)]
+         for apart, eng in engines.items() for size in (1, 4)}
+  assert len({str(v) for v in got.values()}) == 1, got

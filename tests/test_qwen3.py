@@ -19,7 +19,7 @@ from bp_jax.weights.convert import convert_from_hf
 from bp_jax.weights.hf_mapping import target_params_from_hf
 from bp_jax.weights.loading import load_target
 from bp_jax.models.nnx_utils import module_from_params
-from bp_jax.models.qwen3 import Qwen3
+from bp_jax.models.qwen3 import Qwen3, with_head_apart
 from hf_fixtures import jax_qwen3_from_torch, make_hf_qwen3, save_hf_qwen3, state_dict_getters
 
 F32_TOL = 1e-4
@@ -84,6 +84,24 @@ def test_logits_and_hidden_states_match_transformers_float32(variant):
   for j in range(n):
     np.testing.assert_allclose(np.asarray(out.layer_hiddens[j]), ref_layers[j], atol=F32_TOL,
                                rtol=0, err_msg=f"decoder layer {j}")
+
+
+def test_a_tied_head_stored_apart_keeps_the_logits():
+  """`with_head_apart` (what a CPU engine decodes with): lm_head [D, V] holds the embedding
+  transposed, the embedding itself is the same array (no copy), and the logits are still
+  transformers'; an untied model comes back as it is."""
+  hf = make_hf_qwen3(seed=1, **VARIANTS["tied_gqa2"])
+  ours = jax_qwen3_from_torch(hf)
+  apart = with_head_apart(ours)
+  assert not apart.cfg.tie_word_embeddings and ours.cfg.tie_word_embeddings
+  assert apart.embed[...] is ours.embed[...]
+  np.testing.assert_array_equal(np.asarray(apart.lm_head[...]), np.asarray(ours.embed[...]).T)
+  tokens = _tokens(2, 13, hf.config.vocab_size)
+  ref_logits, _ = _hf_forward(hf, tokens)
+  np.testing.assert_allclose(np.asarray(_ours(apart, tokens).logits), ref_logits, atol=F32_TOL,
+                             rtol=0)
+  untied = jax_qwen3_from_torch(make_hf_qwen3(seed=1, **VARIANTS["untied_gqa2"]))
+  assert with_head_apart(untied) is untied
 
 
 def test_drafter_features_are_transformers_hidden_states_except_the_last_layer():

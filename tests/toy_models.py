@@ -50,17 +50,19 @@ def toy_requests(num: int, seed: int = 0, vocab_size: int = 64
 
 def toy_engine(models, controller: str, batch_size: int = 1, sync_cycles: int = 16,
                shrink: bool = False, move_plain_after: int = BatchOptions.move_plain_after,
-               **loop) -> Engine:
+               head_apart: bool | None = None, **loop) -> Engine:
   """An engine on `zeros_drafter_pair` (max_len 128, length buckets 16/32/64, block sizes 1
   and 4) whose spec loops use `controller` (also the tests' "fixed:k", which the command line
   refuses); `loop`: further `LoopOptions` fields. Its batches compute all slots unless `shrink`
-  (`BatchOptions.shrink`: each further slot size compiles its own loops)."""
+  (`BatchOptions.shrink`: each further slot size compiles its own loops); `head_apart`: as
+  `Engine`'s."""
   target, drafter = models
   return Engine(target, drafter=drafter,
                 shapes=ShapeOptions(max_len=128, length_buckets=(16, 32, 64), block_sizes=(1, 4)),
                 loop=LoopOptions(controller=controller, **loop),
                 batching=BatchOptions(batch_size=batch_size, sync_cycles=sync_cycles,
-                                      shrink=shrink, move_plain_after=move_plain_after))
+                                      shrink=shrink, move_plain_after=move_plain_after),
+                head_apart=head_apart)
 
 
 def toy_ar_outputs(models, num: int) -> list[list[int]]:

@@ -40,7 +40,7 @@ from bp_jax.decoding.sampling import sampling_params
 from bp_jax.decoding.scheduler import BatchRequest, Scheduler
 from bp_jax.decoding.state import MAX_ROW_STOP_IDS, LoopState
 from bp_jax.errors import BadInputError
-from bp_jax.models.qwen3 import Qwen3
+from bp_jax.models.qwen3 import Qwen3, with_head_apart
 from bp_jax.parallel.rules import replicated, shard_batch, shard_cache, shard_state
 
 LEARNED = "learned"  # `generate(block_size=LEARNED)`: the policy chooses the bucket
@@ -63,6 +63,26 @@ def probes_ar_step() -> bool:
   return jax.default_backend() != "cpu"
 
 
+def keeps_head_apart() -> bool:
+  """Whether an engine stores a tied target's output projection apart, transposed
+  (`qwen3.with_head_apart`; `Engine`'s `head_apart` None): on a CPU, where XLA runs the
+  product with the embedding as stored slower (the demo on the development CPU: AR decoding
+  1.080x [1.046, 1.115] and 1.102x [1.058, 1.148], the paper's loop at b = 8 1.046x and
+  1.026x, two runs of 3 x 20 requests interleaved in one process; the same tokens). Not on an
+  accelerator, whose matrix units take either operand order as it is, and whose memory a
+  second V x D matrix would take (Qwen3-4B: 0.78 GB in bf16)."""
+  return jax.default_backend() == "cpu"
+
+
+def decode_form(target: Qwen3, head_apart: bool | None = None) -> Qwen3:
+  """`target` as an engine decodes with it: a tied head stored apart where `head_apart`
+  (None: `keeps_head_apart`), else as given. Callers that measure costs for an engine
+  (`Engine`'s `measured_costs`) measure this form."""
+  if keeps_head_apart() if head_apart is None else head_apart:
+    return with_head_apart(target)
+  return target
+
+
 class Engine:
   """Decodes requests one at a time: block_size 1 is plain AR decoding with the target; block
   sizes > 1 are speculative cycles with the DFlash drafter (one compiled loop per block size).
@@ -78,7 +98,8 @@ class Engine:
                stop_ids: Sequence[int] = (), policy=None, policy_sizes: Sequence[int] = (),
                mesh=None, cost_cache: str | None = None,
                measured_costs: ForwardCosts | None = None,
-               clock: Callable[[], float] = time.perf_counter):
+               clock: Callable[[], float] = time.perf_counter,
+               head_apart: bool | None = None):
     """`shapes`: what to compile for (cache length, prompt length buckets, block sizes);
     `loop`: the decode loops' form (verify rule, controller, AR fallback, layer form; the
     per-loop fields are filled in per bucket); `batching`: slots per bucket and refill period;
@@ -90,11 +111,16 @@ class Engine:
     these models, this engine's batch size, largest block size, cache length and layer form
     (a caller building several engines measures once), used instead of `cost_cache`;
     `clock`: the time source of the loop calls' wall times (seconds; tests inject a fake one),
-    which the priced controller's online costs learn from."""
+    which the priced controller's online costs learn from; `head_apart`: a target with tied
+    embeddings decodes with its output projection stored apart, transposed
+    (`qwen3.with_head_apart`: the same weights, one V x D matrix more); None: where
+    `keeps_head_apart` (on a CPU). A target given in that form already (`decode_form`) is
+    taken as it is."""
     if shapes.max_len > target.cfg.max_position_embeddings:
       raise BadInputError(f"max_len={shapes.max_len} exceeds the model's "
                           f"max_position_embeddings={target.cfg.max_position_embeddings}")
     max_len = shapes.max_len
+    target = decode_form(target, head_apart)
     self.batch_size, self.sync_cycles = batching.batch_size, batching.sync_cycles
     self.join_learned = batching.join_learned and batching.batch_size > 1
     self.move_plain_after = (batching.move_plain_after
