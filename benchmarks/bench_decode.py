@@ -114,8 +114,9 @@ def run_engine(engine: Engine, prompts, max_new: int, block_size: int, forced=No
 def cycle_breakdown(engine: Engine, b: int, reps: int = 20) -> dict:
   """Milliseconds of one draft pass and one verify pass at block size b (isolated jits)."""
   tg, ts, dg, ds = engine.t_graph, engine.t_state, engine.d_graph, engine.d_state
-  cache = engine.cache.with_lengths(jnp.array([engine.max_len // 2], jnp.int32))
-  dcache = engine.draft_cache.with_lengths(jnp.array([engine.max_len // 2], jnp.int32))
+  cache = engine.cache.stacked().with_lengths(jnp.array([engine.max_len // 2], jnp.int32))
+  dcache = engine.draft_cache.stacked().with_lengths(jnp.array([engine.max_len // 2],
+                                                               jnp.int32))
   ids = engine.drafter.cfg.target_layer_ids
 
   def draft(ts, ds, toks, dcache):

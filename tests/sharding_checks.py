@@ -90,8 +90,9 @@ def decode_all(target, drafter, mesh, spec_decode: bool) -> dict:
                                    else carry.cache.k)
     out["t_q_proj"] = spec_of(eng.t_state["layers"]["q_proj"][...])
     out["d_k_proj"] = spec_of(eng.d_state["layers"]["k_proj"][...])
-    out["cache_k"] = spec_of(eng.cache.k)
-    out["draft_cache_k"] = spec_of(eng.draft_cache.k)
+    out["cache_k"] = spec_of(eng.cache.k[0] if eng.cache.is_per_layer else eng.cache.k)
+    out["draft_cache_k"] = spec_of(eng.draft_cache.k[0] if eng.draft_cache.is_per_layer
+                                   else eng.draft_cache.k)
   if spec_decode and mesh is not None:  # data:4,model:2 (one device: test_batched_decode's)
     # A batch's tail in fewer slots (`BatchOptions.shrink`): 4 slots, then 2 and 1, which data:4
     # does not divide: those states' rows are replicated, their caches' kv heads still on model.

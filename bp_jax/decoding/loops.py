@@ -528,13 +528,15 @@ def make_batched_spec_loop(graphdef, draft_graphdef, opts: LoopOptions) -> Calla
   return spec_loop
 
 
-def _single(s: LoopState) -> LoopOut:
-  """The LoopOut of a one-row state (stacked caches, as callers outside the loops expect)."""
+def _single(s: LoopState, stacked: bool) -> LoopOut:
+  """The LoopOut of a one-row state, its caches in the form the call got them (`stacked`: the
+  stacked form, e.g. a caller outside the engine; the engine keeps its caches per layer, so
+  that no call copies them into another form and back)."""
   r = s.records
+  form = (lambda c: c if c is None else c.stacked()) if stacked else (lambda c: c)
   return LoopOut(s.seq_BS, s.n_gen_B[0], r.accept_BS[0], r.is_cycle_BS[0], r.verified_BS[0],
-                 r.forwards_B[0], s.bad_B[0], s.cache.stacked(),
-                 None if s.draft_cache is None else s.draft_cache.stacked(), s.forward_counts_N,
-                 s.evidence_7)
+                 r.forwards_B[0], s.bad_B[0], form(s.cache), form(s.draft_cache),
+                 s.forward_counts_N, s.evidence_7)
 
 
 def _one_row(seq_1S, cache, draft_cache, first_tok, n, max_new, sampling, seed_key, stop_ids,
@@ -555,7 +557,7 @@ def make_ar_loop(graphdef, opts: LoopOptions = LoopOptions()) -> Callable:
 
   def ar_loop(state, seq_1S, cache, first_tok, n, max_new, sampling, seed_key, stop_ids):
     s = _one_row(seq_1S, cache, None, first_tok, n, max_new, sampling, seed_key, stop_ids)
-    return _single(batched(state, s, stop_ids))
+    return _single(batched(state, s, stop_ids), stacked=not cache.is_per_layer)
 
   return ar_loop
 
@@ -577,6 +579,6 @@ def make_spec_loop(graphdef, draft_graphdef, opts: LoopOptions) -> Callable:
                 evidence_7=None):
     s = _one_row(seq_1S, cache, draft_cache, first_tok, n, max_new, sampling, seed_key,
                  stop_ids, forced_1S, opts.block_size, break_even_N, start_2, evidence_7)
-    return _single(batched(state, draft_state, s, stop_ids))
+    return _single(batched(state, draft_state, s, stop_ids), stacked=not cache.is_per_layer)
 
   return spec_loop
