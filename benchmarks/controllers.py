@@ -53,7 +53,14 @@ Methods (`--methods`, comma-separated):
                     priced_default whose cycles always verify their drafts
                     (`controller_decline=False`); the default's decline a cycle's drafts after
                     the drafter pass where they are not expected to pay for their verify
-                    (`bp_jax.decoding.decline`; the priced methods above decline too);
+                    (`bp_jax.decoding.decline`), where the run's costs leave the decline on
+                    (a declined cycle saving at least half an AR step,
+                    `options.declines_by_costs`: on this CPU, not on an H100 below batch 16;
+                    the priced methods above alike);
+  priced_default_decline
+                    priced_default whose decline is on whatever the costs
+                    (`controller_decline=True`): what the default ran before it was left to
+                    the costs;
   priced_default_nogate
                     priced_default whose every miss backs the rows off
                     (`controller_persist=False`); the default's misses back off only while the
@@ -158,8 +165,8 @@ METHODS = ("ar", "none", "backoff", "confidence_1step", "confidence", "confidenc
            "confidence_cal", "confidence_cal_poor", "priced", "priced_online", "priced_long",
            "priced_default", "priced_default_noplain", "priced_default_every8", "ar_full",
            "priced_default_full", "ar_twin", "priced_default_nomove",
-           "priced_default_nodecline", "priced_default_nogate", "ar_padded", "ar_tied",
-           "none_tied")
+           "priced_default_nodecline", "priced_default_decline", "priced_default_nogate",
+           "ar_padded", "ar_tied", "none_tied")
 
 common.define_flags("target", "drafter", "dtype", "max_len", "max_new_tokens", "block_size",
                     num_prompts=24, repeats=3,
@@ -272,6 +279,7 @@ def engine_options(method: str, costs: dict, default_costs: dict) -> dict:
           "priced_default": default,
           "priced_default_noplain": dict(default, start_plain=False),
           "priced_default_nodecline": dict(default, controller_decline=False),
+          "priced_default_decline": dict(default, controller_decline=True),
           "priced_default_nogate": dict(default, controller_persist=False),
           }[method]}
 
@@ -446,6 +454,7 @@ PAIRS = (("priced", "backoff"), ("priced_online", "priced"), ("priced_long", "pr
          ("priced_default_full", "ar_full"), ("priced_default", "priced_default_noplain"),
          ("priced_default", "priced_default_every8"), ("priced_default", "priced_default_nomove"),
          ("priced_default", "priced_default_nodecline"),
+         ("priced_default", "priced_default_decline"),
          ("priced_default", "priced_default_nogate"), ("priced_default", "none"),
          ("priced_default", "ar_padded"), ("ar", "ar_tied"), ("none", "none_tied"))
 

@@ -19,6 +19,7 @@ import pytest
 from bp_jax.decode_job.block_choice import loop_options
 from bp_jax.decoding import decline
 from bp_jax.decoding import evidence
+from bp_jax.decoding.options import declines_by_costs
 from bp_jax.errors import BadInputError
 from toy_models import assert_sampled_like_ar, toy_engine, toy_requests
 
@@ -79,10 +80,29 @@ def test_the_evidence_adds_the_rows_that_committed_and_forgets_the_older():
 @pytest.mark.parametrize("field", ["controller_decline", "controller_persist"])  # and the gate's
 def test_the_command_line_carries_it(field):
   cfg = lambda **kw: ml_collections.ConfigDict(dict(controller="priced", **kw))
-  assert loop_options(cfg())[field] is True
+  # The decline is left to the engine's costs unless given (`Engine._declining`).
+  assert loop_options(cfg())[field] is (None if field == "controller_decline" else True)
   assert loop_options(cfg(**{field: False}))[field] is False
+  assert loop_options(cfg(**{field: True}))[field] is True
+  if field == "controller_decline":
+    assert loop_options(cfg(**{field: "auto"}))[field] is None
+    assert loop_options(cfg(**{field: "false"}))[field] is False
   with pytest.raises(BadInputError, match=f"--config.{field}='yes'"):
     loop_options(cfg(**{field: "yes"}))
+
+
+def test_the_engine_declines_only_where_a_declined_cycle_saves_enough(zeros_models):
+  """Left to the engine, the decline is on where a verify of its largest block size costs at
+  least `DECLINE_MIN_SAVING` AR steps more than an AR step (as its forward over one token, or
+  two where AR steps are padded), else off; given, as given."""
+  assert declines_by_costs((1.0, 1.5, 1.9), 4, 1)              # this CPU's kind: 0.9 saved
+  assert not declines_by_costs((1.0, 1.02, 1.05, 1.09, 1.23), 16, 1)  # an H100's batch 4
+  assert declines_by_costs((1.0, 1.03, 1.15, 1.38, 1.90), 16, 1)      # its batch 16
+  assert not declines_by_costs((1.0, 0.67, 0.68, 0.7, 0.72), 16, 2)   # batch 1, padded steps
+  for kw, want in ((CHEAP, False), (DEAR, True), (dict(CHEAP, controller_decline=True), True)):
+    eng = toy_engine(zeros_models, "priced", **kw)
+    assert eng.loop_options.controller_decline is want
+    assert eng.evidence_state is not None  # the gate keeps its evidence either way
 
 
 # -- the loops ----------------------------------------------------------------------------------

@@ -2,8 +2,9 @@
 `while_loop` on the device, copies it to the host and waits there for the device before it
 launches what follows, so every predicate a cycle evaluates is time the device idles. A run of
 the default's cycles (`priced`, with its back-off, decline and gate) must evaluate no more of
-them than the paper's loop (one per cycle) plus its full verify's (a nested loop of zero or one
-trips, skipped where the cycle declines its drafts: two evaluations when it verifies).
+them than the paper's loop (one per cycle) plus, where it declines, its full verify's (a nested
+loop of zero or one trips, skipped where the cycle declines its drafts: two evaluations when
+it verifies); where the costs leave the decline off, as many as the paper's loop.
 
 Counted on this CPU by wrapping `jax.lax.while_loop`'s predicates, while the loops compile, with
 a host callback that counts each evaluation.
@@ -53,21 +54,28 @@ def test_a_run_of_cycles_evaluates_one_predicate_besides_its_buckets(zeros_model
   prompts, _ = toy_requests(3, seed=5)
   plain = toy_engine(zeros_models, "none", sync_cycles=0)
   ar = [plain.generate(p, max_new_tokens=48, block_size=1).output_ids for p in prompts]
+  declining = toy_engine(zeros_models, "priced", sync_cycles=0, controller_decline=True, **COSTS)
+  # Left to the engine at these costs (a declined cycle would save 0.1 AR steps), the decline
+  # is off: one verify, no loop of zero or one trips around it.
   default = toy_engine(zeros_models, "priced", sync_cycles=0, **COSTS)
-  assert default.loop_options.controller_decline and default.loop_options.controller_persist
+  assert declining.loop_options.controller_decline and default.loop_options.controller_persist
+  assert default.loop_options.controller_decline is False
   # First decodes compile (and run their loops' first calls); the counts come from the second.
-  for eng in (plain, default):
+  for eng in (plain, declining, default):
     _decode(eng, prompts, ar, evaluations)
   n_plain, c_plain = _decode(plain, prompts, ar, evaluations)
+  n_declining, c_declining = _decode(declining, prompts, ar, evaluations)
   n_default, c_default = _decode(default, prompts, ar, evaluations)
-  assert c_plain == c_default > 8 * len(prompts)
+  assert c_plain == c_declining == c_default > 8 * len(prompts)
   calls = len(prompts)  # one loop call per request (sync_cycles 0)
   # The paper's loop: its one predicate per cycle, and one more per call (the exit).
   assert n_plain == c_plain + calls
-  # The default: the cycles' loop and the full verify's (2) per cycle; per call, the outer
-  # loop's two, the AR steps' loop of zero or one trips and the cycles' loop's exit. Nested in
-  # a loop of zero or one trips after AR steps that ran first, with a nested loop for each of
-  # its two verify lengths (the form before), a cycle evaluated 8 (the outer loop, the AR
-  # steps', its own twice, the context flush's, the buckets' 2 + 1).
-  per_cycle = (n_default - 4 * calls) / c_default
-  assert per_cycle == pytest.approx(3.0), (n_default, c_default)
+  # With the decline: the cycles' loop and the full verify's (2) per cycle; per call, the
+  # outer loop's two, the AR steps' loop of zero or one trips and the cycles' loop's exit.
+  # Nested in a loop of zero or one trips after AR steps that ran first, with a nested loop for
+  # each of its two verify lengths (the form before), a cycle evaluated 8 (the outer loop, the
+  # AR steps', its own twice, the context flush's, the buckets' 2 + 1).
+  per_cycle = (n_declining - 4 * calls) / c_declining
+  assert per_cycle == pytest.approx(3.0), (n_declining, c_declining)
+  # Without it, the paper's loop's one per cycle.
+  assert (n_default - 4 * calls) / c_default == pytest.approx(1.0), (n_default, c_default)

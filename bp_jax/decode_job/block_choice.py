@@ -136,7 +136,7 @@ def loop_options(cfg) -> dict[str, Any]:
           "controller": controller,
           **controller_costs(cfg),
           "controller_poor_miss": bool(cfg.get("controller_poor_miss", False)),
-          "controller_decline": _config_bool(cfg, "controller_decline", True),
+          "controller_decline": _config_auto_bool(cfg, "controller_decline"),
           "controller_persist": _config_bool(cfg, "controller_persist", True),
           "controller_calibration": control.load_calibration(
               str(cfg.get("controller_calibration", "") or ""))}
@@ -147,6 +147,16 @@ def _config_bool(cfg, key: str, default: bool) -> bool:
   value = cfg.get(key, default)
   if not isinstance(value, bool):
     raise BadInputError(f"--config.{key}={value!r} must be true or false")
+  return value
+
+
+def _config_auto_bool(cfg, key: str) -> bool | None:
+  """`--config.<key>`: true, false or "auto" (None: the engine decides; the default)."""
+  value = cfg.get(key, "auto")
+  if isinstance(value, str) and value.lower() in ("auto", "true", "false"):
+    return {"auto": None, "true": True, "false": False}[value.lower()]
+  if not isinstance(value, bool):
+    raise BadInputError(f"--config.{key}={value!r} must be true, false or auto")
   return value
 
 

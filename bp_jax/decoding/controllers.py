@@ -238,7 +238,8 @@ def controller_of(opts) -> Plain:
                         "measures them (bp_jax.decoding.costs)")
   if name == "priced":
     return Priced(b, cap=opts.ar_fallback, costs=opts.controller_costs,
-                  draft_cost=opts.controller_draft_cost, decline=opts.controller_decline,
+                  draft_cost=opts.controller_draft_cost,
+                  decline=opts.controller_decline is not False,  # None: outside an engine
                   calibration=opts.controller_calibration, persist=opts.controller_persist)
   if name == "confidence":
     return Confidence(b, cap=opts.ar_fallback, accept=opts.ar_fallback_accept,

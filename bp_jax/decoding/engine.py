@@ -31,7 +31,8 @@ from bp_jax.decoding.buckets import default_length_buckets, pick_bucket
 from bp_jax.decoding.generation import Generation, generation_of
 from bp_jax.decoding.online_costs import OnlineCosts
 from bp_jax.decoding.start_backoff import StartBackoff
-from bp_jax.decoding.options import PAD_AR_BELOW, BatchOptions, LoopOptions, ShapeOptions
+from bp_jax.decoding.options import (PAD_AR_BELOW, BatchOptions, LoopOptions, ShapeOptions,
+                                     declines_by_costs)
 from bp_jax.decoding.policy_binding import check_policy_fits
 from bp_jax.decoding.programs import (WARMUP_TOKENS, LoopPrograms, request_window,
                                      window_buckets, window_for)
@@ -153,6 +154,7 @@ class Engine:
                                 drafter is not None)
     loop = self._priced(loop, target, drafter, batching.batch_size, cost_cache, measured_costs)
     loop = self._padded(loop, target, batching.batch_size, measured_costs)
+    loop = self._declining(loop)
     # Static batching (sync_cycles 0) runs a batch to its end in one call: no tail to shrink.
     # Where idle slots cost about nothing (measured), no loop per tail size either.
     rows_cost = None if self.measured_costs is None else self.measured_costs.rows_cost()
@@ -218,6 +220,19 @@ class Engine:
       return loop
     self.ar_step_probe = (one, two)
     return loop.replace(ar_step_tokens=2 if two < PAD_AR_BELOW * one else 1)
+
+  def _declining(self, loop: LoopOptions) -> LoopOptions:
+    """`loop` with the priced decline decided where it is left to the engine
+    (`controller_decline` None): on where a declined cycle saves at least `DECLINE_MIN_SAVING`
+    AR steps at the costs in effect, the verify of the largest block size against an AR step
+    (`options.declines_by_costs`), else off: the loop then holds one verify and no loop of zero
+    or one trips around it."""
+    spec_sizes = [b for b in self.block_sizes if b > 1]
+    if (loop.controller_decline is not None or loop.controller != "priced"
+        or loop.controller_costs is None or not spec_sizes):
+      return loop
+    return loop.replace(controller_decline=declines_by_costs(
+        loop.controller_costs, max(spec_sizes), loop.ar_step_tokens_in_effect()))
 
   def _priced(self, loop: LoopOptions, target, drafter, batch_size: int,
               cost_cache: str | None, measured: ForwardCosts | None) -> LoopOptions:

@@ -100,6 +100,26 @@ class BatchOptions:
          move_plain_after=_int_at_least(self.move_plain_after, 0, "move_plain_after"))
 
 
+# `LoopOptions.controller_decline` None keeps the decline where a declined cycle saves at least
+# this many AR steps: the verify of the engine's largest block size less an AR step, in the
+# costs in effect. It saves at most that per declined cycle, and every cycle pays for it: its
+# full verify runs in a loop of zero or one trips (two loop predicates per cycle, each a wait of
+# the host for the device on a GPU) and its drafter probabilities over the vocabulary. On this
+# CPU a b = 8 verify costs 1.9-2.5 AR steps (saving 0.9-1.5: kept); on an H100 at Qwen3-4B
+# shapes a b = 16 verify cost 1.23 / 1.44 / 1.90 AR steps at batch 4 / 8 / 16 (saving 0.23 /
+# 0.44 / 0.90), and at batch 1 a 16-token forward cost less than the AR step; replayed at an
+# accelerator's prices the decline gained 0.999-1.000x (docs/results/controller.md).
+DECLINE_MIN_SAVING = 0.5
+
+
+def declines_by_costs(costs, block_size: int, ar_step_tokens: int) -> bool:
+  """Whether a declined cycle saves at least `DECLINE_MIN_SAVING` AR steps at `costs` (relative
+  costs of forwards over 1, 2, 4, ... tokens, `LoopOptions.controller_costs`): a verify of
+  `block_size` tokens less an AR step, a forward over `ar_step_tokens` tokens."""
+  saving = control.verify_cost(block_size, costs) - control.verify_cost(ar_step_tokens, costs)
+  return saving >= DECLINE_MIN_SAVING
+
+
 # `LoopOptions.ar_step_tokens` 0 pads AR steps to two tokens where a forward over 2 tokens is
 # priced below this many AR steps: clearly cheaper, not timing noise (on the development CPU it
 # costs 1.1; on an H200 at Qwen3-4B shapes 0.62).
@@ -125,7 +145,11 @@ class LoopOptions:
     controller_decline: `priced`: after the drafter pass, a cycle verifies none of its drafts
       (a miss) when they are not expected to commit more tokens than their verify costs AR
       steps, by the drafter's probabilities scaled to the acceptance measured on the recent
-      cycles (`decline`); False: every cycle verifies all its drafts.
+      cycles (`decline`); False: every cycle verifies all its drafts. None: the engine
+      decides from its costs (`declines_by_costs`): on where a verify of its largest block
+      size costs at least `DECLINE_MIN_SAVING` AR steps more than an AR step, off where a
+      declined cycle would save less (on an H100 at Qwen3-4B shapes, batches 1-8); a loop
+      built outside an engine declines.
     controller_persist: `priced`: after a miss the rows take AR steps only while the cycles
       right after misses commit clearly less than cycles do on average (`evidence`: where one
       cycle's acceptance says nothing of the next, backing off is a pure loss); False: every
@@ -175,7 +199,7 @@ class LoopOptions:
   controller_draft_cost: float | None = None
   controller_poor_miss: bool = False
   controller_calibration: tuple[float, ...] | None = None
-  controller_decline: bool = True
+  controller_decline: bool | None = None
   controller_persist: bool = True
   online_costs: bool | None = None
   start_backoff: bool = True
@@ -216,7 +240,8 @@ class LoopOptions:
                                  control.check_calibration(calibration,
                                                            "controller_calibration")),
          controller_poor_miss=bool(self.controller_poor_miss),
-         controller_decline=bool(self.controller_decline),
+         controller_decline=(None if self.controller_decline is None
+                             else bool(self.controller_decline)),
          controller_persist=bool(self.controller_persist),
          online_costs=None if self.online_costs is None else bool(self.online_costs),
          start_backoff=bool(self.start_backoff), start_plain=bool(self.start_plain),
