@@ -51,7 +51,7 @@ def _decode(eng, prompts, drafts, evaluations) -> tuple[int, int]:
 
 def test_a_run_of_cycles_evaluates_one_predicate_besides_its_buckets(zeros_models,
                                                                       evaluations):
-  prompts, _ = toy_requests(3, seed=5)
+  prompts, _ = toy_requests(2, seed=5)
   plain = toy_engine(zeros_models, "none", sync_cycles=0)
   ar = [plain.generate(p, max_new_tokens=48, block_size=1).output_ids for p in prompts]
   declining = toy_engine(zeros_models, "priced", sync_cycles=0, controller_decline=True, **COSTS)
