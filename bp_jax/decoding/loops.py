@@ -146,15 +146,16 @@ def _merged(graphdef, weights, scan_layers: bool):
   return module, list(weights.layers) if _sliced(weights) else module.layers.per_layer()
 
 
-def _loop_cache(cache: KVCache | None, scan_layers: bool) -> KVCache | None:
-  """The cache form a loop carries: per-layer buffers when layers run unrolled (split once per
-  request here; `KVCache.stacked` joins them again after the loop)."""
+def loop_cache(cache: KVCache | None, scan_layers: bool) -> KVCache | None:
+  """The cache form a loop carries: per-layer buffers when layers run unrolled. The engine makes
+  its caches in this form; a stacked cache from a caller outside it is split here in each call,
+  and the one-request loops stack it again on the way out (`_single`)."""
   return cache if cache is None or scan_layers else cache.per_layer()
 
 
 def _loop_caches(s: LoopState, scan_layers: bool) -> LoopState:
-  return s.replace(cache=_loop_cache(s.cache, scan_layers),
-                   draft_cache=_loop_cache(s.draft_cache, scan_layers))
+  return s.replace(cache=loop_cache(s.cache, scan_layers),
+                   draft_cache=loop_cache(s.draft_cache, scan_layers))
 
 
 def _row_keys(seed_keys_B: jax.Array, pos_BT: jax.Array) -> jax.Array:
