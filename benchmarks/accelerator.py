@@ -494,6 +494,10 @@ def run_size(name: str, opts: Options, profile_probs: np.ndarray, log: Callable)
       "compilations": {"batch1": one.compiled.summary()["compilations"],
                        **{f"batch{B}": e.compiled.summary()["compilations"]
                           for B, e in batched.items()}},
+      # programs an engine took from one built before it (not compiled, not in its seconds)
+      "shared_programs": {"batch1": one.compiled.summary()["shared_programs"],
+                          **{f"batch{B}": e.compiled.summary()["shared_programs"]
+                             for B, e in batched.items()}},
       "peak_device_bytes_jax": device_peak_bytes(),
       "peak_device_bytes_torch": hf.peak_bytes() if hf else None,
   }

@@ -615,8 +615,10 @@ def main(_):
     print("  slot use (share of batched slot time holding a decoding request, every repeat): "
           + ", ".join(f"{m} {u:.3f}" for m, u in slot_use.items()))
   compiles = {m: engines[m].compiled.summary() for m in methods}
-  print("  compiled programs (count, seconds): " + ", ".join(
-      f"{m} {c['compilations']}, {c['compile_s']:.1f} s" for m, c in compiles.items()))
+  print("  compiled programs (count, seconds; programs taken from an engine built before): "
+        + ", ".join(f"{m} {c['compilations']}, {c['compile_s']:.1f} s"
+                    + (f" ({c['shared_programs']} shared)" if c["shared_programs"] else "")
+                    for m, c in compiles.items()))
   shrinks = {m: engines[m].shrink for m in methods if B > 1 and size[m] > 1}
   if shrinks:  # the engine's rule (`Engine.shrink`): where rows cost, a tail runs fewer slots
     print("  batch tails shrink: " + ", ".join(f"{m} {'yes' if v else 'no'}"

@@ -84,6 +84,20 @@ def _shared_compile_cache(tmp_path_factory):
   yield
 
 
+@pytest.fixture(autouse=True)
+def _programs_traced_afresh_under_patches(request):
+  """Engines share their compiled programs within a process (`compiled.CompiledCache`): a test
+  that patches code a program traces (a deliberately wrong rule, a spy counting calls) must
+  trace its own, and its patched programs must not reach the tests after it."""
+  if "monkeypatch" not in request.fixturenames:
+    yield
+    return
+  from bp_jax.decoding.compiled import clear_shared_programs
+  clear_shared_programs()
+  yield
+  clear_shared_programs()
+
+
 @pytest.fixture(scope="session")
 def run_cli(tmp_path_factory):
   """run_cli("decode.py", *flags) -> CliResult; runs a top-level script of the repository. The
@@ -104,10 +118,11 @@ def run_cli(tmp_path_factory):
 # The files that take longest (setup + calls, docs/results/suite.md), started first: with
 # `--dist loadfile` each file runs whole on one worker, and a long file started last would run
 # alone at the end while the other worker idles. The rest follow in their usual order.
-SLOWEST_FILES = ("test_sharding.py", "test_labels.py", "test_controller.py",
-                 "test_batched_decode.py", "test_decode_options.py", "test_decode_cli.py",
-                 "test_spec_decode.py", "test_priced.py", "test_rejection_sampling.py",
-                 "test_drafter_convert.py", "test_policy.py", "test_serve.py")
+SLOWEST_FILES = ("test_batched_decode.py", "test_controller.py", "test_labels.py",
+                 "test_priced.py", "test_decode_options.py", "test_controllers_bench.py",
+                 "test_decode_cli.py", "test_sharding.py", "test_spec_decode.py",
+                 "test_drafter_convert.py", "test_rejection_sampling.py",
+                 "test_per_request_sampling.py", "test_serve.py")
 
 
 def pytest_collection_modifyitems(config, items):

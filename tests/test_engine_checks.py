@@ -92,10 +92,10 @@ def test_compile_time_and_first_run_are_measured_apart(models, monkeypatch):
   target, drafter = models
   real_get = compiled_lib.CompiledCache.get
 
-  def slow_get(self, key, make, args, donate_argnums=()):
+  def slow_get(self, key, make, args, **kw):
     if key not in self:
       time.sleep(0.5)
-    return real_get(self, key, make, args, donate_argnums)
+    return real_get(self, key, make, args, **kw)
 
   monkeypatch.setattr(compiled_lib.CompiledCache, "get", slow_get)
   eng = _engine(target, drafter)
@@ -103,6 +103,34 @@ def test_compile_time_and_first_run_are_measured_apart(models, monkeypatch):
   assert set(eng.warmup_seconds) == {4}
   # (the sleep sits outside CompiledCache's own clock, so compile seconds do not include it)
   assert eng.warmup_seconds[4] < 0.5, eng.warmup_seconds
+
+
+def test_engines_of_one_architecture_share_programs_and_keep_their_own_weights(models):
+  """A second engine over a target of the same architecture and the same options takes the
+  first one's executables (no compilation, no trace) and decodes with its own weights: its
+  outputs are those of an engine that compiled its own. Other loop options: other loops."""
+  from compile_counting import BackendCompiles
+  target, drafter = models
+  other = jax_qwen3_from_torch(make_hf_qwen3(seed=5))  # same shapes, other weights
+  decode = lambda eng: [eng.generate(PROMPT, max_new_tokens=12, block_size=b).output_ids
+                        for b in (1, 4)]
+  compiled_lib.clear_shared_programs()
+  first = _engine(target, drafter)
+  first_out = decode(first)
+  assert first.compiled.shared == 0
+  second = _engine(other, drafter)
+  with BackendCompiles() as compiles:
+    got = decode(second)
+  assert compiles.n == 0
+  assert second.compiled.shared == second.compiled.total == first.compiled.total == 3
+  compiled_lib.clear_shared_programs()
+  alone = _engine(other, drafter)
+  assert decode(alone) == got != first_out and alone.compiled.shared == 0
+  # Another loop form (AR fallback steps): the prefill is shared, both loops compile anew.
+  fallback = _engine(other, drafter, ar_fallback=2)
+  decode(fallback)
+  assert fallback.compiled.shared == fallback.compiled.counts["prefill"] == 1
+  assert "shared_programs" in fallback.compiled.summary()
 
 
 def test_forced_drafts_are_a_separate_program(models):

@@ -184,6 +184,7 @@ def summarize(records: list[dict], engine, cfg, wall_s: float) -> dict:
       "compilations": comp["compilations"], "compilations_by_function": comp["by_function"],
       "compile_s": comp["compile_s"], "compile_s_per_bucket": comp["per_key_s"],
       "compile_cache_hits": comp["compile_cache_hits"],
+      "shared_programs": comp["shared_programs"],
       "loop_warmup_s": round(sum(engine.programs.warmup_seconds.values()), 3),
       "peak_rss_mb": peak_rss_mb(),
   }
@@ -291,7 +292,9 @@ def print_summary(s: dict) -> None:
                   else ")"))] if s.get("slot_use") is not None else []),
           ("compilations", f"{s['compilations']} {s['compilations_by_function']}"),
           ("compile time (s)", f"{s['compile_s']} ({s['compile_cache_hits']} of "
-                               f"{s['compilations']} loaded from the compile cache)"),
+                               f"{s['compilations']} loaded from the compile cache" + (
+                                   f", {s['shared_programs']} shared with another engine of "
+                                   "this run" if s.get("shared_programs") else "") + ")"),
           ("loops' first runs (s)", s["loop_warmup_s"]),
           ("peak RSS (MB)", s["peak_rss_mb"])]
   if s.get("ids_beyond_tokenizer"):

@@ -1,14 +1,57 @@
-"""Ahead-of-time compiled functions keyed by their static bucket, with compile counts and times."""
+"""Ahead-of-time compiled functions keyed by their static bucket, with compile counts and times.
+
+Programs are shared across the engines of one process: an engine's program is a pure function
+of what builds it (the models' graph definitions, its loop options: `program`) and of its
+arguments' shapes, dtypes and placements, never of the weights (an argument). A second engine
+over models of the same architecture and options (a benchmark's methods, a test's engines, a
+server's engine rebuilt) takes the executable the first one compiled instead of tracing,
+lowering and compiling it again (on this CPU, tracing and lowering a loop cost as much as
+compiling it, and the persistent cache saves only the compilation).
+"""
 
 from __future__ import annotations
 
 import collections
+import threading
 import time
 from typing import Any, Callable, Hashable
 
 import jax
+import numpy as np
 
 from bp_jax import compile_cache
+
+SHARED_PROGRAMS = 256  # executables kept for the process's engines (least recently used out)
+_shared: collections.OrderedDict = collections.OrderedDict()
+_shared_lock = threading.Lock()
+
+
+def clear_shared_programs() -> None:
+  """Forgets the process's shared executables (a program that reads code changed since, e.g. a
+  test's patched function, must be traced again)."""
+  with _shared_lock:
+    _shared.clear()
+
+
+def _leaf_signature(x) -> tuple:
+  if isinstance(x, jax.Array):
+    return (jax.typeof(x), x.sharding, getattr(x, "_committed", None))
+  if isinstance(x, jax.ShapeDtypeStruct):  # an abstract argument (`Engine.precompile`)
+    return ("abstract", x.shape, x.dtype, x.sharding, x.weak_type)
+  return (type(x).__name__, np.shape(x), np.result_type(x))
+
+
+def _shared_key(program: Hashable, args: tuple, donate_argnums: tuple[int, ...]):
+  """What an executable compiled for `args` depends on besides `program`: the arguments' tree
+  and, per leaf, shape, dtype, weak type and placement; None where that cannot be hashed (the
+  program is then not shared)."""
+  leaves, tree = jax.tree.flatten(args)
+  key = (program, tree, tuple(_leaf_signature(x) for x in leaves), tuple(donate_argnums))
+  try:
+    hash(key)
+  except TypeError:
+    return None
+  return key
 
 
 class CompiledCache:
@@ -19,18 +62,37 @@ class CompiledCache:
     self.counts: collections.Counter = collections.Counter()  # name -> compilations
     self.seconds: dict[Hashable, float] = {}                   # key -> compile seconds
     self.cache_hits = 0  # compilations served by the persistent compilation cache
+    self.shared = 0      # programs taken from another engine of this process
 
   def get(self, key: tuple, make: Callable[[], Callable], args: tuple,
-          donate_argnums: tuple[int, ...] = (), out_shardings: Any = None) -> Any:
+          donate_argnums: tuple[int, ...] = (), out_shardings: Any = None,
+          program: Hashable = None) -> Any:
     """The compiled function for `key` (first element = a name); compiles on first use.
-    `out_shardings`: pinned output placements (a carry that goes back in must keep its own)."""
+    `out_shardings`: pinned output placements (a carry that goes back in must keep its own).
+    `program`: everything `make`'s function depends on (hashable; equal values build the same
+    function): the process's other engines then share the executable for equal arguments'
+    signatures; None: this cache's own (also with `out_shardings`)."""
     fn = self._fns.get(key)
     if fn is None:
       t0, hits0 = time.perf_counter(), compile_cache.hits()
-      kw = {} if out_shardings is None else {"out_shardings": out_shardings}
-      fn = jax.jit(make(), donate_argnums=donate_argnums, **kw).lower(*args).compile()
+      shared_key = (None if program is None or out_shardings is not None
+                    else _shared_key(program, args, donate_argnums))
+      with _shared_lock:
+        fn = None if shared_key is None else _shared.get(shared_key)
+        if fn is not None:
+          _shared.move_to_end(shared_key)
+      if fn is not None:
+        self.shared += 1
+      else:
+        kw = {} if out_shardings is None else {"out_shardings": out_shardings}
+        fn = jax.jit(make(), donate_argnums=donate_argnums, **kw).lower(*args).compile()
+        self.cache_hits += compile_cache.hits() > hits0
+        if shared_key is not None:
+          with _shared_lock:
+            _shared[shared_key] = fn
+            while len(_shared) > SHARED_PROGRAMS:
+              _shared.popitem(last=False)
       self.seconds[key] = time.perf_counter() - t0
-      self.cache_hits += compile_cache.hits() > hits0
       self.counts[key[0]] += 1
       self._fns[key] = fn
     return fn
@@ -47,6 +109,6 @@ class CompiledCache:
 
   def summary(self) -> dict:
     return {"compilations": self.total, "by_function": dict(self.counts),
-            "compile_cache_hits": self.cache_hits,
+            "compile_cache_hits": self.cache_hits, "shared_programs": self.shared,
             "compile_s": round(self.compile_seconds(), 3),
             "per_key_s": {"/".join(map(str, k)): round(s, 3) for k, s in self.seconds.items()}}

@@ -119,7 +119,8 @@ class LoopPrograms:
     tokens_1P = args[2]
     key = ("prefill", tokens_1P.shape[1]) + ((policy_key,) if p_graph is not None else ())
     return self.cache.get(key, lambda: loops.make_prefill(self.t_graph, self.d_graph, p_graph),
-                          args, donate_argnums=(4, 5))
+                          args, donate_argnums=(4, 5),
+                          program=("prefill", self.t_graph, self.d_graph, p_graph))
 
   def loop_key(self, block_size: int, forced: bool = False, window: int | None = None) -> tuple:
     return self.options.for_loop(block_size, forced, window=window).key()
@@ -131,10 +132,12 @@ class LoopPrograms:
     opts = self.options.for_loop(block_size, forced, window=window)
     if block_size == 1:
       return self.cache.get(opts.key(), lambda: loops.make_ar_loop(self.t_graph, opts),
-                            args, donate_argnums=donated(1, batched=False))
+                            args, donate_argnums=donated(1, batched=False),
+                            program=("ar_loop", self.t_graph, opts))
     return self.cache.get(opts.key(),
                           lambda: loops.make_spec_loop(self.t_graph, self.d_graph, opts),
-                          args, donate_argnums=donated(block_size, batched=False))
+                          args, donate_argnums=donated(block_size, batched=False),
+                          program=("spec_loop", self.t_graph, self.d_graph, opts))
 
   def batched_loop(self, block_size: int, batch: int, sync_cycles: int, window: int | None,
                    args: tuple, forced: bool = False):
@@ -146,11 +149,13 @@ class LoopPrograms:
     if block_size == 1:
       return self.cache.get(opts.key(batch), lambda: loops.make_batched_ar_loop(self.t_graph, opts),
                             args, donate_argnums=donated(1, batched=True),
-                            out_shardings=_placements_of(args[1]))
+                            out_shardings=_placements_of(args[1]),
+                            program=("batched_ar_loop", self.t_graph, opts))
     make = lambda: loops.make_batched_spec_loop(self.t_graph, self.d_graph, opts)
     return self.cache.get(opts.key(batch), make, args,
                           donate_argnums=donated(block_size, batched=True),
-                          out_shardings=_placements_of(args[2]))
+                          out_shardings=_placements_of(args[2]),
+                          program=("batched_spec_loop", self.t_graph, self.d_graph, opts))
 
   def batched_loop_key(self, block_size: int, batch: int, sync_cycles: int,
                        window: int | None, forced: bool = False) -> tuple:
@@ -161,7 +166,7 @@ class LoopPrograms:
     s = args[0]
     key = ("insert", s.seq_BS.shape[0], s.draft_cache is not None, s.forced_BS is not None)
     return self.cache.get(key, loops.make_insert, args, donate_argnums=(0,),
-                          out_shardings=_placements_of(s))
+                          out_shardings=_placements_of(s), program=("insert",))
 
   def resize(self, args: tuple):
     """The compiled change of a batched state's row count (`LoopState.take_rows`), for
@@ -170,7 +175,7 @@ class LoopPrograms:
     key = ("resize", s.seq_BS.shape[0], rows_R.shape[0], s.draft_cache is not None,
            s.forced_BS is not None)
     return self.cache.get(key, lambda: lambda state, rows, keep: state.take_rows(rows, keep),
-                          args)
+                          args, program=("resize",))
 
   def move(self, args: tuple):
     """The compiled move of one request between batched states (`LoopState.with_row_from`),
@@ -181,7 +186,8 @@ class LoopPrograms:
            src.draft_cache is not None, s.forced_BS is not None, src.forced_BS is not None)
     return self.cache.get(key, lambda: lambda state, row, source, source_row:
                           state.with_row_from(row, source, source_row),
-                          args, donate_argnums=(0,), out_shardings=_placements_of(s))
+                          args, donate_argnums=(0,), out_shardings=_placements_of(s),
+                          program=("move",))
 
   def warm_batched(self, key: tuple, fn, args: tuple, block_size: int) -> None:
     """Runs a batched loop once, untimed, on a copy of its carry (the rows as they are: the
