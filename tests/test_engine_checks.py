@@ -108,7 +108,8 @@ def test_compile_time_and_first_run_are_measured_apart(models, monkeypatch):
 def test_engines_of_one_architecture_share_programs_and_keep_their_own_weights(models):
   """A second engine over a target of the same architecture and the same options takes the
   first one's executables (no compilation, no trace) and decodes with its own weights: its
-  outputs are those of an engine that compiled its own. Other loop options: other loops."""
+  outputs are those of an engine that compiled its own. Other JAX settings: other programs;
+  other loop options: other loops."""
   from compile_counting import BackendCompiles
   target, drafter = models
   other = jax_qwen3_from_torch(make_hf_qwen3(seed=5))  # same shapes, other weights
@@ -126,6 +127,10 @@ def test_engines_of_one_architecture_share_programs_and_keep_their_own_weights(m
   compiled_lib.clear_shared_programs()
   alone = _engine(other, drafter)
   assert decode(alone) == got != first_out and alone.compiled.shared == 0
+  # Under another matmul precision (--config.matmul_precision): programs of its own.
+  with jax.default_matmul_precision("highest"):
+    precise = _engine(other, drafter)
+    assert decode(precise) == got and precise.compiled.shared == 0
   # Another loop form (AR fallback steps): the prefill is shared, both loops compile anew.
   fallback = _engine(other, drafter, ar_fallback=2)
   decode(fallback)

@@ -33,6 +33,16 @@ def clear_shared_programs() -> None:
     _shared.clear()
 
 
+def _trace_context() -> tuple:
+  """JAX's settings that change what a trace produces (matmul precision, x64, ...): JAX's own
+  key for its trace caches, else the two this project sets (`--config.matmul_precision`)."""
+  try:
+    from jax._src import config as jax_config
+    return jax_config.trace_context()
+  except (ImportError, AttributeError):
+    return (jax.config.jax_default_matmul_precision, jax.config.jax_enable_x64)
+
+
 def _leaf_signature(x) -> tuple:
   if isinstance(x, jax.Array):
     return (jax.typeof(x), x.sharding, getattr(x, "_committed", None))
@@ -43,10 +53,11 @@ def _leaf_signature(x) -> tuple:
 
 def _shared_key(program: Hashable, args: tuple, donate_argnums: tuple[int, ...]):
   """What an executable compiled for `args` depends on besides `program`: the arguments' tree
-  and, per leaf, shape, dtype, weak type and placement; None where that cannot be hashed (the
-  program is then not shared)."""
+  and, per leaf, shape, dtype, weak type and placement, and JAX's settings in effect; None where
+  that cannot be hashed (the program is then not shared)."""
   leaves, tree = jax.tree.flatten(args)
-  key = (program, tree, tuple(_leaf_signature(x) for x in leaves), tuple(donate_argnums))
+  key = (program, tree, tuple(_leaf_signature(x) for x in leaves), tuple(donate_argnums),
+         _trace_context())
   try:
     hash(key)
   except TypeError:
