@@ -115,3 +115,36 @@ def test_the_gate_lifts_the_back_off_where_misses_do_not_persist(zeros_models):
   assert steps["independent", "gated"] < 0.25 * steps["independent", "always"]
   assert steps["runs", "gated"] > 0.5 * steps["runs", "always"] > 0
   assert backoff_gate_of(always) is None and gated.evidence_state.shape == (evidence.SIZE,)
+
+
+def test_misses_back_off_where_cycles_lose_on_average_persisting_or_not():
+  """Independent acceptances (misses do not persist) but cycles that commit less than their
+  price on average: a miss still backs off, as the next cycle is expected to lose too."""
+  every = [([1, 1], False)] * 10 + [([1, 1], True)] * 10  # 2 tokens per row-cycle, after or not
+  state = _seen(every)
+  assert not bool(evidence.persists(state))
+  assert bool(evidence.cycles_lose(state, 2.5)) and bool(evidence.backs_off(state, 2.5))
+  assert not bool(evidence.cycles_lose(state, 1.5)) and not bool(evidence.backs_off(state, 1.5))
+  assert not bool(evidence.cycles_lose(jnp.asarray(evidence.empty_state()), 2.5))
+
+
+def test_the_gate_keeps_the_back_off_where_independent_cycles_lose(zeros_models):
+  """Wrong positions independent but frequent (p 0.6: a b = 4 cycle commits ~1.6 tokens against
+  its price of 2.5 AR steps): the gated engine backs off as the ungated one does, the same
+  tokens as AR."""
+  prompts, _ = toy_requests(6, seed=4)
+  gated = toy_engine(zeros_models, "priced", **COSTS)
+  always = toy_engine(zeros_models, "priced", controller_persist=False, **COSTS)
+  ar = [gated.generate(p, max_new_tokens=60, block_size=1).output_ids for p in prompts]
+  wrong = np.random.default_rng(1).random((len(prompts), 60)) < 0.6
+  forced = _forced(ar, lambda i, j: wrong[i, j])
+  steps = {}
+  for name, eng in (("gated", gated), ("always", always)):
+    eng.evidence_state = evidence.empty_state()
+    outs = [eng.generate(p, max_new_tokens=60, block_size=B, forced_continuation=f)
+            for p, f in zip(prompts, forced)]
+    assert [g.output_ids for g in outs] == ar
+    steps[name] = sum(g.ar_steps for g in outs)
+  gate = backoff_gate_of(gated)
+  assert not gate["misses_persist"] and gate["cycles_lose"] and gate["backs_off"], gate
+  assert steps["always"] > 40 and steps["gated"] > 0.8 * steps["always"], steps

@@ -104,9 +104,11 @@ def decline_evidence_of(engine) -> dict | None:
 
 
 def backoff_gate_of(engine) -> dict | None:
-  """What the priced back-off's gate measured (`evidence.persists`): the tokens a row-cycle
-  committed right after a miss and on average (decayed, over about the last 100 of each), and
-  whether misses then backed the rows off; None where no loop gates its back-off."""
+  """What the priced back-off's gate measured (`evidence.backs_off`): the tokens a row-cycle
+  committed right after a miss and on average (decayed, over about the last 100 of each),
+  whether misses persist, whether the average cycle loses at one request's price of a full
+  cycle of the largest block size now, and whether misses then back one request off; None
+  where no loop gates its back-off."""
   state = getattr(engine, "evidence_state", None)
   if state is None or not engine.loop_options.controller_persist:
     return None
@@ -115,7 +117,18 @@ def backoff_gate_of(engine) -> dict | None:
           "tokens_after_miss": round(after_tokens / after_rows, 3) if after_rows > 0 else None,
           "row_cycles": round(rows, 1),
           "tokens_per_cycle": round(tokens / rows, 3) if rows > 0 else None,
-          "backs_off": bool(evidence.persists(state))}
+          **_gate_verdict(engine, state)}
+
+
+def _gate_verdict(engine, state) -> dict:
+  persists = bool(evidence.persists(state))
+  prices = getattr(engine, "prices", None)
+  if prices is None:
+    return {"misses_persist": persists, "backs_off": persists}
+  price = prices.break_even(max(engine.block_sizes), 1)
+  lose = bool(evidence.cycles_lose(state, price))
+  return {"misses_persist": persists, "cycle_price": round(price, 3), "cycles_lose": lose,
+          "backs_off": persists or lose}
 
 
 def ar_step_probe_of(engine) -> dict | None:
@@ -283,7 +296,10 @@ def print_summary(s: dict) -> None:
           *([("tokens per row-cycle after a miss (back-off gate)",
               f"{_fmt(s['backoff_gate']['tokens_after_miss'], '.2f')} against "
               f"{_fmt(s['backoff_gate']['tokens_per_cycle'], '.2f')} on average: misses "
-              + ("back the rows off" if s["backoff_gate"]["backs_off"] else
+              + (("back the rows off (cycles lose on average, at "
+                  f"{s['backoff_gate']['cycle_price']:g} AR steps)")
+                 if s["backoff_gate"].get("cycles_lose") else
+                 "back the rows off" if s["backoff_gate"]["backs_off"] else
                  "do not persist, the next cycle runs at once"))]
             if spec and s.get("backoff_gate") else []),
           *([("slot time holding a decoding row", f"{s['slot_use']:.1%} (batched calls; "

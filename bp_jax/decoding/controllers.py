@@ -20,7 +20,7 @@ A controller has
            when cap > 0); `break_even_N`: the loop state's runtime prices
            (`LoopState.break_even_N`), which only `priced` reads;
   backs_off(s) -> [] bool: whether the cycle's misses take their AR steps now (`priced` with
-           its gate: only while misses persist, `evidence.persists`);
+           its gate: only while misses persist or cycles lose, `evidence.backs_off`);
   declines  whether `choose`'s bucket 0 declines the drafts (`priced`'s decline): the loop
            verifies nothing in that cycle and the rows' next AR step is its forward.
 """
@@ -107,8 +107,9 @@ class Priced(Plain):
   drafter's calibrated rates (`controller.calibrated`) in place of its raw probabilities.
 
   `persist` (`LoopOptions.controller_persist`): a miss backs the rows off only while the cycles
-  right after misses commit clearly less than cycles do on average (`evidence.persists`);
-  otherwise the next cycle runs at once (the miss still counts, so that cycle is the gate's next
+  right after misses commit clearly less than cycles do on average (`evidence.persists`), or
+  cycles commit less than a full cycle's price on average (`evidence.cycles_lose`); otherwise
+  the next cycle runs at once (the miss still counts, so that cycle is the gate's next
   evidence)."""
   cap: int = control.PRICED_SKIP_CAP
   costs: tuple[float, ...] = (1.0,)   # relative verify costs (the engine's, measured or given)
@@ -175,7 +176,9 @@ class Priced(Plain):
     return control.batch_below_break_even(a_B, self.price_N(break_even_N)[k + 1])
 
   def backs_off(self, s) -> jax.Array:
-    return evidence.persists(s.evidence_7) if self.persist else jnp.bool_(True)
+    if not self.persist:
+      return jnp.bool_(True)
+    return evidence.backs_off(s.evidence_7, self.price_N(s.break_even_N)[self.block_size])
 
 
 @dataclasses.dataclass(frozen=True)

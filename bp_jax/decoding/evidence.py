@@ -22,7 +22,13 @@ So the gate measures the bet: decayed, the row-cycles verified right after a mis
 they committed, and all verified row-cycles and theirs. After a miss the rows back off only while
 a cycle after a miss commits less than PERSIST_RATIO of what cycles commit overall (its estimate
 starting from PRIOR_ROWS row-cycles of one token each, so that an engine backs off until its
-cycles say otherwise). A gated miss still counts as a miss (`LoopState.misses_B`): the next cycle
+cycles say otherwise), or while cycles commit less than their price on average (`cycles_lose`):
+then the next cycle is expected to lose whether misses persist or not. Without that second
+condition the gate lifted the back-off where every cycle loses and acceptances are independent
+(T = 1 on the demo's CPU: τ 2.15 at b = 8 against a cycle priced ~4.6 AR steps), and each
+request that drafted (the first ones, every 4th explorer) drafted every cycle at about half
+AR's speed: the default at batch 1, T = 1 read 0.53x and 0.82x AR in two runs
+(docs/results/controller.md), where it had read 0.975-0.99x before the gate. A gated miss still counts as a miss (`LoopState.misses_B`): the next cycle
 is the one after it, and the gate's next evidence.
 
 While the rows back off, the cycle after a miss runs after the AR steps and commits more than it
@@ -67,6 +73,21 @@ def persists(state_7: jax.Array) -> jax.Array:
   after_rows, after_tokens, rows, tokens = (state_7[PERSIST][i] for i in range(4))
   after = (PRIOR_ROWS * PRIOR_TOKENS + after_tokens) / (PRIOR_ROWS + after_rows)
   return (rows <= 0) | (after < PERSIST_RATIO * tokens / jnp.maximum(rows, 1e-6))
+
+
+def cycles_lose(state_7: jax.Array, price: jax.Array | float) -> jax.Array:
+  """[] bool: whether a row-cycle commits fewer tokens on average than `price` (a full cycle's
+  break-even in AR steps). Then every miss backs off, misses persisting or not: where one
+  cycle's acceptance says nothing of the next, the next is expected to commit the mean, and
+  that loses to AR steps. False before any cycle was seen."""
+  rows, tokens = state_7[PERSIST][2], state_7[PERSIST][3]
+  return (rows > 0) & (tokens < jnp.asarray(price, jnp.float32) * rows)
+
+
+def backs_off(state_7: jax.Array, price: jax.Array | float) -> jax.Array:
+  """[] bool: whether a miss backs the rows off: misses persist (`persists`) or cycles lose on
+  average at `price` (`cycles_lose`)."""
+  return persists(state_7) | cycles_lose(state_7, price)
 
 
 def observed(state_7: jax.Array, k: int, block_size: int, a_B: jax.Array,

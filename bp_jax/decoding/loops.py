@@ -342,7 +342,7 @@ def make_batched_spec_loop(graphdef, draft_graphdef, opts: LoopOptions) -> Calla
   acceptance per expected draft from its full cycles (`LoopState.evidence_7`); a declined
   cycle's forward over `tok` alone is the rows' next AR step (`declined`), recorded as the
   cycle's; with `controller_persist` a miss takes its AR steps only while misses persist
-  (`evidence.persists`). "fixed:k" (tests) verifies k drafts every cycle through the same
+  (`evidence.backs_off`). "fixed:k" (tests) verifies k drafts every cycle through the same
   machinery. Each bucket is its own verify shape [B, k+1] run as a nested `while_loop` of zero
   or one trips (a `lax.switch` would copy every cache buffer); a cycle verifying k = 0 drafts
   still counts as a cycle (its drafter pass was paid).
