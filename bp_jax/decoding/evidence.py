@@ -28,8 +28,9 @@ condition the gate lifted the back-off where every cycle loses and acceptances a
 (T = 1 on the demo's CPU: τ 2.15 at b = 8 against a cycle priced ~4.6 AR steps), and each
 request that drafted (the first ones, every 4th explorer) drafted every cycle at about half
 AR's speed: the default at batch 1, T = 1 read 0.53x and 0.82x AR in two runs
-(docs/results/controller.md), where it had read 0.975-0.99x before the gate. A gated miss still counts as a miss (`LoopState.misses_B`): the next cycle
-is the one after it, and the gate's next evidence.
+(docs/results/controller.md), where it had read 0.975-0.99x before the gate. A gated miss still
+counts as a miss (`LoopState.misses_B`): the next cycle is the one after it, and the gate's next
+evidence.
 
 While the rows back off, the cycle after a miss runs after the AR steps and commits more than it
 would have right after the miss, so the estimate leans towards lifting the back-off; where misses
