@@ -479,6 +479,8 @@ def run_size(name: str, opts: Options, profile_probs: np.ndarray, log: Callable)
         "rest_s": cyc - costs[f"draft_{b}_s"] - costs[f"verify_{b}_s"],
         "verify_in_ar_steps": costs[f"verify_{b}_s"] / costs["ar_step_s"]}
   moved = ar_step_bytes(target, P + N / 2)
+  compiled = {"batch1": one.compiled.summary(),
+              **{f"batch{B}": e.compiled.summary() for B, e in batched.items()}}
   result = {
       "source": shape.source, "config": shape.target,
       "drafter": {"layers": shape.draft_layers,
@@ -488,16 +490,10 @@ def run_size(name: str, opts: Options, profile_probs: np.ndarray, log: Callable)
       "ar_step_s_in_loop": ar_step_s, "forward_alone": costs, "per_forward": per_forward,
       "ar_step_bytes": moved,
       "ar_step_bytes_per_s": (moved["weight_bytes"] + moved["kv_bytes"]) / ar_step_s,
-      "compile": {"batch1": one.compiled.summary()["compile_s"],
-                  **{f"batch{B}": e.compiled.summary()["compile_s"]
-                     for B, e in batched.items()}},
-      "compilations": {"batch1": one.compiled.summary()["compilations"],
-                       **{f"batch{B}": e.compiled.summary()["compilations"]
-                          for B, e in batched.items()}},
+      "compile": {name: c["compile_s"] for name, c in compiled.items()},
+      "compilations": {name: c["compilations"] for name, c in compiled.items()},
       # programs an engine took from one built before it (not compiled, not in its seconds)
-      "shared_programs": {"batch1": one.compiled.summary()["shared_programs"],
-                          **{f"batch{B}": e.compiled.summary()["shared_programs"]
-                             for B, e in batched.items()}},
+      "shared_programs": {name: c["shared_programs"] for name, c in compiled.items()},
       "peak_device_bytes_jax": device_peak_bytes(),
       "peak_device_bytes_torch": hf.peak_bytes() if hf else None,
   }

@@ -126,9 +126,9 @@ def _gate_verdict(engine, state) -> dict:
   if prices is None:
     return {"misses_persist": persists, "backs_off": persists}
   price = prices.break_even(max(engine.block_sizes), 1)
-  lose = bool(evidence.cycles_lose(state, price))
-  return {"misses_persist": persists, "cycle_price": round(price, 3), "cycles_lose": lose,
-          "backs_off": persists or lose}
+  return {"misses_persist": persists, "cycle_price": round(price, 3),
+          "cycles_lose": bool(evidence.cycles_lose(state, price)),
+          "backs_off": bool(evidence.backs_off(state, price))}
 
 
 def ar_step_probe_of(engine) -> dict | None:
