@@ -41,6 +41,10 @@ Methods (`--methods`, comma-separated):
                     priced_default whose batch explorer runs come every 8th run of
                     --batch_size requests whatever they find (`StartBackoff.batch_explore_max`
                     = 8); the default's thin out to one in 32 while its choice holds still;
+  priced_default_every4
+                    priced_default whose requests decoded alone explore (draft first) every
+                    4th deep start whatever they find (`StartBackoff.explore_max` = 4); the
+                    default's thin out to one in 16 while its choice stays clearly deep;
   ar_full, priced_default_full
                     ar and priced_default whose batched calls always compute all --batch_size
                     slots (`BatchOptions.shrink=False`); the others run a batch's tail in
@@ -163,7 +167,8 @@ from bp_jax.errors import BadInputError
 
 METHODS = ("ar", "none", "backoff", "confidence_1step", "confidence", "confidence_poor",
            "confidence_cal", "confidence_cal_poor", "priced", "priced_online", "priced_long",
-           "priced_default", "priced_default_noplain", "priced_default_every8", "ar_full",
+           "priced_default", "priced_default_noplain", "priced_default_every8",
+           "priced_default_every4", "ar_full",
            "priced_default_full", "ar_twin", "priced_default_nomove",
            "priced_default_nodecline", "priced_default_decline", "priced_default_nogate",
            "ar_padded", "ar_tied", "none_tied")
@@ -233,8 +238,8 @@ def parse_methods(text: str) -> list[str]:
 
 def loop_method(method: str) -> str:
   """The method whose loop form `method` decodes with (a `_full` method: its base's;
-  priced_default_every8: priced_default's, its start rule set in `main`)."""
-  if method in ("priced_default_every8", "priced_default_nomove"):
+  priced_default_every8 and _every4: priced_default's, their start rules set in `main`)."""
+  if method in ("priced_default_every8", "priced_default_every4", "priced_default_nomove"):
     return "priced_default"
   if method in ("ar_twin", "ar_padded", "ar_tied"):
     return "ar"
@@ -452,7 +457,8 @@ def mean_of_repeats(repeats: list[list[Generation]]) -> tuple[int, float]:
 PAIRS = (("priced", "backoff"), ("priced_online", "priced"), ("priced_long", "priced"),
          ("priced_default", "priced_online"), ("priced_default", "priced_default_full"),
          ("priced_default_full", "ar_full"), ("priced_default", "priced_default_noplain"),
-         ("priced_default", "priced_default_every8"), ("priced_default", "priced_default_nomove"),
+         ("priced_default", "priced_default_every8"), ("priced_default", "priced_default_every4"),
+         ("priced_default", "priced_default_nomove"),
          ("priced_default", "priced_default_nodecline"),
          ("priced_default", "priced_default_decline"),
          ("priced_default", "priced_default_nogate"), ("priced_default", "none"),
@@ -531,6 +537,9 @@ def main(_):
   if "priced_default_every8" in engines:
     starts = engines["priced_default_every8"].starts
     starts.batch_explore_max = starts.batch_explore_every
+  if "priced_default_every4" in engines:
+    starts = engines["priced_default_every4"].starts
+    starts.explore_max = starts.explore_every
   size = {m: 1 if loop_method(m) == "ar" else FLAGS.block_size for m in methods}
   sim = simulated_drafts(engines["ar"], setup) if FLAGS.shape else None
   forced = {m: None if size[m] == 1 else sim for m in methods}

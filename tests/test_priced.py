@@ -171,7 +171,8 @@ def test_start_backoff_starts_deep_after_losing_requests_and_explores():
   """Before enough cycles, or when the recent cycles paid, a request drafts first; after
   requests whose cycles committed below 0.8 x the price, it starts with the cap's AR steps and
   the misses after which one more backs off the whole cap; every 4th such request explores
-  (drafts first), whether explorers paid or not."""
+  (drafts first), whether explorers paid or not, and every 16th while the choice stays deep by
+  more than 25% below its flip point (τ < 0.8 x 0.8 x the price) as at the last explorer."""
   from bp_jax.decoding.start_backoff import StartBackoff
   starts = StartBackoff()
   assert starts.tau() is None and starts.start(4.0, 16) == (0, 0)  # nothing seen yet
@@ -179,10 +180,18 @@ def test_start_backoff_starts_deep_after_losing_requests_and_explores():
     starts.observe([2, 1, 3])  # 2 tokens per cycle
   starts.observe([])  # a request without cycles counts for nothing
   assert starts.tau() == pytest.approx(2.0)
-  # 2 < 0.8 x 4: deep, the 4th explores. A deep start waits the cap (16 here), never more: the
-  # loop keeps room for that many AR steps' pending drafter context.
-  seen = [starts.start(4.0, 16) for _ in range(12)]
+  # 2 < 0.8 x 2.6: deep, near the flip point (2 > 0.8 x 0.8 x 2.6): every 4th explores. A deep
+  # start waits the cap (16 here), never more: the loop keeps room for that many AR steps'
+  # pending drafter context.
+  seen = [starts.start(2.6, 16) for _ in range(12)]
   assert seen == ([(4, 16)] * 3 + [(0, 0)]) * 3
+  # 2 < 0.8 x 0.8 x 4: clearly deep, as at the last explorer: the 16th deep start explores.
+  seen = [starts.start(4.0, 16) for _ in range(24)]
+  assert seen == [(4, 16)] * 15 + [(0, 0)] + [(4, 16)] * 8
+  # A price that moves toward the flip point (a second process loading the AR steps) is no
+  # longer clear: 8 deep starts since the last explorer, so the next start explores.
+  assert starts.start(2.6, 16) == (0, 0)
+  assert [starts.start(2.6, 16) for _ in range(4)] == [(4, 16)] * 3 + [(0, 0)]
   assert int(control.backoff_steps(jnp.asarray(4 + 1), 16)) == 16  # the next miss: the cap
   assert all(starts.start(4.0, 16, rows=3) == (4, 16) for _ in range(8))  # a batch's: no explorer
   assert starts.start(2.4, 64) == (0, 0)  # 2 >= 0.8 x 2.4: drafting pays about even
@@ -223,8 +232,6 @@ def test_a_batchs_explorer_runs_thin_out_while_the_choice_is_clear():
   brings an explorer run within 8 runs."""
   from bp_jax.decoding.start_backoff import StartBackoff
   starts = StartBackoff(batch_plain=True)
-  for _ in range(4):
-    starts.observe([4, 5])  # τ 4.5
 
   def explorer_runs(price: float, runs: int) -> list[int]:
     found = []
@@ -235,6 +242,9 @@ def test_a_batchs_explorer_runs_thin_out_while_the_choice_is_clear():
       if deep != (starts.tau() < 1.2 * price):  # the other side than the rule's
         found.append(run)
     return found
+
+  for _ in range(4):
+    starts.observe([4, 5])  # τ 4.5
 
   # 4.5 against 1.2 x 5: plain by 25%: clear after the first explorer run, one in 32.
   assert explorer_runs(5.0, 136) == [8, 40, 72, 104, 136]
@@ -295,8 +305,9 @@ def test_requests_start_deep_where_drafting_loses_and_stay_lossless(zeros_models
 def test_a_request_alone_that_would_start_deep_decodes_plain(zeros_models, zeros_ar_outputs):
   """start_plain (the default): where the recent requests' drafting lost (dearest costs), a
   request alone that would start deep runs the plain AR loop: no drafter pass, its forwards AR
-  steps (not τ = 1 cycles), its bucket kept, AR's very tokens; every 4th deep start still
-  drafts first, so τ stays current. Without start_plain no request runs plain and more drafter passes run."""
+  steps (not τ = 1 cycles), its bucket kept, AR's very tokens; an
+  explorer still takes the speculative loop, so τ stays current. Without start_plain no request
+  runs plain and more drafter passes run."""
   prompts, max_news = _requests(6)
   runs = {}
   for plain in (True, False):
@@ -312,7 +323,10 @@ def test_a_request_alone_that_would_start_deep_decodes_plain(zeros_models, zeros
     assert (g.block_size, g.drafter_passes, g.cycles, g.tau) == (B, 0, 0, None)
     assert g.ar_steps == g.target_forwards  # none when the prefill's token was the last
   assert sum(g.ar_steps for g in plain_gens) > 0
-  assert any(g.drafter_passes for g in runs[True][6:])  # the explorers draft
+  # Explorers still take the speculative loop (here the 4th deep start; dearest costs keep the
+  # choice clear after it, so the next comes 16 deep starts later: test_start_backoff_...).
+  assert [g.plain_start for g in runs[True][4:8]] == [True, True, True, False]
+  assert all(g.plain_start for g in runs[True][8:])
   assert not any(g.plain_start for g in runs[False])
 
 

@@ -7,10 +7,17 @@ worth. A new request is likely to draft about as well as the requests just befor
 their cycles committed clearly fewer tokens than a cycle costs, the next request starts deep in
 the back-off: the cap's AR steps first (the most one run of them may hold: the loop keeps room
 for that many steps' drafter context, `loops.CONTEXT_CHUNK`), then a probing cycle, after which
-each miss backs off the whole cap. The `explore_every`-th deep start is an explorer: it drafts
-first, backing off 2, 4, 8, ... AR steps as any request does, so that the acceptance and the
-online prices (which learn a cycle's price from calls that run cycles) stay current, and a
-price that falls is seen within `explore_every` requests.
+each miss backs off the whole cap. The `explore_every`-th deep start (4) is an explorer: it
+drafts first, backing off 2, 4, 8, ... AR steps as any request does, so that the acceptance and
+the online prices (which learn a cycle's price from calls that run cycles) stay current, and a
+price that falls is seen within `explore_every` requests. While the choice stays deep as at the
+last explorer and clearly so (τ more than `batch_clear`, 25%, below its flip point, as a
+batch's explorer runs: `_Choice.clear_since`), the `explore_max`-th (16) explores instead: at
+batch 1, T = 1 on the demo (τ ≈ 2.2 against a cycle's price of 5-16 AR steps) each explorer
+drafted a request at ~0.5x AR and explorers were most of the default's loss. A price that moves
+toward the flip point brings explorers back at once; a cycle's price that falls while an AR
+step's does not is seen within 16 requests there (the AR step's price, which every request
+renews, moves the ratio when a second process loads the machine).
 
 A request decoded alone that would start deep runs the plain AR loop instead
 (`LoopOptions.start_plain`, `Engine.starts_plain`): no probing cycle at all, where each costs
@@ -67,7 +74,9 @@ class StartBackoff:
 
   window: requests whose cycles count; min_cycles: cycles needed before any deep start;
   explore_every: while requests start deep, the explore_every-th such request decoded alone
-  drafts first regardless (an explorer);
+  drafts first regardless (an explorer); explore_max: the explore_max-th instead while the
+  choice stays deep as at the last explorer, by more than batch_clear (relative) below its
+  flip point (`_Choice.clear_since`, as a batch's explorer runs);
   batch_explores: requests taking a batch's slot explore too (False: a batch's periodic
   probes, one cycle for all its rows every cap steps, keep τ current, and an exploring row made
   the whole batch run a cycle on entering it); margin: a deep start needs the recent committed
@@ -83,6 +92,7 @@ class StartBackoff:
   window: int = 8
   min_cycles: int = 8
   explore_every: int = 4
+  explore_max: int = 16
   batch_explores: bool = False
   margin: float = 0.8
   batch_plain: bool = False
@@ -92,6 +102,8 @@ class StartBackoff:
   batch_margin: float = 1.2
   _recent: collections.deque = dataclasses.field(init=False)
   _deep: int = dataclasses.field(default=0, init=False)   # deep starts since the last explorer
+  # The single rule's choice when its last explorer started (None: drafting since).
+  _explored: _Choice | None = dataclasses.field(default=None, init=False)
   # Whether the last batch start (`_batch_start`) was an explorer's: its side is the one the
   # rule did not choose, and a later reconsideration (`batch_plain_now`) must leave it be.
   last_explored: bool = dataclasses.field(default=False, init=False)
@@ -119,20 +131,25 @@ class StartBackoff:
 
     Explorers cost: at batch 1, T = 1 on the demo each drafts a request where the others
     decode plain (0.939x AR against 0.991x with explorers thinned to one in 32 while they
-    lost). Two cheaper explorers were tried and dropped (docs/results/controller.md): thinned
-    ones left a price that fell unseen for up to 32 requests, and explorers that probe once
-    and then back off the cap feed the online prices calls of one cycle among ~35 AR steps,
-    which cannot tell a cheaper cycle from a cheaper AR step (in tests/test_online_costs.py's
-    price drop the break-even rose, 4.2 to 4.6, where the cycle's price had fallen to 1.2)."""
+    lost). Two cheaper explorers were tried and dropped (docs/results/controller.md): ones
+    thinned while explorers lost, near the flip point too, left a price that fell back
+    unseen for 8 requests and more (tests/test_online_costs.py's price drop: 4.5 to 1.2 AR
+    steps, τ near 0.8 x the price), which the clear rule's margin keeps at every 4th; and
+    explorers that probe once and then back off the cap feed the online prices calls of one
+    cycle among ~35 AR steps, which cannot tell a cheaper cycle from a cheaper AR step (in
+    that test the break-even rose, 4.2 to 4.6, where the cycle's price had fallen to 1.2)."""
     tau = self.tau()
     if rows > 1 and self.batch_plain:
       return self._batch_start(tau, break_even, cap, rows)
     if tau is None or tau >= self.margin * break_even:
-      self._deep = 0
+      self._deep, self._explored = 0, None
       return 0, 0
     self._deep += 1
-    if (rows == 1 or self.batch_explores) and self._deep >= self.explore_every:
-      self._deep = 0
+    now = _Choice(True, tau / (self.margin * float(break_even)))
+    every = (max(int(self.explore_max), self.explore_every)
+             if now.clear_since(self._explored, self.batch_clear) else self.explore_every)
+    if (rows == 1 or self.batch_explores) and self._deep >= every:
+      self._deep, self._explored = 0, now
       return 0, 0
     cap = max(int(cap), 1)
     return cap.bit_length() - 1, cap
