@@ -93,7 +93,10 @@ for a narrow interval: a smaller --group_size gives more. --group_size B gives o
 per group (every request of a group starts together, the batch's slowest sets its time).
 A batch's forward costs the same however many of its rows decode, so the report also counts
 each method's target forwards as its batches ran them (`batch_forwards`: by verify length,
-every repeat, and their cost in AR steps of the run's table). With --hold_costs the default
+every repeat, and their cost in AR steps of the run's table), and every method's loop calls by
+block size and slots (`Engine.loop_calls`: calls, seconds, ms per forward), which tell a
+method's own overhead (its plain calls at AR's cost per forward, or not) from what its
+drafting requests cost. With --hold_costs the default
 keeps its start-up prices (no online updates): with given --controller_costs that replays
 another machine's prices here, its choices and those counts following them alone (e.g. an
 H100's at batch 16: `--controller_costs 1.0,1.03,1.15,1.38,1.90 --controller_draft_cost 0.35`).
@@ -158,6 +161,7 @@ from benchmarks import accelerator, common
 from bp_jax import cli
 from bp_jax.decoding import controller as control
 from bp_jax.decode_job.compare import check_repeats_agree
+from bp_jax.decoding.call_tally import calls_line, tally_json
 from bp_jax.decoding.costs import ForwardCosts, forward_costs
 from bp_jax.decoding.engine import Engine, decode_form
 from bp_jax.decoding.generation import Generation, forward_cost_units
@@ -623,6 +627,10 @@ def main(_):
   if slot_use:  # batches: the idle slots (e.g. each group's tail) cost as much as busy ones
     print("  slot use (share of batched slot time holding a decoding request, every repeat): "
           + ", ".join(f"{m} {u:.3f}" for m, u in slot_use.items()))
+  calls = {m: tally_json(engines[m].loop_calls) for m in methods}
+  print("  loop calls by block size x slots, every repeat (a batched forward counts once):")
+  for m, c in calls.items():
+    print(f"    {m}: {calls_line(c)}")
   compiles = {m: engines[m].compiled.summary() for m in methods}
   print("  compiled programs (count, seconds; programs taken from an engine built before): "
         + ", ".join(f"{m} {c['compilations']}, {c['compile_s']:.1f} s"
@@ -662,6 +670,7 @@ def main(_):
               "ar_fallback_accept": FLAGS.ar_fallback_accept, "methods": rows,
               "controller_costs": {**costs, "source": source}, "cost_estimates": online,
               "slot_use": slot_use, "drafted_every_repeat": drafted, "compiles": compiles,
+              "loop_calls": calls,
               "tails_shrink": shrinks, "batch_forwards": batched,
               "profile": {m: {k: v for k, v in p.items() if k != "device_lines"}
                           for m, p in profiles.items()},

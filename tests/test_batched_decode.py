@@ -347,6 +347,12 @@ def test_slot_use_counts_the_idle_slots_of_a_batchs_tail(models, stop_id):
     rows.append(sched.step().rows)
   assert eng.slot_use == pytest.approx(sum(rows) / (2 * len(rows)))
   assert 0.5 <= eng.slot_use < 0.8 and rows.count(1) >= 5, rows
+  # `Engine.loop_calls`: the same calls by shape (block 1, 2 slots), 1 s each on this clock,
+  # their forwards those the engine counted.
+  tally = eng.loop_calls[(1, 2)]
+  assert list(eng.loop_calls) == [(1, 2)] and tally.calls == len(rows) == tally.seconds
+  assert tally.forwards == sum(eng.forwards_run.values())
+  assert tally.ms_per_forward == pytest.approx(1e3 * len(rows) / tally.forwards)
 
 
 def _loop_rows(engine) -> list[int]:

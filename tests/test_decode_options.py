@@ -197,6 +197,11 @@ def test_rejection_sampling_with_truncation_through_decode(cfg, capsys):
   run_decode.print_summary(s)
   out = capsys.readouterr().out
   assert "outputs are not compared" in out and "may differ between runs" in out
+  # Every loop call of the run by shape, AR's (block 1) and the speculative loop's (block 8),
+  # one request each: a line of the summary too.
+  assert set(s["loop_calls"]) == {"b1x1", "b8x1"}, s["loop_calls"]
+  assert all(c["calls"] >= len(PROMPTS) and c["forwards"] > 0 for c in s["loop_calls"].values())
+  assert "loop calls (every method of the run)" in out and "b8x1" in out
   cfg.update(dict(controller_costs="1.0,1.2,1.5,2.2,3.6,6.5", controller_draft_cost="1.4"))
   records, s = run_decode.run(cfg)
   assert s["outputs_repeat_for_seed"] is True
@@ -240,6 +245,8 @@ def test_batched_decode_writes_the_same_records_as_one_at_a_time(cfg):
   assert len(s_one["block_sizes_used"]) > len(s["block_sizes_used"]), (s_one, s)
   assert (s["batch_size"], s["sync_cycles"], s["mesh"]) == (2, 4, "none")
   assert 0 < s["slot_use"] <= 1 and "slot_use" not in s_one  # batched calls only
+  assert all(k.endswith("x2") for k in s["loop_calls"]) and "b1x2" in s["loop_calls"]
+  assert all(k.endswith("x1") for k in s_one["loop_calls"]) and "b1x1" in s_one["loop_calls"]
   assert s["main"]["identical_to_ar"] == s["compare"]["ar"]["identical_to_ar"] == len(PROMPTS)
   assert s["shrink_batches"] is False and s["compilations_by_function"]["batch_ar_loop"] == 1
   with open(cfg.output) as f:

@@ -9,6 +9,7 @@ import numpy as np
 
 from bp_jax.decode_job.block_choice import block_policy_of, sampling_options
 from bp_jax.decoding import evidence
+from bp_jax.decoding.call_tally import calls_line
 from bp_jax.decoding.generation import Generation
 from bp_jax.decoding.verify import same_tokens_as_ar
 from bp_jax.eval.resources import peak_rss_mb
@@ -306,6 +307,8 @@ def print_summary(s: dict) -> None:
               "idle slots cost as much as busy ones" + (
                   "; a batch's tail ran in fewer slots)" if s.get("shrink_batches")
                   else ")"))] if s.get("slot_use") is not None else []),
+          *([("loop calls (every method of the run)", calls_line(s["loop_calls"]))]
+            if s.get("loop_calls") else []),
           ("compilations", f"{s['compilations']} {s['compilations_by_function']}"),
           ("compile time (s)", f"{s['compile_s']} ({s['compile_cache_hits']} of "
                                f"{s['compilations']} loaded from the compile cache" + (

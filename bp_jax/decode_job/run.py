@@ -22,6 +22,7 @@ from bp_jax.decode_job.block_choice import (BLOCK_POLICIES, BlockChoice, batch_o
                                           sampling_options)
 from bp_jax.decode_job.compare import (check_repeats_agree, fastest_of, method_choice, method_of,
                                      parse_methods, run_order)
+from bp_jax.decoding.call_tally import tally_json
 from bp_jax.decoding.engine import Engine
 from bp_jax.decoding.options import OPTION_NAMES, BatchOptions, LoopOptions, ShapeOptions
 from bp_jax.decoding.generation import Generation
@@ -326,6 +327,7 @@ def _run(cfg) -> tuple[list[dict], dict]:
                  mesh=describe(engine.mesh))
   if engine.slot_use is not None:  # batched: the share of slot time holding a decoding row
     summary["slot_use"] = round(engine.slot_use, 4)
+  summary["loop_calls"] = tally_json(engine.loop_calls)  # every method's, by shape
   summary["compile_cache"] = cache_dir
   if engine.drafter is not None:
     summary["drafter"] = drafter_path(cfg) + (

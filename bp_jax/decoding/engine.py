@@ -28,6 +28,7 @@ from bp_jax.decoding import loops as decode_loops
 from bp_jax.decoding.loops import LoopWeights
 from bp_jax.decoding.costs import ForwardCosts, forward_costs, measure_ar_step
 from bp_jax.decoding.buckets import default_length_buckets, pick_bucket
+from bp_jax.decoding.call_tally import CallTally
 from bp_jax.decoding.generation import Generation, generation_of
 from bp_jax.decoding.online_costs import OnlineCosts
 from bp_jax.decoding.start_backoff import StartBackoff
@@ -167,6 +168,8 @@ class Engine:
     # Batched loop calls so far: seconds x slots, and seconds x slots holding a decoding row
     # (`slot_use`).
     self.slot_seconds = self.decoding_slot_seconds = 0.0
+    # Every loop call so far by (block size, slots): calls, seconds, forwards (`CallTally`).
+    self.loop_calls: dict[tuple[int, int], CallTally] = {}
     self.prices, self.online = self._online_prices(self.programs.options)
     # Where a request starts the priced back-off (alone or in a batch's slot): `start_backoff`.
     self.starts = (StartBackoff(batch_plain=self.loop_options.start_plain)
@@ -306,6 +309,8 @@ class Engine:
     for n in np.flatnonzero(counts_N):
       self.forwards_run[int(n)] += int(counts_N[n])
     secs = self.clock() - t0
+    self.loop_calls.setdefault((int(block_size), int(rows)), CallTally()).add(
+        secs, int(counts_N.sum()))
     if block_size > 1 and self.online:
       self.prices.observe(secs, counts_N, rows)
     elif decoding is not None and self.online:
