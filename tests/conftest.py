@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import jax
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -65,22 +66,16 @@ def _compile_cache_in_tmp(tmp_path_factory):
     os.environ["XDG_CACHE_HOME"] = old
 
 
-def _run_folder(tmp_path_factory) -> str:
-  """A folder shared by every pytest-xdist worker of this run (each worker's base temp is a
-  sub-folder `popen-gwN` of the run's folder), or the session's base temp without xdist."""
-  base = tmp_path_factory.getbasetemp()
-  return str(base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base)
-
-
 @pytest.fixture(scope="session", autouse=True)
-def _shared_compile_cache(tmp_path_factory):
-  """One persistent JAX compilation cache for the whole run, shared by the xdist workers: tests
-  build many engines with the same shapes, and each engine jits its own functions, so the same
-  program would otherwise be compiled again in every test (and every worker) that builds one.
-  A hit loads the executable the first compilation wrote; `compile_counting.BackendCompiles`
-  counts it as the compilation it replaces. Scripts started by `run_cli` keep their own cache."""
-  from bp_jax import compile_cache
-  compile_cache.enable(os.path.join(_run_folder(tmp_path_factory), "jax_compile_cache"))
+def _no_persistent_compile_cache():
+  """No persistent JAX compilation cache in-process: engines share their compiled programs
+  within a process (`compiled.CompiledCache`), so a worker compiles each program once anyway,
+  and writing the cache (`executable.serialize()` of every new program) crashed a worker twice
+  in full runs (a segfault inside jaxlib 0.10.2's CPU serialization, compiling a batched loop in
+  tests/test_decline.py; docs/results/suite.md), after which the run hung. Code under test that
+  turns the cache on (decode.py's `--config.compile_cache`) sets its folder, which stays unused
+  here; scripts started by `run_cli` keep theirs (tests/test_decode_cli.py tests it)."""
+  jax.config.update("jax_enable_compilation_cache", False)
   yield
 
 
