@@ -133,8 +133,8 @@ class StartBackoff:
     decode plain (0.939x AR against 0.991x with explorers thinned to one in 32 while they
     lost). Two cheaper explorers were tried and dropped (docs/results/controller.md): ones
     thinned while explorers lost, near the flip point too, left a price that fell back
-    unseen for 8 requests and more (tests/test_online_costs.py's price drop: 4.5 to 1.2 AR
-    steps, τ near 0.8 x the price), which the clear rule's margin keeps at every 4th; and
+    unseen for 8 requests and more (tests/test_online_costs.py's price drop, 4.5 to 1.2 AR
+    steps, which this rule still follows: it thins only a choice clear of its flip point); and
     explorers that probe once and then back off the cap feed the online prices calls of one
     cycle among ~35 AR steps, which cannot tell a cheaper cycle from a cheaper AR step (in
     that test the break-even rose, 4.2 to 4.6, where the cycle's price had fallen to 1.2)."""
