@@ -6,7 +6,6 @@ import os
 import subprocess
 import sys
 
-import jax
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -66,16 +65,22 @@ def _compile_cache_in_tmp(tmp_path_factory):
     os.environ["XDG_CACHE_HOME"] = old
 
 
+def _run_folder(tmp_path_factory) -> str:
+  """A folder shared by every pytest-xdist worker of this run (each worker's base temp is a
+  sub-folder `popen-gwN` of the run's folder), or the session's base temp without xdist."""
+  base = tmp_path_factory.getbasetemp()
+  return str(base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base)
+
+
 @pytest.fixture(scope="session", autouse=True)
-def _no_persistent_compile_cache():
-  """No persistent JAX compilation cache in-process: engines share their compiled programs
-  within a process (`compiled.CompiledCache`), so a worker compiles each program once anyway,
-  and writing the cache (`executable.serialize()` of every new program) crashed a worker twice
-  in full runs (a segfault inside jaxlib 0.10.2's CPU serialization, compiling a batched loop in
-  tests/test_decline.py; docs/results/suite.md), after which the run hung. Code under test that
-  turns the cache on (decode.py's `--config.compile_cache`) sets its folder, which stays unused
-  here; scripts started by `run_cli` keep theirs (tests/test_decode_cli.py tests it)."""
-  jax.config.update("jax_enable_compilation_cache", False)
+def _shared_compile_cache(tmp_path_factory):
+  """One persistent JAX compilation cache for the whole run, shared by the xdist workers: tests
+  build many engines with the same shapes, and each engine jits its own functions, so the same
+  program would otherwise be compiled again in every test (and every worker) that builds one.
+  A hit loads the executable the first compilation wrote; `compile_counting.BackendCompiles`
+  counts it as the compilation it replaces. Scripts started by `run_cli` keep their own cache."""
+  from bp_jax import compile_cache
+  compile_cache.enable(os.path.join(_run_folder(tmp_path_factory), "jax_compile_cache"))
   yield
 
 
@@ -83,14 +88,14 @@ def _no_persistent_compile_cache():
 def _programs_traced_afresh_under_patches(request):
   """Engines share their compiled programs within a process (`compiled.CompiledCache`): a test
   that patches code a program traces (a deliberately wrong rule, a spy counting calls) must
-  trace its own, and its patched programs must not reach the tests after it."""
+  trace its own, and its patched programs must not reach the tests after it; the programs
+  compiled before it stay shared with those (`compiled.shared_programs_set_aside`)."""
   if "monkeypatch" not in request.fixturenames:
     yield
     return
-  from bp_jax.decoding.compiled import clear_shared_programs
-  clear_shared_programs()
-  yield
-  clear_shared_programs()
+  from bp_jax.decoding.compiled import shared_programs_set_aside
+  with shared_programs_set_aside():
+    yield
 
 
 @pytest.fixture(scope="session")

@@ -105,37 +105,61 @@ def test_compile_time_and_first_run_are_measured_apart(models, monkeypatch):
   assert eng.warmup_seconds[4] < 0.5, eng.warmup_seconds
 
 
-def test_engines_of_one_architecture_share_programs_and_keep_their_own_weights(models):
+def test_engines_of_one_architecture_share_programs_and_keep_their_own_weights(models,
+                                                                             monkeypatch):
   """A second engine over a target of the same architecture and the same options takes the
   first one's executables (no compilation, no trace) and decodes with its own weights: its
   outputs are those of an engine that compiled its own. Other JAX settings: other programs;
-  other loop options: other loops."""
+  other loop options: other loops. (The process's memory maps do not limit them here: a full
+  run's worker maps more than the budget, test_shared_programs_yield_where_...)"""
   from compile_counting import BackendCompiles
+  monkeypatch.setattr(compiled_lib, "maps_in_use", lambda: None)
   target, drafter = models
   other = jax_qwen3_from_torch(make_hf_qwen3(seed=5))  # same shapes, other weights
   decode = lambda eng: [eng.generate(PROMPT, max_new_tokens=12, block_size=b).output_ids
                         for b in (1, 4)]
-  compiled_lib.clear_shared_programs()
-  first = _engine(target, drafter)
-  first_out = decode(first)
-  assert first.compiled.shared == 0
-  second = _engine(other, drafter)
-  with BackendCompiles() as compiles:
-    got = decode(second)
-  assert compiles.n == 0
-  assert second.compiled.shared == second.compiled.total == first.compiled.total == 3
-  compiled_lib.clear_shared_programs()
-  alone = _engine(other, drafter)
-  assert decode(alone) == got != first_out and alone.compiled.shared == 0
-  # Under another matmul precision (--config.matmul_precision): programs of its own.
-  with jax.default_matmul_precision("highest"):
-    precise = _engine(other, drafter)
-    assert decode(precise) == got and precise.compiled.shared == 0
-  # Another loop form (AR fallback steps): the prefill is shared, both loops compile anew.
-  fallback = _engine(other, drafter, ar_fallback=2)
-  decode(fallback)
-  assert fallback.compiled.shared == fallback.compiled.counts["prefill"] == 1
-  assert "shared_programs" in fallback.compiled.summary()
+  with compiled_lib.shared_programs_set_aside():  # nothing shared from the tests before
+    first = _engine(target, drafter)
+    first_out = decode(first)
+    assert first.compiled.shared == 0
+    second = _engine(other, drafter)
+    with BackendCompiles() as compiles:
+      got = decode(second)
+    assert compiles.n == 0
+    assert second.compiled.shared == second.compiled.total == first.compiled.total == 3
+    # Set aside (a test that patches traced code): compiled anew inside, back after it.
+    with compiled_lib.shared_programs_set_aside():
+      alone = _engine(other, drafter)
+      assert decode(alone) == got != first_out and alone.compiled.shared == 0
+      fallback = _engine(other, drafter, ar_fallback=2)
+      decode(fallback)  # its loops are forgotten with the block
+    again = _engine(other, drafter)
+    assert decode(again) == got and again.compiled.shared == again.compiled.total == 3
+    # Under another matmul precision (--config.matmul_precision): programs of its own.
+    with jax.default_matmul_precision("highest"):
+      precise = _engine(other, drafter)
+      assert decode(precise) == got and precise.compiled.shared == 0
+    # Another loop form (AR fallback steps): the prefill is shared, both loops compile anew.
+    fallback = _engine(other, drafter, ar_fallback=2)
+    decode(fallback)
+    assert fallback.compiled.shared == fallback.compiled.counts["prefill"] == 1
+    assert "shared_programs" in fallback.compiled.summary()
+
+
+def test_shared_programs_yield_where_the_process_maps_too_much(models, monkeypatch):
+  """XLA:CPU maps each executable's code into hundreds of memory regions, and past the
+  kernel's limit the next compilation segfaults: where the process maps more than half the
+  limit, the shared programs drop to the newest; under it they stay."""
+  use = compiled_lib.maps_in_use()
+  assert use is None or 0 < use[0] < use[1]  # this process's, on Linux
+  target, drafter = models
+  monkeypatch.setattr(compiled_lib, "maps_in_use", lambda: (40000, 65530))
+  eng = _engine(target, drafter)
+  eng.generate(PROMPT, max_new_tokens=6, block_size=4)
+  assert eng.compiled.total >= 2 and len(compiled_lib._shared) == 1
+  monkeypatch.setattr(compiled_lib, "maps_in_use", lambda: (1000, 65530))
+  eng.generate(PROMPT, max_new_tokens=6, block_size=1)
+  assert len(compiled_lib._shared) == 2
 
 
 def test_forced_drafts_are_a_separate_program(models):

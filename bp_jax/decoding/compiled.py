@@ -12,6 +12,7 @@ compiling it, and the persistent cache saves only the compilation).
 from __future__ import annotations
 
 import collections
+import contextlib
 import threading
 import time
 from typing import Any, Callable, Hashable
@@ -21,7 +22,13 @@ import numpy as np
 
 from bp_jax import compile_cache
 
-SHARED_PROGRAMS = 256  # executables kept for the process's engines (least recently used out)
+SHARED_PROGRAMS = 64  # executables kept for the process's engines (least recently used out)
+# XLA:CPU maps each executable's code into many memory regions (~420 per decoding loop of the
+# tests' tiny models under their compile flags): a process that keeps hundreds alive passes
+# the kernel's limit (`vm.max_map_count`, 65530 by default), and its next compilation or cache
+# write segfaults (seen in full test runs with 256 kept). The shared programs also yield, least
+# recently used first, while the process holds more than this share of that limit.
+MAP_SHARE = 0.5
 _shared: collections.OrderedDict = collections.OrderedDict()
 _shared_lock = threading.Lock()
 
@@ -31,6 +38,40 @@ def clear_shared_programs() -> None:
   test's patched function, must be traced again)."""
   with _shared_lock:
     _shared.clear()
+
+
+@contextlib.contextmanager
+def shared_programs_set_aside():
+  """The process's shared executables out of reach inside the block and back after it, and
+  those compiled inside it forgotten: a test that patches code a program traces (a
+  deliberately wrong rule, a spy) traces its own, which never reach the code after it, while
+  the programs compiled before stay shared."""
+  with _shared_lock:
+    saved = collections.OrderedDict(_shared)
+    _shared.clear()
+  try:
+    yield
+  finally:
+    with _shared_lock:
+      _shared.clear()
+      _shared.update(saved)
+
+
+def maps_in_use() -> tuple[int, int] | None:
+  """(memory regions this process maps, the kernel's limit), or None where the system does
+  not say (not Linux)."""
+  try:
+    with open("/proc/self/maps", "rb") as f:
+      mapped = sum(1 for _ in f)
+    with open("/proc/sys/vm/max_map_count", "rb") as f:
+      return mapped, int(f.read())
+  except (OSError, ValueError):
+    return None
+
+
+def _over_budget() -> bool:
+  use = maps_in_use()
+  return use is not None and use[0] > MAP_SHARE * use[1]
 
 
 def _trace_context() -> tuple:
@@ -101,7 +142,7 @@ class CompiledCache:
         if shared_key is not None:
           with _shared_lock:
             _shared[shared_key] = fn
-            while len(_shared) > SHARED_PROGRAMS:
+            while len(_shared) > SHARED_PROGRAMS or (len(_shared) > 1 and _over_budget()):
               _shared.popitem(last=False)
       self.seconds[key] = time.perf_counter() - t0
       self.counts[key[0]] += 1
