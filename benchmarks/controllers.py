@@ -240,10 +240,16 @@ def parse_methods(text: str) -> list[str]:
   return list(dict.fromkeys(["ar"] + methods))  # AR is the reference
 
 
+# Variants of priced_default that differ only in a `StartBackoff` field, set in `main` from
+# another of its fields: (the field, the field whose value it takes).
+START_RULES = {"priced_default_every8": ("batch_explore_max", "batch_explore_every"),
+               "priced_default_every4": ("explore_max", "explore_every")}
+
+
 def loop_method(method: str) -> str:
   """The method whose loop form `method` decodes with (a `_full` method: its base's;
-  priced_default_every8 and _every4: priced_default's, their start rules set in `main`)."""
-  if method in ("priced_default_every8", "priced_default_every4", "priced_default_nomove"):
+  `START_RULES`' variants: priced_default's, their start rules set in `main`)."""
+  if method in START_RULES or method == "priced_default_nomove":
     return "priced_default"
   if method in ("ar_twin", "ar_padded", "ar_tied"):
     return "ar"
@@ -538,12 +544,10 @@ def main(_):
                                              move_plain_after=0 if m.endswith("_nomove")
                                              else BatchOptions.move_plain_after))
              for m in methods}
-  if "priced_default_every8" in engines:
-    starts = engines["priced_default_every8"].starts
-    starts.batch_explore_max = starts.batch_explore_every
-  if "priced_default_every4" in engines:
-    starts = engines["priced_default_every4"].starts
-    starts.explore_max = starts.explore_every
+  for variant, (field, like) in START_RULES.items():
+    if variant in engines:
+      starts = engines[variant].starts
+      setattr(starts, field, getattr(starts, like))
   size = {m: 1 if loop_method(m) == "ar" else FLAGS.block_size for m in methods}
   sim = simulated_drafts(engines["ar"], setup) if FLAGS.shape else None
   forced = {m: None if size[m] == 1 else sim for m in methods}
