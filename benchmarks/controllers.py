@@ -45,6 +45,10 @@ Methods (`--methods`, comma-separated):
                     priced_default whose requests decoded alone explore (draft first) every
                     4th deep start whatever they find (`StartBackoff.explore_max` = 4); the
                     default's thin out to one in 16 while its choice stays clearly deep;
+  priced_default_margin1
+                    priced_default whose requests decoded alone start deep below a cycle's
+                    price in AR steps (`StartBackoff.margin` = 1); the default's below 0.8 x
+                    it (drafting near the flip point, where the loop's back-off may still win);
   ar_full, priced_default_full
                     ar and priced_default whose batched calls always compute all --batch_size
                     slots (`BatchOptions.shrink=False`); the others run a batch's tail in
@@ -172,7 +176,7 @@ from bp_jax.errors import BadInputError
 METHODS = ("ar", "none", "backoff", "confidence_1step", "confidence", "confidence_poor",
            "confidence_cal", "confidence_cal_poor", "priced", "priced_online", "priced_long",
            "priced_default", "priced_default_noplain", "priced_default_every8",
-           "priced_default_every4", "ar_full",
+           "priced_default_every4", "priced_default_margin1", "ar_full",
            "priced_default_full", "ar_twin", "priced_default_nomove",
            "priced_default_nodecline", "priced_default_decline", "priced_default_nogate",
            "ar_padded", "ar_tied", "none_tied")
@@ -240,10 +244,11 @@ def parse_methods(text: str) -> list[str]:
   return list(dict.fromkeys(["ar"] + methods))  # AR is the reference
 
 
-# Variants of priced_default that differ only in a `StartBackoff` field, set in `main` from
-# another of its fields: (the field, the field whose value it takes).
+# Variants of priced_default that differ only in a `StartBackoff` field, set in `main`: (the
+# field, the name of another field whose value it takes, or a value).
 START_RULES = {"priced_default_every8": ("batch_explore_max", "batch_explore_every"),
-               "priced_default_every4": ("explore_max", "explore_every")}
+               "priced_default_every4": ("explore_max", "explore_every"),
+               "priced_default_margin1": ("margin", 1.0)}
 
 
 def loop_method(method: str) -> str:
@@ -468,6 +473,7 @@ PAIRS = (("priced", "backoff"), ("priced_online", "priced"), ("priced_long", "pr
          ("priced_default", "priced_online"), ("priced_default", "priced_default_full"),
          ("priced_default_full", "ar_full"), ("priced_default", "priced_default_noplain"),
          ("priced_default", "priced_default_every8"), ("priced_default", "priced_default_every4"),
+         ("priced_default", "priced_default_margin1"),
          ("priced_default", "priced_default_nomove"),
          ("priced_default", "priced_default_nodecline"),
          ("priced_default", "priced_default_decline"),
@@ -544,10 +550,10 @@ def main(_):
                                              move_plain_after=0 if m.endswith("_nomove")
                                              else BatchOptions.move_plain_after))
              for m in methods}
-  for variant, (field, like) in START_RULES.items():
+  for variant, (field, value) in START_RULES.items():
     if variant in engines:
       starts = engines[variant].starts
-      setattr(starts, field, getattr(starts, like))
+      setattr(starts, field, getattr(starts, value) if isinstance(value, str) else value)
   size = {m: 1 if loop_method(m) == "ar" else FLAGS.block_size for m in methods}
   sim = simulated_drafts(engines["ar"], setup) if FLAGS.shape else None
   forced = {m: None if size[m] == 1 else sim for m in methods}

@@ -289,12 +289,21 @@ def test_one_request_path_follows_dearer_then_cheaper_cycles(models, requests, a
     cheap = run()
     clock.set(4.5)  # verifies dearer mid-run: every b=4 cycle (at most 4 tokens) is now a miss
     dear, seen = [], []
+    eng.call_log = []  # each call as booked, with the price in effect after it
     for p, m in zip(prompts, max_news):
       dear.append(eng.generate(p, max_new_tokens=m, block_size=B))
       seen.append(eng.prices.break_even(N, 1))
+    log, eng.call_log = eng.call_log, None
     clock.set(1.2)
     cheap_again = run()
   assert compiles.n == 0
+  assert [c.break_even for c in log] == seen and [c.block_size for c in log] == [B] * len(dear)
+  for call, gen in zip(log, dear):  # the fake clock's seconds for the forwards each call ran
+    assert call.rows == 1 and call.forwards_N[0] == gen.ar_steps
+    assert sum(call.forwards_N) == gen.ar_steps + gen.cycles
+    assert call.seconds == pytest.approx(AR_S * gen.ar_steps + 4.5 * AR_S * gen.cycles)
+    assert call.start_break_even == call.break_even  # alone: no plain loop's price
+  assert all(a.end_s < b.end_s for a, b in zip(log, log[1:]))
   assert max(seen[:3]) > 2.85, seen  # past the midpoint within 3 calls
   assert seen[-1] == pytest.approx(4.5, rel=0.1), seen
   assert eng.prices.break_even(N, 1) == pytest.approx(1.2, rel=0.1)

@@ -1,4 +1,5 @@
-"""What an engine's loop calls cost, by the shape they ran at (block size, slots)."""
+"""What an engine's loop calls cost: by the shape they ran at (block size, slots), and call by
+call where a caller asks for the record (`Engine.call_log`)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,30 @@ class CallTally:
     per = self.ms_per_forward
     return {"calls": self.calls, "seconds": round(self.seconds, 4), "forwards": self.forwards,
             "ms_per_forward": None if per is None else round(per, 4)}
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopCall:
+  """One loop call as the engine booked it (`Engine.loop_ran`): when it ended (`end_s`, the
+  engine's clock), its wall `seconds`, its shape, the target forwards it ran per verify length
+  (`forwards_N[0]` AR steps, `forwards_N[n]` cycles verifying n tokens), and what the priced
+  controller weighed drafting against once the call was booked, for a full cycle of the
+  engine's largest block size at these slots: `break_even` (the speculative loop's cycle in its
+  own AR steps: a cycle's miss rule and a request's start alone) and `start_break_even` (in
+  steps of the plain AR loop: a batch's request's start); None without the priced controller."""
+  end_s: float
+  seconds: float
+  block_size: int
+  rows: int
+  forwards_N: tuple[int, ...]
+  break_even: float | None = None
+  start_break_even: float | None = None
+
+  def to_json(self) -> dict:
+    rnd = lambda x: None if x is None else round(float(x), 4)
+    return {"end_s": round(self.end_s, 4), "seconds": round(self.seconds, 5),
+            "block_size": self.block_size, "rows": self.rows, "forwards_N": list(self.forwards_N),
+            "break_even": rnd(self.break_even), "start_break_even": rnd(self.start_break_even)}
 
 
 def tally_json(tallies: dict[tuple[int, int], CallTally]) -> dict[str, dict]:

@@ -28,7 +28,7 @@ from bp_jax.decoding import loops as decode_loops
 from bp_jax.decoding.loops import LoopWeights
 from bp_jax.decoding.costs import ForwardCosts, forward_costs, measure_ar_step
 from bp_jax.decoding.buckets import default_length_buckets, pick_bucket
-from bp_jax.decoding.call_tally import CallTally
+from bp_jax.decoding.call_tally import CallTally, LoopCall
 from bp_jax.decoding.generation import Generation, generation_of
 from bp_jax.decoding.online_costs import OnlineCosts
 from bp_jax.decoding.start_backoff import StartBackoff
@@ -170,6 +170,9 @@ class Engine:
     self.slot_seconds = self.decoding_slot_seconds = 0.0
     # Every loop call so far by (block size, slots): calls, seconds, forwards (`CallTally`).
     self.loop_calls: dict[tuple[int, int], CallTally] = {}
+    # Every loop call in order (`LoopCall`), where a caller sets a list here (a benchmark
+    # following the prices over time); None: not recorded.
+    self.call_log: list[LoopCall] | None = None
     self.prices, self.online = self._online_prices(self.programs.options)
     # Where a request starts the priced back-off (alone or in a batch's slot): `start_backoff`.
     self.starts = (StartBackoff(batch_plain=self.loop_options.start_plain)
@@ -318,7 +321,18 @@ class Engine:
     if decoding is not None:
       self.slot_seconds += secs * rows
       self.decoding_slot_seconds += secs * decoding
+    if self.call_log is not None:
+      self.call_log.append(self._booked(secs, counts_N, rows, block_size))
     return secs
+
+  def _booked(self, secs: float, counts_N: np.ndarray, rows: int, block_size: int) -> LoopCall:
+    """The `call_log` entry of a call just booked, with the prices in effect after it."""
+    prices = None
+    if self.prices is not None:
+      b = max(self.block_sizes)
+      prices = (self.prices.break_even(b, rows), self.prices.start_break_even(b, rows))
+    return LoopCall(self.clock(), secs, int(block_size), int(rows),
+                    tuple(int(c) for c in counts_N), *(prices or (None, None)))
 
   @property
   def slot_use(self) -> float | None:

@@ -1,0 +1,274 @@
+"""Whether the default's choice follows costs that change under it: a second process loads the CPU.
+
+The same prompts are decoded in phases (--phases, e.g. idle,load,idle). In each phase every
+prompt is decoded once by the default (the demo config's priced controller: costs measured at
+start-up, kept current from its own timed loop calls, requests starting deep or plain where
+drafting lost) and once by our AR, the order alternating from prompt to prompt. A load phase
+runs --load_procs other processes beside the decodes, each single-threaded:
+  compute  multiplies a 256x256 matrix in a loop (a core taken from XLA's threads);
+  memory   copies a 256 MB array back and forth (the caches and the memory bus taken).
+
+At each phase's start the isolated forwards are timed again as at start-up
+(`costs.measure_forward_costs`, under that phase's load): what a cycle of --block_size costs in
+AR steps then, the mark the online price should move toward. Every loop call of the default is
+recorded (`Engine.call_log`) with the break-even in effect after it.
+
+Per phase the report gives: the isolated price of a cycle; the default's online break-even
+(first, median, last over the phase's calls); how many speculative calls into the phase it moved
+halfway from the previous phase's median to this one's ("followed after"); the requests that
+drafted and the target forwards by verify length; default / AR with a 95% paired bootstrap
+interval over prompts; AR tok/s. Writes load_shift.json and load_shift.png (the break-even per
+loop call over time, load phases shaded, the isolated prices marked; below, each request's
+speedup over AR, drafted or plain).
+
+Example (batch 1, T = 0, 24 prompts per phase, about 3 minutes on the 2-core CPU VM):
+
+  python -m benchmarks.load_shift --num_prompts 24 --out /tmp/load_shift
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+from absl import flags
+
+from benchmarks import common
+from bp_jax import cli
+from bp_jax.decode_job.block_choice import loop_options
+from bp_jax.decoding import controller as control
+from bp_jax.decoding.costs import measure_forward_costs
+from bp_jax.decoding.engine import Engine, decode_form
+from bp_jax.decoding.options import LoopOptions, ShapeOptions
+from bp_jax.errors import BadInputError
+from bp_jax.eval.bootstrap import bootstrap_speedup
+
+HOGS = {
+    "compute": ("import numpy as np\na = np.random.rand(256, 256).astype(np.float32)\n"
+                "while True:\n  a = (a @ a) * 1e-3 + 0.5\n"),
+    "memory": ("import numpy as np\na = np.ones(64 << 20, np.float32)\nb = np.empty_like(a)\n"
+               "while True:\n  np.copyto(b, a)\n  np.copyto(a, b)\n"),
+}
+PHASES = ("idle", "load")
+
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+  """The command line's flags (defined when run as a script, so that importing this module for
+  its functions defines none)."""
+  common.define_flags("target", "drafter", "max_len", "max_new_tokens", "block_size",
+                      num_prompts=24,
+                      helps={"num_prompts": "HumanEval eval-half prompts decoded in every phase "
+                                            "(0 = all 82)."})
+  flags.DEFINE_string("phases", "idle,load,idle", "comma-separated phases in order, each idle "
+                      "or load")
+  flags.DEFINE_enum("load", "compute", list(HOGS), "what a load phase runs beside the decodes "
+                    "(module doc)")
+  flags.DEFINE_integer("load_procs", 1, "processes a load phase runs (each single-threaded)")
+  flags.DEFINE_float("temperature", 0.0, "sampling temperature (0 = greedy); prompt i is "
+                     "sampled with seed i by both methods")
+  flags.DEFINE_enum("verify", "rejection", ["exact", "rejection"], "the default's verify rule at "
+                    "T > 0 (the demo's: rejection)")
+  flags.DEFINE_string("out", "out/load_shift", "folder for load_shift.json and load_shift.png")
+
+
+def parse_phases(text: str) -> list[str]:
+  phases = [p.strip() for p in text.split(",") if p.strip()]
+  if not phases or any(p not in PHASES for p in phases):
+    raise BadInputError(f"--phases={text!r}: give comma-separated phases, each of {PHASES}")
+  return phases
+
+
+class Load:
+  """`procs` single-threaded processes running the `kind` hog while the context is open."""
+
+  def __init__(self, kind: str, procs: int):
+    self.kind, self.procs, self.running = kind, procs, []
+
+  def __enter__(self):
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    self.running = [subprocess.Popen([sys.executable, "-c", HOGS[self.kind]], env=env)
+                    for _ in range(self.procs)]
+    time.sleep(1.0)  # running (the memory hog has allocated) before anything is timed
+    return self
+
+  def __exit__(self, *exc):
+    for p in self.running:
+      p.kill()
+    for p in self.running:
+      p.wait()
+    self.running = []
+
+
+def cycle_price(target, drafter, block_size: int, max_len: int) -> float:
+  """A full cycle of `block_size` (drafter pass + verify) in AR steps, from isolated forwards
+  timed now (as the engine's start-up measurement)."""
+  table, draft = measure_forward_costs(target, drafter, 1, block_size, max_len).relative()
+  return control.break_even(block_size - 1, table, draft)
+
+
+def followed_after(calls: list[dict], before: float | None) -> int | None:
+  """Speculative calls into a phase until its break-even passed halfway from `before` (the
+  previous phase's median) to this phase's own median; None: no earlier phase, no speculative
+  call, or medians within 10% of each other (nothing to follow)."""
+  spec = [c["break_even"] for c in calls if c["block_size"] > 1]
+  if before is None or not spec:
+    return None
+  now = statistics.median(spec)
+  if abs(now - before) < 0.1 * before:
+    return None
+  half = (before + now) / 2
+  return next(i + 1 for i, b in enumerate(spec) if (b - half) * (now - before) >= 0)
+
+
+def phase_figures(calls: list[dict], gens: dict[str, list], price: float) -> dict:
+  """One phase's report entry (module doc)."""
+  spec = [c["break_even"] for c in calls if c["block_size"] > 1]
+  lengths = collections.Counter(v for g in gens["default"] for v in g.forward_verified)
+  toks = {m: np.array([g.new_tokens for g in gs], float) for m, gs in gens.items()}
+  secs = {m: np.array([g.decode_s for g in gs], float) for m, gs in gens.items()}
+  sp = bootstrap_speedup(toks["default"], secs["default"], toks["ar"], secs["ar"])
+  return {"isolated_cycle_price": round(price, 3),
+          "break_even": {"first": spec[0] if spec else None, "last": spec[-1] if spec else None,
+                         "median": round(statistics.median(spec), 4) if spec else None},
+          "speculative_calls": len(spec), "calls": len(calls),
+          "drafted": sum(not g.plain_start for g in gens["default"]),
+          "requests": len(gens["default"]),
+          "verify_lengths": {("ar" if v == 0 else f"k={v - 1}"): n
+                             for v, n in sorted(lengths.items())},
+          "speedup_vs_ar": {"ratio": round(sp.ratio, 4), "lo": round(sp.lo, 4),
+                            "hi": round(sp.hi, 4)},
+          "ar_tokens_per_s": round(float(toks["ar"].sum() / secs["ar"].sum()), 1),
+          "identical_to_ar": (sum(a.output_ids == b.output_ids
+                                  for a, b in zip(gens["default"], gens["ar"]))
+                              if FLAGS.temperature == 0 else None)}
+
+
+def plot(report: dict, path: str) -> str:
+  from bp_jax.eval.plots import plt, save_figure
+  fig, (top, low) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+  for phase in report["phases"]:
+    t0, t1 = phase["start_s"], phase["end_s"]
+    for ax in (top, low):
+      if phase["name"] == "load":
+        ax.axvspan(t0, t1, color="#f4cccc", lw=0)
+    top.hlines(phase["isolated_cycle_price"], t0, t1, colors="k", linestyles="dashed")
+  calls = report["calls"]
+  spec = [c for c in calls if c["block_size"] > 1]
+  top.step([c["end_s"] for c in calls], [c["break_even"] for c in calls], where="post",
+           color="#4c72b0", lw=1, label="online break-even in effect")
+  top.plot([c["end_s"] for c in spec], [c["break_even"] for c in spec], "o", ms=3,
+           color="#4c72b0", label="after a speculative call")
+  top.plot([], [], "k--", label="isolated forwards timed at the phase's start")
+  top.set_ylabel(f"a b={FLAGS.block_size} cycle, in AR steps")
+  top.legend(fontsize=8, loc="upper left")
+  reqs = report["requests"]
+  for drafted, color, label in ((True, "#55a868", "drafted"), (False, "#8c8c8c", "plain")):
+    pts = [(r["end_s"], r["speedup"]) for r in reqs if r["drafted"] == drafted]
+    if pts:
+      low.plot(*zip(*pts), "o", ms=3, color=color, label=label)
+  low.axhline(1.0, color="k", lw=0.8)
+  low.set_ylabel("request: AR s / default s")
+  low.set_xlabel(f"seconds since the first phase (shaded: {FLAGS.load} load, "
+                 f"{FLAGS.load_procs} process{'es' if FLAGS.load_procs > 1 else ''})")
+  low.legend(fontsize=8, loc="upper left")
+  return save_figure(fig, path)
+
+
+def main(_):
+  try:
+    measure()
+  except BadInputError as e:
+    sys.exit(f"load_shift: error: {e}")
+
+
+def measure() -> None:
+  """Runs the phases and writes the report (module doc)."""
+  phases = parse_phases(FLAGS.phases)
+  if FLAGS.load_procs < 1 or FLAGS.block_size < 2 or FLAGS.max_new_tokens < 1:
+    raise BadInputError("--load_procs and --max_new_tokens must be >= 1, --block_size >= 2")
+  from configs import demo
+  models = common.load_models(FLAGS)
+  prompts = common.demo_prompts(models.tokenizer, "eval", limit=FLAGS.num_prompts)
+  target = decode_form(models.target)
+  shapes = ShapeOptions(max_len=FLAGS.max_len, block_sizes=(1, FLAGS.block_size))
+  cfg = demo.get_config()
+  cfg.verify = FLAGS.verify
+  cfg.controller_calibration = ""  # the priced controller prices no confidence
+  engines = {
+      # The default as decode.py builds it from configs/demo.py, costs measured now, uncached.
+      "default": Engine(target, drafter=models.drafter, stop_ids=models.stop_ids, shapes=shapes,
+                        loop=LoopOptions(**loop_options(cfg), online_costs=None,
+                                         start_backoff=True, start_plain=True),
+                        cost_cache=""),
+      "ar": Engine(target, stop_ids=models.stop_ids, shapes=shapes,
+                   loop=LoopOptions(controller="none"))}
+  engines["default"].call_log = []
+  kw = dict(max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature)
+  for name, e in engines.items():  # compile outside the timed phases
+    e.generate(prompts[0][1], block_size=1 if name == "ar" else FLAGS.block_size, **kw)
+    e.generate(prompts[0][1], block_size=1, **kw)
+  log = engines["default"].call_log
+  origin = time.perf_counter()
+  entries, requests, before = [], [], None
+  for p, name in enumerate(phases):
+    with Load(FLAGS.load, FLAGS.load_procs) if name == "load" else contextlib.nullcontext():
+      start, first_call = time.perf_counter() - origin, len(log)
+      price = cycle_price(target, models.drafter, FLAGS.block_size, FLAGS.max_len)
+      gens = {"default": [], "ar": []}
+      for i, (key, ids) in enumerate(prompts):
+        for m in (("default", "ar") if i % 2 == 0 else ("ar", "default")):
+          gens[m].append(engines[m].generate(ids, seed=i, block_size=1 if m == "ar"
+                                             else FLAGS.block_size, **kw))
+        d, a = gens["default"][-1], gens["ar"][-1]
+        requests.append({"phase": p, "key": key, "end_s": round(time.perf_counter() - origin, 3),
+                         "drafted": not d.plain_start,
+                         "tau": (round(float(np.mean(d.acceptance_lengths)), 3)
+                                 if d.acceptance_lengths else None),
+                         "cycles": d.cycles, "ar_steps": d.ar_steps,
+                         "speedup": round(a.decode_s / d.decode_s * d.new_tokens /
+                                          max(a.new_tokens, 1), 4)})
+      calls = [dict(c.to_json(), end_s=round(c.end_s - origin, 4)) for c in log[first_call:]]
+      entry = {"name": name, "start_s": round(start, 3),
+               "end_s": round(time.perf_counter() - origin, 3),
+               **phase_figures(calls, gens, price),
+               "followed_after": followed_after(calls, before)}
+    entries.append(entry)
+    before = entry["break_even"]["median"] if entry["speculative_calls"] else before
+    print_phase(p, entry)
+  all_calls = [dict(c.to_json(), end_s=round(c.end_s - origin, 4)) for c in log]
+  report = {"command": common.command_line(), "load": FLAGS.load,
+            "load_procs": FLAGS.load_procs, "temperature": FLAGS.temperature,
+            "block_size": FLAGS.block_size, "prompts_per_phase": len(prompts),
+            "start_up_costs": engines["default"].measured_costs.describe(),
+            "phases": entries, "calls": [c for c in all_calls if c["end_s"] >= 0],
+            "requests": requests}
+  common.write_json(os.path.join(FLAGS.out, "load_shift.json"), report)
+  print(f"  wrote {os.path.join(FLAGS.out, 'load_shift.json')} and "
+        f"{plot(report, os.path.join(FLAGS.out, 'load_shift.png'))}")
+
+
+def print_phase(p: int, e: dict) -> None:
+  be, sp = e["break_even"], e["speedup_vs_ar"]
+  fmt = lambda x: "-" if x is None else f"{x:.2f}"
+  same = "" if e["identical_to_ar"] is None else f", {e['identical_to_ar']}/{e['requests']} as AR"
+  print(f"  phase {p + 1} {e['name']} ({e['start_s']:.0f}-{e['end_s']:.0f} s): cycle "
+        f"{e['isolated_cycle_price']:.2f} AR steps isolated; online break-even first "
+        f"{fmt(be['first'])}, median {fmt(be['median'])}, last {fmt(be['last'])} over "
+        f"{e['speculative_calls']} speculative calls of {e['calls']}; followed after "
+        f"{e['followed_after'] if e['followed_after'] is not None else '-'}; drafted "
+        f"{e['drafted']}/{e['requests']}; {e['verify_lengths']}; default/AR {sp['ratio']:.3f}x "
+        f"[{sp['lo']:.3f}, {sp['hi']:.3f}]; AR {e['ar_tokens_per_s']:,.0f} tok/s{same}",
+        flush=True)
+
+
+if __name__ == "__main__":
+  define_flags()
+  cli.run(main, __doc__)

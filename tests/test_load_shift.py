@@ -1,0 +1,41 @@
+"""benchmarks/load_shift.py's parts: when a phase's break-even counts as followed, the phases a
+command line may name, and the load it runs beside the decodes (processes that start with the
+phase and are gone after it)."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import load_shift
+from bp_jax.errors import BadInputError
+
+
+def _calls(break_evens, block_size=8):
+  return [{"block_size": block_size, "break_even": b} for b in break_evens]
+
+
+def test_followed_after_counts_speculative_calls_until_halfway():
+  # From 3.0 toward this phase's median (4.75): halfway is 3.875, passed at the third
+  # speculative call; the plain calls' prices (block size 1) are not its calls.
+  calls = _calls([3.1, 3.5]) + _calls([9.0], block_size=1) + _calls([4.6, 5.0, 5.1, 4.9])
+  assert load_shift.followed_after(calls, 3.0) == 3
+  # Downward alike: from 6 toward 4 (halfway 5), passed at the second.
+  assert load_shift.followed_after(_calls([5.5, 4.8, 4.0, 4.0, 3.9]), 6.0) == 2
+  # Nothing to follow: no earlier phase, no speculative call, or a median within 10%.
+  assert load_shift.followed_after(_calls([4.0, 4.2]), None) is None
+  assert load_shift.followed_after(_calls([9.0], block_size=1), 3.0) is None
+  assert load_shift.followed_after(_calls([3.1, 3.2, 3.0]), 3.0) is None
+
+
+def test_phases_are_checked():
+  assert load_shift.parse_phases("idle, load,idle") == ["idle", "load", "idle"]
+  for bad in ("", "idle,busy"):
+    with pytest.raises(BadInputError, match="--phases="):
+      load_shift.parse_phases(bad)
+
+
+def test_a_load_runs_its_processes_only_while_open():
+  with load_shift.Load("compute", 2) as load:
+    procs = list(load.running)
+    assert len(procs) == 2 and all(p.poll() is None for p in procs)
+  assert all(p.returncode is not None for p in procs) and not load.running
