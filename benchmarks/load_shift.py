@@ -86,6 +86,15 @@ def parse_phases(text: str) -> list[str]:
   return phases
 
 
+def hog(kind: str) -> None:
+  """Runs the `kind` load in this process until it is killed (single-threaded only where the
+  caller's environment says so before numpy loads: OMP_NUM_THREADS=1). For a load that lasts
+  beside another benchmark:
+    OMP_NUM_THREADS=1 python -c "from benchmarks.load_shift import hog; hog('compute')" &
+  """
+  exec(HOGS[kind], {})
+
+
 class Load:
   """`procs` single-threaded processes running the `kind` hog while the context is open."""
 
@@ -146,9 +155,28 @@ def phase_figures(calls: list[dict], gens: dict[str, list], price: float) -> dic
           "speedup_vs_ar": {"ratio": round(sp.ratio, 4), "lo": round(sp.lo, 4),
                             "hi": round(sp.hi, 4)},
           "ar_tokens_per_s": round(float(toks["ar"].sum() / secs["ar"].sum()), 1),
+          "by_start": by_start(gens),
           "identical_to_ar": (sum(a.output_ids == b.output_ids
                                   for a, b in zip(gens["default"], gens["ar"]))
                               if FLAGS.temperature == 0 else None)}
+
+
+def by_start(gens: dict[str, list]) -> dict:
+  """The default's drafted and plain requests apart: how many, their speed over AR's on the
+  same prompts (tokens per second of the group), and the drafted ones' τ (committed tokens per
+  cycle over their cycles)."""
+  out = {}
+  for name, drafted in (("drafted", True), ("plain", False)):
+    pairs = [(d, a) for d, a in zip(gens["default"], gens["ar"]) if d.plain_start != drafted]
+    if not pairs:
+      continue
+    rate = lambda gs: sum(g.new_tokens for g in gs) / max(sum(g.decode_s for g in gs), 1e-9)
+    cycles = [x for d, _ in pairs for x in d.acceptance_lengths]
+    out[name] = {"requests": len(pairs),
+                 "speedup_vs_ar": round(rate([d for d, _ in pairs]) / rate([a for _, a in pairs]),
+                                        4),
+                 "tau": round(float(np.mean(cycles)), 3) if drafted and cycles else None}
+  return out
 
 
 def plot(report: dict, path: str) -> str:
@@ -265,7 +293,11 @@ def print_phase(p: int, e: dict) -> None:
         f"{e['speculative_calls']} speculative calls of {e['calls']}; followed after "
         f"{e['followed_after'] if e['followed_after'] is not None else '-'}; drafted "
         f"{e['drafted']}/{e['requests']}; {e['verify_lengths']}; default/AR {sp['ratio']:.3f}x "
-        f"[{sp['lo']:.3f}, {sp['hi']:.3f}]; AR {e['ar_tokens_per_s']:,.0f} tok/s{same}",
+        f"[{sp['lo']:.3f}, {sp['hi']:.3f}]"
+        + "".join(f"; {k} {v['requests']} at {v['speedup_vs_ar']:.3f}x"
+                  + (f" (tau {v['tau']:.2f})" if v["tau"] is not None else "")
+                  for k, v in e["by_start"].items())
+        + f"; AR {e['ar_tokens_per_s']:,.0f} tok/s{same}",
         flush=True)
 
 

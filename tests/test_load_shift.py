@@ -39,3 +39,17 @@ def test_a_load_runs_its_processes_only_while_open():
     procs = list(load.running)
     assert len(procs) == 2 and all(p.poll() is None for p in procs)
   assert all(p.returncode is not None for p in procs) and not load.running
+
+
+def test_drafted_and_plain_requests_are_reported_apart():
+  from types import SimpleNamespace as G
+  default = [G(plain_start=False, new_tokens=100, decode_s=0.5, acceptance_lengths=[4, 6]),
+             G(plain_start=True, new_tokens=100, decode_s=1.0, acceptance_lengths=[]),
+             G(plain_start=False, new_tokens=50, decode_s=0.5, acceptance_lengths=[2])]
+  ar = [G(new_tokens=100, decode_s=1.0), G(new_tokens=100, decode_s=0.8),
+        G(new_tokens=50, decode_s=0.5)]
+  got = load_shift.by_start({"default": default, "ar": ar})
+  # drafted: 150 tokens in 1.0 s against 150 in 1.5 s; τ over their 3 cycles
+  assert got["drafted"] == {"requests": 2, "speedup_vs_ar": 1.5, "tau": 4.0}
+  assert got["plain"] == {"requests": 1, "speedup_vs_ar": 0.8, "tau": None}
+  assert "plain" not in load_shift.by_start({"default": default[::2], "ar": ar[::2]})
