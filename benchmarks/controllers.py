@@ -48,7 +48,7 @@ Methods (`--methods`, comma-separated):
   priced_default_margin1
                     priced_default whose requests decoded alone start deep below a cycle's
                     price in AR steps (`StartBackoff.margin` = 1); the default's below 0.8 x
-                    it (drafting near the flip point, where the loop's back-off may still win);
+                    it;
   ar_full, priced_default_full
                     ar and priced_default whose batched calls always compute all --batch_size
                     slots (`BatchOptions.shrink=False`); the others run a batch's tail in

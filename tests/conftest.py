@@ -126,17 +126,24 @@ SLOWEST_FILES = ("test_batched_decode.py", "test_controller.py", "test_labels.py
                  "test_per_request_sampling.py", "test_serve.py")
 
 
-# A run that stops making progress fails after this many seconds instead of holding CI until its
-# own limit (90 minutes): once a worker crashed, pytest-xdist replaced it and then the other
+# A run that stops making progress fails after SUITE_LIMIT_S seconds instead of holding CI until
+# its own limit (90 minutes): once a worker crashed, pytest-xdist replaced it and then the other
 # workers and the controlling process all waited (docs/results/suite.md). The controlling
 # process (or the only one, without xdist) then prints its threads' stacks and exits 1.
 # BP_JAX_SUITE_LIMIT_S sets it (0: no limit); a full run takes ~10 minutes on 2 cores.
-SUITE_LIMIT_S = float(os.environ.get("BP_JAX_SUITE_LIMIT_S", "2400"))
+SUITE_LIMIT_S = 2400.0
 
 
 def pytest_configure(config):
-  if not os.environ.get("PYTEST_XDIST_WORKER") and SUITE_LIMIT_S > 0:
-    faulthandler.dump_traceback_later(SUITE_LIMIT_S, exit=True)
+  if os.environ.get("PYTEST_XDIST_WORKER"):
+    return
+  text = os.environ.get("BP_JAX_SUITE_LIMIT_S", str(SUITE_LIMIT_S))
+  try:
+    limit = float(text)
+  except ValueError:
+    raise pytest.UsageError(f"BP_JAX_SUITE_LIMIT_S={text!r}: expected seconds (0: no limit)")
+  if limit > 0:
+    faulthandler.dump_traceback_later(limit, exit=True)
 
 
 def pytest_unconfigure(config):

@@ -322,16 +322,18 @@ class Engine:
       self.slot_seconds += secs * rows
       self.decoding_slot_seconds += secs * decoding
     if self.call_log is not None:
-      self.call_log.append(self._booked(secs, counts_N, rows, block_size))
+      self.call_log.append(self._booked(t0 + secs, secs, counts_N, rows, block_size))
     return secs
 
-  def _booked(self, secs: float, counts_N: np.ndarray, rows: int, block_size: int) -> LoopCall:
-    """The `call_log` entry of a call just booked, with the prices in effect after it."""
+  def _booked(self, end: float, secs: float, counts_N: np.ndarray, rows: int,
+              block_size: int) -> LoopCall:
+    """The `call_log` entry of a call just booked (ended at clock time `end`), with the prices
+    in effect after it."""
     prices = None
     if self.prices is not None:
       b = max(self.block_sizes)
       prices = (self.prices.break_even(b, rows), self.prices.start_break_even(b, rows))
-    return LoopCall(self.clock(), secs, int(block_size), int(rows),
+    return LoopCall(end, secs, int(block_size), int(rows),
                     tuple(int(c) for c in counts_N), *(prices or (None, None)))
 
   @property
