@@ -49,6 +49,11 @@ Methods (`--methods`, comma-separated):
                     priced_default whose requests decoded alone start deep below a cycle's
                     price in AR steps (`StartBackoff.margin` = 1); the default's below 0.8 x
                     it;
+  priced_default_draftfirst
+                    priced_default whose batches weigh the speculative loop's own price as if
+                    in plain steps until the plain loop has been timed
+                    (`StartBackoff.batch_plain_first` = False); the default's batches start
+                    plain then unless drafting is decisive;
   ar_full, priced_default_full
                     ar and priced_default whose batched calls always compute all --batch_size
                     slots (`BatchOptions.shrink=False`); the others run a batch's tail in
@@ -176,7 +181,7 @@ from bp_jax.errors import BadInputError
 METHODS = ("ar", "none", "backoff", "confidence_1step", "confidence", "confidence_poor",
            "confidence_cal", "confidence_cal_poor", "priced", "priced_online", "priced_long",
            "priced_default", "priced_default_noplain", "priced_default_every8",
-           "priced_default_every4", "priced_default_margin1", "ar_full",
+           "priced_default_every4", "priced_default_margin1", "priced_default_draftfirst", "ar_full",
            "priced_default_full", "ar_twin", "priced_default_nomove",
            "priced_default_nodecline", "priced_default_decline", "priced_default_nogate",
            "ar_padded", "ar_tied", "none_tied")
@@ -248,7 +253,8 @@ def parse_methods(text: str) -> list[str]:
 # field, the name of another field whose value it takes, or a value).
 START_RULES = {"priced_default_every8": ("batch_explore_max", "batch_explore_every"),
                "priced_default_every4": ("explore_max", "explore_every"),
-               "priced_default_margin1": ("margin", 1.0)}
+               "priced_default_margin1": ("margin", 1.0),
+               "priced_default_draftfirst": ("batch_plain_first", False)}
 
 
 def loop_method(method: str) -> str:
@@ -474,6 +480,7 @@ PAIRS = (("priced", "backoff"), ("priced_online", "priced"), ("priced_long", "pr
          ("priced_default_full", "ar_full"), ("priced_default", "priced_default_noplain"),
          ("priced_default", "priced_default_every8"), ("priced_default", "priced_default_every4"),
          ("priced_default", "priced_default_margin1"),
+         ("priced_default", "priced_default_draftfirst"),
          ("priced_default", "priced_default_nomove"),
          ("priced_default", "priced_default_nodecline"),
          ("priced_default", "priced_default_decline"),

@@ -225,6 +225,27 @@ def test_a_batchs_start_weighs_the_plain_price_with_runs_of_explorers():
   assert starts.start(4.0, 16) == draft and starts.start(6.0, 16) == deep
 
 
+def test_a_batch_starts_plain_until_the_plain_loop_is_timed():
+  """Until the plain loop's step has been timed at the batch size (`plain_priced` False), the
+  price is the speculative loop's own, in its dearer AR steps: a batch's request starts plain
+  unless drafting is decisive (τ >= 2 x that price); before any τ it drafts."""
+  from bp_jax.decoding.start_backoff import StartBackoff
+  starts = StartBackoff(batch_plain=True)
+  deep, draft = (4, 16), (0, 0)
+  assert starts.start(3.0, 16, rows=2, plain_priced=False) == draft  # no τ yet
+  for _ in range(4):
+    starts.observe([4, 5])  # τ 4.5
+  # 4.5 >= 1.2 x 3: the rule would draft, but the plain loop is not timed yet (4.5 < 2 x 3)
+  assert starts.start(3.0, 16, rows=2, plain_priced=False) == deep
+  assert starts.batch_plain_now(3.0, plain_priced=False) and not starts.batch_plain_now(3.0)
+  assert starts.start(3.0, 16, rows=2) == draft  # timed: the rule's own margin
+  starts.batch_plain_first = False  # the rule before: the loop's own price as if in plain steps
+  assert starts.start(3.0, 16, rows=2, plain_priced=False) == draft
+  starts.batch_plain_first = True
+  assert starts.start(2.0, 16, rows=2, plain_priced=False) == draft  # 4.5 >= 2 x 2: decisive
+  assert starts.start(5.0, 16, plain_priced=False) == draft  # alone: its own rule (4.5 >= 0.8 x 5)
+
+
 def test_a_batchs_explorer_runs_thin_out_while_the_choice_is_clear():
   """A batch's explorer runs come every 32nd run while the choice stays clearly plain (τ below
   0.8 x 1.2 x the price, as at the last explorer run), and every 8th while it is near its flip

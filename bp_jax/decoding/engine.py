@@ -442,9 +442,15 @@ class Engine:
       return 0, 0
     if rows > 1 and self.may_start_plain:  # drafting or the plain bucket (`starts_plain`)
       break_even = self.prices.start_break_even(block_size, rows)
-    else:
-      break_even = float(self.break_even_N(block_size, rows)[block_size])
+      return self.starts.start(break_even, self.ar_fallback, rows, self._plain_priced(rows))
+    break_even = float(self.break_even_N(block_size, rows)[block_size])
     return self.starts.start(break_even, self.ar_fallback, rows)
+
+  def _plain_priced(self, rows: int) -> bool:
+    """Whether the plain loop's step at batch size `rows` has been timed (a batch's start then
+    weighs a cycle in its steps: `OnlineCosts.start_break_even`); True where prices are not
+    kept current from the loop calls (the start-up costs are all the engine goes by)."""
+    return not self.online or self.prices.plain_step_s(rows) is not None
 
   def plain_now(self, block_size: int) -> bool:
     """Whether a batch's request of `block_size` that is no explorer would take the plain
@@ -454,7 +460,8 @@ class Engine:
     if block_size == 1 or self.batch_size == 1 or not self.may_start_plain:
       return False
     return self.starts.batch_plain_now(self.prices.start_break_even(block_size,
-                                                                    self.batch_size))
+                                                                    self.batch_size),
+                                       self._plain_priced(self.batch_size))
 
   @property
   def last_start_explored(self) -> bool:

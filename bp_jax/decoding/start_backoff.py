@@ -34,9 +34,12 @@ they committed at least `batch_margin` (1.2) x that price, as drafting also pays
 price leaves out (its misses' dearer AR steps, a second bucket's calls and tail). Without a
 margin the rule sat at its flip point at T = 0 on the demo's CPU (τ 4.5 against a price of 5.0
 plain steps) and sent half the requests of a batch of 8 to each side: 0.845x AR [0.808,
-0.886]. Both sides stay measured by explorer runs: a run of `rows` consecutive requests takes
-the other side, so that explorers share their bucket's calls rather than each costing a call of
-its own. Every `batch_explore_every`-th run (8) is a check: it explores unless the choice is
+0.886]. Until the plain loop has been timed at that batch size, its price is unknown and the
+speculative loop's own stands in, in that loop's dearer AR steps (a batch of 8: a cycle 3.5 of
+them against 4.7 plain steps): a request then starts plain unless drafting is decisive, so the
+plain loop is timed before the rule weighs it. Both sides stay measured by explorer runs: a
+run of `rows` consecutive requests takes the other side, so that explorers share their
+bucket's calls rather than each costing a call of its own. Every `batch_explore_every`-th run (8) is a check: it explores unless the choice is
 clearly plain, i.e. plain as when the last explorer run began and by more than `batch_clear`
 (25%) below the flip point (τ below 0.8 x `batch_margin` x the price); then it explores only
 once `batch_explore_max` runs (32) have passed since that run. A server whose batches decode
@@ -88,7 +91,9 @@ class StartBackoff:
   while it stays plain as at the last explorer run, by more than batch_clear (relative) below
   the flip point;
   batch_margin: a batch's request drafts when the recent committed tokens per cycle reach
-  `batch_margin` x the cycle's price in plain-loop steps."""
+  `batch_margin` x the cycle's price in plain-loop steps; batch_plain_first: until the plain
+  loop has been timed at the batch size, a batch's request starts plain unless drafting is
+  decisive (False: the rule weighs the speculative loop's own price as if in plain steps)."""
   window: int = 8
   min_cycles: int = 8
   explore_every: int = 4
@@ -100,6 +105,7 @@ class StartBackoff:
   batch_explore_max: int = 32
   batch_clear: float = 0.25
   batch_margin: float = 1.2
+  batch_plain_first: bool = True
   _recent: collections.deque = dataclasses.field(init=False)
   _deep: int = dataclasses.field(default=0, init=False)   # deep starts since the last explorer
   # The single rule's choice when its last explorer started (None: drafting since).
@@ -123,7 +129,8 @@ class StartBackoff:
     cycles = sum(c for _, c in self._recent)
     return None if cycles < self.min_cycles else sum(t for t, _ in self._recent) / cycles
 
-  def start(self, break_even: float, cap: int, rows: int = 1) -> tuple[int, int]:
+  def start(self, break_even: float, cap: int, rows: int = 1,
+            plain_priced: bool = True) -> tuple[int, int]:
     """(misses, AR steps) the next request (in a loop of `rows` slots) starts with: (0, 0) to
     draft first; a deep start (the misses after which one more backs off `cap` steps, and `cap`
     steps: never more, the loop's room for pending drafter context) when the recent cycles
@@ -140,7 +147,7 @@ class StartBackoff:
     that test the break-even rose, 4.2 to 4.6, where the cycle's price had fallen to 1.2)."""
     tau = self.tau()
     if rows > 1 and self.batch_plain:
-      return self._batch_start(tau, break_even, cap, rows)
+      return self._batch_start(tau, break_even, cap, rows, plain_priced)
     if tau is None or tau >= self.margin * break_even:
       self._deep, self._explored = 0, None
       return 0, 0
@@ -154,25 +161,33 @@ class StartBackoff:
     cap = max(int(cap), 1)
     return cap.bit_length() - 1, cap
 
-  def batch_plain_now(self, break_even: float) -> bool:
+  def batch_plain_now(self, break_even: float, plain_priced: bool = True) -> bool:
     """Whether a batch's request that is no explorer would start plain now (`_batch_start`'s
     rule, without counting a start): the recent cycles committed fewer tokens than
     `batch_margin` x `break_even`."""
-    return self._plain(self.tau(), break_even)
+    return self._plain(self.tau(), break_even, plain_priced)
 
-  def _plain(self, tau: float | None, break_even: float) -> bool:
+  def _plain(self, tau: float | None, break_even: float, plain_priced: bool = True) -> bool:
     """A batch's rule: plain when the recent cycles committed fewer tokens (τ) than
-    `batch_margin` x `break_even` (drafting before any τ)."""
-    return tau is not None and tau < self.batch_margin * break_even
+    `batch_margin` x `break_even` (drafting before any τ). Until the plain loop has been timed
+    at this batch size (`plain_priced` False), `break_even` is the speculative loop's own, in
+    its AR steps, which stage the drafter's context and cost more than the plain loop's (a
+    batch of 8 on the demo's CPU: a cycle 3.5 of them against 4.7 plain steps): then plain
+    unless drafting is `DECISIVE`, so that the plain loop is timed before the rule weighs it
+    (batch 8, T = 0, static batches of 8: the first six runs drafted at ~0.7x AR)."""
+    if tau is None:
+      return False
+    unpriced = not plain_priced and self.batch_plain_first
+    return tau < (DECISIVE if unpriced else self.batch_margin) * break_even
 
-  def _batch_start(self, tau: float | None, break_even: float, cap: int, rows: int
-                   ) -> tuple[int, int]:
+  def _batch_start(self, tau: float | None, break_even: float, cap: int, rows: int,
+                   plain_priced: bool = True) -> tuple[int, int]:
     """A batch's start under `batch_plain`: deep (the scheduler then decodes the request in
     the plain AR bucket) when the recent cycles committed fewer tokens than `batch_margin` x
     `break_even`, drafting first otherwise (also before enough cycles were seen); explorer runs
     of `rows` requests (`_BatchExplorers`) take the other side (drafting where the rule says
     plain; plain where it says draft, unless drafting is `DECISIVE`)."""
-    deep = self._plain(tau, break_even)
+    deep = self._plain(tau, break_even, plain_priced)
     # Where drafting commits twice its price or more, a plain run cannot win and would cost
     # its requests up to half their speed (an accelerator): no plain explorers there.
     wanted = deep or tau is None or tau < DECISIVE * break_even
