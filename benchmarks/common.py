@@ -32,6 +32,8 @@ A benchmark uses it like this:
   demo_prompts(tok, half="eval", skip=0, limit=0) -> [(key, token ids)]  a half of
       configs/demo.py's HumanEval split: "eval" (held out: never labelled on) or "label".
   command_line() -> "python -m benchmarks.NAME <the arguments given>"
+  by_verify_length(counts) -> {"ar": n, "k=7": n, ...}  target forwards keyed by
+      `Generation.forward_verified` values, labelled by what they verified.
   write_json(path, obj, indent=2), write_text(path, text)  a result file, its folder made first.
 """
 
@@ -117,6 +119,13 @@ def demo_prompts(tok, half: str = "eval", skip: int = 0,
   chosen = [p for p in (evals if half == "eval" else label) if p.source == source][skip:]
   chosen = chosen[:limit] if limit > 0 else chosen
   return [(p.key, encode_prompt(tok, p.text, False)) for p in chosen]
+
+
+def by_verify_length(counts: Mapping[int, int]) -> dict[str, int]:
+  """Target forwards counted by `Generation.forward_verified` value, labelled by what they
+  verified: "ar" (an AR step, no drafter pass) and "k=n" (n drafts after a drafter pass), in
+  that order."""
+  return {("ar" if v == 0 else f"k={v - 1}"): c for v, c in sorted(counts.items())}
 
 
 def command_line() -> str:

@@ -392,12 +392,7 @@ def simulated_drafts(ar_engine: Engine, setup: Setup) -> dict[str, list[int]]:
 def verify_lengths(gens: list[Generation]) -> dict[str, int]:
   """Target forwards by what they verified: "ar" (an AR step, no drafter pass) and "k=n" (n
   drafts after a drafter pass), in that order."""
-  return by_verify_length(collections.Counter(v for g in gens for v in g.forward_verified))
-
-
-def by_verify_length(counts: collections.Counter) -> dict[str, int]:
-  """`verify_lengths`' labels for counts keyed by `forward_verified` values."""
-  return {("ar" if v == 0 else f"k={v - 1}"): c for v, c in sorted(counts.items())}
+  return common.by_verify_length(collections.Counter(v for g in gens for v in g.forward_verified))
 
 
 def batch_forwards(engine: Engine, costs: dict) -> dict:
@@ -408,7 +403,7 @@ def batch_forwards(engine: Engine, costs: dict) -> dict:
   counts = engine.forwards_run
   units = forward_cost_units(list(counts.elements()), costs["controller_costs"],
                              costs["controller_draft_cost"])
-  return {"by_verify_length": by_verify_length(counts), "cost": round(units, 1)}
+  return {"by_verify_length": common.by_verify_length(counts), "cost": round(units, 1)}
 
 
 def controller_costs(target, drafter, max_len: int

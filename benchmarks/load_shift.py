@@ -150,8 +150,7 @@ def phase_figures(calls: list[dict], gens: dict[str, list], price: float) -> dic
           "speculative_calls": len(spec), "calls": len(calls),
           "drafted": sum(not g.plain_start for g in gens["default"]),
           "requests": len(gens["default"]),
-          "verify_lengths": {("ar" if v == 0 else f"k={v - 1}"): n
-                             for v, n in sorted(lengths.items())},
+          "verify_lengths": common.by_verify_length(lengths),
           "speedup_vs_ar": {"ratio": round(sp.ratio, 4), "lo": round(sp.lo, 4),
                             "hi": round(sp.hi, 4)},
           "ar_tokens_per_s": round(float(toks["ar"].sum() / secs["ar"].sum()), 1),
@@ -245,7 +244,7 @@ def measure() -> None:
     e.generate(prompts[0][1], block_size=1, **kw)
   log = engines["default"].call_log
   origin = time.perf_counter()
-  entries, requests, before = [], [], None
+  entries, requests, timed_calls, before = [], [], [], None
   for p, name in enumerate(phases):
     with Load(FLAGS.load, FLAGS.load_procs) if name == "load" else contextlib.nullcontext():
       start, first_call = time.perf_counter() - origin, len(log)
@@ -264,6 +263,7 @@ def measure() -> None:
                          "speedup": round(a.decode_s / d.decode_s * d.new_tokens /
                                           max(a.new_tokens, 1), 4)})
       calls = [dict(c.to_json(), end_s=round(c.end_s - origin, 4)) for c in log[first_call:]]
+      timed_calls += calls
       entry = {"name": name, "start_s": round(start, 3),
                "end_s": round(time.perf_counter() - origin, 3),
                **phase_figures(calls, gens, price),
@@ -271,12 +271,11 @@ def measure() -> None:
     entries.append(entry)
     before = entry["break_even"]["median"] if entry["speculative_calls"] else before
     print_phase(p, entry)
-  all_calls = [dict(c.to_json(), end_s=round(c.end_s - origin, 4)) for c in log]
   report = {"command": common.command_line(), "load": FLAGS.load,
             "load_procs": FLAGS.load_procs, "temperature": FLAGS.temperature,
             "block_size": FLAGS.block_size, "prompts_per_phase": len(prompts),
             "start_up_costs": engines["default"].measured_costs.describe(),
-            "phases": entries, "calls": [c for c in all_calls if c["end_s"] >= 0],
+            "phases": entries, "calls": timed_calls,
             "requests": requests}
   common.write_json(os.path.join(FLAGS.out, "load_shift.json"), report)
   print(f"  wrote {os.path.join(FLAGS.out, 'load_shift.json')} and "

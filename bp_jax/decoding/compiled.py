@@ -33,13 +33,6 @@ _shared: collections.OrderedDict = collections.OrderedDict()
 _shared_lock = threading.Lock()
 
 
-def clear_shared_programs() -> None:
-  """Forgets the process's shared executables (a program that reads code changed since, e.g. a
-  test's patched function, must be traced again)."""
-  with _shared_lock:
-    _shared.clear()
-
-
 @contextlib.contextmanager
 def shared_programs_set_aside():
   """The process's shared executables out of reach inside the block and back after it, and
