@@ -154,7 +154,7 @@ def mean_ms(fn, args: tuple, reps: int) -> float:
   return 1e3 * (time.perf_counter() - t0) / reps
 
 
-def write_json(path: str, obj: Any, indent: int = 2) -> None:
+def write_json(path: str, obj: Any, indent: int | None = 2) -> None:
   """Writes `obj` to `path` as JSON, making its folder first."""
   with open(_parent_made(path), "w", encoding="utf-8") as f:
     json.dump(obj, f, indent=indent)

@@ -21,9 +21,18 @@ interval over prompts; AR tok/s. Writes load_shift.json and load_shift.png (the 
 loop call over time, load phases shaded, the isolated prices marked; below, each request's
 speedup over AR, drafted or plain).
 
-Example (batch 1, T = 0, 24 prompts per phase, about 3 minutes on the 2-core CPU VM):
+With --batch_size B > 1 both engines decode groups of --group_size prompts (static batches of
+B slots, refilled as requests end, `Engine.generate_batch`), the methods alternating from group
+to group. A batch's start rule weighs a cycle against a step of the plain loop at that batch
+size (`OnlineCosts.start_break_even`), so that is the price followed there (after every call: a
+plain call renews the plain step's price); the isolated forwards are timed at B rows; default /
+AR is bootstrapped over the groups (a group's requests share its loop calls), and the lower plot
+gives each group's speedup.
+
+Examples (T = 0, about 3 minutes each on the 2-core CPU VM):
 
   python -m benchmarks.load_shift --num_prompts 24 --out /tmp/load_shift
+  python -m benchmarks.load_shift --num_prompts 0 --batch_size 8 --out /tmp/load_shift_b8
 """
 
 from __future__ import annotations
@@ -45,7 +54,7 @@ from bp_jax.decode_job.block_choice import loop_options
 from bp_jax.decoding import controller as control
 from bp_jax.decoding.costs import measure_forward_costs
 from bp_jax.decoding.engine import Engine, decode_form
-from bp_jax.decoding.options import LoopOptions, ShapeOptions
+from bp_jax.decoding.options import BatchOptions, LoopOptions, ShapeOptions
 from bp_jax.errors import BadInputError
 from bp_jax.eval.bootstrap import bootstrap_speedup
 
@@ -76,6 +85,9 @@ def define_flags() -> None:
                      "sampled with seed i by both methods")
   flags.DEFINE_enum("verify", "rejection", ["exact", "rejection"], "the default's verify rule at "
                     "T > 0 (the demo's: rejection)")
+  flags.DEFINE_integer("batch_size", 1, "slots of both engines' loops (1: one request at a time)")
+  flags.DEFINE_integer("group_size", 0, "prompts per generate_batch call at --batch_size > 1 "
+                       "(0 = 2 x --batch_size)")
   flags.DEFINE_string("out", "out/load_shift", "folder for load_shift.json and load_shift.png")
 
 
@@ -116,18 +128,30 @@ class Load:
     self.running = []
 
 
-def cycle_price(target, drafter, block_size: int, max_len: int) -> float:
-  """A full cycle of `block_size` (drafter pass + verify) in AR steps, from isolated forwards
-  timed now (as the engine's start-up measurement)."""
-  table, draft = measure_forward_costs(target, drafter, 1, block_size, max_len).relative()
+def cycle_price(target, drafter, block_size: int, max_len: int, rows: int = 1) -> float:
+  """A full cycle of `block_size` (drafter pass + verify) in AR steps of `rows` rows, from
+  isolated forwards timed now (as the engine's start-up measurement)."""
+  table, draft = measure_forward_costs(target, drafter, rows, block_size, max_len).relative()
   return control.break_even(block_size - 1, table, draft)
 
 
-def followed_after(calls: list[dict], before: float | None) -> int | None:
-  """Speculative calls into a phase until its break-even passed halfway from `before` (the
-  previous phase's median) to this phase's own median; None: no earlier phase, no speculative
-  call, or medians within 10% of each other (nothing to follow)."""
-  spec = [c["break_even"] for c in calls if c["block_size"] > 1]
+def prices(calls: list[dict], rows: int = 1) -> list[float]:
+  """The price a phase follows, after each call that renews it: one request's start rule
+  weighs τ against the speculative loop's break-even (renewed by speculative calls); a
+  batch's (`rows` > 1 slots) against a cycle in steps of the plain loop at that batch size
+  (`start_break_even`, renewed by every call of `rows` slots: a plain call times the plain
+  step; a batch's tail calls, of fewer slots, price their own sizes)."""
+  if rows > 1:
+    return [c["start_break_even"] for c in calls
+            if c["start_break_even"] is not None and c["rows"] == rows]
+  return [c["break_even"] for c in calls if c["block_size"] > 1]
+
+
+def followed_after(calls: list[dict], before: float | None, rows: int = 1) -> int | None:
+  """Calls into a phase that renew its price (`prices`) until that price passed halfway from
+  `before` (the previous phase's median) to this phase's own median; None: no earlier phase,
+  no such call, or medians within 10% of each other (nothing to follow)."""
+  spec = prices(calls, rows)
   if before is None or not spec:
     return None
   now = statistics.median(spec)
@@ -137,17 +161,24 @@ def followed_after(calls: list[dict], before: float | None) -> int | None:
   return next(i + 1 for i, b in enumerate(spec) if (b - half) * (now - before) >= 0)
 
 
-def phase_figures(calls: list[dict], gens: dict[str, list], price: float) -> dict:
-  """One phase's report entry (module doc)."""
-  spec = [c["break_even"] for c in calls if c["block_size"] > 1]
+def phase_figures(calls: list[dict], units: dict[str, list[list]], price: float,
+                  rows: int = 1, greedy: bool = True) -> dict:
+  """One phase's report entry (module doc). `units`: per method, the phase's decodes in the
+  units the interval resamples (one request each alone; a group's requests in a batch of
+  `rows` slots); `greedy`: outputs are compared with AR's (T = 0)."""
+  spec = prices(calls, rows)
+  gens = {m: [g for unit in us for g in unit] for m, us in units.items()}
   lengths = collections.Counter(v for g in gens["default"] for v in g.forward_verified)
-  toks = {m: np.array([g.new_tokens for g in gs], float) for m, gs in gens.items()}
-  secs = {m: np.array([g.decode_s for g in gs], float) for m, gs in gens.items()}
+  toks = {m: np.array([sum(g.new_tokens for g in u) for u in us], float)
+          for m, us in units.items()}
+  secs = {m: np.array([sum(g.decode_s for g in u) for u in us], float)
+          for m, us in units.items()}
   sp = bootstrap_speedup(toks["default"], secs["default"], toks["ar"], secs["ar"])
   return {"isolated_cycle_price": round(price, 3),
           "break_even": {"first": spec[0] if spec else None, "last": spec[-1] if spec else None,
                          "median": round(statistics.median(spec), 4) if spec else None},
-          "speculative_calls": len(spec), "calls": len(calls),
+          "speculative_calls": sum(c["block_size"] > 1 for c in calls), "calls": len(calls),
+          "price_calls": len(spec),
           "drafted": sum(not g.plain_start for g in gens["default"]),
           "requests": len(gens["default"]),
           "verify_lengths": common.by_verify_length(lengths),
@@ -157,7 +188,7 @@ def phase_figures(calls: list[dict], gens: dict[str, list], price: float) -> dic
           "by_start": by_start(gens),
           "identical_to_ar": (sum(a.output_ids == b.output_ids
                                   for a, b in zip(gens["default"], gens["ar"]))
-                              if FLAGS.temperature == 0 else None)}
+                              if greedy else None)}
 
 
 def by_start(gens: dict[str, list]) -> dict:
@@ -189,20 +220,28 @@ def plot(report: dict, path: str) -> str:
     top.hlines(phase["isolated_cycle_price"], t0, t1, colors="k", linestyles="dashed")
   calls = report["calls"]
   spec = [c for c in calls if c["block_size"] > 1]
-  top.step([c["end_s"] for c in calls], [c["break_even"] for c in calls], where="post",
-           color="#4c72b0", lw=1, label="online break-even in effect")
-  top.plot([c["end_s"] for c in spec], [c["break_even"] for c in spec], "o", ms=3,
+  batched = report["batch_size"] > 1
+  key = "start_break_even" if batched else "break_even"
+  shown = [c for c in calls if c[key] is not None and (c["rows"] == report["batch_size"])]
+  top.step([c["end_s"] for c in shown], [c[key] for c in shown], where="post",
+           color="#4c72b0", lw=1, label="online break-even in effect"
+           + (" (in plain-loop steps)" if batched else ""))
+  spec = [c for c in spec if c in shown]
+  top.plot([c["end_s"] for c in spec], [c[key] for c in spec], "o", ms=3,
            color="#4c72b0", label="after a speculative call")
   top.plot([], [], "k--", label="isolated forwards timed at the phase's start")
-  top.set_ylabel(f"a b={FLAGS.block_size} cycle, in AR steps")
+  top.set_ylabel(f"a b={FLAGS.block_size} cycle, in AR steps"
+                 + (f" (batch {report['batch_size']})" if batched else ""))
   top.legend(fontsize=8, loc="upper left")
   reqs = report["requests"]
   for drafted, color, label in ((True, "#55a868", "drafted"), (False, "#8c8c8c", "plain")):
-    pts = [(r["end_s"], r["speedup"]) for r in reqs if r["drafted"] == drafted]
+    pts = [(r["end_s"], r["speedup"]) for r in reqs if (r["drafted"] > 0) == drafted]
     if pts:
-      low.plot(*zip(*pts), "o", ms=3, color=color, label=label)
+      low.plot(*zip(*pts), "o", ms=3, color=color,
+               label=f"{label} (a group with a request that drafted)" if batched and drafted
+               else label)
   low.axhline(1.0, color="k", lw=0.8)
-  low.set_ylabel("request: AR s / default s")
+  low.set_ylabel(f"{'group' if batched else 'request'}: AR s / default s")
   low.set_xlabel(f"seconds since the first phase (shaded: {FLAGS.load} load, "
                  f"{FLAGS.load_procs} process{'es' if FLAGS.load_procs > 1 else ''})")
   low.legend(fontsize=8, loc="upper left")
@@ -221,6 +260,11 @@ def measure() -> None:
   phases = parse_phases(FLAGS.phases)
   if FLAGS.load_procs < 1 or FLAGS.block_size < 2 or FLAGS.max_new_tokens < 1:
     raise BadInputError("--load_procs and --max_new_tokens must be >= 1, --block_size >= 2")
+  B = FLAGS.batch_size
+  if B < 1 or FLAGS.group_size < 0 or 0 < FLAGS.group_size < B:
+    raise BadInputError(f"--batch_size={B} must be >= 1 and --group_size={FLAGS.group_size} "
+                        "0 or at least --batch_size")
+  G = 1 if B == 1 else FLAGS.group_size or 2 * B
   from configs import demo
   models = common.load_models(FLAGS)
   prompts = common.demo_prompts(models.tokenizer, "eval", limit=FLAGS.num_prompts)
@@ -234,13 +278,27 @@ def measure() -> None:
       "default": Engine(target, drafter=models.drafter, stop_ids=models.stop_ids, shapes=shapes,
                         loop=LoopOptions(**loop_options(cfg), online_costs=None,
                                          start_backoff=True, start_plain=True),
-                        cost_cache=""),
+                        batching=BatchOptions(batch_size=B), cost_cache=""),
       "ar": Engine(target, stop_ids=models.stop_ids, shapes=shapes,
-                   loop=LoopOptions(controller="none"))}
+                   loop=LoopOptions(controller="none"), batching=BatchOptions(batch_size=B))}
   engines["default"].call_log = []
   kw = dict(max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature)
+  size = {"default": FLAGS.block_size, "ar": 1}
+  groups = [prompts[i:i + G] for i in range(0, len(prompts), G)]
+
+  def decode(m: str, g: int) -> list:
+    """Group g's prompts decoded by method m (seed: the prompt's index in the phase)."""
+    ids = [p for _, p in groups[g]]
+    if B == 1:
+      return [engines[m].generate(ids[0], seed=g, block_size=size[m], **kw)]
+    return engines[m].generate_batch(ids, seeds=g * G, block_size=size[m], **kw)
+
   for name, e in engines.items():  # compile outside the timed phases
-    e.generate(prompts[0][1], block_size=1 if name == "ar" else FLAGS.block_size, **kw)
+    if B > 1:  # the batched loops, for the windows these prompts take, and a first group
+      e.precompile([1, size[name]], request_lengths=[len(ids) + FLAGS.max_new_tokens
+                                                     for _, ids in prompts])
+      decode(name, 0)
+    e.generate(prompts[0][1], block_size=size[name], **kw)
     e.generate(prompts[0][1], block_size=1, **kw)
   log = engines["default"].call_log
   origin = time.perf_counter()
@@ -248,38 +306,46 @@ def measure() -> None:
   for p, name in enumerate(phases):
     with Load(FLAGS.load, FLAGS.load_procs) if name == "load" else contextlib.nullcontext():
       start, first_call = time.perf_counter() - origin, len(log)
-      price = cycle_price(target, models.drafter, FLAGS.block_size, FLAGS.max_len)
-      gens = {"default": [], "ar": []}
-      for i, (key, ids) in enumerate(prompts):
-        for m in (("default", "ar") if i % 2 == 0 else ("ar", "default")):
-          gens[m].append(engines[m].generate(ids, seed=i, block_size=1 if m == "ar"
-                                             else FLAGS.block_size, **kw))
-        d, a = gens["default"][-1], gens["ar"][-1]
-        requests.append({"phase": p, "key": key, "end_s": round(time.perf_counter() - origin, 3),
-                         "drafted": not d.plain_start,
-                         "tau": (round(float(np.mean(d.acceptance_lengths)), 3)
-                                 if d.acceptance_lengths else None),
-                         "cycles": d.cycles, "ar_steps": d.ar_steps,
-                         "speedup": round(a.decode_s / d.decode_s * d.new_tokens /
-                                          max(a.new_tokens, 1), 4)})
+      price = cycle_price(target, models.drafter, FLAGS.block_size, FLAGS.max_len, B)
+      units = {"default": [], "ar": []}
+      for g in range(len(groups)):
+        for m in (("default", "ar") if g % 2 == 0 else ("ar", "default")):
+          units[m].append(decode(m, g))
+        requests.append(dict(unit_entry(units["default"][-1], units["ar"][-1]), phase=p,
+                             key=",".join(k for k, _ in groups[g]),
+                             end_s=round(time.perf_counter() - origin, 3)))
       calls = [dict(c.to_json(), end_s=round(c.end_s - origin, 4)) for c in log[first_call:]]
       timed_calls += calls
       entry = {"name": name, "start_s": round(start, 3),
                "end_s": round(time.perf_counter() - origin, 3),
-               **phase_figures(calls, gens, price),
-               "followed_after": followed_after(calls, before)}
+               **phase_figures(calls, units, price, B, FLAGS.temperature == 0),
+               "followed_after": followed_after(calls, before, B)}
     entries.append(entry)
-    before = entry["break_even"]["median"] if entry["speculative_calls"] else before
+    before = entry["break_even"]["median"] if entry["price_calls"] else before
     print_phase(p, entry)
   report = {"command": common.command_line(), "load": FLAGS.load,
             "load_procs": FLAGS.load_procs, "temperature": FLAGS.temperature,
             "block_size": FLAGS.block_size, "prompts_per_phase": len(prompts),
+            "batch_size": B, "group_size": G,
             "start_up_costs": engines["default"].measured_costs.describe(),
             "phases": entries, "calls": timed_calls,
             "requests": requests}
-  common.write_json(os.path.join(FLAGS.out, "load_shift.json"), report)
+  # One line: every loop call is in it (~150-300 KB at batch 4-8 over five phases).
+  common.write_json(os.path.join(FLAGS.out, "load_shift.json"), report, indent=None)
   print(f"  wrote {os.path.join(FLAGS.out, 'load_shift.json')} and "
         f"{plot(report, os.path.join(FLAGS.out, 'load_shift.png'))}")
+
+
+def unit_entry(default: list, ar: list) -> dict:
+  """One unit's line in the report's requests (a request alone, or a group): how many of the
+  default's requests drafted, their τ (over the unit's cycles), cycles and AR steps, and AR's
+  seconds per token over the default's."""
+  tau = [a for g in default for a in g.acceptance_lengths]
+  rate = lambda gs: sum(g.new_tokens for g in gs) / max(sum(g.decode_s for g in gs), 1e-9)
+  return {"requests": len(default), "drafted": sum(not g.plain_start for g in default),
+          "tau": round(float(np.mean(tau)), 3) if tau else None,
+          "cycles": sum(g.cycles for g in default), "ar_steps": sum(g.ar_steps for g in default),
+          "speedup": round(rate(default) / max(rate(ar), 1e-9), 4)}
 
 
 def print_phase(p: int, e: dict) -> None:
@@ -289,7 +355,8 @@ def print_phase(p: int, e: dict) -> None:
   print(f"  phase {p + 1} {e['name']} ({e['start_s']:.0f}-{e['end_s']:.0f} s): cycle "
         f"{e['isolated_cycle_price']:.2f} AR steps isolated; online break-even first "
         f"{fmt(be['first'])}, median {fmt(be['median'])}, last {fmt(be['last'])} over "
-        f"{e['speculative_calls']} speculative calls of {e['calls']}; followed after "
+        f"{e['price_calls']} calls that renew it ({e['speculative_calls']} speculative) of "
+        f"{e['calls']}; followed after "
         f"{e['followed_after'] if e['followed_after'] is not None else '-'}; drafted "
         f"{e['drafted']}/{e['requests']}; {e['verify_lengths']}; default/AR {sp['ratio']:.3f}x "
         f"[{sp['lo']:.3f}, {sp['hi']:.3f}]"

@@ -65,6 +65,33 @@ def test_the_plain_loops_steps_price_a_batchs_start():
   assert e["start_break_even"][str(N)] == pytest.approx(4.0, rel=0.02)
 
 
+def test_a_batchs_price_takes_the_cycle_and_the_plain_step_at_one_moment():
+  """A batch that decodes plain times the plain step with every call and the cycle only in its
+  explorer runs: a load that makes the plain step dearer (1.25 -> 2 ms) while no speculative
+  call runs leaves the cycle's price in plain steps where it was measured (4), rather than
+  reading the stale cycle as cheaper (5 / 2 = 2.5 plain steps, toward drafting); once
+  speculative calls time the cycle under the load (10 ms: dearer than the plain step's rise,
+  as a second process on a CPU makes it), the price follows (10 / 2 = 5 plain steps)."""
+  est = OnlineCosts(lambda n: 3.0)
+  for n_ar, n_cycle in _calls(12):
+    est.observe_plain(16 * 1.25 * AR_S, 16, rows=8)
+    est.observe(2 * AR_S * n_ar + 5 * AR_S * n_cycle, _counts(n_ar, n_cycle), rows=8)
+  assert est.start_break_even(N, 8) == pytest.approx(4.0, rel=0.02)
+  for _ in range(20):  # the load: plain calls only, each step 2 ms
+    est.observe_plain(16 * 2.0 * AR_S, 16, rows=8)
+  assert est.plain_step_s(8) == pytest.approx(2.0 * AR_S, rel=0.02)
+  assert est.start_break_even(N, 8) == pytest.approx(4.0, rel=0.02)
+  for n_ar, n_cycle in _calls(8, seed=1):  # explorers time the cycle under the load
+    est.observe(3 * AR_S * n_ar + 10 * AR_S * n_cycle, _counts(n_ar, n_cycle), rows=8)
+  assert est.start_break_even(N, 8) == pytest.approx(5.0, rel=0.05)
+  # Before any speculative call at a batch size, the plain step of the moment is taken.
+  for _ in range(3):
+    est.observe_plain(16 * 1.0 * AR_S, 16, rows=4)
+  for n_ar, n_cycle in _calls(12):
+    est.observe(2 * AR_S * n_ar + 5 * AR_S * n_cycle, _counts(n_ar, n_cycle), rows=4)
+  assert est.start_break_even(N, 4) == pytest.approx(5.0, rel=0.02)
+
+
 def test_recovers_known_costs_and_follows_a_step_change():
   est = OnlineCosts(lambda n: 3.0)
   assert est.break_even(N, rows=1) == pytest.approx(3.0)  # the prior before any call

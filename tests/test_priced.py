@@ -249,8 +249,8 @@ def test_a_batch_starts_plain_until_the_plain_loop_is_timed():
 def test_a_batchs_explorer_runs_thin_out_while_the_choice_is_clear():
   """A batch's explorer runs come every 32nd run while the choice stays clearly plain (τ below
   0.8 x 1.2 x the price, as at the last explorer run), and every 8th while it is near its flip
-  point, has changed side or drafts; a price that moves toward the flip point (a load change)
-  brings an explorer run within 8 runs."""
+  point, has changed side or drafts; a price that moves toward the flip point (a speculative
+  call that timed the cycle cheaper) brings an explorer run within 8 runs."""
   from bp_jax.decoding.start_backoff import StartBackoff
   starts = StartBackoff(batch_plain=True)
 

@@ -269,6 +269,9 @@ class OnlineCosts:
     # Per batch size: the plain AR loop's seconds and steps, each older call forgotten as in
     # the fits (`observe_plain`).
     self._plain: dict[int, tuple[float, float]] = {}
+    # Per batch size: the plain step's seconds when the speculative loop's fit last took a
+    # call (None: none timed then), which `start_break_even` divides the cycle's seconds by.
+    self._plain_at_fit: dict[int, float | None] = {}
 
   def clip(self, n: int, break_even: float, rows: int = 1) -> float:
     """`break_even` of a cycle verifying n tokens within [min_break_even (and the floor of
@@ -307,6 +310,7 @@ class OnlineCosts:
       used[0] = used.get(0, 0.0) + folded
     self._fit(int(rows)).update(seconds, used, self.forget, self.ridge, self._clip_of(rows),
                                 self.restart_error, self.restart_calls)
+    self._plain_at_fit[int(rows)] = self.plain_step_s(rows)
     return True
 
   def observe_plain(self, seconds: float, steps: int, rows: int) -> bool:
@@ -331,8 +335,22 @@ class OnlineCosts:
     """What a batch's new request weighs drafting against: a cycle verifying n tokens in steps
     of the plain AR loop at batch size `rows` (a request that does not draft decodes there),
     clipped as `break_even`; the speculative loop's own `break_even` until both that loop's
-    cycles and the plain loop's steps have been timed at this batch size."""
-    fit, plain = self._fit(int(rows)), self.plain_step_s(rows)
+    cycles and the plain loop's steps have been timed at this batch size.
+
+    The two timings are taken at one moment: the cycle's seconds over the plain step's as it
+    stood when the speculative loop's last call was fitted (the plain step's now, if none was
+    timed then). A batch that decodes plain renews the plain step with every call and the
+    cycle only with its explorer runs, so the cycle's seconds over today's plain step mixed
+    two states of the machine: under a second process loading the CPU the plain step got
+    11-33% dearer, the stale cycle read that much cheaper in plain steps, and the rule moved
+    toward drafting while a cycle's own price, timed in isolation, rose or held (batch 4,
+    T = 0 on the demo's CPU: the price fell from 4.3 to 3.4 plain steps, and 13-16 of 82
+    requests drafted in load phases at 0.84-0.96x AR, against 2-4 idle;
+    `benchmarks/load_shift.py --batch_size 4`). A change of the machine now moves the price
+    when a speculative call times the cycle under it.
+    """
+    fit = self._fit(int(rows))
+    plain = self._plain_at_fit.get(int(rows)) or self.plain_step_s(rows)
     if plain is None or not fit.pricing or n not in fit.lengths:
       return self.break_even(n, rows)
     return self.clip(n, float(fit.theta[fit.lengths.index(n)]) / plain, int(rows))

@@ -45,10 +45,11 @@ clearly plain, i.e. plain as when the last explorer run began and by more than `
 once `batch_explore_max` runs (32) have passed since that run. A server whose batches decode
 plain because drafting clearly loses thus pays for one drafting run in 32 rather than in 8 (at
 batch 8 on the demo's CPU each explorer run cost its requests ~15%), while a choice near its
-flip point, one that flipped, or a price that moves toward the flip point (a second process
-loading the machine moves the plain loop's price against the cycle's last one) is explored
-within 8 runs; a cycle's price that falls while the plain loop's does not is seen by the next
-explorer run, at most 32 runs later. Drafting is never clear (`_Choice.clear_since`).
+flip point, one that flipped, or a price that moves toward the flip point is explored within
+8 runs. The price is a cycle's seconds over the plain step's, both as they stood at the last
+speculative call (`OnlineCosts.start_break_even`), so a load that changes the machine moves it
+when an explorer run times the cycle under that load, at most 32 runs later; so is a cycle's
+price that falls while the plain loop's does not. Drafting is never clear (`_Choice.clear_since`).
 Tried first and dropped: exploring unless τ and the price each held within 25% of theirs at the
 last explorer run. On this VM a batch's price moved by more than that between checks (4.9 to
 10.6 plain steps within 24 runs at batch 8) and τ over 8 requests from 3.0 to 5.2, so every
