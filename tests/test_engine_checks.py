@@ -139,10 +139,16 @@ def test_engines_of_one_architecture_share_programs_and_keep_their_own_weights(m
     with jax.default_matmul_precision("highest"):
       precise = _engine(other, drafter)
       assert decode(precise) == got and precise.compiled.shared == 0
-    # Another loop form (AR fallback steps): the prefill is shared, both loops compile anew.
+    # Another loop form (AR fallback steps): the speculative loop compiles anew; the prefill
+    # and the AR loop, which no controller option reaches (`LoopOptions.ar_program`), are shared.
     fallback = _engine(other, drafter, ar_fallback=2)
     decode(fallback)
-    assert fallback.compiled.shared == fallback.compiled.counts["prefill"] == 1
+    assert fallback.compiled.shared == 2 and fallback.compiled.total == 3
+    assert fallback.compiled.counts["spec_loop"] == 1
+    # Another AR step form (two-token forwards): an AR loop of its own.
+    padded = _engine(other, drafter, ar_step_tokens=2)
+    assert padded.generate(PROMPT, max_new_tokens=12, block_size=1).output_ids == got[0]
+    assert padded.compiled.shared == 1  # the prefill
     assert "shared_programs" in fallback.compiled.summary()
 
 

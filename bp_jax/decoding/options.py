@@ -285,6 +285,14 @@ class LoopOptions:
     return self.replace(block_size=block_size, forced_drafts=forced, sync_cycles=sync_cycles,
                         window=window, verify="exact" if forced else self.verify)
 
+  def ar_program(self) -> tuple:
+    """What an AR loop of these options is built from (`loops.make_batched_ar_loop` and
+    `make_ar_loop` read nothing else): its window, AR step form, layer form and forwards per
+    call. Engines whose options differ elsewhere (a controller, its costs, a verify rule) run
+    the same AR loop, and share its executable (`compiled.CompiledCache`'s `program`): in one
+    process a speculative engine's plain bucket and an AR engine's loop are one program."""
+    return (self.window, self.ar_step_tokens_in_effect(), self.scan_layers, self.sync_cycles)
+
   def key(self, batch: int | None = None) -> tuple:
     """The compile key of this loop within one engine (whose engine-wide options are fixed): its
     name and bucket; `batch`: the batched loop over that many slots (None: one request)."""

@@ -133,7 +133,7 @@ class LoopPrograms:
     if block_size == 1:
       return self.cache.get(opts.key(), lambda: loops.make_ar_loop(self.t_graph, opts),
                             args, donate_argnums=donated(1, batched=False),
-                            program=("ar_loop", self.t_graph, opts))
+                            program=("ar_loop", self.t_graph, opts.ar_program()))
     return self.cache.get(opts.key(),
                           lambda: loops.make_spec_loop(self.t_graph, self.d_graph, opts),
                           args, donate_argnums=donated(block_size, batched=False),
@@ -150,7 +150,7 @@ class LoopPrograms:
       return self.cache.get(opts.key(batch), lambda: loops.make_batched_ar_loop(self.t_graph, opts),
                             args, donate_argnums=donated(1, batched=True),
                             out_shardings=_placements_of(args[1]),
-                            program=("batched_ar_loop", self.t_graph, opts))
+                            program=("batched_ar_loop", self.t_graph, opts.ar_program()))
     make = lambda: loops.make_batched_spec_loop(self.t_graph, self.d_graph, opts)
     return self.cache.get(opts.key(batch), make, args,
                           donate_argnums=donated(block_size, batched=True),
