@@ -277,34 +277,6 @@ def test_a_batchs_explorer_runs_thin_out_while_the_choice_is_clear():
   assert explorer_runs(2.0, 40) == []        # decisive (τ >= 2 x the price): no plain explorers
 
 
-def test_a_batchs_blind_first_run_counts_as_its_first_explorer_run():
-  """The requests that draft before any τ is known measure drafting as an explorer run would:
-  where the first choice made with a τ is clearly plain, the first explorer run waits for the
-  32nd run since them instead of coming at the 8th (a batch of 16 on the demo's CPU drafted 32
-  of 246 requests that way); without such a run (τ known from the start) the checks stay."""
-  from bp_jax.decoding.start_backoff import StartBackoff
-
-  def explorer_runs(blind: bool, price: float = 5.0, runs: int = 40) -> list[int]:
-    starts = StartBackoff(batch_plain=True)
-    if blind:
-      assert {starts.start(price, 16, rows=2) for _ in range(2)} == {(0, 0)}
-    for _ in range(4):
-      starts.observe([4, 5])  # τ 4.5 against 1.2 x 5: plain, clearly
-    found = []
-    for run in range(1, runs + 1):
-      sides = {starts.start(price, 16, rows=2) for _ in range(2)}
-      deep = sides.pop() != (0, 0)
-      if deep != (starts.tau() < 1.2 * price):
-        found.append(run)
-    return found
-
-  assert explorer_runs(blind=True) == [31]  # 32 runs of 2 since the blind run began
-  assert explorer_runs(blind=False) == [8, 40]
-  # Near the flip point after the blind run (4.5 against 1.2 x 4): every 8th run counted from
-  # the blind one, as before.
-  assert explorer_runs(blind=True, price=4.0, runs=24) == [7, 15, 23]
-
-
 def test_a_batch_miss_backs_every_row_off_to_the_deepest_level():
   """priced's miss is the batch's: its rows back off as one, to the deepest decoding row's
   misses + 1 (a row that had just started drafting no longer asks for 2, 4, 8, ... steps and a
@@ -420,14 +392,13 @@ def test_batched_requests_that_would_start_deep_decode_in_the_plain_bucket(zeros
   """start_plain (the default) in a batch of 3: where drafting loses (the dearest costs) a
   request that would start deep takes a slot of the plain AR bucket: no drafter pass, its
   forwards AR steps, its block size kept, AR's very tokens. Explorers come in runs of the batch
-  size: the 4th run of 3 requests (starts 10-12; every 8th by default, and the first clearly
-  plain choice after the blind first run waits for the 32nd: both set to 4 here) drafts. Where
-  drafting pays at least twice its price (cheap costs, an accelerator's) no request decodes
-  plain, explorers included (their other side elsewhere:
+  size: the 4th run of 3 requests (starts 10-12; every 8th by default) drafts. Where drafting
+  pays at least twice its price (cheap costs, an accelerator's) no request decodes plain,
+  explorers included (their other side elsewhere:
   test_a_batchs_start_weighs_the_plain_price_with_runs_of_explorers)."""
   prompts, max_news = _requests(6)
   eng = _engine(zeros_models, batch_size=3, **(DEAREST if costs == "dearest" else CHEAP))
-  eng.starts.batch_explore_every = eng.starts.batch_explore_max = 4
+  eng.starts.batch_explore_every = 4
   gens = []
   for _ in range(3):
     outs = eng.generate_batch(prompts, max_new_tokens=max_news, block_size=B)

@@ -49,9 +49,7 @@ flip point, one that flipped, or a price that moves toward the flip point is exp
 8 runs. The price is a cycle's seconds over the plain step's, both as they stood at the last
 speculative call (`OnlineCosts.start_break_even`), so a load that changes the machine moves it
 when an explorer run times the cycle under that load, at most 32 runs later; so is a cycle's
-price that falls while the plain loop's does not. The requests that draft before any τ is
-known (the first run) count as an explorer run, with the first choice made after them as its
-choice (`_BatchExplorers.first_informed`). Drafting is never clear (`_Choice.clear_since`).
+price that falls while the plain loop's does not. Drafting is never clear (`_Choice.clear_since`).
 Tried first and dropped: exploring unless τ and the price each held within 25% of theirs at the
 last explorer run. On this VM a batch's price moved by more than that between checks (4.9 to
 10.6 plain steps within 24 runs at batch 8) and τ over 8 requests from 3.0 to 5.2, so every
@@ -195,9 +193,7 @@ class StartBackoff:
     # its requests up to half their speed (an accelerator): no plain explorers there.
     wanted = deep or tau is None or tau < DECISIVE * break_even
     ratio = None if tau is None else tau / (self.batch_margin * float(break_even))
-    now = _Choice(deep, ratio)
-    self._batch.first_informed(now, blind=tau is None)
-    explore = self._batch.explores(now, rows, wanted, self)
+    explore = self._batch.explores(_Choice(deep, ratio), rows, wanted, self)
     self.last_explored = explore
     if deep == explore:
       return 0, 0
@@ -233,19 +229,6 @@ class _BatchExplorers:
   _since: int = 0          # requests started outside explorer runs since the last one began
   _left: int = 0           # explorers still to start in the current run
   _last: _Choice | None = None  # the choice when the last explorer run began
-  _blind: bool = False     # requests drafted before any τ, with no explorer run since
-
-  def first_informed(self, now: _Choice, blind: bool) -> None:
-    """The requests that draft before any τ is known (`blind`) measure drafting as an explorer
-    run does: the first choice made with a τ after them stands for the choice at that run's
-    start, so that a choice clearly plain from the first τ on waits `batch_explore_max` runs
-    for its first explorer run rather than `batch_explore_every` (batch 16, T = 0 on the
-    demo's CPU: the first 16 requests drafted blind, and a check 8 runs later drafted 16 more,
-    32 of 246 at ~0.6x AR; default / AR 0.911x [0.830, 0.992])."""
-    if blind:
-      self._blind = self._last is None
-    elif self._blind:
-      self._blind, self._last = False, now
 
   def explores(self, now: _Choice, rows: int, wanted: bool, rule: StartBackoff) -> bool:
     """Whether the next request explores (`wanted`: the rule allows an explorer now)."""
