@@ -219,14 +219,13 @@ def plot(report: dict, path: str) -> str:
         ax.axvspan(t0, t1, color="#f4cccc", lw=0)
     top.hlines(phase["isolated_cycle_price"], t0, t1, colors="k", linestyles="dashed")
   calls = report["calls"]
-  spec = [c for c in calls if c["block_size"] > 1]
   batched = report["batch_size"] > 1
   key = "start_break_even" if batched else "break_even"
   shown = [c for c in calls if c[key] is not None and (c["rows"] == report["batch_size"])]
   top.step([c["end_s"] for c in shown], [c[key] for c in shown], where="post",
            color="#4c72b0", lw=1, label="online break-even in effect"
            + (" (in plain-loop steps)" if batched else ""))
-  spec = [c for c in spec if c in shown]
+  spec = [c for c in shown if c["block_size"] > 1]
   top.plot([c["end_s"] for c in spec], [c[key] for c in spec], "o", ms=3,
            color="#4c72b0", label="after a speculative call")
   top.plot([], [], "k--", label="isolated forwards timed at the phase's start")
@@ -298,8 +297,9 @@ def measure() -> None:
       e.precompile([1, size[name]], request_lengths=[len(ids) + FLAGS.max_new_tokens
                                                      for _, ids in prompts])
       decode(name, 0)
-    e.generate(prompts[0][1], block_size=size[name], **kw)
-    e.generate(prompts[0][1], block_size=1, **kw)
+    else:  # the one-request loops: drafting first and a plain start
+      e.generate(prompts[0][1], block_size=size[name], **kw)
+      e.generate(prompts[0][1], block_size=1, **kw)
   log = engines["default"].call_log
   origin = time.perf_counter()
   entries, requests, timed_calls, before = [], [], [], None
