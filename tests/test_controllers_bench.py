@@ -78,10 +78,16 @@ def test_simulated_drafts_at_a_model_shape_with_an_identical_twin(tmp_path):
   # the paper's loop drafts the simulated profile (τ 2.8 at b = 4), not the random drafter's
   # guesses (τ about 1)
   assert report["methods"]["none"]["tau_per_cycle"] > 2
+  # The default's choices follow this machine's timings, and the table's row is each group's
+  # fastest repeat, which may be one that decoded plain throughout (a CI run: no drafter pass
+  # in it). Its first group's first repeat drafts on any machine: no request has finished, so
+  # there is no τ to weigh a cycle's price against (`StartBackoff`).
   spec = report["methods"]["priced_default"]
-  assert spec["drafter_passes"] > 0
   lengths = spec["verify_lengths"]
-  assert sum(lengths.values()) == spec["target_forwards"] and lengths.get("k=3", 0) > 0
+  assert sum(lengths.values()) == spec["target_forwards"]
+  assert spec["drafter_passes"] == sum(c for k, c in lengths.items() if k != "ar")
+  first_group = report["repeats_per_group"]["priced_default"][0]
+  assert first_group[0][2] == 2  # both requests of the blind first run drafted
   assert report["methods"]["ar_twin"]["verify_lengths"] == {"ar": sum(
       report["methods"]["ar_twin"]["verify_lengths"].values())}
   assert "priced_default target forwards by verify length:" in proc.stdout
@@ -103,6 +109,7 @@ def test_simulated_drafts_at_a_model_shape_with_an_identical_twin(tmp_path):
     ran, rows = sum(batched[name]["by_verify_length"].values()), report["methods"][name]
     assert rows["target_forwards"] <= ran <= 2 * rows["target_forwards"], name
   assert batched["priced_default"]["cost"] > 0
+  assert batched["priced_default"]["by_verify_length"].get("k=3", 0) > 0  # the blind run's
   assert "the batches' target forwards, every repeat" in proc.stdout
   # The profiler pass: each method's first group once more, its batches' forwards counted; a
   # CPU's trace has no device stream lines, so there are no kernels or copies to count.
