@@ -129,7 +129,7 @@ def test_models_and_health(server, client):
     assert json.loads(r.read()) == {"status": "ok"}
 
 
-def test_greedy_completions_equal_the_engine_and_streams_concatenate(client, reference):
+def test_greedy_completions_equal_the_engine_and_streams_concatenate(server, client, reference):
   _, decode = reference
   results = {}
 
@@ -150,6 +150,17 @@ def test_greedy_completions_equal_the_engine_and_streams_concatenate(client, ref
     assert "".join(c.choices[0].text for c in chunks) == expected
     assert chunks[-1].choices[0].finish_reason in ("length", "stop")
     assert results[i].usage.prompt_tokens == len(reference[0].encode(p))
+  # What the speculation chose for them: each request's loop and its forwards by verify length
+  # (at most 24 tokens each, one forward or more per token after the prefill's), and the start
+  # rule's state for the server's bucket.
+  m = _metrics(server)
+  paths = [m[f'bp_jax_serve_requests_finished_total{{path="{p}"}}']
+           for p in ("speculative", "plain", "moved_plain")]
+  assert sum(paths) == 2 * len(PROMPTS)
+  forwards = {k.split('"')[1]: v for k, v in m.items()
+              if k.startswith("bp_jax_serve_target_forwards_total")}
+  assert set(forwards) <= {"ar", "k=0", "k=7"} and 0 < sum(forwards.values()) <= 6 * 23
+  assert m["bp_jax_serve_start_price"] > 0 and m["bp_jax_serve_start_plain"] in (0, 1)
 
 
 def test_chat_applies_the_template(client, reference):

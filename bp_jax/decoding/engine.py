@@ -31,7 +31,7 @@ from bp_jax.decoding.buckets import default_length_buckets, pick_bucket
 from bp_jax.decoding.call_tally import CallTally, LoopCall
 from bp_jax.decoding.generation import Generation, generation_of
 from bp_jax.decoding.online_costs import OnlineCosts
-from bp_jax.decoding.start_backoff import StartBackoff
+from bp_jax.decoding.start_backoff import StartBackoff, StartChoice
 from bp_jax.decoding.options import (PAD_AR_BELOW, BatchOptions, LoopOptions, ShapeOptions,
                                      declines_by_costs)
 from bp_jax.decoding.policy_binding import check_policy_fits
@@ -462,6 +462,18 @@ class Engine:
     return self.starts.batch_plain_now(self.prices.start_break_even(block_size,
                                                                     self.batch_size),
                                        self._plain_priced(self.batch_size))
+
+  def start_choice(self, block_size: int) -> StartChoice | None:
+    """Where a request of `block_size` that is no explorer would start now, at the engine's
+    batch size, and the recent τ and price that choice rests on (`StartChoice`); None where
+    starts are not priced (no start rule, or block size 1). Counts no start."""
+    if self.starts is None or block_size == 1:
+      return None
+    if self.batch_size > 1 and self.may_start_plain:
+      price = self.prices.start_break_even(block_size, self.batch_size)
+      return StartChoice(self.starts.tau(), price, self.plain_now(block_size))
+    price = float(self.break_even_N(block_size, self.batch_size)[block_size])
+    return StartChoice(self.starts.tau(), price, self.starts.alone_plain_now(price))
 
   @property
   def last_start_explored(self) -> bool:

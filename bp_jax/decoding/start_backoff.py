@@ -168,6 +168,13 @@ class StartBackoff:
     `batch_margin` x `break_even`."""
     return self._plain(self.tau(), break_even, plain_priced)
 
+  def alone_plain_now(self, break_even: float) -> bool:
+    """Whether a request decoded alone that is no explorer would start deep now (`start`'s
+    rule at one row, without counting a start): the recent cycles committed fewer tokens than
+    `margin` x `break_even`."""
+    tau = self.tau()
+    return tau is not None and tau < self.margin * break_even
+
   def _plain(self, tau: float | None, break_even: float, plain_priced: bool = True) -> bool:
     """A batch's rule: plain when the recent cycles committed fewer tokens (τ) than
     `batch_margin` x `break_even` (drafting before any τ). Until the plain loop has been timed
@@ -199,6 +206,22 @@ class StartBackoff:
       return 0, 0
     cap = max(int(cap), 1)
     return cap.bit_length() - 1, cap
+
+
+@dataclasses.dataclass(frozen=True)
+class StartChoice:
+  """Where the next request of a bucket would start now, and what that rests on
+  (`Engine.start_choice`; a server's /metrics shows it).
+
+  tau: committed tokens per cycle over the recent requests' cycles (None: too few yet);
+  price: a cycle's price the rule weighs tau against (a batch: in steps of the plain loop at
+    the batch size once both loops' calls have timed them, `OnlineCosts.start_break_even`;
+    alone: in AR steps of the speculative loop's fit, `OnlineCosts.break_even`);
+  plain: whether a request that is no explorer would start plain now (the plain AR loop or
+    bucket, or deep in the back-off where plain starts are off)."""
+  tau: float | None
+  price: float
+  plain: bool
 
 
 @dataclasses.dataclass(frozen=True)

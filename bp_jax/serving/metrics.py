@@ -6,6 +6,14 @@ when scraped. Figures, one meaning each (as `decoding.generation`):
   tokens_per_forward  committed tokens per target forward in the loops, same requests
   tokens_per_second   generated tokens per second of loop time (engine busy), and over the last
                       10 s of wall time
+  target_forwards     finished requests' target forwards by what they verified: "ar" (an AR
+                      step, no drafter pass) or "k=n" (n drafts after a drafter pass; k=0: the
+                      drafts declined)
+  requests_finished   finished requests by the loop they ran in: "speculative", "plain" (the
+                      plain AR loop from the start: drafting was losing) or "moved_plain"
+  start_*             the priced start rule now, for the server's bucket (`StartChoice`): the
+                      recent τ (NaN until enough cycles), the price it is weighed against, and
+                      whether a new request would start plain
 """
 
 from __future__ import annotations
@@ -32,12 +40,15 @@ class Metrics:
     self.cancelled = 0
     self.failed = 0
     self.recent: collections.deque = collections.deque()  # (time, tokens)
+    self.verified = collections.Counter()   # "ar" | "k=n" -> target forwards, finished requests
+    self.paths = collections.Counter()      # "speculative" | "plain" | "moved_plain" -> requests
     # Read when scraped (set by the engine thread).
     self.occupancy: dict[int, int] = {}
     self.slots = 0
     self.queue_length = 0
     self.compilations = 0
     self.in_flight = 0
+    self.start_choice = None                # the server bucket's `StartChoice` (None: unpriced)
 
   def count_request(self, endpoint: str, status: int) -> None:
     with self.lock:
@@ -60,6 +71,9 @@ class Metrics:
       self.cycle_tokens += sum(gen.acceptance_lengths)
       self.forwards += gen.target_forwards
       self.forward_tokens += sum(gen.forward_lengths)
+      self.verified.update("ar" if v == 0 else f"k={v - 1}" for v in gen.forward_verified)
+      self.paths["moved_plain" if gen.moved_plain else
+                 "plain" if gen.plain_start else "speculative"] += 1
 
   def render(self) -> str:
     with self.lock:
@@ -93,6 +107,22 @@ class Metrics:
       metric("tokens_per_forward", "gauge",
              "Committed tokens per target forward (finished requests).",
              [({}, round(self.forward_tokens / self.forwards, 4) if self.forwards else 0.0)])
+      metric("target_forwards_total", "counter",
+             "Target forwards of finished requests, by what they verified (ar: an AR step).",
+             [({"verified": v}, n) for v, n in sorted(self.verified.items(), key=_verified_order)])
+      metric("requests_finished_total", "counter",
+             "Finished requests by the loop they ran in (plain: drafting was losing).",
+             [({"path": p}, self.paths[p]) for p in ("speculative", "plain", "moved_plain")])
+      choice = self.start_choice
+      if choice is not None:
+        metric("start_tau", "gauge",
+               "Committed tokens per cycle of the recent requests (NaN: too few cycles yet).",
+               [({}, "NaN" if choice.tau is None else round(choice.tau, 4))])
+        metric("start_price", "gauge",
+               "A cycle's price the start rule weighs that tau against, in AR steps.",
+               [({}, round(choice.price, 4))])
+        metric("start_plain", "gauge", "1 where a new request would start plain now.",
+               [({}, int(choice.plain))])
       metric("batch_occupancy", "gauge", "Requests in the slots of each block-size bucket.",
              [({"block_size": b}, n) for b, n in sorted(self.occupancy.items())])
       metric("batch_slots", "gauge", "Slots per block-size bucket.", [({}, self.slots)])
@@ -106,6 +136,11 @@ class Metrics:
       metric("failed_total", "counter", "Requests that failed in the engine (e.g. NaN logits).",
              [({}, self.failed)])
       return "\n".join(lines) + "\n"
+
+
+def _verified_order(item: tuple[str, int]) -> tuple[int, int]:
+  """"ar" first, then "k=n" by n."""
+  return (-1, 0) if item[0] == "ar" else (0, int(item[0][2:]))
 
 
 def parse(text: str) -> dict[str, float]:

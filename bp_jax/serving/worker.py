@@ -198,6 +198,7 @@ class EngineWorker:
       m.occupancy = self.sched.occupancy()
       m.queue_length = self.sched.waiting()
       m.compilations = self.engine.compiled.total
+      m.start_choice = self.engine.start_choice(self.block_size)
 
 
 def warm_up(engine, block_size: int) -> float:
