@@ -125,7 +125,8 @@ def by_verify_length(counts: Mapping[int, int]) -> dict[str, int]:
   """Target forwards counted by `Generation.forward_verified` value, labelled by what they
   verified: "ar" (an AR step, no drafter pass) and "k=n" (n drafts after a drafter pass), in
   that order."""
-  return {("ar" if v == 0 else f"k={v - 1}"): c for v, c in sorted(counts.items())}
+  from bp_jax.decoding.generation import verify_label
+  return {verify_label(v): c for v, c in sorted(counts.items())}
 
 
 def command_line() -> str:

@@ -440,11 +440,19 @@ class Engine:
     with (`start_backoff`; (0, 0): it drafts first)."""
     if self.starts is None or block_size == 1:
       return 0, 0
-    if rows > 1 and self.may_start_plain:  # drafting or the plain bucket (`starts_plain`)
-      break_even = self.prices.start_break_even(block_size, rows)
-      return self.starts.start(break_even, self.ar_fallback, rows, self._plain_priced(rows))
-    break_even = float(self.break_even_N(block_size, rows)[block_size])
-    return self.starts.start(break_even, self.ar_fallback, rows)
+    price, batch_rule = self._start_price(block_size, rows)
+    if batch_rule:  # drafting or the plain bucket (`starts_plain`)
+      return self.starts.start(price, self.ar_fallback, rows, self._plain_priced(rows))
+    return self.starts.start(price, self.ar_fallback, rows)
+
+  def _start_price(self, block_size: int, rows: int) -> tuple[float, bool]:
+    """(the price a new request's start weighs the recent cycles against, whether the batch's
+    rule weighs it: a batch that may start plain prices a cycle in steps of the plain loop at
+    `rows` slots, `OnlineCosts.start_break_even`; otherwise the speculative loop's own
+    break-even at `rows` slots)."""
+    if rows > 1 and self.may_start_plain:
+      return self.prices.start_break_even(block_size, rows), True
+    return float(self.break_even_N(block_size, rows)[block_size]), False
 
   def _plain_priced(self, rows: int) -> bool:
     """Whether the plain loop's step at batch size `rows` has been timed (a batch's start then
@@ -469,11 +477,10 @@ class Engine:
     starts are not priced (no start rule, or block size 1). Counts no start."""
     if self.starts is None or block_size == 1:
       return None
-    if self.batch_size > 1 and self.may_start_plain:
-      price = self.prices.start_break_even(block_size, self.batch_size)
-      return StartChoice(self.starts.tau(), price, self.plain_now(block_size))
-    price = float(self.break_even_N(block_size, self.batch_size)[block_size])
-    return StartChoice(self.starts.tau(), price, self.starts.alone_plain_now(price))
+    price, batch_rule = self._start_price(block_size, self.batch_size)
+    plain = (self.starts.batch_plain_now(price, self._plain_priced(self.batch_size))
+             if batch_rule else self.starts.alone_plain_now(price))
+    return StartChoice(self.starts.tau(), price, plain)
 
   @property
   def last_start_explored(self) -> bool:

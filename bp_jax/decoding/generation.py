@@ -122,6 +122,12 @@ class Generation:
     return float(np.mean(k)) if k else None
 
 
+def verify_label(verified: int) -> str:
+  """What a forward verified, from its `Generation.forward_verified` value: "ar" (0: an AR
+  step, no drafter pass) or "k=n" (n drafts after a drafter pass)."""
+  return "ar" if verified == 0 else f"k={verified - 1}"
+
+
 def forward_cost_units(verified: Sequence[int], costs: Sequence[float],
                        draft_cost: float) -> float:
   """A loop's estimated cost in AR steps (`controller.verify_cost` units) from its per-forward

@@ -149,7 +149,7 @@ class StartBackoff:
     tau = self.tau()
     if rows > 1 and self.batch_plain:
       return self._batch_start(tau, break_even, cap, rows, plain_priced)
-    if tau is None or tau >= self.margin * break_even:
+    if not self._deep_alone(tau, break_even):
       self._deep, self._explored = 0, None
       return 0, 0
     self._deep += 1
@@ -172,7 +172,11 @@ class StartBackoff:
     """Whether a request decoded alone that is no explorer would start deep now (`start`'s
     rule at one row, without counting a start): the recent cycles committed fewer tokens than
     `margin` x `break_even`."""
-    tau = self.tau()
+    return self._deep_alone(self.tau(), break_even)
+
+  def _deep_alone(self, tau: float | None, break_even: float) -> bool:
+    """The rule at one row (and in a batch without `batch_plain`): deep when the recent
+    cycles committed fewer tokens (τ) than `margin` x `break_even` (drafting before any τ)."""
     return tau is not None and tau < self.margin * break_even
 
   def _plain(self, tau: float | None, break_even: float, plain_priced: bool = True) -> bool:

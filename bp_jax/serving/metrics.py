@@ -22,6 +22,8 @@ import collections
 import threading
 import time
 
+from bp_jax.decoding.generation import verify_label
+
 PREFIX = "bp_jax_serve_"
 
 
@@ -40,7 +42,7 @@ class Metrics:
     self.cancelled = 0
     self.failed = 0
     self.recent: collections.deque = collections.deque()  # (time, tokens)
-    self.verified = collections.Counter()   # "ar" | "k=n" -> target forwards, finished requests
+    self.verified = collections.Counter()   # `forward_verified` value -> target forwards
     self.paths = collections.Counter()      # "speculative" | "plain" | "moved_plain" -> requests
     # Read when scraped (set by the engine thread).
     self.occupancy: dict[int, int] = {}
@@ -71,7 +73,7 @@ class Metrics:
       self.cycle_tokens += sum(gen.acceptance_lengths)
       self.forwards += gen.target_forwards
       self.forward_tokens += sum(gen.forward_lengths)
-      self.verified.update("ar" if v == 0 else f"k={v - 1}" for v in gen.forward_verified)
+      self.verified.update(gen.forward_verified)
       self.paths["moved_plain" if gen.moved_plain else
                  "plain" if gen.plain_start else "speculative"] += 1
 
@@ -109,7 +111,7 @@ class Metrics:
              [({}, round(self.forward_tokens / self.forwards, 4) if self.forwards else 0.0)])
       metric("target_forwards_total", "counter",
              "Target forwards of finished requests, by what they verified (ar: an AR step).",
-             [({"verified": v}, n) for v, n in sorted(self.verified.items(), key=_verified_order)])
+             [({"verified": verify_label(v)}, n) for v, n in sorted(self.verified.items())])
       metric("requests_finished_total", "counter",
              "Finished requests by the loop they ran in (plain: drafting was losing).",
              [({"path": p}, self.paths[p]) for p in ("speculative", "plain", "moved_plain")])
@@ -136,11 +138,6 @@ class Metrics:
       metric("failed_total", "counter", "Requests that failed in the engine (e.g. NaN logits).",
              [({}, self.failed)])
       return "\n".join(lines) + "\n"
-
-
-def _verified_order(item: tuple[str, int]) -> tuple[int, int]:
-  """"ar" first, then "k=n" by n."""
-  return (-1, 0) if item[0] == "ar" else (0, int(item[0][2:]))
 
 
 def parse(text: str) -> dict[str, float]:
