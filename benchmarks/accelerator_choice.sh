@@ -16,7 +16,8 @@
 # default with and without its back-off gate). PROFILE=0 drops the profiler pass that counts
 # each method's device kernels and device-to-host copies per batch target forward (on a GPU each
 # evaluated predicate of a data-dependent loop is such a copy, and the host waits for it).
-# Writes ${OUT:-out}/accelerator_choice/B<batch>/{controllers.json,log.txt}. SHAPE=tiny runs the
+# Writes ${OUT:-out}/accelerator_choice/B<batch>/{controllers.json,log.txt} (the json holds every
+# priced loop call with its break-even: `call_logs`). SHAPE=tiny runs the
 # same at the test shape (a CPU smoke run); programs are cached in $JAX_COMPILATION_CACHE_DIR
 # (ar_twin's are ar's).
 set -uo pipefail
@@ -46,6 +47,6 @@ for B in $batches; do
   rc=$?
   echo "batch $B: rc $rc in $(( $(date +%s) - start )) s"
   (( rc == 0 )) || tail -4 "$root/B$B/log.txt"
-  grep -E 'target forward over|since start|  profile ' "$root/B$B/log.txt" | cut -c1-160
+  grep -E 'target forward over|since start|  profile |break-even of a full cycle' "$root/B$B/log.txt" | cut -c1-160
   sed -n '/ method /,$p' "$root/B$B/log.txt" | grep -v '^  wrote' | head -30
 done

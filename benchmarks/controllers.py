@@ -79,6 +79,11 @@ Methods (`--methods`, comma-separated):
                     (`controller_persist=False`); the default's misses back off only while the
                     cycles right after misses commit clearly less than cycles on average
                     (`bp_jax.decoding.evidence`; the priced methods above gate too);
+  priced_default_nohold
+                    priced_default whose batch prices fit every loop call at once
+                    (`OnlineCosts.hold_outliers` = False); the default's hold a call off alone
+                    out of the fit until a call like it confirms or refutes a change
+                    (`bp_jax.decoding.online_costs`);
   ar_twin           a second engine identical to ar, interleaved like any method: its ratio
                     to ar and that ratio's interval are what two identical programs read on
                     this machine in this run (the noise floor of every other row's interval);
@@ -109,6 +114,12 @@ drafting requests cost. With --hold_costs the default
 keeps its start-up prices (no online updates): with given --controller_costs that replays
 another machine's prices here, its choices and those counts following them alone (e.g. an
 H100's at batch 16: `--controller_costs 1.0,1.03,1.15,1.38,1.90 --controller_draft_cost 0.35`).
+With --sim_clock_ms instead, every engine's loop calls are timed by a simulated device's clock
+at the given prices (benchmarks/sim_clock.py: per-call noise --sim_clock_noise, a stall of
+--sim_clock_stall_s every --sim_clock_stall_every calls): the default's online prices then fit
+device-shaped calls as on the device, and the table's speeds are the simulated device's
+(deterministic: the same run gives the same figures on any machine). Every priced method's
+loop calls, with the break-even after each, are in the json (`call_logs`).
 
 Intervals: each method's speedup over AR, and those of `PAIRS` where both methods ran (e.g.
 `priced`'s over `backoff`, `priced_default`'s over `priced_default_every8`), with a 95% paired
@@ -167,6 +178,7 @@ import numpy as np
 from absl import flags
 
 from benchmarks import accelerator, common
+from benchmarks.sim_clock import SimClock
 from bp_jax import cli
 from bp_jax.decoding import controller as control
 from bp_jax.decode_job.compare import check_repeats_agree
@@ -184,7 +196,7 @@ METHODS = ("ar", "none", "backoff", "confidence_1step", "confidence", "confidenc
            "priced_default_every4", "priced_default_margin1", "priced_default_draftfirst", "ar_full",
            "priced_default_full", "ar_twin", "priced_default_nomove",
            "priced_default_nodecline", "priced_default_decline", "priced_default_nogate",
-           "ar_padded", "ar_tied", "none_tied")
+           "priced_default_nohold", "ar_padded", "ar_tied", "none_tied")
 
 common.define_flags("target", "drafter", "dtype", "max_len", "max_new_tokens", "block_size",
                     num_prompts=24, repeats=3,
@@ -236,6 +248,17 @@ flags.DEFINE_bool("hold_costs", False, "the default and its variants keep the st
                   "(given or measured) instead of updating them from their loop calls: their "
                   "choices then follow those prices alone (with --controller_costs: a replay at "
                   "another machine's prices, counted in `batch_forwards`)")
+flags.DEFINE_float("sim_clock_ms", 0.0, "with --controller_costs: every engine's loop calls are "
+                   "timed by a simulated device's clock (benchmarks/sim_clock.py) charging "
+                   "that table's prices with an AR step of this many ms, so that the online "
+                   "prices fit device-shaped calls and the speeds are the simulated device's "
+                   "(0: the real clock); batches then keep all their slots, as rows cost "
+                   "nothing there")
+flags.DEFINE_float("sim_clock_noise", 0.03, "--sim_clock_ms: lognormal sigma of each call's time")
+flags.DEFINE_float("sim_clock_stall_s", 0.0, "--sim_clock_ms: seconds added to every "
+                   "--sim_clock_stall_every-th loop call of each engine")
+flags.DEFINE_integer("sim_clock_stall_every", 0, "--sim_clock_ms: see --sim_clock_stall_s "
+                     "(0: no stalls)")
 flags.DEFINE_string("cost_cache", "default", "folder caching measured costs ('default' = "
                     "~/.cache/bp_jax/costs, '' = measure every run)")
 FLAGS = flags.FLAGS
@@ -260,7 +283,7 @@ START_RULES = {"priced_default_every8": ("batch_explore_max", "batch_explore_eve
 def loop_method(method: str) -> str:
   """The method whose loop form `method` decodes with (a `_full` method: its base's;
   `START_RULES`' variants: priced_default's, their start rules set in `main`)."""
-  if method in START_RULES or method == "priced_default_nomove":
+  if method in START_RULES or method in ("priced_default_nomove", "priced_default_nohold"):
     return "priced_default"
   if method in ("ar_twin", "ar_padded", "ar_tied"):
     return "ar"
@@ -480,6 +503,7 @@ PAIRS = (("priced", "backoff"), ("priced_online", "priced"), ("priced_long", "pr
          ("priced_default", "priced_default_nodecline"),
          ("priced_default", "priced_default_decline"),
          ("priced_default", "priced_default_nogate"), ("priced_default", "none"),
+         ("priced_default", "priced_default_nohold"),
          ("priced_default", "ar_padded"), ("ar", "ar_tied"), ("none", "none_tied"))
 
 
@@ -548,7 +572,8 @@ def main(_):
                                            block_sizes=(1, FLAGS.block_size)),
                        loop=LoopOptions(**engine_options(m, costs, default_costs)),
                        batching=BatchOptions(batch_size=FLAGS.batch_size,
-                                             shrink=not m.endswith("_full"),
+                                             shrink=not (m.endswith("_full")
+                                                         or FLAGS.sim_clock_ms),
                                              move_plain_after=0 if m.endswith("_nomove")
                                              else BatchOptions.move_plain_after))
              for m in methods}
@@ -556,6 +581,20 @@ def main(_):
     if variant in engines:
       starts = engines[variant].starts
       setattr(starts, field, getattr(starts, value) if isinstance(value, str) else value)
+  for m in methods:  # every loop call of a method that prices cycles, with its prices after it
+    if m.startswith("priced"):
+      engines[m].call_log = []
+  if "priced_default_nohold" in engines:
+    engines["priced_default_nohold"].prices.hold_outliers = False
+  if FLAGS.sim_clock_ms:
+    if source != "given":
+      raise BadInputError("--sim_clock_ms needs the device's prices: give --controller_costs "
+                          "and --controller_draft_cost")
+    for m in methods:  # one noise sequence for all, call by call
+      engines[m].clock = SimClock(engines[m], costs["controller_costs"],
+                                  costs["controller_draft_cost"], FLAGS.sim_clock_ms,
+                                  FLAGS.sim_clock_noise, FLAGS.sim_clock_stall_s,
+                                  FLAGS.sim_clock_stall_every)
   size = {m: 1 if loop_method(m) == "ar" else FLAGS.block_size for m in methods}
   sim = simulated_drafts(engines["ar"], setup) if FLAGS.shape else None
   forced = {m: None if size[m] == 1 else sim for m in methods}
@@ -662,6 +701,14 @@ def main(_):
     for rows_, e in est["by_batch_size"].items():
       print(f"  {m} cost estimate (batch {rows_}, {e['calls']} calls): break-even "
             f"{e['break_even']} AR steps, AR step {e['ar_step_s']} s")
+  call_logs = {m: [c.to_json() for c in engines[m].call_log] for m in methods
+               if engines[m].call_log}
+  for m, log in call_logs.items():  # what the miss rule weighed cycles against, call by call
+    prices = [c["break_even"] for c in log if c["block_size"] > 1 and c["break_even"]]
+    if prices:
+      print(f"  {m} break-even of a full cycle after each of its {len(prices)} speculative "
+            f"calls: min {min(prices):.2f}, median {float(np.median(prices)):.2f}, max "
+            f"{max(prices):.2f} AR steps")
   profiles = {m: profiled(engines[m], groups[0], size[m], forced[m])
               for m in methods} if FLAGS.profile else {}
   for m, p in profiles.items():
@@ -692,7 +739,7 @@ def main(_):
                                if measured is not None and e.measured_costs is measured},
               "shape": FLAGS.shape or "demo", "prompt_set": setup.label,
               "sim_tau": FLAGS.sim_tau if FLAGS.shape else None,
-              "repeats_per_group": per_repeat}
+              "repeats_per_group": per_repeat, "call_logs": call_logs}
     common.write_json(os.path.join(FLAGS.out, "controllers.json"), report, indent=1)
     print(f"  wrote {os.path.join(FLAGS.out, 'controllers.json')}")
 

@@ -37,6 +37,20 @@ request to request, restarting on every such call (with forget 0.6) left the est
 call or two, and one run's break-even ranged 3.1-32 AR steps (5-95%) against ~4.2 measured in
 one process (`/tmp/s31/fitab.py`; now 2.9-9.3).
 
+A batch's call off alone is held out of its fit (`hold_outliers`; "held" below): a batch's
+calls run few AR steps (0-3 among 10-30 cycles on an H200 at Qwen3-4B shapes, batch 4), so its
+fit barely tells an AR step's price from a cycle's, and one call 0.15 s slow among calls of
+~0.1 s, fitted at once, sent the break-even of a cycle priced 1.56 AR steps to the cap, where
+every cycle is a miss and the rows back off (the simulation in tests/test_online_costs.py; a
+candidate, not measured there, for that device's run, where the default's batches ran 66-72 AR
+steps against 8-10 in the CPU replay of the same drafts at its prices held, and each batch
+size's default had one group's run 0.13-0.17 s slower than its other; docs/results/
+accelerator.md). The held call waits for the next call that ran every kind of forward it ran:
+off the same way, the two are a change and the fit restarts on them; otherwise (within the
+bar, or off the other way) the held call is dropped. At most every other call is held, and none before the fit
+has `min_calls` calls since it began or last restarted. One request's calls back off after
+every miss and run many AR steps: they are fitted at once.
+
 One call gives one equation for several unknowns, and calls of a run often mix their forwards in
 about the same proportion (or run one kind only), so the fit is regularized toward the previous
 estimate scaled to the data (a random-walk prior): a direction the calls do not tell apart keeps
@@ -113,9 +127,10 @@ class CostEstimate:
 class _Fit:
   """The forgetting least-squares fit of one batch size (see the module doc)."""
 
-  def __init__(self, prior: Callable[[int], float], min_calls: int):
+  def __init__(self, prior: Callable[[int], float], min_calls: int, hold: bool):
     self.prior = lambda n: 1.0 if n == 0 else float(prior(n))  # an AR step is the unit
     self.min_calls = min_calls  # calls before the fit prices (`OnlineCosts.min_calls`)
+    self.hold = hold  # whether a call off alone is held (module doc)
     self.lengths: list[int] = [0]                 # verify lengths with a parameter, in order
     self.A = np.zeros((1, 1))                     # sum of forget^age x x^T
     self.b = np.zeros(1)                          # sum of forget^age x y
@@ -124,6 +139,9 @@ class _Fit:
     # The last calls (at most `restart_calls`): the sums before each, its counts and seconds,
     # and whether the estimate mispredicted it (+1 slower, -1 faster, 0 within the error).
     self.recent: list[tuple[np.ndarray, np.ndarray, Mapping[int, int], float, int]] = []
+    # A call off alone, held out of the fit (`update`; module doc), as a `recent` entry; None: none.
+    self.held: tuple | None = None
+    self.since_restart = 0  # calls fitted since the fit began or last restarted
     self.noise = 0.0  # mean relative misprediction of the calls that were not off (`update`)
 
   @property
@@ -157,10 +175,21 @@ class _Fit:
     off = abs(error) > max(restart_error, NOISE_MULTIPLE * self.noise)
     if self.theta is not None and not off:  # the machine's own call-to-call noise
       self.noise += NOISE_WEIGHT * (abs(error) - self.noise)
-    self.recent = (self.recent + [(self.A, self.b, counts, seconds,
-                                   int(np.sign(error)) if off else 0)])[-restart_calls:]
+    call = (self.A, self.b, counts, seconds, int(np.sign(error)) if off else 0)
+    self.calls += 1
+    held, self.held = self.held, None
+    if held is not None and not _tests(counts, held[2]):
+      self.held = held  # this call says nothing of the held one's forwards: it stays held
+    elif held is not None and call[4] == held[4]:
+      self.recent = [held]  # the next call like it is off the same way: a change (below)
+    elif (held is None and off and self.hold and restart_calls > 1
+          and self.since_restart >= self.min_calls):
+      self.held = call  # off alone, so far: not fitted until a call like it says (module doc)
+      return
+    self.recent = (self.recent + [call])[-restart_calls:]
     self.A = forget * self.A + np.outer(x, x)
     self.b = forget * self.b + x * seconds
+    self.since_restart += 1
     if len(self.recent) == restart_calls and abs(sum(c[4] for c in self.recent)) == restart_calls:
       self._restart(forget)
     r = self.ratios()
@@ -179,7 +208,6 @@ class _Fit:
     for i, n in enumerate(self.lengths[1:], start=1):  # each cycle within bounds of an AR step
       theta[i] = theta[0] * clip(n, theta[i] / theta[0])
     self.theta = theta
-    self.calls += 1
 
   def _x(self, counts: Mapping[int, int]) -> np.ndarray:
     x = np.zeros(len(self.lengths))
@@ -202,12 +230,19 @@ class _Fit:
     for _, _, counts, seconds, _ in self.recent:
       x = self._x(counts)
       A, b = forget * A + np.outer(x, x), forget * b + x * seconds
-    self.A, self.b, self.recent = A, b, []
+    self.A, self.b, self.since_restart, self.recent = A, b, len(self.recent), []
 
   def break_even(self, n: int, clip: Callable[[int, float], float]) -> float:
     if n not in self.lengths or not self.pricing:
       return clip(n, self.prior(n))
     return clip(n, float(self.theta[self.lengths.index(n)] / self.theta[0]))
+
+
+def _tests(counts: Mapping[int, int], held: Mapping[int, int]) -> bool:
+  """Whether a call that ran `counts` can confirm or refute a held call that ran `held`: it ran
+  every kind of forward the held one ran (a call of AR steps alone says nothing of a cycle's
+  price)."""
+  return all(counts.get(n, 0) > 0 for n, c in held.items() if c > 0)
 
 
 # A call is off (a sign of a change) when mispredicted by more than `restart_error` and more
@@ -246,14 +281,18 @@ class OnlineCosts:
   a drafter pass and a one-token forward: a few of them among many cycles gave the fit a free
   parameter it could not pin, and one run's break-even of a full cycle rose to 14.9 AR steps
   against 4.0 without them, every request then starting plain; /tmp/b36/B1dec). A batch
-  size's break-even is the prior's until its fit has seen `min_calls` calls (`MIN_CALLS`)."""
+  size's break-even is the prior's until its fit has seen `min_calls` calls (`MIN_CALLS`).
+  `hold_outliers`: a batch's call off alone is held out of its fit until a call like it confirms
+  a change or refutes it (module doc); False: fitted at once, as one request's calls are."""
 
   def __init__(self, prior: Callable[[int], float], *, forget: float = 0.8, ridge: float = 0.03,
                min_break_even: float = 1.0, max_break_even_per_token: float = 4.0,
                restart_error: float = 0.2, restart_calls: int = 2,
                batch_prior_floor: float = 0.0, one_prior_floor: float = 0.0,
-               by_prior: Sequence[int] = (), min_calls: int = MIN_CALLS):
+               by_prior: Sequence[int] = (), min_calls: int = MIN_CALLS,
+               hold_outliers: bool = True):
     self.prior = prior
+    self.hold_outliers = bool(hold_outliers)
     self.min_calls = _check_count(min_calls, "min_calls")
     self.by_prior = frozenset(int(n) for n in by_prior if int(n) > 0)
     self.batch_prior_floor = _check_floor(batch_prior_floor, "batch_prior_floor")
@@ -287,7 +326,7 @@ class OnlineCosts:
 
   def _fit(self, rows: int) -> _Fit:
     if rows not in self._fits:
-      self._fits[rows] = _Fit(self.prior, self.min_calls)
+      self._fits[rows] = _Fit(self.prior, self.min_calls, self.hold_outliers and rows > 1)
     return self._fits[rows]
 
   def observe(self, seconds: float, counts_N: Sequence[int] | np.ndarray, rows: int) -> bool:
