@@ -237,6 +237,34 @@ def test_a_batchs_one_slow_call_is_held_out_until_a_call_like_it_says():
   assert one._fit(1).hold is False and one._fit(4).hold is True
 
 
+def test_a_batchs_start_price_takes_the_start_up_forward_until_the_plain_loop_is_timed():
+  """Before the plain loop has run at a batch size, a batch's start weighs a cycle's fitted
+  seconds against the start-up one-token forward there (`set_plain_prior`), not against the
+  speculative loop's AR step, which its calls barely price (0-3 AR steps among 10-30 cycles):
+  through the calls of an H200 at batch 4 (a cycle 1.56 AR steps; τ ~6 there, so a price above
+  3 makes drafting short of decisive, `start_backoff.DECISIVE`) the start price stays below 2.5,
+  where the speculative loop's own ratio reaches 4.4 (the fit's cycle seconds swing less, not
+  nothing: one joint fit prices both); once the plain loop is timed, its step takes over."""
+  est = OnlineCosts(lambda n: 1.557, batch_prior_floor=1.0)
+  est.set_plain_prior(3.38e-3, rows=4)
+  ratios, starts = [], []
+  for secs, counts in _device_calls(30, slow_call=None, seed=1):
+    est.observe(secs, counts, rows=4)
+    ratios.append(est.break_even(N, rows=4))
+    starts.append(est.start_break_even(N, rows=4))
+  assert max(starts) < 2.5 and min(starts) > 1.5, starts
+  assert max(ratios) > 3.0, ratios  # the stand-in before: the fit's own ratio
+  cycle_s = est.estimate(4).cycle_s[N]
+  for _ in range(3):
+    est.observe_plain(16 * 3.0e-3, 16, rows=4)
+  est.observe(*_device_calls(1, slow_call=None, seed=2)[0], rows=4)
+  assert est.start_break_even(N, rows=4) == pytest.approx(est.estimate(4).cycle_s[N] / 3.0e-3)
+  assert cycle_s == pytest.approx(5.4e-3, rel=0.1)
+  assert est.start_break_even(N, rows=8) == est.break_even(N, rows=8)  # no stand-in there
+  with pytest.raises(BadInputError, match="seconds"):
+    est.set_plain_prior(0.0, rows=4)
+
+
 def test_keeps_its_prior_on_degenerate_calls():
   est = OnlineCosts(lambda n: 3.0)
   # Calls that run cycles only cannot tell them from AR steps: the ratio stays the prior's

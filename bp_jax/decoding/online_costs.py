@@ -311,6 +311,8 @@ class OnlineCosts:
     # Per batch size: the plain step's seconds when the speculative loop's fit last took a
     # call (None: none timed then), which `start_break_even` divides the cycle's seconds by.
     self._plain_at_fit: dict[int, float | None] = {}
+    # Per batch size: the start-up one-token forward's seconds (`set_plain_prior`).
+    self._plain_prior: dict[int, float] = {}
 
   def clip(self, n: int, break_even: float, rows: int = 1) -> float:
     """`break_even` of a cycle verifying n tokens within [min_break_even (and the floor of
@@ -373,8 +375,20 @@ class OnlineCosts:
   def start_break_even(self, n: int, rows: int) -> float:
     """What a batch's new request weighs drafting against: a cycle verifying n tokens in steps
     of the plain AR loop at batch size `rows` (a request that does not draft decodes there),
-    clipped as `break_even`; the speculative loop's own `break_even` until both that loop's
-    cycles and the plain loop's steps have been timed at this batch size.
+    clipped as `break_even`. Until the plain loop has been timed at this batch size, the
+    start-up one-token forward at this batch size stands in for its step (`plain_prior`,
+    where the engine measured one), else the speculative loop's own `break_even` does; before
+    the speculative loop's fit prices, its prior does.
+
+    The stand-in is the start-up forward, not the speculative loop's AR step: a batch's calls
+    run few AR steps (0-3 among 10-30 cycles on an H200 at Qwen3-4B shapes), so the fit
+    barely tells that step's price while it times a cycle better, and the ratio of the two
+    swung with the calls' noise. Simulated at that device's batch-16 prices with 3% noise per
+    call (`benchmarks/controllers.py --sim_clock_ms`), it rose from 2.47 to 3.45 AR steps for
+    two calls; a batch's rule before the plain loop is timed wants drafting to commit twice
+    the price (`start_backoff.DECISIVE`), and at τ 6.43 a whole batch started deep: 66 batch AR
+    steps, as the device's run had (66 at batch 16, 68 and 72 at 8 and 4;
+    docs/results/accelerator.md); with this stand-in, 6.
 
     The two timings are taken at one moment: the cycle's seconds over the plain step's as it
     stood when the speculative loop's last call was fitted (the plain step's now, if none was
@@ -389,10 +403,16 @@ class OnlineCosts:
     when a speculative call times the cycle under it.
     """
     fit = self._fit(int(rows))
-    plain = self._plain_at_fit.get(int(rows)) or self.plain_step_s(rows)
+    plain = (self._plain_at_fit.get(int(rows)) or self.plain_step_s(rows)
+             or self._plain_prior.get(int(rows)))
     if plain is None or not fit.pricing or n not in fit.lengths:
       return self.break_even(n, rows)
     return self.clip(n, float(fit.theta[fit.lengths.index(n)]) / plain, int(rows))
+
+  def set_plain_prior(self, seconds: float, rows: int) -> None:
+    """The start-up one-token forward's `seconds` at batch size `rows`: the plain step's stand-in
+    until the plain loop is timed there (`start_break_even`)."""
+    self._plain_prior[int(rows)] = _check_positive(seconds, "seconds")
 
   def break_even(self, n: int, rows: int) -> float:
     """The cost of a cycle verifying n tokens (n - 1 drafts, a drafter pass) in AR steps at
