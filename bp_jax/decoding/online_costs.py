@@ -376,9 +376,10 @@ class OnlineCosts:
     """What a batch's new request weighs drafting against: a cycle verifying n tokens in steps
     of the plain AR loop at batch size `rows` (a request that does not draft decodes there),
     clipped as `break_even`. Until the plain loop has been timed at this batch size, the
-    start-up one-token forward at this batch size stands in for its step (`plain_prior`,
-    where the engine measured one), else the speculative loop's own `break_even` does; before
-    the speculative loop's fit prices, its prior does.
+    lower of two stand-ins: the cycle over the start-up one-token forward at this batch size
+    (`set_plain_prior`, where the engine measured one) and the speculative loop's own
+    `break_even` (alone where no forward was measured); before the speculative loop's fit
+    prices, its prior.
 
     The stand-in is the start-up forward, not the speculative loop's AR step: a batch's calls
     run few AR steps (0-3 among 10-30 cycles on an H200 at Qwen3-4B shapes), so the fit
@@ -388,7 +389,14 @@ class OnlineCosts:
     two calls; a batch's rule before the plain loop is timed wants drafting to commit twice
     the price (`start_backoff.DECISIVE`), and at τ 6.43 a whole batch started deep: 66 batch AR
     steps, as the device's run had (66 at batch 16, 68 and 72 at 8 and 4;
-    docs/results/accelerator.md); with this stand-in, 6.
+    docs/results/accelerator.md); with the start-up forward standing in, 6. The fitted cycle
+    swings too (one joint fit prices it and the AR step): at batch 8 with 10% noise per call
+    it read 3.4 start-up forwards once, against 1.9, and a batch started deep (68 AR steps)
+    where the speculative loop's own price, floored at the start-up one, read 1.93. Each
+    stand-in rises alone; the rule, which asks for drafting to be decisive before the plain
+    loop is timed, takes the lower (4 AR steps there, 6 at batch 16). On a CPU the spec
+    loop's own is the lower (its AR steps stage the drafter's context: a batch of 8 on the
+    demo, a cycle 3.5 of them against 4.7 plain steps), so the rule there is as before.
 
     The two timings are taken at one moment: the cycle's seconds over the plain step's as it
     stood when the speculative loop's last call was fitted (the plain step's now, if none was
@@ -403,11 +411,14 @@ class OnlineCosts:
     when a speculative call times the cycle under it.
     """
     fit = self._fit(int(rows))
-    plain = (self._plain_at_fit.get(int(rows)) or self.plain_step_s(rows)
-             or self._plain_prior.get(int(rows)))
-    if plain is None or not fit.pricing or n not in fit.lengths:
+    plain = self._plain_at_fit.get(int(rows)) or self.plain_step_s(rows)
+    stand_in = self._plain_prior.get(int(rows))
+    if (plain is None and stand_in is None) or not fit.pricing or n not in fit.lengths:
       return self.break_even(n, rows)
-    return self.clip(n, float(fit.theta[fit.lengths.index(n)]) / plain, int(rows))
+    cycle_s = float(fit.theta[fit.lengths.index(n)])
+    if plain is None:  # the lower of the two stand-ins (docstring)
+      return min(self.clip(n, cycle_s / stand_in, int(rows)), self.break_even(n, rows))
+    return self.clip(n, cycle_s / plain, int(rows))
 
   def set_plain_prior(self, seconds: float, rows: int) -> None:
     """The start-up one-token forward's `seconds` at batch size `rows`: the plain step's stand-in
