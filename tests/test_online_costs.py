@@ -237,30 +237,34 @@ def test_a_batchs_one_slow_call_is_held_out_until_a_call_like_it_says():
   assert one._fit(1).hold is False and one._fit(4).hold is True
 
 
-def test_a_batchs_start_price_takes_the_start_up_forward_until_the_plain_loop_is_timed():
-  """Before the plain loop has run at a batch size, a batch's start weighs a cycle's fitted
-  seconds against the start-up one-token forward there (`set_plain_prior`), not against the
-  speculative loop's AR step, which its calls barely price (0-3 AR steps among 10-30 cycles):
-  through the calls of an H200 at batch 4 (a cycle 1.56 AR steps; τ ~6 there, so a price above
-  3 makes drafting short of decisive, `start_backoff.DECISIVE`) the start price stays below 2.5,
-  where the speculative loop's own ratio reaches 4.4 (the fit's cycle seconds swing less, not
-  nothing: one joint fit prices both); once the plain loop is timed, its step takes over."""
+def test_a_batchs_ar_step_costs_at_least_the_start_up_forward():
+  """A batch's calls run few AR steps (0-3 among 10-30 cycles), so its fit barely prices the
+  speculative loop's AR step, and the fitted ratio swung: through the calls of an H200 at batch
+  4 (a cycle 1.56 AR steps; τ ~6 there, so a price above 3 makes drafting short of decisive
+  before the plain loop is timed, `start_backoff.DECISIVE`) it reached 4.4. That step is a
+  one-token forward and more, so it costs at least the start-up one-token forward there
+  (`set_plain_prior`): bounded so, the break-even and the start price stay below 2.5, and the
+  plain loop's step takes over the start price once timed."""
+  calls = _device_calls(30, slow_call=None, seed=1)
+  unbounded = OnlineCosts(lambda n: 1.557, batch_prior_floor=1.0)
   est = OnlineCosts(lambda n: 1.557, batch_prior_floor=1.0)
   est.set_plain_prior(3.38e-3, rows=4)
-  ratios, starts = [], []
-  for secs, counts in _device_calls(30, slow_call=None, seed=1):
+  ratios, prices, starts = [], [], []
+  for secs, counts in calls:
+    unbounded.observe(secs, counts, rows=4)
     est.observe(secs, counts, rows=4)
-    ratios.append(est.break_even(N, rows=4))
+    ratios.append(unbounded.break_even(N, rows=4))
+    prices.append(est.break_even(N, rows=4))
     starts.append(est.start_break_even(N, rows=4))
-  assert max(starts) < 2.5 and min(starts) > 1.5, starts
-  assert max(ratios) > 3.0, ratios  # the stand-in before: the fit's own ratio
+  assert max(ratios) > 3.0, ratios
+  assert max(prices) < 2.5 and min(prices) >= 1.557 and starts == prices, prices
   cycle_s = est.estimate(4).cycle_s[N]
+  assert cycle_s == pytest.approx(5.4e-3, rel=0.1)
   for _ in range(3):
     est.observe_plain(16 * 3.0e-3, 16, rows=4)
   est.observe(*_device_calls(1, slow_call=None, seed=2)[0], rows=4)
   assert est.start_break_even(N, rows=4) == pytest.approx(est.estimate(4).cycle_s[N] / 3.0e-3)
-  assert cycle_s == pytest.approx(5.4e-3, rel=0.1)
-  assert est.start_break_even(N, rows=8) == est.break_even(N, rows=8)  # no stand-in there
+  assert est.break_even(N, rows=8) == unbounded.break_even(N, rows=8)  # no bound there
   with pytest.raises(BadInputError, match="seconds"):
     est.set_plain_prior(0.0, rows=4)
 

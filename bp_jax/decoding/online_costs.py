@@ -375,28 +375,8 @@ class OnlineCosts:
   def start_break_even(self, n: int, rows: int) -> float:
     """What a batch's new request weighs drafting against: a cycle verifying n tokens in steps
     of the plain AR loop at batch size `rows` (a request that does not draft decodes there),
-    clipped as `break_even`. Until the plain loop has been timed at this batch size, the
-    lower of two stand-ins: the cycle over the start-up one-token forward at this batch size
-    (`set_plain_prior`, where the engine measured one) and the speculative loop's own
-    `break_even` (alone where no forward was measured); before the speculative loop's fit
-    prices, its prior.
-
-    The stand-in is the start-up forward, not the speculative loop's AR step: a batch's calls
-    run few AR steps (0-3 among 10-30 cycles on an H200 at Qwen3-4B shapes), so the fit
-    barely tells that step's price while it times a cycle better, and the ratio of the two
-    swung with the calls' noise. Simulated at that device's batch-16 prices with 3% noise per
-    call (`benchmarks/controllers.py --sim_clock_ms`), it rose from 2.47 to 3.45 AR steps for
-    two calls; a batch's rule before the plain loop is timed wants drafting to commit twice
-    the price (`start_backoff.DECISIVE`), and at τ 6.43 a whole batch started deep: 66 batch AR
-    steps, as the device's run had (66 at batch 16, 68 and 72 at 8 and 4;
-    docs/results/accelerator.md); with the start-up forward standing in, 6. The fitted cycle
-    swings too (one joint fit prices it and the AR step): at batch 8 with 10% noise per call
-    it read 3.4 start-up forwards once, against 1.9, and a batch started deep (68 AR steps)
-    where the speculative loop's own price, floored at the start-up one, read 1.93. Each
-    stand-in rises alone; the rule, which asks for drafting to be decisive before the plain
-    loop is timed, takes the lower (4 AR steps there, 6 at batch 16). On a CPU the spec
-    loop's own is the lower (its AR steps stage the drafter's context: a batch of 8 on the
-    demo, a cycle 3.5 of them against 4.7 plain steps), so the rule there is as before.
+    clipped as `break_even`; the speculative loop's own `break_even` (bounded by the start-up
+    one-token forward: `break_even`) until the plain loop has been timed at this batch size.
 
     The two timings are taken at one moment: the cycle's seconds over the plain step's as it
     stood when the speculative loop's last call was fitted (the plain step's now, if none was
@@ -412,23 +392,42 @@ class OnlineCosts:
     """
     fit = self._fit(int(rows))
     plain = self._plain_at_fit.get(int(rows)) or self.plain_step_s(rows)
-    stand_in = self._plain_prior.get(int(rows))
-    if (plain is None and stand_in is None) or not fit.pricing or n not in fit.lengths:
+    if plain is None or not fit.pricing or n not in fit.lengths:
       return self.break_even(n, rows)
-    cycle_s = float(fit.theta[fit.lengths.index(n)])
-    if plain is None:  # the lower of the two stand-ins (docstring)
-      return min(self.clip(n, cycle_s / stand_in, int(rows)), self.break_even(n, rows))
-    return self.clip(n, cycle_s / plain, int(rows))
+    return self.clip(n, float(fit.theta[fit.lengths.index(n)]) / plain, int(rows))
 
   def set_plain_prior(self, seconds: float, rows: int) -> None:
-    """The start-up one-token forward's `seconds` at batch size `rows`: the plain step's stand-in
-    until the plain loop is timed there (`start_break_even`)."""
+    """The start-up one-token forward's `seconds` at batch size `rows`: what the speculative
+    loop's AR step costs at least there (`break_even`'s bound)."""
     self._plain_prior[int(rows)] = _check_positive(seconds, "seconds")
 
   def break_even(self, n: int, rows: int) -> float:
     """The cost of a cycle verifying n tokens (n - 1 drafts, a drafter pass) in AR steps at
-    batch size `rows`: the current fit, or the prior before the calls tell it."""
-    return self._fit(int(rows)).break_even(int(n), self._clip_of(rows))
+    batch size `rows`: the current fit, or the prior before the calls tell it; at most the
+    fitted cycle's seconds over the start-up one-token forward's, where one was measured.
+
+    The bound: a batch's speculative-loop AR step is a one-token forward over its
+    rows plus the drafter context it stages, so it costs at least the start-up one-token
+    forward at that batch size (`set_plain_prior`, where the engine measured one): the break-even
+    is at most the fitted cycle's seconds over that forward's. A batch's calls run few AR steps
+    (0-3 among 10-30 cycles on an H200 at Qwen3-4B shapes), so its fit barely prices the step
+    and the fitted ratio swung with the calls' noise, mostly by an AR step fitted too cheap.
+    Simulated at that device's prices (`benchmarks/controllers.py --sim_clock_ms`): at batch 16
+    with 3% noise per call it rose from 2.47 to 3.45 after the third call, a batch's start rule
+    (which, before the plain loop is timed, wants drafting to commit twice the price,
+    `start_backoff.DECISIVE`) no longer found τ 6.43 decisive, and a whole batch started deep:
+    66 batch AR steps, as the device's run had (66 at batch 16, 68 and 72 at 8 and 4;
+    docs/results/accelerator.md); bounded, 2. At 10% noise the first priced fit read 34.5 AR
+    steps, every cycle a miss (96 batch AR steps); bounded, 4. On a CPU the bound does not bind
+    (the speculative loop's AR steps stage the drafter's context: a batch of 8 on the demo, 4.3
+    against 3.6 ms a plain step), and it follows the machine through the fitted cycle.
+    """
+    fit = self._fit(int(rows))
+    fitted = fit.break_even(int(n), self._clip_of(rows))
+    floor_s = self._plain_prior.get(int(rows))
+    if floor_s is None or not fit.pricing or n not in fit.lengths:
+      return fitted
+    return min(fitted, self.clip(n, float(fit.theta[fit.lengths.index(n)]) / floor_s, int(rows)))
 
   def break_even_N(self, max_verify: int, rows: int) -> np.ndarray:
     """[max_verify + 1] float32: entry n the break-even of a cycle verifying n tokens (entry 0,
