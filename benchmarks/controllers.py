@@ -596,7 +596,7 @@ def main(_):
                                   FLAGS.sim_clock_noise, FLAGS.sim_clock_stall_s,
                                   FLAGS.sim_clock_stall_every)
       if engines[m].prices is not None:  # as an engine that measured its one-token forward
-        engines[m].prices.set_plain_prior(FLAGS.sim_clock_ms * 1e-3, FLAGS.batch_size)
+        engines[m].prices.set_ar_step_floor(FLAGS.sim_clock_ms * 1e-3, FLAGS.batch_size)
   size = {m: 1 if loop_method(m) == "ar" else FLAGS.block_size for m in methods}
   sim = simulated_drafts(engines["ar"], setup) if FLAGS.shape else None
   forced = {m: None if size[m] == 1 else sim for m in methods}

@@ -243,12 +243,12 @@ def test_a_batchs_ar_step_costs_at_least_the_start_up_forward():
   4 (a cycle 1.56 AR steps; τ ~6 there, so a price above 3 makes drafting short of decisive
   before the plain loop is timed, `start_backoff.DECISIVE`) it reached 4.4. That step is a
   one-token forward and more, so it costs at least the start-up one-token forward there
-  (`set_plain_prior`): bounded so, the break-even and the start price stay below 2.5, and the
+  (`set_ar_step_floor`): bounded so, the break-even and the start price stay below 2.5, and the
   plain loop's step takes over the start price once timed."""
   calls = _device_calls(30, slow_call=None, seed=1)
   unbounded = OnlineCosts(lambda n: 1.557, batch_prior_floor=1.0)
   est = OnlineCosts(lambda n: 1.557, batch_prior_floor=1.0)
-  est.set_plain_prior(3.38e-3, rows=4)
+  est.set_ar_step_floor(3.38e-3, rows=4)
   ratios, prices, starts = [], [], []
   for secs, counts in calls:
     unbounded.observe(secs, counts, rows=4)
@@ -266,7 +266,7 @@ def test_a_batchs_ar_step_costs_at_least_the_start_up_forward():
   assert est.start_break_even(N, rows=4) == pytest.approx(est.estimate(4).cycle_s[N] / 3.0e-3)
   assert est.break_even(N, rows=8) == unbounded.break_even(N, rows=8)  # no bound there
   with pytest.raises(BadInputError, match="seconds"):
-    est.set_plain_prior(0.0, rows=4)
+    est.set_ar_step_floor(0.0, rows=4)
 
 
 def test_keeps_its_prior_on_degenerate_calls():

@@ -174,9 +174,9 @@ class Engine:
     # following the prices over time); None: not recorded.
     self.call_log: list[LoopCall] | None = None
     self.prices, self.online = self._online_prices(self.programs.options)
-    if self.prices is not None and self.measured_costs is not None:  # the plain step's stand-in
-      self.prices.set_plain_prior(self.measured_costs.verify_s[0],
-                                  self.measured_costs.batch_size)
+    if self.prices is not None and self.measured_costs is not None:  # an AR step's least price
+      self.prices.set_ar_step_floor(self.measured_costs.verify_s[0],
+                                    self.measured_costs.batch_size)
     # Where a request starts the priced back-off (alone or in a batch's slot): `start_backoff`.
     self.starts = (StartBackoff(batch_plain=self.loop_options.start_plain)
                    if self.prices is not None and self.loop_options.start_backoff else None)

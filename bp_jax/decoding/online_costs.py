@@ -41,15 +41,15 @@ A batch's call off alone is held out of its fit (`hold_outliers`; "held" below):
 calls run few AR steps (0-3 among 10-30 cycles on an H200 at Qwen3-4B shapes, batch 4), so its
 fit barely tells an AR step's price from a cycle's, and one call 0.15 s slow among calls of
 ~0.1 s, fitted at once, sent the break-even of a cycle priced 1.56 AR steps to the cap, where
-every cycle is a miss and the rows back off (the simulation in tests/test_online_costs.py; a
-candidate, not measured there, for that device's run, where the default's batches ran 66-72 AR
-steps against 8-10 in the CPU replay of the same drafts at its prices held, and each batch
-size's default had one group's run 0.13-0.17 s slower than its other; docs/results/
-accelerator.md). The held call waits for the next call that ran every kind of forward it ran:
-off the same way, the two are a change and the fit restarts on them; otherwise (within the
-bar, or off the other way) the held call is dropped. At most every other call is held, and none before the fit
-has `min_calls` calls since it began or last restarted. One request's calls back off after
-every miss and run many AR steps: they are fitted at once.
+every cycle is a miss and the rows back off (tests/test_online_costs.py; in a run simulated at
+that device's batch-4 prices with such a stall every 6th call, 146 batch AR steps against 10
+held, docs/results/accelerator.md; the device run's own extra AR steps came mostly from an AR
+step fitted too cheap, bounded in `break_even`). The held call waits for the next call that
+ran every kind of forward it ran: off the same way, the two are a change and the fit restarts
+on them; otherwise (within the bar, or off the other way) the held call is dropped. At most
+every other call is held, and none before the fit has `min_calls` calls since it began or last
+restarted. One request's calls back off after every miss and run many AR steps: they are
+fitted at once.
 
 One call gives one equation for several unknowns, and calls of a run often mix their forwards in
 about the same proportion (or run one kind only), so the fit is regularized toward the previous
@@ -233,9 +233,17 @@ class _Fit:
     self.A, self.b, self.since_restart, self.recent = A, b, len(self.recent), []
 
   def break_even(self, n: int, clip: Callable[[int, float], float]) -> float:
-    if n not in self.lengths or not self.pricing:
+    seconds = self.seconds(n)
+    if seconds is None:
       return clip(n, self.prior(n))
-    return clip(n, float(self.theta[self.lengths.index(n)] / self.theta[0]))
+    return clip(n, seconds / float(self.theta[0]))
+
+  def seconds(self, n: int) -> float | None:
+    """The fitted seconds of one forward of verify length n (0: an AR step); None before the
+    fit prices or for a length it has not seen."""
+    if n not in self.lengths or not self.pricing:
+      return None
+    return float(self.theta[self.lengths.index(n)])
 
 
 def _tests(counts: Mapping[int, int], held: Mapping[int, int]) -> bool:
@@ -311,8 +319,8 @@ class OnlineCosts:
     # Per batch size: the plain step's seconds when the speculative loop's fit last took a
     # call (None: none timed then), which `start_break_even` divides the cycle's seconds by.
     self._plain_at_fit: dict[int, float | None] = {}
-    # Per batch size: the start-up one-token forward's seconds (`set_plain_prior`).
-    self._plain_prior: dict[int, float] = {}
+    # Per batch size: the start-up one-token forward's seconds (`set_ar_step_floor`).
+    self._ar_step_floor_s: dict[int, float] = {}
 
   def clip(self, n: int, break_even: float, rows: int = 1) -> float:
     """`break_even` of a cycle verifying n tokens within [min_break_even (and the floor of
@@ -390,16 +398,16 @@ class OnlineCosts:
     `benchmarks/load_shift.py --batch_size 4`). A change of the machine now moves the price
     when a speculative call times the cycle under it.
     """
-    fit = self._fit(int(rows))
+    cycle_s = self._fit(int(rows)).seconds(n)
     plain = self._plain_at_fit.get(int(rows)) or self.plain_step_s(rows)
-    if plain is None or not fit.pricing or n not in fit.lengths:
+    if plain is None or cycle_s is None:
       return self.break_even(n, rows)
-    return self.clip(n, float(fit.theta[fit.lengths.index(n)]) / plain, int(rows))
+    return self.clip(n, cycle_s / plain, int(rows))
 
-  def set_plain_prior(self, seconds: float, rows: int) -> None:
+  def set_ar_step_floor(self, seconds: float, rows: int) -> None:
     """The start-up one-token forward's `seconds` at batch size `rows`: what the speculative
     loop's AR step costs at least there (`break_even`'s bound)."""
-    self._plain_prior[int(rows)] = _check_positive(seconds, "seconds")
+    self._ar_step_floor_s[int(rows)] = _check_positive(seconds, "seconds")
 
   def break_even(self, n: int, rows: int) -> float:
     """The cost of a cycle verifying n tokens (n - 1 drafts, a drafter pass) in AR steps at
@@ -408,7 +416,7 @@ class OnlineCosts:
 
     The bound: a batch's speculative-loop AR step is a one-token forward over its
     rows plus the drafter context it stages, so it costs at least the start-up one-token
-    forward at that batch size (`set_plain_prior`, where the engine measured one): the break-even
+    forward at that batch size (`set_ar_step_floor`, where the engine measured one): the break-even
     is at most the fitted cycle's seconds over that forward's. A batch's calls run few AR steps
     (0-3 among 10-30 cycles on an H200 at Qwen3-4B shapes), so its fit barely prices the step
     and the fitted ratio swung with the calls' noise, mostly by an AR step fitted too cheap.
@@ -424,10 +432,10 @@ class OnlineCosts:
     """
     fit = self._fit(int(rows))
     fitted = fit.break_even(int(n), self._clip_of(rows))
-    floor_s = self._plain_prior.get(int(rows))
-    if floor_s is None or not fit.pricing or n not in fit.lengths:
+    cycle_s, floor_s = fit.seconds(int(n)), self._ar_step_floor_s.get(int(rows))
+    if cycle_s is None or floor_s is None:
       return fitted
-    return min(fitted, self.clip(n, float(fit.theta[fit.lengths.index(n)]) / floor_s, int(rows)))
+    return min(fitted, self.clip(n, cycle_s / floor_s, int(rows)))
 
   def break_even_N(self, max_verify: int, rows: int) -> np.ndarray:
     """[max_verify + 1] float32: entry n the break-even of a cycle verifying n tokens (entry 0,
@@ -437,12 +445,10 @@ class OnlineCosts:
 
   def estimate(self, rows: int) -> CostEstimate:
     fit = self._fit(int(rows))
-    known = fit.pricing
     cycle_lengths = [n for n in fit.lengths if n > 0]
-    th = fit.theta
     return CostEstimate(
-        rows=int(rows), calls=fit.calls, ar_step_s=float(th[0]) if known else None,
-        cycle_s=({n: float(th[fit.lengths.index(n)]) for n in cycle_lengths} if known else {}),
+        rows=int(rows), calls=fit.calls, ar_step_s=fit.seconds(0),
+        cycle_s=({n: fit.seconds(n) for n in cycle_lengths} if fit.pricing else {}),
         break_even={n: self.break_even(n, rows) for n in cycle_lengths},
         plain_step_s=self.plain_step_s(rows),
         start_break_even={n: self.start_break_even(n, rows) for n in cycle_lengths})
