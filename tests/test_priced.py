@@ -246,6 +246,37 @@ def test_a_batch_starts_plain_until_the_plain_loop_is_timed():
   assert starts.start(5.0, 16, plain_priced=False) == draft  # alone: its own rule (4.5 >= 0.8 x 5)
 
 
+def test_a_batchs_recent_requests_span_the_batch(zeros_models):
+  """A batch's rows finish in the order of their τ (those committing least per cycle decode
+  longest), so after a batch that started together the last half to finish are its slowest:
+  the engine's start rule counts at least a batch of recent requests. Sixteen requests of τ 7,
+  then 5 (finishing last): over the last 8 the next request starts plain (5 < 2 x 2.8, the
+  plain loop not timed yet); over all 16 (τ 6) it drafts."""
+  from bp_jax.decoding.start_backoff import StartBackoff
+  finished = [[7] * 18] * 8 + [[5] * 25] * 8
+  for window, start in ((8, (4, 16)), (16, (0, 0))):
+    starts = StartBackoff(window=window, batch_plain=True)
+    for acceptance in finished:
+      starts.observe(acceptance)
+    assert starts.start(2.8, 16, rows=16, plain_priced=False) == start, window
+  for batch_size, window in ((3, 8), (16, 16)):
+    assert _engine(zeros_models, batch_size=batch_size, **CHEAP).starts.window == window
+
+
+def test_a_loops_untimed_first_run_reaches_its_ar_steps(zeros_models):
+  """A speculative loop's untimed first run (`programs.WARMUP_START`) takes AR steps (two: the
+  first of a run and one inside the steps' own loop) and then cycles, alone and in a batch,
+  whatever the request's own start: each part of the loop body has a first-run cost of its own
+  (kernels set up on first use), which a timed call would otherwise pay."""
+  prompts, max_news = _requests(3)
+  alone, batched = _engine(zeros_models, **CHEAP), _engine(zeros_models, batch_size=3, **CHEAP)
+  alone.generate(prompts[0], max_new_tokens=max_news[0], block_size=B)
+  batched.generate_batch(prompts, max_new_tokens=max_news, block_size=B)
+  for eng, name in ((alone, "spec_loop"), (batched, "batch_spec_loop")):
+    runs = [n for key, n in eng.programs.warmup_forwards.items() if key[0] == name]
+    assert runs and all(n[0] >= 2 and sum(n[1:]) >= 1 for n in runs), runs
+
+
 def test_a_batchs_explorer_runs_thin_out_while_the_choice_is_clear():
   """A batch's explorer runs come every 32nd run while the choice stays clearly plain (τ below
   0.8 x 1.2 x the price, as at the last explorer run), and every 8th while it is near its flip

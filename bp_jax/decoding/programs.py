@@ -14,12 +14,22 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from bp_jax.decoding import loops
 from bp_jax.decoding.compiled import CompiledCache
 from bp_jax.decoding.options import LoopOptions
 
 WARMUP_TOKENS = 16  # new tokens of a loop's untimed first run
+# (misses, AR steps) a speculative loop's second untimed run starts with (`LoopState.start_row`;
+# the first runs the request or rows as they are): two AR steps (the first of a run is taken
+# before the steps' own loop, the second inside it), their drafter context added, then cycles
+# as far as the call's budget goes, so that the two runs reach every part of the loop body. A
+# part's first run has a fixed cost of its own (XLA:CPU's kernels set up on first use; on a
+# GPU, kernels loaded on first launch): warmed by cycles alone, the first timed call that took
+# AR steps paid it (this CPU, test shapes, batch 4: 49 ms against 3 ms for the same call run
+# again; an H200 at Qwen3-4B shapes, batch 4: ~20 ms more than the call's forwards).
+WARMUP_START = (0, 2)
 
 
 def _placements_of(state):
@@ -101,6 +111,20 @@ def _copy_donated(args: tuple, donated: tuple[int, ...]) -> tuple:
   return tuple(jax.tree.map(jnp.copy, a) if i in donated else a for i, a in enumerate(args))
 
 
+def _forward_counts(out) -> tuple[int, ...]:
+  """A loop's target forwards by verify length, from its output (a `LoopState` or `LoopOut`)."""
+  counts = getattr(out, "forward_counts_N", getattr(out, "forward_counts", None))
+  return () if counts is None else tuple(int(c) for c in np.asarray(counts))
+
+
+def _ar_first(args: tuple) -> tuple:
+  """A batched speculative loop's arguments whose decoding rows first ask for `WARMUP_START`'s
+  AR steps (the carry, after the two weights, is `LoopState`)."""
+  s = args[2]
+  wait_B = jnp.where(s.active_B(), WARMUP_START[1], s.wait_B).astype(s.wait_B.dtype)
+  return args[:2] + (s.replace(wait_B=wait_B),) + args[3:]
+
+
 class LoopPrograms:
   """Builds, caches and warms the jitted functions of one (target, drafter, loop form).
 
@@ -113,6 +137,8 @@ class LoopPrograms:
     self.options = options.in_effect()
     self.cache = CompiledCache()
     self.warmup_seconds: dict[tuple, float] = {}  # loop key -> its untimed first run (s)
+    # loop key -> the target forwards its untimed first run ran, by verify length (0: AR steps)
+    self.warmup_forwards: dict[tuple, tuple[int, ...]] = {}
 
   def prefill(self, args: tuple, p_graph=None, policy_key=None):
     """The compiled prefill for `args` (`loops.make_prefill`'s, shapes pick the bucket)."""
@@ -190,27 +216,40 @@ class LoopPrograms:
                           program=("move",))
 
   def warm_batched(self, key: tuple, fn, args: tuple, block_size: int) -> None:
-    """Runs a batched loop once, untimed, on a copy of its carry (the rows as they are: the
-    loop body's first run has a fixed cost of its own, e.g. XLA:CPU's kernels set up on first
-    use, ~60 ms at the test shapes, that an idle carry, no row decoding, never pays), the first
-    time the loop is used. Priced by the online costs, that cost made a new batch size's first
-    call look several times dearer than its next, and a least-squares fit over the two priced
-    its AR steps at ~0 and its cycles at the cap (64 AR steps)."""
+    """Runs a batched loop, untimed, on copies of its carry the first time the loop is used:
+    the rows as they are (the loop body's first run has a fixed cost of its own, e.g. XLA:CPU's
+    kernels set up on first use, ~60 ms at the test shapes, that an idle carry, no row
+    decoding, never pays), and a speculative loop again with its decoding rows asking for AR
+    steps first (`WARMUP_START`). Priced by the online costs, that cost made a new batch size's
+    first call look several times dearer than its next, and a least-squares fit over the two
+    priced its AR steps at ~0 and its cycles at the cap (64 AR steps)."""
     if key in self.warmup_seconds:
       return
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*_copy_donated(args, donated(block_size, batched=True))))
+    copy = lambda: _copy_donated(args, donated(block_size, batched=True))
+    runs = [copy]
+    if block_size > 1:
+      runs.append(lambda: _ar_first(copy()))
+    self._warm_runs(key, fn, runs)
+
+  def _warm_runs(self, key: tuple, fn, runs) -> None:
+    """Runs `fn` on each of `runs`' arguments (callables making them), untimed as far as the
+    requests go: `warmup_seconds` and `warmup_forwards` (summed over the runs) record them."""
+    t0, counts = time.perf_counter(), []
+    for make_args in runs:
+      counts.append(_forward_counts(jax.block_until_ready(fn(*make_args()))))
+    self.warmup_forwards[key] = tuple(int(sum(c)) for c in zip(*counts))
     self.warmup_seconds[key] = time.perf_counter() - t0
 
   def warm(self, block_size: int, args: tuple, forced: bool = False,
-           window: int | None = None) -> None:
-    """Runs a loop once, untimed, on copies of its donated `args` (the caller caps max_new at
-    WARMUP_TOKENS), the first time the loop is used; compiles it first, outside the warm-up
-    clock."""
+           window: int | None = None, ar_first_args: tuple | None = None) -> None:
+    """Runs a loop, untimed, on copies of its donated `args` (the caller caps max_new at
+    WARMUP_TOKENS), and again on those of `ar_first_args` where given (the same, starting with
+    `WARMUP_START`'s AR steps), the first time the loop is used; compiles it first, outside the
+    warm-up clock."""
     key = self.loop_key(block_size, forced, window)
     if key in self.warmup_seconds:
       return
     fn = self.loop(block_size, args, forced, window)
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*_copy_donated(args, donated(block_size, batched=False))))
-    self.warmup_seconds[key] = time.perf_counter() - t0
+    runs = [a for a in (args, ar_first_args) if a is not None]
+    self._warm_runs(key, fn, [lambda a=a: _copy_donated(a, donated(block_size, batched=False))
+                              for a in runs])

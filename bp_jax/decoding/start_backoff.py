@@ -76,7 +76,12 @@ DECISIVE = 2.0
 class StartBackoff:
   """The recent requests' cycles and the start of the next one (see the module doc).
 
-  window: requests whose cycles count; min_cycles: cycles needed before any deep start;
+  window: requests whose cycles count; an engine's spans at least its batch size: a batch's
+  rows finish in the order of their τ (those that commit least per cycle decode longest), so
+  after a batch of 16 started together the last 8 to finish are its slowest half (H200,
+  Qwen3-4B shapes, simulated drafts at τ 6.4: the next batch of 16 started deep, 64 AR steps
+  at ~0.98x, where the whole batch's τ cleared the start price); min_cycles: cycles needed
+  before any deep start;
   explore_every: while requests start deep, the explore_every-th such request decoded alone
   drafts first regardless (an explorer); explore_max: the explore_max-th instead while the
   choice stays deep as at the last explorer, by more than batch_clear (relative) below its
