@@ -204,6 +204,9 @@ common.define_flags("target", "drafter", "dtype", "max_len", "max_new_tokens", "
                            "repeats": "Decodes per (method, prompt); the fastest is kept."})
 flags.DEFINE_enum("half", "label", ["label", "eval"], "HumanEval half of configs/demo.py's "
                   "split.")
+flags.DEFINE_integer("warmup_groups", 0, "Groups of prompts every method decodes once, untimed, "
+                     "before the timed ones (the first groups; 0: none): a warm engine's first "
+                     "uses and online prices, and no tally of these calls")
 flags.DEFINE_integer("ar_fallback", 16, "most AR steps in a row of backoff and confidence*")
 flags.DEFINE_integer("long_ar_fallback", 64, "most AR steps in a row of priced_long")
 flags.DEFINE_integer("priced_cap", 64, "most AR steps in a row of priced_default (configs/"
@@ -448,6 +451,20 @@ def controller_costs(target, drafter, max_len: int
           "cached" if hit else "measured", measured)
 
 
+def warm_up(engines: dict[str, Engine], methods: list[str], groups: list, size: dict,
+            forced: dict, group_size: int) -> None:
+  """Every method decodes `groups` once, untimed, in the timed runs' order (`--warmup_groups`):
+  what a warm engine has done before (each program's first uses, the online prices, the start
+  rule's recent requests) without its tallies (`Engine.clear_tallies`)."""
+  for i, group in enumerate(groups):
+    for m in method_order(methods, i):
+      decode_group(engines[m], group, size[m], i * group_size, forced[m])
+  if groups:
+    for m in methods:
+      engines[m].clear_tallies()
+    print(f"  warm-up: {len(groups)} group(s) decoded by every method, untimed", flush=True)
+
+
 def decode_group(engine: Engine, group: list, block_size: int, first: int,
                  forced: dict[str, list[int]] | None = None) -> list[Generation]:
   """One group of prompts decoded by `engine`: one request alone, or a batch; the group's
@@ -551,6 +568,8 @@ def main(_):
   methods = parse_methods(FLAGS.methods)
   if FLAGS.repeats < 1 or FLAGS.max_new_tokens < 1 or FLAGS.block_size < 2:
     raise BadInputError("--repeats and --max_new_tokens must be >= 1, --block_size >= 2")
+  if FLAGS.warmup_groups < 0:
+    raise BadInputError(f"--warmup_groups must be >= 0, got {FLAGS.warmup_groups}")
   if FLAGS.group_size and FLAGS.group_size < FLAGS.batch_size:
     raise BadInputError(f"--group_size={FLAGS.group_size}: give 0 (4 x --batch_size) or at "
                         f"least --batch_size={FLAGS.batch_size}")
@@ -615,6 +634,7 @@ def main(_):
   # Per method and group, each repeat's (new tokens, decode seconds, requests that drafted,
   # requests moved to the plain bucket), in the order run: one repeat's methods ran together.
   per_repeat: dict[str, list[list[list]]] = {m: [] for m in methods}
+  warm_up(engines, methods, groups[:FLAGS.warmup_groups], size, forced, G)
   for i, group in enumerate(groups):
     runs: dict[str, list[list[Generation]]] = {m: [] for m in methods}
     for _ in range(FLAGS.repeats):
@@ -720,7 +740,8 @@ def main(_):
     print(f"  profile {m}: {p['cycles']} batch target forwards, {counts}")
   if FLAGS.out:
     report = {"prompts": [k for k, _ in prompts], "half": FLAGS.half,
-              "repeats": FLAGS.repeats, "max_new_tokens": FLAGS.max_new_tokens,
+              "repeats": FLAGS.repeats, "warmup_groups": FLAGS.warmup_groups,
+              "max_new_tokens": FLAGS.max_new_tokens,
               "block_size": FLAGS.block_size, "batch_size": B, "group_size": G,
               "ar_fallback": FLAGS.ar_fallback, "priced_cap": FLAGS.priced_cap,
               "start_plain": FLAGS.start_plain,

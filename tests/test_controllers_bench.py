@@ -25,7 +25,8 @@ def test_sampled_comparison_gives_ar_tokens_for_each_seed(tmp_path):
        "--max_new_tokens=12", "--methods=priced_online", "--half=eval",
        "--temperature=1", "--top_k=20", "--drafter=demo/drafter_sampling",
        "--batch_size=2", "--controller_costs=1,1.1,1.3,1.6", "--controller_draft_cost=0.8",
-       "--bootstrap_reps=50", f"--out={out}"],  # costs given: no measurement's compiles
+       "--bootstrap_reps=50", "--warmup_groups=1",
+       f"--out={out}"],  # costs given: no measurement's compiles
       cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "3 HumanEval eval-half prompts, T=1, top_k 20, verify exact" in proc.stdout
@@ -52,6 +53,8 @@ def test_sampled_comparison_gives_ar_tokens_for_each_seed(tmp_path):
   assert report["cost_estimates"]["priced_online"]["by_batch_size"]["2"]["calls"] >= 1
   # priced_online has no start rule: every request of every repeat drafted
   assert report["drafted_every_repeat"] == {"priced_online": 3 * report["repeats"]}
+  # the group decoded once by every method before the timed runs, untimed and not tallied
+  assert report["warmup_groups"] == 1 and "warm-up: 1 group(s)" in proc.stdout
 
 
 def test_simulated_drafts_at_a_model_shape_with_an_identical_twin(tmp_path):

@@ -277,6 +277,21 @@ def test_a_loops_untimed_first_run_reaches_its_ar_steps(zeros_models):
     assert runs and all(n[0] >= 2 and sum(n[1:]) >= 1 for n in runs), runs
 
 
+def test_clearing_an_engines_tallies_keeps_what_it_learned(zeros_models):
+  """`Engine.clear_tallies` (a benchmark's warm-up, `--warmup_groups`): the loop calls' tallies
+  start again; the prices, the start rule's recent requests and the evidence stay."""
+  prompts, max_news = _requests(6)
+  eng = _engine(zeros_models, batch_size=3, **CHEAP)
+  eng.call_log = []
+  eng.generate_batch(prompts, max_new_tokens=max_news, block_size=B)
+  assert eng.forwards_run and eng.loop_calls and eng.call_log and eng.slot_use is not None
+  learned = (eng.prices.break_even(B, 3), eng.starts.tau(), eng.evidence_state.tolist())
+  eng.clear_tallies()
+  assert not eng.forwards_run and eng.loop_calls == {} and eng.call_log == []
+  assert eng.slot_use is None
+  assert (eng.prices.break_even(B, 3), eng.starts.tau(), eng.evidence_state.tolist()) == learned
+
+
 def test_a_batchs_explorer_runs_thin_out_while_the_choice_is_clear():
   """A batch's explorer runs come every 32nd run while the choice stays clearly plain (τ below
   0.8 x 1.2 x the price, as at the last explorer run), and every 8th while it is near its flip

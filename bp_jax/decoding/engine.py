@@ -341,6 +341,17 @@ class Engine:
     return LoopCall(end, secs, int(block_size), int(rows),
                     tuple(int(c) for c in counts_N), *(prices or (None, None)))
 
+  def clear_tallies(self) -> None:
+    """Forgets what the loop calls so far ran and took (`forwards_run`, `loop_calls`,
+    `slot_use`'s seconds, `call_log`'s entries), keeping all the engine learned from them (its
+    prices, its start rule's recent requests, the controller's evidence): after a warm-up, the
+    tallies of a warm engine."""
+    self.forwards_run.clear()
+    self.loop_calls.clear()
+    self.slot_seconds = self.decoding_slot_seconds = 0.0
+    if self.call_log is not None:
+      self.call_log.clear()
+
   @property
   def slot_use(self) -> float | None:
     """The share of the batched loop calls' slot time (seconds x slots) in which a slot held a
