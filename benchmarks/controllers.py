@@ -178,6 +178,7 @@ import numpy as np
 from absl import flags
 
 from benchmarks import accelerator, common
+from benchmarks.gc_pauses import GcPauses
 from benchmarks.sim_clock import SimClock
 from bp_jax import cli
 from bp_jax.decoding import controller as control
@@ -600,9 +601,8 @@ def main(_):
     if variant in engines:
       starts = engines[variant].starts
       setattr(starts, field, getattr(starts, value) if isinstance(value, str) else value)
-  for m in methods:  # every loop call of a method that prices cycles, with its prices after it
-    if m.startswith("priced"):
-      engines[m].call_log = []
+  for m in methods:  # every loop call (the priced methods' with their prices after each)
+    engines[m].call_log = []
   if "priced_default_nohold" in engines:
     engines["priced_default_nohold"].prices.hold_outliers = False
   if FLAGS.sim_clock_ms:
@@ -635,6 +635,7 @@ def main(_):
   # requests moved to the plain bucket), in the order run: one repeat's methods ran together.
   per_repeat: dict[str, list[list[list]]] = {m: [] for m in methods}
   warm_up(engines, methods, groups[:FLAGS.warmup_groups], size, forced, G)
+  pauses = GcPauses().start()  # Python's collections during the timed runs
   for i, group in enumerate(groups):
     runs: dict[str, list[list[Generation]]] = {m: [] for m in methods}
     for _ in range(FLAGS.repeats):
@@ -654,6 +655,7 @@ def main(_):
                             for r in runs[m]])
     print(f"  {i + 1}/{len(groups)} {', '.join(k for k, _ in group)} "
           f"({time.perf_counter() - started:.0f} s since start)", flush=True)
+  pauses.stop()
   flat = {m: [g for grp in best[m] for g in grp] for m in methods}
   rows = {m: method_figures(flat[m], flat["ar"], costs) for m in methods}
   cis = intervals(best, methods, batched=B > 1)
@@ -723,8 +725,15 @@ def main(_):
     for rows_, e in est["by_batch_size"].items():
       print(f"  {m} cost estimate (batch {rows_}, {e['calls']} calls): break-even "
             f"{e['break_even']} AR steps, AR step {e['ar_step_s']} s")
+  # Collections inside timed calls, by the calls' wall clock (a simulated clock has none).
+  gc_in_calls = ({} if FLAGS.sim_clock_ms else
+                 {m: pauses.inside(engines[m].call_log) for m in methods})
+  if gc_in_calls:
+    print("  Python GC collections inside timed loop calls (count, ms, longest; of the oldest "
+          "generation): " + ", ".join(f"{m} {g['count']}, {g['ms']:.1f}, {g['max_ms']:.1f}; "
+                                      f"{g['oldest']}" for m, g in gc_in_calls.items()))
   call_logs = {m: [c.to_json() for c in engines[m].call_log] for m in methods
-               if engines[m].call_log}
+               if m.startswith("priced") and engines[m].call_log}
   for m, log in call_logs.items():  # what the miss rule weighed cycles against, call by call
     prices = [c["break_even"] for c in log if c["block_size"] > 1 and c["break_even"]]
     if prices:
@@ -762,7 +771,8 @@ def main(_):
                                if measured is not None and e.measured_costs is measured},
               "shape": FLAGS.shape or "demo", "prompt_set": setup.label,
               "sim_tau": FLAGS.sim_tau if FLAGS.shape else None,
-              "repeats_per_group": per_repeat, "call_logs": call_logs}
+              "repeats_per_group": per_repeat, "call_logs": call_logs,
+              "gc_in_calls": gc_in_calls}
     common.write_json(os.path.join(FLAGS.out, "controllers.json"), report, indent=1)
     print(f"  wrote {os.path.join(FLAGS.out, 'controllers.json')}")
 

@@ -96,6 +96,9 @@ def test_simulated_drafts_at_a_model_shape_with_an_identical_twin(tmp_path):
   assert "priced_default target forwards by verify length:" in proc.stdout
   assert set(report["intervals"]) == {"none/ar", "priced_default/ar", "ar_twin/ar",
                                       "priced_default/none"}
+  # Python's collections inside each method's timed loop calls
+  assert set(report["gc_in_calls"]) == set(report["methods"])
+  assert "Python GC collections inside timed loop calls" in proc.stdout
   # The default's engine holds a measurement as a user's does (the run's, measured once here)
   # and decides from it whether a batch's tail shrinks.
   assert report["engine_costs"] == {"priced_default": "measured"}
@@ -127,3 +130,29 @@ def test_simulated_drafts_at_a_model_shape_with_an_identical_twin(tmp_path):
   assert all(rep[2] == 0 for g in groups["ar_twin"] for rep in g)
   assert ([rep[0] for rep in groups["priced_default"][0]]
           == [rep[0] for rep in groups["ar"][0]])  # the same tokens, every repeat
+
+
+def test_gc_collections_are_counted_inside_the_calls_they_started_in():
+  """`benchmarks/gc_pauses.GcPauses`: every collection between start and stop is recorded, and a
+  method's count holds those that started inside one of its booked calls."""
+  import gc
+  import time
+  from benchmarks.gc_pauses import GcPauses
+  from bp_jax.decoding.call_tally import LoopCall
+  gc.disable()  # the explicit collections only
+  try:
+    pauses = GcPauses().start()
+    t0 = time.perf_counter()
+    gc.collect()
+    t1 = time.perf_counter()
+    gc.collect(0)
+    pauses.stop()
+    gc.collect()  # after stop: not recorded
+  finally:
+    gc.enable()
+  assert [g for _, _, g in pauses.events] == [2, 0]
+  call = LoopCall(end_s=t1, seconds=t1 - t0, block_size=4, rows=2, forwards_N=(0, 3))
+  got = pauses.inside([call])
+  assert got["count"] == 1 and got["oldest"] == 1 and got["ms"] == got["max_ms"] > 0, got
+  assert pauses.inside([])["count"] == 0
+

@@ -261,6 +261,14 @@ def test_a_batchs_recent_requests_span_the_batch(zeros_models):
     assert starts.start(2.8, 16, rows=16, plain_priced=False) == start, window
   for batch_size, window in ((3, 8), (16, 16)):
     assert _engine(zeros_models, batch_size=batch_size, **CHEAP).starts.window == window
+  # The accelerator benchmarks' simulated drafts (τ 6.5 at b = 16): the last 8 of a batch of 16
+  # commit clearly less per cycle than the batch, and would send the next batch plain far more
+  # often against the H200's price (benchmarks/start_window.py).
+  from benchmarks import accelerator, start_window
+  probs = accelerator.stretched_profile(accelerator.demo_survival(), 6.5)
+  shares = start_window.plain_shares(16, [8, 16], [2.79], 200, probs, 128, seed=1)
+  assert shares[16]["tau"] > shares[8]["tau"] + 0.4, shares
+  assert shares[16]["plain"][2.79] + 0.3 < shares[8]["plain"][2.79], shares
 
 
 def test_a_loops_untimed_first_run_reaches_its_ar_steps(zeros_models):
