@@ -50,6 +50,7 @@ for B in $batches; do
   rc=$?
   echo "batch $B: rc $rc in $(( $(date +%s) - start )) s"
   (( rc == 0 )) || tail -4 "$root/B$B/log.txt"
-  grep -E 'target forward over|since start|  profile |break-even of a full cycle' "$root/B$B/log.txt" | cut -c1-160
-  sed -n '/ method /,$p' "$root/B$B/log.txt" | grep -v '^  wrote' | head -30
+  grep -E 'target forward over|since start|  profile |break-even of a full cycle|Python GC' \
+    "$root/B$B/log.txt" | cut -c1-200
+  sed -n '/ method /,$p' "$root/B$B/log.txt" | grep -v '^  wrote' | head -40
 done

@@ -127,6 +127,13 @@ bootstrap interval over the requests (batch 1) or the groups (batches) of the fa
 (bp_jax/eval/bootstrap), and the same from the mean of the repeats
 (`intervals_mean_of_repeats`): the fastest repeat flatters
 a method whose repeats take different paths (the default's start rule moves on between them).
+The table's speeds count the loop calls' wall time (a request's `decode_s`); the intervals
+end to end (`intervals_end_to_end`, not with a simulated clock) take each group's fastest
+repeat by its whole wall time: prefills, insertions and the host's work between loop calls
+included (a method's host work between calls leaves an accelerator idle). --warmup_groups N
+decodes the first N groups with every method before the timed runs, untimed (a warm engine:
+its programs' first uses done, its prices and recent requests learned), and the report counts
+Python's garbage collections inside each method's timed loop calls (`gc_in_calls`).
 
 The confidence methods and priced price their choices with the costs given (--controller_costs with
 --controller_draft_cost), or else with costs measured once here on this machine (one target
@@ -540,10 +547,11 @@ def speedup_entry(a: tuple[list, list], b: tuple[list, list]) -> dict:
           "hi": None if one else round(s.hi, 4)}
 
 
-def mean_speedups(means: dict[str, list[tuple[int, float]]], methods: list[str]) -> dict:
-  """The speedups of `method_pairs` from the mean of each method's repeats, with 95% paired
-  bootstrap intervals over the groups (one request each at batch 1)."""
-  fig = lambda m: ([t for t, _ in means[m]], [s for _, s in means[m]])
+def group_speedups(per_group: dict[str, list[tuple[int, float]]], methods: list[str]) -> dict:
+  """The speedups of `method_pairs` from each method's (new tokens, seconds) per group (e.g.
+  the mean of its repeats), with 95% paired bootstrap intervals over the groups (one request
+  each at batch 1)."""
+  fig = lambda m: ([t for t, _ in per_group[m]], [s for _, s in per_group[m]])
   return {f"{a}/{b}": speedup_entry(fig(a), fig(b)) for a, b in method_pairs(methods)}
 
 
@@ -632,15 +640,21 @@ def main(_):
   # Requests that took the speculative loop (not a plain start), over every repeat.
   drafted = {m: 0 for m in methods if loop_method(m) != "ar"}
   # Per method and group, each repeat's (new tokens, decode seconds, requests that drafted,
-  # requests moved to the plain bucket), in the order run: one repeat's methods ran together.
+  # requests moved to the plain bucket, wall seconds end to end), in the order run: one
+  # repeat's methods ran together.
   per_repeat: dict[str, list[list[list]]] = {m: [] for m in methods}
+  # Per group: (new tokens, its fastest repeat's wall seconds end to end) of each method.
+  walled: dict[str, list[tuple[int, float]]] = {m: [] for m in methods}
   warm_up(engines, methods, groups[:FLAGS.warmup_groups], size, forced, G)
   pauses = GcPauses().start()  # Python's collections during the timed runs
   for i, group in enumerate(groups):
     runs: dict[str, list[list[Generation]]] = {m: [] for m in methods}
+    walls: dict[str, list[float]] = {m: [] for m in methods}
     for _ in range(FLAGS.repeats):
       for m in method_order(methods, i):
+        t0 = time.perf_counter()
         runs[m].append(decode_group(engines[m], group, size[m], i * G, forced[m]))
+        walls[m].append(time.perf_counter() - t0)
     for m in methods:
       if path_free:
         for j in range(len(group)):
@@ -651,8 +665,9 @@ def main(_):
       means[m].append(mean_of_repeats(runs[m]))
       per_repeat[m].append([[sum(g.new_tokens for g in r), round(sum(g.decode_s for g in r), 5),
                              sum(not g.plain_start and g.drafter_passes > 0 for g in r),
-                             sum(g.moved_plain for g in r)]
-                            for r in runs[m]])
+                             sum(g.moved_plain for g in r), round(wall, 5)]
+                            for r, wall in zip(runs[m], walls[m])])
+      walled[m].append((sum(g.new_tokens for g in runs[m][0]), min(walls[m])))
     print(f"  {i + 1}/{len(groups)} {', '.join(k for k, _ in group)} "
           f"({time.perf_counter() - started:.0f} s since start)", flush=True)
   pauses.stop()
@@ -686,10 +701,15 @@ def main(_):
   resampled = (f"{len(groups)} group{'s' if len(groups) != 1 else ''} of up to {G} requests"
                if B > 1 else f"{len(prompts)} requests")
   print(f"  speedups, 95% paired bootstrap intervals over {resampled}:")
-  mean_cis = mean_speedups(means, methods)
+  mean_cis = group_speedups(means, methods)
+  # End to end (a simulated clock times the loop calls alone): each group's wall time, its
+  # prefills, insertions and the host's work between loop calls included.
+  wall_cis = {} if FLAGS.sim_clock_ms else group_speedups(walled, methods)
   width = max((len(p) for p in cis), default=0) + 2
-  for label, table in (("fastest of each", cis), ("mean of the repeats", mean_cis)):
-    if FLAGS.repeats < 2 and table is mean_cis:
+  for label, table in (("fastest of each", cis), ("mean of the repeats", mean_cis),
+                       ("end to end: each group's fastest wall time, prefill and the host's "
+                        "work between calls included", wall_cis)):
+    if (FLAGS.repeats < 2 and table is mean_cis) or not table:
       continue
     print(f"    ({label})")
     for pair, c in table.items():
@@ -757,7 +777,7 @@ def main(_):
               "temperature": FLAGS.temperature, "top_k": FLAGS.top_k, "verify": FLAGS.verify,
               "drafter": FLAGS.drafter,
               "intervals": cis, "intervals_over": resampled,
-              "intervals_mean_of_repeats": mean_cis,
+              "intervals_mean_of_repeats": mean_cis, "intervals_end_to_end": wall_cis,
               "ar_fallback_accept": FLAGS.ar_fallback_accept, "methods": rows,
               "controller_costs": {**costs, "source": source}, "cost_estimates": online,
               "slot_use": slot_use, "drafted_every_repeat": drafted, "compiles": compiles,

@@ -23,17 +23,23 @@ from benchmarks import accelerator
 from bp_jax.decoding.start_backoff import DECISIVE, StartBackoff
 from bp_jax.errors import BadInputError
 
-flags.DEFINE_integer("batch_size", 16, "requests per static batch")
-flags.DEFINE_float("sim_tau", 6.5, "mean committed tokens per cycle of the simulated profile at "
-                   "--block_size")
-flags.DEFINE_integer("block_size", 16, "tokens per cycle at most (drafts + 1)")
-flags.DEFINE_integer("max_new_tokens", 128, "new tokens per request")
-flags.DEFINE_string("windows", "8,16", "comma-separated numbers of recent requests the rule "
-                    "counts")
-flags.DEFINE_string("prices", "2.5,2.79,2.92", "comma-separated prices of a cycle (AR steps) to "
-                    "weigh the recent τ against")
-flags.DEFINE_integer("trials", 2000, "batches simulated")
-flags.DEFINE_integer("seed", 1, "random seed of the acceptance draws")
+
+def define_flags() -> None:
+  """The command line's flags (defined when run as a program, so that tests can import
+  `plain_shares` beside other benchmarks' flags)."""
+  flags.DEFINE_integer("batch_size", 16, "requests per static batch")
+  flags.DEFINE_float("sim_tau", 6.5, "mean committed tokens per cycle of the simulated profile at "
+                     "--block_size")
+  flags.DEFINE_integer("block_size", 16, "tokens per cycle at most (drafts + 1)")
+  flags.DEFINE_integer("max_new_tokens", 128, "new tokens per request")
+  flags.DEFINE_string("windows", "8,16", "comma-separated numbers of recent requests the rule "
+                      "counts")
+  flags.DEFINE_string("prices", "2.5,2.79,2.92", "comma-separated prices of a cycle (AR steps) to "
+                      "weigh the recent τ against")
+  flags.DEFINE_integer("trials", 2000, "batches simulated")
+  flags.DEFINE_integer("seed", 1, "random seed of the acceptance draws")
+
+
 FLAGS = flags.FLAGS
 
 
@@ -97,4 +103,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)

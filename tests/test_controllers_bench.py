@@ -99,6 +99,13 @@ def test_simulated_drafts_at_a_model_shape_with_an_identical_twin(tmp_path):
   # Python's collections inside each method's timed loop calls
   assert set(report["gc_in_calls"]) == set(report["methods"])
   assert "Python GC collections inside timed loop calls" in proc.stdout
+  # End to end: each group's fastest whole wall time (prefill and the host's work between calls
+  # included) is at least the loop calls' share of it, and gives its own intervals.
+  assert set(report["intervals_end_to_end"]) == set(report["intervals"])
+  assert "(end to end: each group's fastest wall time" in proc.stdout
+  for name, groups_ in report["repeats_per_group"].items():
+    for rep in (r for g in groups_ for r in g):
+      assert rep[4] >= rep[1] > 0, (name, rep)
   # The default's engine holds a measurement as a user's does (the run's, measured once here)
   # and decides from it whether a batch's tail shrinks.
   assert report["engine_costs"] == {"priced_default": "measured"}
