@@ -188,6 +188,7 @@ from benchmarks import accelerator, common
 from benchmarks.gc_pauses import GcPauses
 from benchmarks.sim_clock import SimClock
 from bp_jax import cli
+from bp_jax.gc_freeze import freeze_after_startup
 from bp_jax.decoding import controller as control
 from bp_jax.decode_job.compare import check_repeats_agree
 from bp_jax.decoding.call_tally import calls_line, tally_json
@@ -463,14 +464,17 @@ def warm_up(engines: dict[str, Engine], methods: list[str], groups: list, size: 
             forced: dict, group_size: int) -> None:
   """Every method decodes `groups` once, untimed, in the timed runs' order (`--warmup_groups`):
   what a warm engine has done before (each program's first uses, the online prices, the start
-  rule's recent requests) without its tallies (`Engine.clear_tallies`)."""
+  rule's recent requests) without its tallies (`Engine.clear_tallies`); then what start-up made
+  is frozen out of garbage collections, as a server's is."""
   for i, group in enumerate(groups):
     for m in method_order(methods, i):
       decode_group(engines[m], group, size[m], i * group_size, forced[m])
   if groups:
     for m in methods:
       engines[m].clear_tallies()
-    print(f"  warm-up: {len(groups)} group(s) decoded by every method, untimed", flush=True)
+    frozen = freeze_after_startup()  # as a server does after its warm-up (`bp_jax.gc_freeze`)
+    print(f"  warm-up: {len(groups)} group(s) decoded by every method, untimed; {frozen:,} "
+          "objects kept out of garbage collections", flush=True)
 
 
 def decode_group(engine: Engine, group: list, block_size: int, first: int,

@@ -29,6 +29,7 @@ from bp_jax.decoding.generation import Generation
 from bp_jax.decode_job.records import figures, print_summary, record_of, summarize  # noqa: F401
 from bp_jax.decoding.requests import check_block_sizes, check_sampling
 from bp_jax.decoding.verify import same_tokens_as_ar
+from bp_jax.gc_freeze import freeze_after_startup
 from bp_jax.errors import BadInputError, named_as_flags
 from bp_jax.models.precision import matmul_precision, precision_of
 from bp_jax.text.prompts import Prompt, load_prompts
@@ -286,6 +287,7 @@ def _run(cfg) -> tuple[list[dict], dict]:
   if cfg.precompile:
     _precompile(engine, list(choices.values()),
                 [len(ids) + cfg.max_new_tokens for ids in encoded])
+    freeze_after_startup()  # later garbage collections skip what start-up made
   repeats = int(cfg.get("repeats", 1))
   sampling = sampling_options(cfg)
   os.makedirs(os.path.dirname(os.path.abspath(cfg.output)), exist_ok=True)

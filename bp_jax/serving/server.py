@@ -21,6 +21,7 @@ def build_service(cfg, *, batch_size: int, api_key: str | None = None,
   """(Service, start-up figures) for a decode.py config: the engine with `batch_size` slots,
   compiled and warmed, its thread started."""
   from bp_jax import compile_cache
+  from bp_jax.gc_freeze import freeze_after_startup
   from bp_jax.decode_job import run as run_decode
   from bp_jax.models.precision import matmul_precision, precision_of
   from bp_jax.serving.app import DEFAULT_MAX_BODY_BYTES, Service
@@ -42,6 +43,7 @@ def build_service(cfg, *, batch_size: int, api_key: str | None = None,
   engine.check_block_size(block_size)
   load_s = time.perf_counter() - t0
   warm_s = warm_up(engine, block_size)
+  frozen = freeze_after_startup()  # later collections skip what start-up made
   name = model_name or os.path.basename(os.path.normpath(str(cfg.target)))
   limits = Limits(model=name, max_len=engine.max_len, block_size=block_size,
                   vocab_size=engine.cfg.vocab_size,
@@ -54,7 +56,7 @@ def build_service(cfg, *, batch_size: int, api_key: str | None = None,
   info = {"model": name, "block_size": block_size, "batch_size": engine.batch_size,
           "max_len": engine.max_len, "load_s": round(load_s, 2),
           "compile_s": round(warm_s, 2), "compilations": engine.compiled.total,
-          "compile_cache": cache_dir}
+          "compile_cache": cache_dir, "gc_frozen_objects": frozen}
   return svc, info
 
 
@@ -74,7 +76,9 @@ def serve(cfg, *, host: str, port: int, batch_size: int, api_key: str | None = N
                             max_body_bytes=max_body_bytes, model_name=model_name)
   print(f"serve.py: model {info['model']!r}, block_size {info['block_size']}, "
         f"{info['batch_size']} slots, max_len {info['max_len']}; loaded in {info['load_s']} s, "
-        f"compiled in {info['compile_s']} s ({info['compilations']} programs)", flush=True)
+        f"compiled in {info['compile_s']} s ({info['compilations']} programs); "
+        f"{info['gc_frozen_objects']:,} start-up objects kept out of garbage collections",
+        flush=True)
   print(f"serve.py: listening on http://{host}:{port}"
         f"{' (API key required)' if svc.api_key else ''}", flush=True)
   config = uvicorn.Config(create_app(svc), host=host, port=port, log_level="warning",
