@@ -108,6 +108,13 @@ def test_greedy_outputs_are_ar_and_batched_rows_equal_their_request_alone(zeros_
   many = _engine(zeros_models, batch_size=3, **kw)
   together = many.generate_batch(prompts, max_new_tokens=max_news, block_size=B)
   assert [g.output_ids for g in together] == zeros_ar_outputs
+  # A speculative loop's untimed first runs (`programs.WARMUP_START`) took AR steps (two: the
+  # first of a run and one inside the steps' own loop) and cycles, alone and in a batch: each
+  # part of the loop body has a first-run cost of its own (kernels set up on first use), which
+  # a timed call would otherwise pay.
+  for eng, name in ((one, "spec_loop"), (many, "batch_spec_loop")):
+    runs = [n for key, n in eng.programs.warmup_forwards.items() if key[0] == name]
+    assert runs and all(n[0] >= 2 and sum(n[1:]) >= 1 for n in runs), runs
   if not kw:  # measured costs: every loop call updates them (auto), one request or a batch
     # A request of one new token runs no loop call; a plain start's AR loop feeds nothing.
     ran = sum(m > 1 and not g.plain_start for m, g in zip(max_news, alone))
@@ -269,20 +276,6 @@ def test_a_batchs_recent_requests_span_the_batch(zeros_models):
   shares = start_window.plain_shares(16, [8, 16], [2.79], 200, probs, 128, seed=1)
   assert shares[16]["tau"] > shares[8]["tau"] + 0.4, shares
   assert shares[16]["plain"][2.79] + 0.3 < shares[8]["plain"][2.79], shares
-
-
-def test_a_loops_untimed_first_run_reaches_its_ar_steps(zeros_models):
-  """A speculative loop's untimed first run (`programs.WARMUP_START`) takes AR steps (two: the
-  first of a run and one inside the steps' own loop) and then cycles, alone and in a batch,
-  whatever the request's own start: each part of the loop body has a first-run cost of its own
-  (kernels set up on first use), which a timed call would otherwise pay."""
-  prompts, max_news = _requests(3)
-  alone, batched = _engine(zeros_models, **CHEAP), _engine(zeros_models, batch_size=3, **CHEAP)
-  alone.generate(prompts[0], max_new_tokens=max_news[0], block_size=B)
-  batched.generate_batch(prompts, max_new_tokens=max_news, block_size=B)
-  for eng, name in ((alone, "spec_loop"), (batched, "batch_spec_loop")):
-    runs = [n for key, n in eng.programs.warmup_forwards.items() if key[0] == name]
-    assert runs and all(n[0] >= 2 and sum(n[1:]) >= 1 for n in runs), runs
 
 
 def test_clearing_an_engines_tallies_keeps_what_it_learned(zeros_models):
