@@ -35,7 +35,7 @@ from bp_jax.decoding.start_backoff import StartBackoff, StartChoice
 from bp_jax.decoding.options import (PAD_AR_BELOW, BatchOptions, LoopOptions, ShapeOptions,
                                      declines_by_costs)
 from bp_jax.decoding.policy_binding import check_policy_fits
-from bp_jax.decoding.programs import (WARMUP_START, WARMUP_TOKENS, LoopPrograms, request_window,
+from bp_jax.decoding.programs import (WARMUP_TOKENS, LoopPrograms, request_window,
                                      window_buckets, window_for)
 from bp_jax.decoding.requests import RequestChecks, check_sampling
 from bp_jax.decoding.sampling import sampling_params
@@ -661,12 +661,11 @@ class Engine:
     run_size, start = (1, (0, 0)) if plain else (block_size, start)
     loop_args = self._loop_args(pre, n_arr, jnp.int32(max_new_tokens), sp, seed_key,
                                 run_size, forced_seq, start)
-    warm_args = [self._loop_args(pre, n_arr, jnp.int32(min(max_new_tokens, WARMUP_TOKENS)), sp,
-                                 seed_key, run_size, forced_seq, start)
-                 for start in ((0, 0), WARMUP_START)]
     window = self.request_window(n, max_new_tokens, run_size)
-    self.programs.warm(run_size, warm_args[0], forced, window,
-                       warm_args[1] if run_size > 1 else None)
+    # The loop's untimed first runs, made only if it has not run yet (`LoopPrograms.warm`).
+    self.programs.warm(run_size, lambda warm_start: self._loop_args(
+        pre, n_arr, jnp.int32(min(max_new_tokens, WARMUP_TOKENS)), sp, seed_key, run_size,
+        forced_seq, warm_start), forced, window)
     fn = self.programs.loop(run_size, loop_args, forced, window)
     t2 = self.clock()
     out = fn(*loop_args)

@@ -11,6 +11,7 @@ are measured apart: the warm-up clock starts after its loop is compiled.
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -240,16 +241,18 @@ class LoopPrograms:
     self.warmup_forwards[key] = tuple(int(sum(c)) for c in zip(*counts))
     self.warmup_seconds[key] = time.perf_counter() - t0
 
-  def warm(self, block_size: int, args: tuple, forced: bool = False,
-           window: int | None = None, ar_first_args: tuple | None = None) -> None:
-    """Runs a loop, untimed, on copies of its donated `args` (the caller caps max_new at
-    WARMUP_TOKENS), and again on those of `ar_first_args` where given (the same, starting with
-    `WARMUP_START`'s AR steps), the first time the loop is used; compiles it first, outside the
-    warm-up clock."""
+  def warm(self, block_size: int, make_args: Callable[[tuple[int, int]], tuple],
+           forced: bool = False, window: int | None = None) -> None:
+    """Runs a loop, untimed, the first time it is used: on copies of the donated arguments
+    `make_args((0, 0))` gives (the caller caps max_new at WARMUP_TOKENS), and a speculative
+    loop again on those of `make_args(WARMUP_START)` (the same request starting with AR steps;
+    `make_args(start)`: the loop's arguments with (misses, AR steps) `start`); compiles it
+    first, outside the warm-up clock. A loop already warm makes no arguments."""
     key = self.loop_key(block_size, forced, window)
     if key in self.warmup_seconds:
       return
-    fn = self.loop(block_size, args, forced, window)
-    runs = [a for a in (args, ar_first_args) if a is not None]
-    self._warm_runs(key, fn, [lambda a=a: _copy_donated(a, donated(block_size, batched=False))
-                              for a in runs])
+    fn = self.loop(block_size, make_args((0, 0)), forced, window)
+    starts = [(0, 0)] + ([WARMUP_START] if block_size > 1 else [])
+    self._warm_runs(key, fn, [lambda st=st: _copy_donated(make_args(st),
+                                                          donated(block_size, batched=False))
+                              for st in starts])
