@@ -21,7 +21,7 @@ from absl import flags
 from benchmarks import common
 from bp_jax import cli
 from bp_jax.decoding import verify
-from bp_jax.decoding.sampling import SamplingParams
+from bp_jax.decoding.sampling import SamplingForm, SamplingParams, form_of, in_form
 from bp_jax.errors import BadInputError
 
 flags.DEFINE_integer("batch_size", 1, "rows of the batch (each with its own settings)")
@@ -49,8 +49,10 @@ def measure(B: int, b: int, V: int, top_k: int, top_p: float, reps: int) -> dict
   pos_B = jnp.arange(B, dtype=jnp.int32) * 10 + 50
   out: dict = {}
   for name, rule in verify.RULES.items():
-    for label, sp in (("T=1", row_settings(B, 0, 1.0)),
-                      (f"T=1, top_k {top_k}, top_p {top_p:g}", row_settings(B, top_k, top_p))):
+    # Each in the sampling form an engine's loop reads it in (`sampling.form_of`, `in_form`).
+    for label, sp in (("T=1", in_form(row_settings(B, 0, 1.0), SamplingForm.SAMPLED)),
+                      (f"T=1, top_k {top_k}, top_p {top_p:g}",
+                       in_form(row_settings(B, top_k, top_p), form_of([(1.0, top_k, top_p)])))):
       drafts_Bk = rule.propose(draft_BkV, sp, keys_B, pos_B)
       propose_args = (draft_BkV, sp, keys_B, pos_B)
       verify_args = (target_BbV, draft_BkV, drafts_Bk, sp, keys_B, pos_B)

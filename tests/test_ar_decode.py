@@ -55,14 +55,17 @@ def test_prompts_of_many_lengths_compile_prefill_once_per_bucket_and_loop_once(t
   for n in lengths:
     prompt = _prompt(n, seed=100 + n)
     assert engine.generate(prompt, max_new_tokens=4).output_ids == _hf_greedy(hf, prompt, 4)
-  # Runtime values (temperature, seed, max_new_tokens) never recompile either.
-  for n in lengths[::3]:
-    engine.generate(_prompt(n, seed=n), max_new_tokens=7, temperature=0.7, seed=n)
   counts = engine.compiled.counts
   assert counts["prefill"] == len(BUCKETS), dict(counts)
   assert counts["ar_loop"] == 1, dict(counts)
   assert engine.compiled.total == len(BUCKETS) + 1
   assert all(("prefill", b) in engine.compiled for b in BUCKETS)
+  # Sampling requests take the programs of their sampling form (`sampling.SamplingForm`), once
+  # per bucket; runtime values (temperature, seed, max_new_tokens) never recompile them.
+  for t, n in zip((0.7, 1.3, 0.9, 1.0), lengths[::3]):
+    engine.generate(_prompt(n, seed=n), max_new_tokens=7, temperature=t, seed=n)
+  assert counts["prefill"] == 2 * len(BUCKETS) and counts["ar_loop"] == 2, dict(counts)
+  assert all(("prefill", b, "sampled") in engine.compiled for b in BUCKETS)
 
 
 def test_sampling_with_a_fixed_seed_is_reproducible(engine):

@@ -20,6 +20,7 @@ from bp_jax.decoding import compiled as compiled_lib
 from bp_jax.decoding.engine import Engine
 from bp_jax.decoding import controller as control
 from bp_jax.decoding.options import OPTION_NAMES, BatchOptions, LoopOptions, ShapeOptions
+from bp_jax.decoding.sampling import SamplingForm
 from bp_jax.errors import BadInputError, named_as_flags
 from bp_jax.models.config import DFlashConfig
 from hf_fixtures import (jax_drafter_from_state_dict, jax_qwen3_from_torch, make_dflash_state_dict,
@@ -217,10 +218,16 @@ def test_loop_options_are_checked_hashable_compile_keys():
   assert a.in_effect().ar_fallback == control.DEFAULT_SKIP_CAP
   assert LoopOptions(ar_fallback=0).in_effect().controller == "none"
   assert LoopOptions(ar_fallback=3).in_effect() == LoopOptions(ar_fallback=3, ar_step_tokens=1)
-  assert a.for_loop(4).key() == ("spec_loop", 4)
-  assert a.for_loop(4, forced=True).key(3) == ("batch_spec_loop_forced", 4, 3, 0, "all")
+  # A loop's sampling form (`sampling.SamplingForm`) is part of its key: none for greedy loops
+  # (keys as they always read), its name otherwise; ANY where a caller does not say.
+  assert a.for_loop(4, form=SamplingForm.GREEDY).key() == ("spec_loop", 4)
+  assert a.for_loop(4).key() == ("spec_loop", 4, "any")
+  assert a.for_loop(4, form=SamplingForm.SAMPLED).key(3) == ("batch_spec_loop", 4, 3, 0, "all",
+                                                             "sampled")
+  assert a.for_loop(4, forced=True, form=0).key(3) == ("batch_spec_loop_forced", 4, 3, 0, "all")
   assert LoopOptions(verify="rejection").for_loop(4, forced=True).verify == "exact"
-  assert a.for_loop(1, sync_cycles=2, window=128).key(3) == ("batch_ar_loop", 1, 3, 2, 128)
+  assert a.for_loop(1, sync_cycles=2, window=128, form=0).key(3) == ("batch_ar_loop", 1, 3, 2,
+                                                                     128)
   with pytest.raises(BadInputError, match="ar_fallback_accept=-1"):
     LoopOptions(ar_fallback_accept=-1)
   with pytest.raises(BadInputError, match="only verify='exact'"):

@@ -4,7 +4,8 @@ launches what follows, so every predicate a cycle evaluates is time the device i
 the default's cycles (`priced`, with its back-off, decline and gate) must evaluate no more of
 them than the paper's loop (one per cycle) plus, where it declines, its full verify's (a nested
 loop of zero or one trips, skipped where the cycle declines its drafts: two evaluations when
-it verifies); where the costs leave the decline off, as many as the paper's loop.
+it verifies); where the costs leave the decline off, as many as the paper's loop. Greedy
+requests' programs branch at run time on nothing else (`sampling.SamplingForm`).
 
 Counted on this CPU by wrapping `jax.lax.while_loop`'s predicates, while the loops compile, with
 a host callback that counts each evaluation.
@@ -79,3 +80,9 @@ def test_a_run_of_cycles_evaluates_one_predicate_besides_its_buckets(zeros_model
   assert per_cycle == pytest.approx(3.0), (n_declining, c_declining)
   # Without it, the paper's loop's one per cycle.
   assert (n_default - 4 * calls) / c_default == pytest.approx(1.0), (n_default, c_default)
+  # Greedy requests run greedy programs (`sampling.SamplingForm`): no run-time branch on the
+  # sampling settings (one program for every setting branched twice per cycle and once per AR
+  # step, each branch a wait of the host for the device on a GPU), and no other.
+  for eng, key in ((plain, ("ar_loop", 1)), (plain, ("spec_loop_forced", B)),
+                   (declining, ("spec_loop_forced", B)), (default, ("spec_loop_forced", B))):
+    assert " conditional(" not in eng.compiled._fns[key].as_text(), key

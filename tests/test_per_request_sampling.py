@@ -13,6 +13,7 @@ import pytest
 
 from bp_jax.decoding.engine import Engine
 from bp_jax.decoding.options import BatchOptions, LoopOptions, ShapeOptions
+from bp_jax.decoding.sampling import SamplingForm
 from bp_jax.errors import BadInputError
 from compile_counting import BackendCompiles
 from toy_models import zeros_drafter_pair
@@ -80,8 +81,9 @@ def test_per_row_stop_ids_and_no_compilation_for_new_values(models):
   stops = [[g.output_ids[1]] if len(g.output_ids) > 2 else [] for g in first]
   assert sum(bool(s) for s in stops) >= 3
   # Every program a batch may take (its tail's sizes and windows too: rows that stop elsewhere
-  # shrink the batch at other calls), so that only new values could compile anything.
-  eng.precompile([4], all_windows=True)
+  # shrink the batch at other calls; each sampling form: a tail's rows may all be greedy, or
+  # none truncating), so that only new values could compile anything.
+  eng.precompile([4], all_windows=True, forms=tuple(SamplingForm))
   compiled = dict(eng.compiled.counts)
   with BackendCompiles() as c:
     again = eng.generate_batch(prompts, max_new_tokens=max_news, block_size=4, seeds=1,

@@ -26,7 +26,8 @@ from bp_jax.decoding import loops, verify
 from bp_jax.decode_job.block_choice import loop_options
 from bp_jax.decoding.engine import Engine
 from bp_jax.decoding.options import LoopOptions, ShapeOptions
-from bp_jax.decoding.sampling import processed_logits, sampling_params
+from bp_jax.decoding.sampling import (SamplingForm, in_form, processed_logits,
+                                      sampling_params)
 from bp_jax.errors import BadInputError
 from sampling_stats import (PROMPT, V, chi_square, counts_of, exact_joint, reference_probs,
                             tiny_models)
@@ -211,8 +212,9 @@ def test_rejection_engine_greedy_equals_ar_and_is_reproducible(models):
       runs = [eng.generate(prompt, max_new_tokens=20, block_size=b, temperature=1.0, top_p=0.9,
                            seed=case).output_ids for _ in range(2)]
       assert runs[0] == runs[1]
-  # One loop per block size, whatever the temperature or truncation (traced values).
-  assert eng.compiled.summary()["compilations"] == 1 + 3
+  # One prefill and one loop per block size and sampling form (greedy; any: top-p), whatever
+  # the values (traced).
+  assert eng.compiled.summary()["compilations"] == 2 * (1 + 3) - 1  # the AR loop: greedy only
 
 
 @pytest.mark.parametrize("kw, flag", [
@@ -253,30 +255,29 @@ def _primitives(jaxpr, through_branches: bool = True) -> set[str]:
 
 
 @pytest.mark.parametrize("mode", ["exact", "rejection"])
-def test_batch_sampling_sorts_nothing_and_truncates_only_when_asked(mode):
+def test_batch_sampling_sorts_nothing_and_each_form_traces_only_what_it_needs(mode):
   """Top-k / top-p are thresholds found by bisection (`sampling._truncate`), not a sort of the
-  vocabulary (XLA:CPU ~5 ms on [8, 4096] logits, several AR steps); and with per-row settings
-  (a batch's loop state) rows that sample but truncate nothing take a branch that draws
-  without the bisection, where vmap would turn the per-row branch into a select that runs it
-  every cycle."""
+  vocabulary (XLA:CPU ~5 ms on [8, 4096] logits, several AR steps). With per-row settings (a
+  batch's loop state) the program's sampling form (`SamplingForm`, chosen on the host for the
+  rows a call decodes) decides what is traced: a greedy program draws nothing and branches on
+  no setting, an untruncated one draws without the bisection, and only ANY carries it."""
   B, b = 2, 4
   sp = jax.tree.map(lambda x: jnp.full((B,), x), sampling_params(1.0))
   keys = jax.vmap(jax.random.key)(jnp.arange(B))
   pos = jnp.zeros((B,), jnp.int32)
   rule = verify.RULES[mode]
   d_logits = jnp.zeros((B, b - 1, V))
-  for fn, args in ((rule.propose, (d_logits, sp, keys, pos)),
-                   (rule.verify, (jnp.zeros((B, b, V)), d_logits,
-                                  jnp.zeros((B, b - 1), jnp.int32), sp, keys, pos))):
-    top = jax.make_jaxpr(fn)(*args).jaxpr
-    assert "sort" not in _primitives(top)
-    branches = [br.jaxpr for eqn in top.eqns if eqn.primitive.name == "cond"
-                for br in eqn.params["branches"]]
-    runs = [_primitives(br, through_branches=False) for br in branches]
-    drawing = [p for p in runs if "random_bits" in p]
-    if fn == rule.propose and mode == "exact":
-      assert not drawing  # exact drafts the argmax: nothing to draw
-      continue
-    bisects = [bool({"scan", "while"} & p) for p in drawing]  # the bisection's loop
-    assert not all(bisects), (mode, fn.__name__)
-    assert any(bisects)  # rows asking for top-k / top-p still get it
+  for form in SamplingForm:
+    view = in_form(sp, form)
+    for fn, args in ((rule.propose, (d_logits, view, keys, pos)),
+                     (rule.verify, (jnp.zeros((B, b, V)), d_logits,
+                                    jnp.zeros((B, b - 1), jnp.int32), view, keys, pos))):
+      prims = _primitives(jax.make_jaxpr(fn)(*args).jaxpr)
+      drawing, bisecting = "random_bits" in prims, bool({"scan", "while"} & prims)
+      samples = not (fn == rule.propose and mode == "exact")  # exact drafts the argmax
+      assert "sort" not in prims, (mode, form, fn.__name__)
+      if form == SamplingForm.GREEDY:
+        assert not drawing and not bisecting and "cond" not in prims, (mode, fn.__name__)
+      else:
+        assert drawing == samples, (mode, form, fn.__name__)
+        assert bisecting == (samples and form == SamplingForm.ANY), (mode, form, fn.__name__)

@@ -33,7 +33,7 @@ def pair():
 def test_windowed_requests_decode_as_the_whole_cache_does(pair):
   """Engines of max_len 256 (windows 128, 192, 256) and 128 (one program over all slots):
   identical tokens and forwards for every request, AR and speculative with back-off, greedy and
-  for a seed at T = 1 (the temperature is traced: one program serves both)."""
+  for a seed at T = 1 (each in its sampling form's program, `sampling.SamplingForm`)."""
   target, drafter = pair
   rng = np.random.default_rng(0)
   prompts = [list(rng.integers(1, 60, n)) for n in (10, 70)]
@@ -48,12 +48,13 @@ def test_windowed_requests_decode_as_the_whole_cache_does(pair):
                                 seed=i) for e in (big, small))
         assert got.output_ids == want.output_ids, (temperature, b, i)
         assert got.forward_lengths == want.forward_lengths, (temperature, b, i)
-  # Every request here fits in 128 slots: one windowed program per loop on the big engine,
-  # the all-slots program on the small one.
+  # Every request here fits in 128 slots: one windowed program per loop and sampling form on
+  # the big engine, the all-slots program on the small one.
   big_keys = sorted(k for k in big.compiled._fns if k[0] in ("ar_loop", "spec_loop"))
-  assert big_keys == [("ar_loop", 1, 128), ("spec_loop", 4, 128)], big_keys
+  assert big_keys == [("ar_loop", 1, 128), ("ar_loop", 1, 128, "sampled"),
+                      ("spec_loop", 4, 128), ("spec_loop", 4, 128, "sampled")], big_keys
   assert sorted(k for k in small.compiled._fns if k[0] in ("ar_loop", "spec_loop")) == [
-      ("ar_loop", 1), ("spec_loop", 4)]
+      ("ar_loop", 1), ("ar_loop", 1, "sampled"), ("spec_loop", 4), ("spec_loop", 4, "sampled")]
 
 
 def test_a_longer_request_takes_a_larger_window_compiled_once(pair):

@@ -8,8 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from bp_jax.decoding import verify
-from bp_jax.decoding.sampling import (SamplingParams, draw, draw_by_cdf, first_argmax,
-                                      position_keys, sample)
+from bp_jax.decoding.sampling import (SamplingForm, SamplingParams, draw, draw_by_cdf,
+                                      first_argmax, form_of, in_form, position_keys, sample,
+                                      sampling_params)
 from sampling_stats import chi_square
 
 
@@ -90,3 +91,22 @@ def test_rejection_draws_one_vocabulary_vector_per_row_and_cycle():
       jnp.zeros((B, b, V)), jnp.zeros((B, b - 1, V)), jnp.zeros((B, b - 1), jnp.int32))
   vocab_sized = [s for s in _random_bits_shapes(jaxpr.jaxpr) if s[-1] == V]
   assert vocab_sized and all(s == (B, 1, V) for s in vocab_sized), vocab_sized
+
+
+def test_the_sampling_form_serves_every_request_of_a_call():
+  """`form_of`: the least program form for the requests a call decodes (temperature, top_k,
+  top_p[, min_p] each): truncation at T = 0 is moot, min_p needs no bisection."""
+  assert form_of([]) == SamplingForm.GREEDY
+  assert form_of([(0.0, 5, 0.5, 0.0), (0, 0, 1.0)]) == SamplingForm.GREEDY
+  assert form_of([(0.0, 0, 1.0, 0.0), (1.0, 0, 1.0, 0.2)]) == SamplingForm.SAMPLED
+  assert form_of([(1.0, 0, 1.0, 0.0), (0.5, 3, 1.0, 0.0)]) == SamplingForm.ANY
+  assert form_of([(0.7, 0, 0.9)]) == SamplingForm.ANY
+  sp = sampling_params(1.0, 5, 0.9, 0.1)
+  assert in_form(sp, SamplingForm.ANY) is sp
+  assert in_form(sp, SamplingForm.SAMPLED) == sp._replace(top_k=None, top_p=None)
+  assert in_form(sp, SamplingForm.GREEDY) == SamplingParams(None, None, None, None)
+  # A greedy form's draw is the argmax, whatever the values it is given would say.
+  logits = jax.random.normal(jax.random.key(0), (3, 16))
+  keys = position_keys(jax.random.key(1), jnp.arange(3))
+  np.testing.assert_array_equal(sample(logits, in_form(sp, SamplingForm.GREEDY), keys),
+                                jnp.argmax(logits, axis=-1))

@@ -190,7 +190,8 @@ def test_loop_drafts_are_the_drafters_proposals_from_scratch(models, engine, mon
 
   monkeypatch.setattr(decode_verify, "accept_length", recording_rule)
   eng = _make_engine(models)  # a fresh engine: its loop is traced with the recording rule
-  eng.generate([1], max_new_tokens=2, block_size=B)  # its untimed first run records calls too
+  for temp in (0.0, 1.0):  # each sampling form's loop: its untimed first runs record calls too
+    eng.generate([1], max_new_tokens=2, block_size=B, temperature=temp)
   ref = _reference_drafter(models, B)
   rng = np.random.default_rng(7)
   n_cycles = n_accepted = 0

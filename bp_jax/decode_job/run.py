@@ -28,6 +28,7 @@ from bp_jax.decoding.options import OPTION_NAMES, BatchOptions, LoopOptions, Sha
 from bp_jax.decoding.generation import Generation
 from bp_jax.decode_job.records import figures, print_summary, record_of, summarize  # noqa: F401
 from bp_jax.decoding.requests import check_block_sizes, check_sampling
+from bp_jax.decoding.sampling import SamplingForm, form_of
 from bp_jax.decoding.verify import same_tokens_as_ar
 from bp_jax.gc_freeze import freeze_after_startup
 from bp_jax.errors import BadInputError, named_as_flags
@@ -206,13 +207,14 @@ def _bind_policy(engine: Engine, choice: "BlockChoice", cfg, prints) -> None:
 
 
 def _precompile(engine: Engine, choices: Sequence["BlockChoice"],
-                request_lengths: Sequence[int]) -> None:
-  """Compiles the programs the run's requests (prompt + max_new_tokens each) will use."""
+                request_lengths: Sequence[int], form: SamplingForm) -> None:
+  """Compiles the programs the run's requests (prompt + max_new_tokens each, sampling in
+  `form`) will use."""
   sizes = sorted({b for c in choices for b in ((c.fixed,) if c.name == "fixed" else c.sizes)})
   learned = any(c.name == "learned" for c in choices)
   comp = engine.precompile(sizes, policy=learned,
                            plain_prefill=any(c.name != "learned" for c in choices),
-                           request_lengths=request_lengths)
+                           request_lengths=request_lengths, forms=(form,))
   for key, secs in comp["per_key_s"].items():
     print(f"  compiled {key}: {secs:.2f} s")
 
@@ -284,12 +286,13 @@ def _run(cfg) -> tuple[list[dict], dict]:
       engine.check_request(len(ids), cfg.max_new_tokens, largest)
     except BadInputError as e:
       raise BadInputError(f"prompt {p.id!r}: {e}") from None
+  sampling = sampling_options(cfg)
   if cfg.precompile:
     _precompile(engine, list(choices.values()),
-                [len(ids) + cfg.max_new_tokens for ids in encoded])
+                [len(ids) + cfg.max_new_tokens for ids in encoded],
+                form_of([(cfg.temperature, sampling["top_k"], sampling["top_p"])]))
     freeze_after_startup()  # later garbage collections skip what start-up made
   repeats = int(cfg.get("repeats", 1))
-  sampling = sampling_options(cfg)
   os.makedirs(os.path.dirname(os.path.abspath(cfg.output)), exist_ok=True)
   per_method: dict[str, list[dict]] = {m: [] for m in choices}
   tmp_out = cfg.output + ".partial"

@@ -38,7 +38,7 @@ from bp_jax.decoding.policy_binding import check_policy_fits
 from bp_jax.decoding.programs import (WARMUP_TOKENS, LoopPrograms, request_window,
                                      window_buckets, window_for)
 from bp_jax.decoding.requests import RequestChecks, check_sampling
-from bp_jax.decoding.sampling import sampling_params
+from bp_jax.decoding.sampling import SamplingForm, form_of, sampling_params
 from bp_jax.decoding.scheduler import BatchRequest, Scheduler
 from bp_jax.decoding.state import MAX_ROW_STOP_IDS, LoopState
 from bp_jax.errors import BadInputError
@@ -434,11 +434,12 @@ class Engine:
             sampling) + ((self.p_state,) if with_policy else ())
 
   def _prefill(self, tokens_1P, n, seed_key, sampling, with_policy: bool = False,
-               buffers: tuple | None = None):
+               buffers: tuple | None = None, form: SamplingForm = SamplingForm.GREEDY):
     """(compiled prefill, its arguments) into `buffers` (donated; default: the engine's own
-    one-sequence caches)."""
+    one-sequence caches), sampling the first token in `form` (the request's)."""
     args = self._prefill_args(tokens_1P, n, seed_key, sampling, with_policy, buffers)
-    fn = self.programs.prefill(args, self.p_graph if with_policy else None, self.policy_key)
+    fn = self.programs.prefill(args, self.p_graph if with_policy else None, self.policy_key,
+                               form)
     return fn, args
 
   def _loop_args(self, pre, n, max_new, sampling, seed_key, block_size,
@@ -539,7 +540,8 @@ class Engine:
 
   def precompile(self, block_sizes: Sequence[int], length_buckets: Sequence[int] | None = None,
                  policy: bool = False, plain_prefill: bool = True,
-                 request_lengths: Sequence[int] = (), all_windows: bool = False) -> dict:
+                 request_lengths: Sequence[int] = (), all_windows: bool = False,
+                 forms: Sequence[SamplingForm] = (SamplingForm.GREEDY,)) -> dict:
     """Compiles prefill for each length bucket and the loop of each block size ahead of time
     (`policy`: also the prefill that runs the policy; `plain_prefill`: the one without); with
     batch_size > 1, the batched loops instead of the one-request loops, which are compiled for
@@ -549,15 +551,25 @@ class Engine:
     also run once (its warm-up), and every change of a bucket's size (`resize_program`), so
     that no request compiles anything: a server's start-up (with the moves of a speculative
     bucket's rows to the plain one, `BatchOptions.move_plain_after`). With
-    `BatchOptions.shrink` the batched loops are compiled for every size of `slot_sizes`."""
+    `BatchOptions.shrink` the batched loops are compiled for every size of `slot_sizes`.
+    `forms`: the sampling forms requests will need (`sampling.form_of` of their settings; each
+    program is compiled once per form: greedy requests alone, the default, need GREEDY)."""
+    for form in forms:
+      self._precompile(block_sizes, length_buckets, policy, plain_prefill, request_lengths,
+                       all_windows, SamplingForm(form))
+    return self.compiled.summary()
+
+  def _precompile(self, block_sizes, length_buckets, policy, plain_prefill, request_lengths,
+                  all_windows, form: SamplingForm) -> None:
+    """`precompile` for one sampling form."""
     key, z, sp = jax.random.key(0), jnp.int32(1), sampling_params()
     if policy and self.p_graph is None:
       raise BadInputError("precompile(policy=True) on an engine without a policy")
     for P in length_buckets or self.length_buckets:
       if plain_prefill:
-        self._prefill(jnp.zeros((1, P), jnp.int32), z, key, sp)
+        self._prefill(jnp.zeros((1, P), jnp.int32), z, key, sp, form=form)
       if policy:
-        self._prefill(jnp.zeros((1, P), jnp.int32), z, key, sp, with_policy=True)
+        self._prefill(jnp.zeros((1, P), jnp.int32), z, key, sp, with_policy=True, form=form)
     for b in block_sizes:
       self.check_block_size(b)
     # A request that would start deep may run the plain AR loop (`starts_plain`), a bucket or not.
@@ -571,13 +583,14 @@ class Engine:
                    jax.eval_shape(lambda: self.slot_carry(b, rows=rows)))
           args = ((self.t_weights,) if b == 1 else (self.t_weights, self.d_weights)) + (
               carry, self._stop_arr)
-          self.programs.batched_loop(b, rows, self.sync_cycles, None, args)
+          self.programs.batched_loop(b, rows, self.sync_cycles, None, args, form=form)
           if not all_windows:
             continue
           if self.sync_cycles > 0:
             for w in window_buckets(self.max_len):
               idle = self.slot_carry(b, rows=rows)
-              self.slots_program(b, idle, max_pos=max(0, w - b * (1 + self.sync_cycles // 2)))
+              self.slots_program(b, idle, max_pos=max(0, w - b * (1 + self.sync_cycles // 2)),
+                                 form=form)
           for size in self.slot_sizes():  # shrinking to any smaller size, growing back to B
             if size < rows or (size == self.batch_size and rows < size):
               self.resize_program(carry, [], size)
@@ -585,13 +598,12 @@ class Engine:
             dst = (self.slot_carry(1) if self.mesh is not None else  # the plain bucket
                    jax.eval_shape(lambda: self.slot_carry(1)))
             self.move_program(dst, 0, carry, 0)
-      return self.compiled.summary()
+      return
     pre = decode_loops.PrefillOut(z, self.cache, self.draft_cache, None, None)
     for b in tuple(block_sizes) + plain:
       windows = [request_window(n + b, self.max_len) for n in request_lengths] or [None]
       for window in dict.fromkeys(windows):
-        self.programs.loop(b, self._loop_args(pre, z, z, sp, key, b), window=window)
-    return self.compiled.summary()
+        self.programs.loop(b, self._loop_args(pre, z, z, sp, key, b), window=window, form=form)
 
   # -- public -------------------------------------------------------------------------------
   def encode_padded(self, prompt_ids: Sequence[int]) -> tuple[jax.Array, int]:
@@ -628,9 +640,14 @@ class Engine:
                seed: int = 0, block_size: int | str = 1, top_k: int = 0, top_p: float = 1.0,
                min_p: float = 0.0,
                forced_continuation: Sequence[int] | None = None,
-               return_features: bool = False) -> Generation:
+               return_features: bool = False,
+               sampling_form: SamplingForm | None = None) -> Generation:
     """Decodes one request with a fixed bucket `block_size`, or with the bucket the engine's
     policy picks from the prefill (`block_size=LEARNED`).
+
+    `sampling_form` (benchmarks): the programs' sampling form (`sampling.SamplingForm`), at
+    least the one the settings need (None: that one, `sampling.form_of`); the same tokens in
+    any form that serves them.
 
     `forced_continuation` (tests, benchmarks): tokens the perfect drafter proposes after the
     prompt, e.g. the target's own greedy output (a separately compiled loop). `return_features`:
@@ -644,10 +661,16 @@ class Engine:
     n = len(prompt_ids)
     self._check_one(prompt_ids, max_new_tokens, block_size)
     check_sampling(temperature, top_k, top_p, min_p)
-    n_arr, sp = jnp.int32(n), sampling_params(temperature, top_k, top_p, min_p)
+    settings = (temperature, top_k, top_p, min_p)
+    n_arr, sp, form = jnp.int32(n), sampling_params(*settings), form_of([settings])
+    if sampling_form is not None:
+      if sampling_form not in tuple(SamplingForm) or sampling_form < form:
+        raise BadInputError(f"sampling_form={sampling_form!r}: the request's settings need "
+                            f"{form.name} or above ({', '.join(f.name for f in SamplingForm)})")
+      form = SamplingForm(sampling_form)
     seed_key = jax.random.key(seed)
-    req = BatchRequest(0, prompt_ids, max_new_tokens, seed, block_size)
-    pre, block_size, prefill_s, probs = self.stage(req, sp, (self.cache, self.draft_cache))
+    req = BatchRequest(0, prompt_ids, max_new_tokens, seed, block_size, sampling=settings)
+    pre, block_size, prefill_s, probs = self.stage(req, (self.cache, self.draft_cache), form)
     self.cache, self.draft_cache = pre.cache, pre.draft_cache  # before any raise: donated
     self.check_prefill(pre, n)
     features = ({k: np.asarray(v[0]) for k, v in pre.features.items()} if return_features
@@ -665,8 +688,8 @@ class Engine:
     # The loop's untimed first runs, made only if it has not run yet (`LoopPrograms.warm`).
     self.programs.warm(run_size, lambda warm_start: self._loop_args(
         pre, n_arr, jnp.int32(min(max_new_tokens, WARMUP_TOKENS)), sp, seed_key, run_size,
-        forced_seq, warm_start), forced, window)
-    fn = self.programs.loop(run_size, loop_args, forced, window)
+        forced_seq, warm_start), forced, window, form)
+    fn = self.programs.loop(run_size, loop_args, forced, window, form)
     t2 = self.clock()
     out = fn(*loop_args)
     n_gen = int(out.n_gen)
@@ -814,16 +837,19 @@ class Engine:
     scheduler reuses them once the request is in its slot), placed on the mesh."""
     return tuple(shard_cache(c, self.mesh) for c in self._new_caches(1))
 
-  def stage(self, req: BatchRequest, sp, buffers: tuple) -> tuple:
-    """Prefills `req` into one-sequence `buffers` (donated; the filled ones are
+  def stage(self, req: BatchRequest, buffers: tuple, form: SamplingForm | None = None) -> tuple:
+    """Prefills `req` with its sampling settings (`BatchRequest.sampling`; None: greedy; in
+    `form`, None: the one they need) into one-sequence `buffers` (donated; the filled ones are
     `PrefillOut.cache` / `draft_cache`): (PrefillOut, its block size, prefill seconds including
     the policy and reading its choice back, the policy's decision scores or None: probabilities
     of a classify head, shrunk value ratios of a value head, `BlockPolicy.decide`). The caller
     checks `check_prefill` once it holds the filled buffers."""
     learned = isinstance(req.block_size, str)
     toks, _ = self.encode_padded(req.prompt_ids)
-    fn, args = self._prefill(toks, jnp.int32(len(req.prompt_ids)), jax.random.key(req.seed), sp,
-                             with_policy=learned, buffers=buffers)
+    settings = req.sampling or (0.0, 0, 1.0, 0.0)
+    fn, args = self._prefill(toks, jnp.int32(len(req.prompt_ids)), jax.random.key(req.seed),
+                             sampling_params(*settings), with_policy=learned, buffers=buffers,
+                             form=form_of([settings]) if form is None else form)
     t0 = time.perf_counter()
     pre = fn(*args)
     block_size = self.policy_sizes[int(pre.policy_class)] if learned else req.block_size
@@ -858,12 +884,14 @@ class Engine:
     return self.programs.insert(args), args
 
   def slots_program(self, block_size: int, carry: LoopState, forced: bool = False,
-                    max_pos: int | None = None, ar_steps: int = 0) -> tuple:
+                    max_pos: int | None = None, ar_steps: int = 0,
+                    form: SamplingForm = SamplingForm.ANY) -> tuple:
     """(compiled batched loop of a bucket, its arguments with `carry` donated): one call runs
     `sync_cycles` cycles, or until no row decodes (0), each row with its own sampling settings
-    (`LoopState.sp_B`), attending over the window that the
-    furthest decoding row (`max_pos`) needs (`programs.window_for`; `ar_steps`: the AR steps
-    every decoding row asks for first, which need one slot each). Compiles the loop and runs
+    (`LoopState.sp_B`) read in `form` (`sampling.form_of` the decoding rows' settings),
+    attending over the window that the furthest decoding row (`max_pos`) needs
+    (`programs.window_for`; `ar_steps`: the AR steps every decoding row asks for first, which
+    need one slot each). Compiles the loop and runs
     it once on a copy of the carry (its first run's fixed cost) on first use, before any clock
     starts."""
     states = (self.t_weights,) if block_size == 1 else (self.t_weights, self.d_weights)
@@ -871,8 +899,10 @@ class Engine:
     window = (None if max_pos is None else
               window_for(max_pos, block_size, self.sync_cycles, self.max_len, ar_steps))
     rows = int(carry.pos_B.shape[0])
-    fn = self.programs.batched_loop(block_size, rows, self.sync_cycles, window, args, forced)
-    key = self.programs.batched_loop_key(block_size, rows, self.sync_cycles, window, forced)
+    fn = self.programs.batched_loop(block_size, rows, self.sync_cycles, window, args, forced,
+                                    form)
+    key = self.programs.batched_loop_key(block_size, rows, self.sync_cycles, window, forced,
+                                         form)
     self.programs.warm_batched(key, fn, args, block_size)
     return fn, args
 

@@ -21,7 +21,8 @@ from bp_jax.decoding import controllers
 from bp_jax.decoding import evidence
 from bp_jax.decoding import verify as verify_rules
 from bp_jax.decoding.options import LoopOptions
-from bp_jax.decoding.sampling import position_keys, sample
+from bp_jax.decoding.sampling import (SamplingForm, as_sampling, in_form, position_keys,
+                                      sample)
 from bp_jax.decoding.state import LoopState
 from bp_jax.models.kv_cache import KVCache
 from bp_jax.policy.features import prefill_features
@@ -67,12 +68,14 @@ def _nonfinite(logits: jax.Array) -> jax.Array:
   return ~jnp.all(jnp.isfinite(logits))
 
 
-def make_prefill(graphdef, draft_graphdef=None, policy_graphdef=None) -> Callable:
+def make_prefill(graphdef, draft_graphdef=None, policy_graphdef=None,
+                 form: SamplingForm = SamplingForm.ANY) -> Callable:
   """prefill(state, draft_state, tokens_1P, n, cache, draft_cache, seed_key, sampling,
   policy_state=None) -> PrefillOut. `state`, `draft_state`: `LoopWeights` (the layers run
   unrolled on their per-layer weights) or bare states (scanned).
 
-  `sampling`: a `sampling.SamplingParams` (or a temperature scalar), as in the loops.
+  `sampling`: a `sampling.SamplingParams` (or a temperature scalar), as in the loops, read in
+  the program's sampling `form` (`sampling.in_form`; the request's, `sampling.form_of`).
 
   Runs the target over the padded prompt, samples the first token, and (with a drafter) writes
   the prompt's chosen-layer features into the drafter's context cache, all in one jit. The
@@ -95,7 +98,8 @@ def make_prefill(graphdef, draft_graphdef=None, policy_graphdef=None) -> Callabl
     out = model(tokens_1P, cache.with_lengths(zero), layer_ids, logits_at=(n - 1)[None],
                 layers=layers)
     logits_1V = out.logits[:, 0]
-    first = sample(logits_1V, sampling, position_keys(seed_key, n[None]))[0]
+    first = sample(logits_1V, in_form(as_sampling(sampling), form),
+                   position_keys(seed_key, n[None]))[0]
     draft_logits = None
     if drafter is not None:
       draft_cache = drafter.add_context(out.layer_hiddens, draft_cache.with_lengths(zero),
@@ -177,11 +181,11 @@ def _forward(model, tokens_Bt: jax.Array, cache, ar_step_tokens: int, **kw):
                       layer_hiddens=out.layer_hiddens[:, :, :1])
 
 
-def _ar_draw(s: LoopState, out) -> jax.Array:
+def _ar_draw(s: LoopState, out, form: SamplingForm) -> jax.Array:
   """[B, 1] the target's sample at pos + 1 from a one-token forward: what plain AR decoding
-  commits there (each row's own settings and key)."""
+  commits there (each row's own settings, read in the loop's sampling `form`, and key)."""
   keys_B = _row_keys(s.seed_keys_B, (s.pos_B + 1)[:, None])[:, 0]
-  return sample(out.logits[:, 0], s.sp_B, keys_B)[:, None]
+  return sample(out.logits[:, 0], in_form(s.sp_B, form), keys_B)[:, None]
 
 
 def _checked(logits_BtV: jax.Array, a_B: jax.Array, active_B: jax.Array
@@ -273,8 +277,8 @@ def make_batched_ar_loop(graphdef, opts: LoopOptions = LoopOptions()) -> Callabl
                      layers=layers, window=window)
       # Plain AR decoding is speculative decoding with block size 1: each step is a cycle that
       # drafts nothing and commits one token (τ = 1).
-      return _commit(s, out, _ar_draw(s, out), jnp.zeros_like(s.pos_B), active_B, True, 0,
-                     stop_ids)[0]
+      return _commit(s, out, _ar_draw(s, out, opts.sampling_form), jnp.zeros_like(s.pos_B),
+                     active_B, True, 0, stop_ids)[0]
 
     s = _loop_caches(s, opts.scan_layers)
     return _run(lambda s: s.decodes() & s.fits(1, window), body, s,
@@ -355,7 +359,7 @@ def make_batched_spec_loop(graphdef, draft_graphdef, opts: LoopOptions) -> Calla
   and the drafter (a cycle needs b slots of room, an AR step one).
   """
   opts = opts.in_effect()
-  b, window, pad = opts.block_size, opts.window, opts.ar_step_tokens
+  b, window, pad, form = opts.block_size, opts.window, opts.ar_step_tokens, opts.sampling_form
   rule, ctl = verify_rules.RULES[opts.verify], controllers.controller_of(opts)
   # Room for the AR steps a row may take between two drafter passes (at most the cap).
   pending_len = -(-ctl.cap // CONTEXT_CHUNK) * CONTEXT_CHUNK
@@ -374,7 +378,7 @@ def make_batched_spec_loop(graphdef, draft_graphdef, opts: LoopOptions) -> Calla
       context = s.draft_cache.with_lengths(s.pointer_B(s.active_B()))
       h_BbD = drafter.draft(model.embed_tokens(block_Bb), context, draft_layers, window)
       logits_BkV = model.project_to_vocab(h_BbD[:, 1:])
-      drafted_Bk = rule.propose(logits_BkV, s.sp_B, s.seed_keys_B, s.pos_B)
+      drafted_Bk = rule.propose(logits_BkV, in_form(s.sp_B, form), s.seed_keys_B, s.pos_B)
       if opts.forced_drafts:
         drafted_Bk = _forced(s, drafted_Bk)
       return drafted_Bk.astype(jnp.int32), logits_BkV
@@ -402,10 +406,10 @@ def make_batched_spec_loop(graphdef, draft_graphdef, opts: LoopOptions) -> Calla
       out, active_B, pointer_B = forward(
           s, jnp.concatenate([s.tok_B[:, None], draft_Bk[:, :k]], axis=1))
       if k == 0:  # the AR step's own draw at pos + 1 under either verify rule
-        y_Bt, a_B = _ar_draw(s, out), jnp.zeros_like(s.pos_B)
+        y_Bt, a_B = _ar_draw(s, out, form), jnp.zeros_like(s.pos_B)
       else:
-        y_Bt, a_B = rule.verify(out.logits, draft_logits_BkV[:, :k], draft_Bk[:, :k], s.sp_B,
-                                s.seed_keys_B, s.pos_B)
+        y_Bt, a_B = rule.verify(out.logits, draft_logits_BkV[:, :k], draft_Bk[:, :k],
+                                in_form(s.sp_B, form), s.seed_keys_B, s.pos_B)
       new, a_B = commit(s, out, y_Bt, a_B, active_B, pointer_B, True, k + 1)
       return learned(new, k, a_B, active_B, draft_next, expected_B)
 
@@ -460,8 +464,8 @@ def make_batched_spec_loop(graphdef, draft_graphdef, opts: LoopOptions) -> Calla
       wait in `pending_BPX` (`flush_context` adds them when the run of AR steps ends)."""
       out, active_B, _ = forward(s, s.tok_B[:, None])
       cycle_B = s.declined_B & active_B
-      new, _ = _commit(s, out, _ar_draw(s, out), jnp.zeros_like(s.pos_B), active_B, cycle_B,
-                       jnp.any(cycle_B).astype(jnp.int32), stop_ids)
+      new, _ = _commit(s, out, _ar_draw(s, out, form), jnp.zeros_like(s.pos_B), active_B,
+                       cycle_B, jnp.any(cycle_B).astype(jnp.int32), stop_ids)
       new = new.replace(declined_B=jnp.zeros_like(s.declined_B))
       rows_B = jnp.arange(s.pos_B.shape[0])
       at_B = jnp.where(active_B, s.pos_B - s.draft_cache.lengths, pending_len)

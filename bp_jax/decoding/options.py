@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 from bp_jax.decoding import controller as control
 from bp_jax.decoding.requests import check_batching, check_block_sizes
+from bp_jax.decoding.sampling import SamplingForm
 from bp_jax.decoding.verify import check_verify_mode
 from bp_jax.errors import BadInputError
 
@@ -192,6 +193,9 @@ class LoopOptions:
     sync_cycles: return to the host after this many target forwards, cycles and AR steps
       alike (0: when no row decodes).
     forced_drafts: the tests' perfect drafter (the carry's `forced_BS`; `exact` only).
+    sampling_form: what the loop's sampling may do (`sampling.SamplingForm`, the engine's
+      choice per call from the requests it decodes: a greedy loop draws nothing and branches on
+      no setting); ANY (any settings) for a loop built outside an engine.
   """
   verify: str = "exact"
   controller: str = "backoff"
@@ -213,6 +217,7 @@ class LoopOptions:
   window: int | None = None
   sync_cycles: int = 0
   forced_drafts: bool = False
+  sampling_form: SamplingForm = SamplingForm.ANY
 
   def __post_init__(self):
     for name in ("ar_fallback", "priced_cap", "ar_fallback_accept", "sync_cycles"):
@@ -249,7 +254,8 @@ class LoopOptions:
          ar_fallback_accept=int(self.ar_fallback_accept),
          scan_layers=bool(self.scan_layers), ar_step_tokens=int(self.ar_step_tokens),
          block_size=int(self.block_size),
-         sync_cycles=int(self.sync_cycles), forced_drafts=bool(self.forced_drafts))
+         sync_cycles=int(self.sync_cycles), forced_drafts=bool(self.forced_drafts),
+         sampling_form=SamplingForm(self.sampling_form))
     if self.forced_drafts and self.verify != "exact":
       raise BadInputError("forced drafts are not draws from the drafter: only verify='exact'")
 
@@ -280,10 +286,13 @@ class LoopOptions:
     return self.in_effect().controller in control.PRICED and self.controller_costs is None
 
   def for_loop(self, block_size: int, forced: bool = False, sync_cycles: int = 0,
-               window: int | None = None) -> "LoopOptions":
-    """The options of one compiled loop: forced drafts verify with `exact`."""
+               window: int | None = None, form: SamplingForm = SamplingForm.ANY
+               ) -> "LoopOptions":
+    """The options of one compiled loop: forced drafts verify with `exact`; `form`: the
+    sampling its calls need (ANY: any settings)."""
     return self.replace(block_size=block_size, forced_drafts=forced, sync_cycles=sync_cycles,
-                        window=window, verify="exact" if forced else self.verify)
+                        window=window, verify="exact" if forced else self.verify,
+                        sampling_form=form)
 
   def ar_program(self) -> tuple:
     """What an AR loop of these options is built from (`loops.make_batched_ar_loop` and
@@ -291,7 +300,8 @@ class LoopOptions:
     call. Engines whose options differ elsewhere (a controller, its costs, a verify rule) run
     the same AR loop, and share its executable (`compiled.CompiledCache`'s `program`): in one
     process a speculative engine's plain bucket and an AR engine's loop are one program."""
-    return (self.window, self.ar_step_tokens_in_effect(), self.scan_layers, self.sync_cycles)
+    return (self.window, self.ar_step_tokens_in_effect(), self.scan_layers, self.sync_cycles,
+            self.sampling_form)
 
   def key(self, batch: int | None = None) -> tuple:
     """The compile key of this loop within one engine (whose engine-wide options are fixed): its
@@ -299,9 +309,16 @@ class LoopOptions:
     name = ("ar_loop" if self.block_size == 1 else
             "spec_loop_forced" if self.forced_drafts else "spec_loop")
     if batch is None:  # the window only when the loop reads part of the cache
-      return (name, self.block_size) + (() if self.window is None else (self.window,))
-    return ("batch_" + name, self.block_size, batch, self.sync_cycles, self.window or "all")
+      key = (name, self.block_size) + (() if self.window is None else (self.window,))
+    else:
+      key = ("batch_" + name, self.block_size, batch, self.sync_cycles, self.window or "all")
+    return key + form_key(self.sampling_form)
 
+
+def form_key(form: SamplingForm) -> tuple:
+  """A compile key's suffix for a program's sampling form: none for GREEDY (the common case:
+  keys read as they always did), else the form's name."""
+  return () if form == SamplingForm.GREEDY else (SamplingForm(form).name.lower(),)
 
 
 # Every option's parameter name (for `errors.named_as_flags` at the command line).

@@ -19,7 +19,8 @@ import numpy as np
 
 from bp_jax.decoding import loops
 from bp_jax.decoding.compiled import CompiledCache
-from bp_jax.decoding.options import LoopOptions
+from bp_jax.decoding.options import LoopOptions, form_key
+from bp_jax.decoding.sampling import SamplingForm
 
 WARMUP_TOKENS = 16  # new tokens of a loop's untimed first run
 # (misses, AR steps) a speculative loop's second untimed run starts with (`LoopState.start_row`;
@@ -141,22 +142,27 @@ class LoopPrograms:
     # loop key -> the target forwards its untimed first run ran, by verify length (0: AR steps)
     self.warmup_forwards: dict[tuple, tuple[int, ...]] = {}
 
-  def prefill(self, args: tuple, p_graph=None, policy_key=None):
-    """The compiled prefill for `args` (`loops.make_prefill`'s, shapes pick the bucket)."""
+  def prefill(self, args: tuple, p_graph=None, policy_key=None,
+              form: SamplingForm = SamplingForm.ANY):
+    """The compiled prefill for `args` (`loops.make_prefill`'s, shapes pick the bucket) in
+    sampling `form` (the request's)."""
     tokens_1P = args[2]
-    key = ("prefill", tokens_1P.shape[1]) + ((policy_key,) if p_graph is not None else ())
-    return self.cache.get(key, lambda: loops.make_prefill(self.t_graph, self.d_graph, p_graph),
+    key = (("prefill", tokens_1P.shape[1]) + ((policy_key,) if p_graph is not None else ())
+           + form_key(form))
+    return self.cache.get(key, lambda: loops.make_prefill(self.t_graph, self.d_graph, p_graph,
+                                                          form),
                           args, donate_argnums=(4, 5),
-                          program=("prefill", self.t_graph, self.d_graph, p_graph))
+                          program=("prefill", self.t_graph, self.d_graph, p_graph, form))
 
-  def loop_key(self, block_size: int, forced: bool = False, window: int | None = None) -> tuple:
-    return self.options.for_loop(block_size, forced, window=window).key()
+  def loop_key(self, block_size: int, forced: bool = False, window: int | None = None,
+               form: SamplingForm = SamplingForm.ANY) -> tuple:
+    return self.options.for_loop(block_size, forced, window=window, form=form).key()
 
   def loop(self, block_size: int, args: tuple, forced: bool = False,
-           window: int | None = None):
+           window: int | None = None, form: SamplingForm = SamplingForm.ANY):
     """The compiled decode loop of a block size (1 = plain AR) for `args`, attending over cache
-    slots [0, window) (None: all; `request_window`)."""
-    opts = self.options.for_loop(block_size, forced, window=window)
+    slots [0, window) (None: all; `request_window`), sampling in `form` (the request's)."""
+    opts = self.options.for_loop(block_size, forced, window=window, form=form)
     if block_size == 1:
       return self.cache.get(opts.key(), lambda: loops.make_ar_loop(self.t_graph, opts),
                             args, donate_argnums=donated(1, batched=False),
@@ -167,12 +173,12 @@ class LoopPrograms:
                           program=("spec_loop", self.t_graph, self.d_graph, opts))
 
   def batched_loop(self, block_size: int, batch: int, sync_cycles: int, window: int | None,
-                   args: tuple, forced: bool = False):
+                   args: tuple, forced: bool = False, form: SamplingForm = SamplingForm.ANY):
     """The compiled batched loop (`loops.make_batched_*_loop`) of a block size for a state of
     `batch` rows, returning to the host every `sync_cycles` cycles (0: when no row decodes),
-    attending over `window` cache slots (None: all); compiled once per (block size, batch,
-    sync_cycles, window bucket)."""
-    opts = self.options.for_loop(block_size, forced, sync_cycles, window)
+    attending over `window` cache slots (None: all), sampling in `form` (what the rows it
+    decodes need); compiled once per (block size, batch, sync_cycles, window bucket, form)."""
+    opts = self.options.for_loop(block_size, forced, sync_cycles, window, form)
     if block_size == 1:
       return self.cache.get(opts.key(batch), lambda: loops.make_batched_ar_loop(self.t_graph, opts),
                             args, donate_argnums=donated(1, batched=True),
@@ -185,8 +191,9 @@ class LoopPrograms:
                           program=("batched_spec_loop", self.t_graph, self.d_graph, opts))
 
   def batched_loop_key(self, block_size: int, batch: int, sync_cycles: int,
-                       window: int | None, forced: bool = False) -> tuple:
-    return self.options.for_loop(block_size, forced, sync_cycles, window).key(batch)
+                       window: int | None, forced: bool = False,
+                       form: SamplingForm = SamplingForm.ANY) -> tuple:
+    return self.options.for_loop(block_size, forced, sync_cycles, window, form).key(batch)
 
   def insert(self, args: tuple):
     """The compiled slot insertion (`loops.make_insert`) for a state's shapes."""
@@ -242,16 +249,17 @@ class LoopPrograms:
     self.warmup_seconds[key] = time.perf_counter() - t0
 
   def warm(self, block_size: int, make_args: Callable[[tuple[int, int]], tuple],
-           forced: bool = False, window: int | None = None) -> None:
+           forced: bool = False, window: int | None = None,
+           form: SamplingForm = SamplingForm.ANY) -> None:
     """Runs a loop, untimed, the first time it is used: on copies of the donated arguments
     `make_args((0, 0))` gives (the caller caps max_new at WARMUP_TOKENS), and a speculative
     loop again on those of `make_args(WARMUP_START)` (the same request starting with AR steps;
     `make_args(start)`: the loop's arguments with (misses, AR steps) `start`); compiles it
     first, outside the warm-up clock. A loop already warm makes no arguments."""
-    key = self.loop_key(block_size, forced, window)
+    key = self.loop_key(block_size, forced, window, form)
     if key in self.warmup_seconds:
       return
-    fn = self.loop(block_size, make_args((0, 0)), forced, window)
+    fn = self.loop(block_size, make_args((0, 0)), forced, window, form)
     starts = [(0, 0)] + ([WARMUP_START] if block_size > 1 else [])
     self._warm_runs(key, fn, [lambda st=st: _copy_donated(make_args(st),
                                                           donated(block_size, batched=False))

@@ -12,7 +12,8 @@ samples with its own settings.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import enum
+from typing import Iterable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -29,12 +30,50 @@ class SamplingParams(NamedTuple):
   min_p: keep tokens whose probability is at least min_p times the most likely one's (0 = off),
     computed on the same (temperature-scaled) distribution.
   top_k and top_p may both be None inside a traced function: off, decided at trace time (a
-  vmapped branch on their values would compute the sort behind them whatever they hold).
+  vmapped branch on their values would compute the sort behind them whatever they hold); all
+  four None: greedy, decided at trace time (`SamplingForm.GREEDY`, `in_form`).
   """
   temperature: jax.Array
   top_k: jax.Array
   top_p: jax.Array
   min_p: jax.Array
+
+
+class SamplingForm(enum.IntEnum):
+  """What a compiled program's sampling may do, chosen on the host per call from the settings of
+  the requests it decodes (`form_of`) and compiled once per form used (a static part of the
+  program, `in_form`): a greedy program carries no draw, no truncation and no branch on the
+  settings, where one program for every setting branched at run time twice per speculative
+  cycle (on a GPU each branch is a wait of the host for the device) and compiled every side.
+
+  GREEDY: every request at temperature 0 (the argmax; nothing is drawn). SAMPLED: some request
+  draws, none truncates by top-k or top-p (temperature and min_p only: no bisection over the
+  vocabulary). ANY: any settings (what a caller that does not say gets)."""
+  GREEDY = 0
+  SAMPLED = 1
+  ANY = 2
+
+
+def form_of(settings: Iterable[tuple]) -> SamplingForm:
+  """The least `SamplingForm` that serves every request of `settings`, each a host tuple
+  (temperature, top_k, top_p[, min_p]); no request: GREEDY."""
+  form = SamplingForm.GREEDY
+  for temperature, top_k, top_p, *_ in settings:
+    if float(temperature) > 0:
+      form = max(form, SamplingForm.ANY if int(top_k) > 0 or float(top_p) < 1.0
+                 else SamplingForm.SAMPLED)
+  return form
+
+
+def in_form(sp: SamplingParams, form: SamplingForm) -> SamplingParams:
+  """`sp` as a program of `form` reads it: GREEDY all None (the argmax, decided at trace time),
+  SAMPLED without top-k / top-p (None: off), ANY as given. The settings keep their values on
+  the host and in a batch's state; only the traced program's use of them changes."""
+  if form == SamplingForm.GREEDY:
+    return SamplingParams(None, None, None, None)
+  if form == SamplingForm.SAMPLED:
+    return sp._replace(top_k=None, top_p=None)
+  return sp
 
 
 def sampling_params(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0) -> SamplingParams:
@@ -59,6 +98,11 @@ def _rows(leaf: jax.Array, ndim: int) -> jax.Array:
   leading axis is the row."""
   leaf = jnp.asarray(leaf)
   return leaf.reshape(leaf.shape + (1,) * (ndim - leaf.ndim))
+
+
+def is_greedy(sp: SamplingParams) -> bool:
+  """Whether `sp` is greedy by form (`in_form(.., GREEDY)`): known at trace time."""
+  return sp.temperature is None
 
 
 def as_sampling(sp) -> SamplingParams:
@@ -172,12 +216,14 @@ def draw_by_cdf(logits: jax.Array, keys: jax.Array) -> jax.Array:
 def sample(logits: jax.Array, sp, keys: jax.Array) -> jax.Array:
   """Samples [...] tokens from logits [..., V] with typed keys [...].
 
-  `sp`: SamplingParams (scalars, or [B] per row of logits [B, ..., V]), or a temperature
-  scalar. Temperature 0 gives the argmax; otherwise one draw from
+  `sp`: SamplingParams (scalars, or [B] per row of logits [B, ..., V]; all None: greedy by
+  form, `in_form`), or a temperature scalar. Temperature 0 gives the argmax; otherwise one draw from
   softmax(processed_logits(logits, sp)). A row's tokens depend on its own settings and keys
   only, whatever the other rows ask.
   """
   sp = as_sampling(sp)
+  if is_greedy(sp):  # a greedy program (`SamplingForm.GREEDY`): no branch, nothing drawn
+    return first_argmax(logits)
 
   def greedy(logits, keys):
     del keys

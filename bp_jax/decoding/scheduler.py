@@ -65,7 +65,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bp_jax.decoding.generation import Generation, cycle_flags, generation_of, trim_at_stop
-from bp_jax.decoding.sampling import sampling_params
+from bp_jax.decoding.sampling import form_of
 from bp_jax.decoding.state import LoopState
 from bp_jax.errors import BadInputError
 
@@ -286,7 +286,7 @@ class Scheduler:
     while self.queue and self._may_prefill(self.queue[0]):
       req = self.queue.popleft()
       buffers = self.pool.pop() if self.pool else self.engine.staging_buffers()
-      staged = _Staged(req, *self.engine.stage(req, sampling_params(*req.sampling), buffers))
+      staged = _Staged(req, *self.engine.stage(req, buffers))
       if isinstance(req.block_size, str):
         staged.policy_block_size = staged.block_size
         staged.block_size = self._learned_bucket(staged.block_size)
@@ -333,9 +333,10 @@ class Scheduler:
       # Requests wait for a slot (this bucket's, or a learned one's whose bucket is not known
       # yet): the call returns when a row finishes, so its slot is refilled at once.
       bucket.refill_on_finish(len(decoding) if wanted else 0)
-      fn, args = self.engine.slots_program(b, bucket.carry, self.forced,
-                                           max_pos=int(max(pos[i] for i in decoding)),
-                                           ar_steps=int(min(wait[i] for i in decoding)))
+      fn, args = self.engine.slots_program(
+          b, bucket.carry, self.forced, max_pos=int(max(pos[i] for i in decoding)),
+          ar_steps=int(min(wait[i] for i in decoding)),
+          form=form_of(bucket.rows[i].req.sampling for i in decoding))
       t0 = self.engine.clock()
       bucket.carry = fn(*args)
       jax.block_until_ready(bucket.carry.pos_B)

@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from bp_jax.decoding.sampling import (SamplingParams, draw, draw_by_cdf, first_argmax,
-                                      position_keys, processed_logits, sample, sampling_params)
+                                      is_greedy, position_keys, processed_logits, sample)
 from bp_jax.errors import BadInputError
 
 VERIFY_MODES = ("exact", "rejection")  # the names of `RULES`
@@ -129,26 +129,16 @@ class VerifyRule:
 
 
 def _per_row(fn, sp: SamplingParams, *rows):
-  """`fn(sp_r, *row_r)` for every row r: `sp` shared (scalars) or per row ([B] leaves).
+  """`fn(sp_r, *row_r)` for every row r: `sp` shared (scalars, or all None: greedy by form) or
+  per row ([B] leaves; top-k / top-p may be None: off for every row).
 
-  With per-row settings a branch on a row's settings inside `fn` computes both sides for every
-  row (vmap turns it into a select), so the batch picks one of three forms first, a real
-  branch: no row sampling (shared greedy settings: nothing is drawn); some row sampling and
-  none truncating by top-k / top-p (those settings shared as off: no sort over the vocabulary,
-  which costs XLA:CPU ~5 ms on [8, 4096] logits, several AR steps); or each row with all its
-  settings."""
-  if jnp.ndim(sp.temperature) == 0:
+  Which sampling the rows may need is the program's form (`sampling.SamplingForm`, `in_form`),
+  chosen on the host for the requests a call decodes: a greedy program draws nothing, an
+  untruncated one computes no top-k / top-p (whose bisection over the vocabulary costs XLA:CPU
+  several AR steps on [8, 4096] logits), and none branches on the settings at run time."""
+  if is_greedy(sp) or jnp.ndim(sp.temperature) == 0:
     return jax.vmap(lambda *r: fn(sp, *r))(*rows)
-  greedy = sampling_params()
-
-  def untruncated(t, min_p, *r):  # top-k / top-p statically off (None) for every row
-    return fn(SamplingParams(t, None, None, min_p), *r)
-
-  form = jnp.where(jnp.any(sp.temperature > 0),
-                   jnp.where(jnp.any((sp.top_k > 0) | (sp.top_p < 1.0)), 2, 1), 0)
-  return jax.lax.switch(form, [lambda: jax.vmap(lambda *r: fn(greedy, *r))(*rows),
-                               lambda: jax.vmap(untruncated)(sp.temperature, sp.min_p, *rows),
-                               lambda: jax.vmap(fn)(sp, *rows)])
+  return jax.vmap(fn)(sp, *rows)
 
 
 class ExactMatch(VerifyRule):
@@ -173,6 +163,8 @@ class RejectionSampling(VerifyRule):
       return draw_by_cdf(processed_logits(logits, sp),
                          position_keys(stream_key(seed_key, DRAFT_STREAM), draft_pos))
 
+    if is_greedy(sp):  # a greedy program (`sampling.SamplingForm.GREEDY`)
+      return first_argmax(draft_logits_kV)
     return jax.lax.cond(sp.temperature > 0, drawn, first_argmax, draft_logits_kV)
 
   def verify_row(self, target_logits_bV, draft_logits_kV, draft_k, sp, seed_key, pos):
@@ -184,6 +176,8 @@ class RejectionSampling(VerifyRule):
       y = first_argmax(target_logits)
       return y, accept_length(draft, y)
 
+    if is_greedy(sp):  # a greedy program (`sampling.SamplingForm.GREEDY`)
+      return greedy((target_logits_bV, draft_logits_kV, draft_k))
     # Under `_per_row`'s vmap over rows with their own temperatures this `cond` becomes a
     # select that computes both sides for every row: the greedy side must stay cheap (a
     # `sample` there drew b Gumbel vectors over the vocabulary per row and cycle for nothing).

@@ -21,6 +21,7 @@ import threading
 import time
 from typing import Any, Callable
 
+from bp_jax.decoding.sampling import SamplingForm
 from bp_jax.errors import BadInputError
 from bp_jax.serving.metrics import Metrics
 from bp_jax.serving.protocol import ApiError, GenParams
@@ -204,10 +205,11 @@ class EngineWorker:
 def warm_up(engine, block_size: int) -> float:
   """Compiles (or loads) everything a request can run before the server takes requests: the
   prefills of every length bucket, the batched loop of `block_size` for every attention window
-  (`Engine.precompile(all_windows=True)`), and the slot insertion (one short request). Returns
+  (`Engine.precompile(all_windows=True)`) in each sampling form (`sampling.SamplingForm`: a
+  request may ask for any settings), and the slot insertion (one short request). Returns
   the seconds it took."""
   t0 = time.perf_counter()
-  engine.precompile([block_size], all_windows=True)
+  engine.precompile([block_size], all_windows=True, forms=tuple(SamplingForm))
   sched = engine.scheduler(track_progress=False)
   sched.submit(engine.batch_request(0, [1, 2, 3], 2, 0, block_size))
   while sched.busy():

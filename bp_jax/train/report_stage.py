@@ -40,6 +40,7 @@ from flax import nnx
 from bp_jax.eval import report as rep
 from bp_jax.decode_job.block_choice import sampling_options
 from bp_jax.decoding.engine import LEARNED
+from bp_jax.decoding.sampling import form_of
 from bp_jax.errors import BadInputError
 from bp_jax.policy.mlp import load_policy, random_block_size
 from bp_jax.policy.features import FEATURE_TYPES, feature_dims, parse_feature_types, policy_costs
@@ -171,16 +172,17 @@ def report_stage(cfg: Any) -> None:
   encoded = [lab.encode(p, tok, bool(cfg.get("chat", False))) for p in evals]
   engine = lab.build_engine(cfg, target, drafter, tok, sizes, [len(e) for e in encoded], max_new)
   used = sorted({engine.encode_padded(ids)[1] for ids in encoded})
+  sampling = sampling_options(cfg)
+  forms = (form_of([(temperature, sampling["top_k"], sampling["top_p"])]),)
   t0 = time.perf_counter()
-  engine.precompile((1,) + sizes, used)
+  engine.precompile((1,) + sizes, used, forms=forms)
   for policy, info in policies.values():
     engine.set_policy(policy, info.block_sizes)
-    engine.precompile((), used, policy=True, plain_prefill=False)
+    engine.precompile((), used, policy=True, plain_prefill=False, forms=forms)
   compiled = engine.compiled.summary()
   print(f"[report] {len(evals)} evaluation prompts; {len(policies)} policies; compiled "
         f"{compiled['compilations']} functions in {time.perf_counter() - t0:.1f} s", flush=True)
 
-  sampling = sampling_options(cfg)
   repeats = int(bp.get("report_repeats", 1))
   if repeats < 1:
     raise BadInputError(f"--config.blockpilot.report_repeats={repeats} must be >= 1")
