@@ -9,6 +9,7 @@ import torch
 
 from bp_jax.decoding.engine import Engine
 from bp_jax.decoding.options import ShapeOptions
+from bp_jax.decoding.sampling import SamplingForm
 from bp_jax.errors import BadInputError
 from hf_fixtures import jax_qwen3_from_torch, make_hf_qwen3
 
@@ -46,6 +47,23 @@ def test_greedy_decoding_matches_transformers_generate(tiny_pair, engine):
     assert g.output_ids == _hf_greedy(hf, prompt, 10), f"prompt length {n}"
     assert g.new_tokens == 10 and g.prompt_len == n and g.block_size == 1
     assert g.acceptance_lengths == [1] * 9 and g.tau == 1.0  # the first token is the prefill's
+
+
+def test_a_request_may_run_in_a_larger_sampling_form_with_the_same_tokens(tiny_pair):
+  """`Engine.generate(sampling_form=...)` (benchmarks comparing forms): a form that serves the
+  settings gives their tokens (greedy in ANY's program: its draws are computed and unused); one
+  that does not is refused, naming the parameter."""
+  eng = Engine(tiny_pair[1], shapes=ShapeOptions(max_len=MAX_LEN, length_buckets=(16,)))
+  prompt = _prompt(9, seed=3)
+  want = eng.generate(prompt, max_new_tokens=6).output_ids
+  got = eng.generate(prompt, max_new_tokens=6, sampling_form=SamplingForm.ANY)
+  assert got.output_ids == want
+  assert ("ar_loop", 1, "any") in eng.compiled and ("prefill", 16, "any") in eng.compiled
+  with pytest.raises(BadInputError, match=r"sampling_form=GREEDY: the request's settings need "
+                                          r"SAMPLED or above \(GREEDY, SAMPLED, ANY\)"):
+    eng.generate(prompt, max_new_tokens=6, temperature=1.0, sampling_form=SamplingForm.GREEDY)
+  with pytest.raises(BadInputError, match="sampling_form=7"):
+    eng.generate(prompt, max_new_tokens=6, sampling_form=7)
 
 
 def test_prompts_of_many_lengths_compile_prefill_once_per_bucket_and_loop_once(tiny_pair,

@@ -665,8 +665,9 @@ class Engine:
     n_arr, sp, form = jnp.int32(n), sampling_params(*settings), form_of([settings])
     if sampling_form is not None:
       if sampling_form not in tuple(SamplingForm) or sampling_form < form:
-        raise BadInputError(f"sampling_form={sampling_form!r}: the request's settings need "
-                            f"{form.name} or above ({', '.join(f.name for f in SamplingForm)})")
+        given = getattr(sampling_form, "name", repr(sampling_form))
+        raise BadInputError(f"sampling_form={given}: the request's settings need {form.name} "
+                            f"or above ({', '.join(f.name for f in SamplingForm)})")
       form = SamplingForm(sampling_form)
     seed_key = jax.random.key(seed)
     req = BatchRequest(0, prompt_ids, max_new_tokens, seed, block_size, sampling=settings)
