@@ -217,21 +217,17 @@ def sample(logits: jax.Array, sp, keys: jax.Array) -> jax.Array:
   """Samples [...] tokens from logits [..., V] with typed keys [...].
 
   `sp`: SamplingParams (scalars, or [B] per row of logits [B, ..., V]; all None: greedy by
-  form, `in_form`), or a temperature scalar. Temperature 0 gives the argmax; otherwise one draw from
-  softmax(processed_logits(logits, sp)). A row's tokens depend on its own settings and keys
-  only, whatever the other rows ask.
+  form, `in_form`), or a temperature scalar. Temperature 0 gives the argmax; otherwise one
+  draw from softmax(processed_logits(logits, sp)). A row's tokens depend on its own settings
+  and keys only, whatever the other rows ask.
+
+  Greedy by form, nothing is drawn. Otherwise the draws are computed for every row and a row at
+  temperature 0 takes the argmax, with no run-time branch: a program of a drawing form runs
+  because some request draws (`form_of`), and a branch on the rows' temperatures would cost
+  every AR step a wait of the host for the device on a GPU.
   """
   sp = as_sampling(sp)
-  if is_greedy(sp):  # a greedy program (`SamplingForm.GREEDY`): no branch, nothing drawn
+  if is_greedy(sp):  # a greedy program (`SamplingForm.GREEDY`): nothing drawn
     return first_argmax(logits)
-
-  def greedy(logits, keys):
-    del keys
-    return first_argmax(logits)
-
-  def drawn(logits, keys):
-    hot = _rows(sp.temperature, logits.ndim - 1) > 0
-    return jnp.where(hot, draw(processed_logits(logits, sp), keys), first_argmax(logits))
-
-  # A real branch: the random draws over the vocabulary are not computed when no row samples.
-  return jax.lax.cond(jnp.any(sp.temperature > 0), drawn, greedy, logits, keys)
+  hot = _rows(sp.temperature, logits.ndim - 1) > 0
+  return jnp.where(hot, draw(processed_logits(logits, sp), keys), first_argmax(logits))
