@@ -732,7 +732,7 @@ class Engine:
     `max_new_tokens`, `seeds`, `block_size` (a bucket or LEARNED) and the sampling settings
     (`temperature`, `top_k`, `top_p`, `min_p`) may be one value or one per request (an int seed
     s gives request i the seed s + i): rows of one batch sample with their own settings, and
-    one compiled loop serves every value. `stop_token_ids`: per request, stop ids besides the
+    one compiled loop per sampling form (`sampling.SamplingForm`) serves every value. `stop_token_ids`: per request, stop ids besides the
     engine's (at most `state.MAX_ROW_STOP_IDS`). `forced_continuations`: as in `generate`, one
     per request.
     """

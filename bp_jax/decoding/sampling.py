@@ -6,8 +6,9 @@ divided by the temperature, then truncated by top-k, top-p and min-p (`processed
 renormalised. Every decode mode samples exactly that distribution; T = 0 is the argmax.
 
 Settings are traced values: scalars (one request) or [B] per row of a batch (`SamplingParams`
-leaves of the loop state), so one compilation serves every value and each row of a batch
-samples with its own settings.
+leaves of the loop state), so one compilation of a sampling form (`SamplingForm`: greedy,
+drawing, truncating) serves every value of it and each row of a batch samples with its own
+settings.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import jax.numpy as jnp
 
 class SamplingParams(NamedTuple):
   """The sampling settings of a request, as traced scalars, or of each row of a batch, as [B]
-  arrays (one compilation serves every value).
+  arrays (one compilation of a `SamplingForm` serves every value of it).
 
   temperature: 0 = greedy (the other fields are then ignored).
   top_k: keep the k most likely tokens (0 = off). Tokens tied with the k-th are kept too.
