@@ -28,7 +28,7 @@ from tqdm import tqdm
 from benchmarks import common
 from bp_jax import cli
 from bp_jax.decoding.engine import Engine
-from bp_jax.decoding.options import LoopOptions, ShapeOptions
+from bp_jax.decoding.options import LoopOptions, ShapeOptions, form_key
 from bp_jax.decoding.sampling import SamplingForm
 from bp_jax.errors import BadInputError
 from bp_jax.eval.bootstrap import bootstrap_speedup
@@ -92,9 +92,10 @@ def main(_):
   for name, by_form in runs.items():
     size = 1 if name == "ar" else b
     loop = "ar_loop" if size == 1 else "spec_loop"
-    suffix = lambda k: k[-1] if isinstance(k[-1], str) else "greedy"
+    named = {form_key(f) for f in FORMS} - {()}  # the forms a key names (GREEDY: none)
+    form_of_key = lambda k: k[-1:] if k[-1:] in named else ()
     keys = {f.name: [k for k in engine.compiled.seconds  # one per attention window taken
-                     if k[0] == loop and k[1] == size and suffix(k) == f.name.lower()]
+                     if k[0] == loop and k[1] == size and form_of_key(k) == form_key(f)]
             for f in FORMS}
     g = by_form["GREEDY"]
     identical = min(sum(x == y for x, y in zip(g["outputs"], by_form[f.name]["outputs"]))

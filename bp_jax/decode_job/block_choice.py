@@ -15,6 +15,7 @@ import os
 from typing import Any
 
 from bp_jax.decoding.engine import LEARNED
+from bp_jax.decoding.sampling import SamplingForm, form_of
 from bp_jax.errors import BadInputError
 from bp_jax.text.prompts import Prompt
 
@@ -234,6 +235,12 @@ def sampling_options(cfg) -> dict[str, Any]:
          "min_p": float(cfg.get("min_p", 0.0))}
   check_sampling(0.0, **out)
   return out
+
+
+def sampling_form(temperature: float, sampling: dict[str, Any]) -> SamplingForm:
+  """The `sampling.SamplingForm` a run's requests need: its temperature with `sampling_options`'
+  truncation."""
+  return form_of([(temperature, sampling["top_k"], sampling["top_p"])])
 
 
 def block_policy_of(cfg) -> str:

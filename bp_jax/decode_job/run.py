@@ -19,7 +19,7 @@ from bp_jax.decode_job.block_choice import (BLOCK_POLICIES, BlockChoice, batch_o
                                           block_policy_of, default_block_sizes, loop_options,
                                           online_costs,
                                           parse_int_list, resolve_block_choice,
-                                          sampling_options)
+                                          sampling_form, sampling_options)
 from bp_jax.decode_job.compare import (check_repeats_agree, fastest_of, method_choice, method_of,
                                      parse_methods, run_order)
 from bp_jax.decoding.call_tally import tally_json
@@ -28,7 +28,7 @@ from bp_jax.decoding.options import OPTION_NAMES, BatchOptions, LoopOptions, Sha
 from bp_jax.decoding.generation import Generation
 from bp_jax.decode_job.records import figures, print_summary, record_of, summarize  # noqa: F401
 from bp_jax.decoding.requests import check_block_sizes, check_sampling
-from bp_jax.decoding.sampling import SamplingForm, form_of
+from bp_jax.decoding.sampling import SamplingForm
 from bp_jax.decoding.verify import same_tokens_as_ar
 from bp_jax.gc_freeze import freeze_after_startup
 from bp_jax.errors import BadInputError, named_as_flags
@@ -290,7 +290,7 @@ def _run(cfg) -> tuple[list[dict], dict]:
   if cfg.precompile:
     _precompile(engine, list(choices.values()),
                 [len(ids) + cfg.max_new_tokens for ids in encoded],
-                form_of([(cfg.temperature, sampling["top_k"], sampling["top_p"])]))
+                sampling_form(cfg.temperature, sampling))
     freeze_after_startup()  # later garbage collections skip what start-up made
   repeats = int(cfg.get("repeats", 1))
   os.makedirs(os.path.dirname(os.path.abspath(cfg.output)), exist_ok=True)

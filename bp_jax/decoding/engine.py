@@ -433,8 +433,8 @@ class Engine:
     return (self.t_weights, self.d_weights, tokens_1P, n, cache, draft_cache, seed_key,
             sampling) + ((self.p_state,) if with_policy else ())
 
-  def _prefill(self, tokens_1P, n, seed_key, sampling, with_policy: bool = False,
-               buffers: tuple | None = None, form: SamplingForm = SamplingForm.GREEDY):
+  def _prefill(self, tokens_1P, n, seed_key, sampling, form: SamplingForm,
+               with_policy: bool = False, buffers: tuple | None = None):
     """(compiled prefill, its arguments) into `buffers` (donated; default: the engine's own
     one-sequence caches), sampling the first token in `form` (the request's)."""
     args = self._prefill_args(tokens_1P, n, seed_key, sampling, with_policy, buffers)
@@ -554,6 +554,10 @@ class Engine:
     `BatchOptions.shrink` the batched loops are compiled for every size of `slot_sizes`.
     `forms`: the sampling forms requests will need (`sampling.form_of` of their settings; each
     program is compiled once per form: greedy requests alone, the default, need GREEDY)."""
+    if policy and self.p_graph is None:
+      raise BadInputError("precompile(policy=True) on an engine without a policy")
+    for b in block_sizes:
+      self.check_block_size(b)
     for form in forms:
       self._precompile(block_sizes, length_buckets, policy, plain_prefill, request_lengths,
                        all_windows, SamplingForm(form))
@@ -561,17 +565,13 @@ class Engine:
 
   def _precompile(self, block_sizes, length_buckets, policy, plain_prefill, request_lengths,
                   all_windows, form: SamplingForm) -> None:
-    """`precompile` for one sampling form."""
+    """`precompile` for one sampling form (its arguments checked)."""
     key, z, sp = jax.random.key(0), jnp.int32(1), sampling_params()
-    if policy and self.p_graph is None:
-      raise BadInputError("precompile(policy=True) on an engine without a policy")
     for P in length_buckets or self.length_buckets:
       if plain_prefill:
-        self._prefill(jnp.zeros((1, P), jnp.int32), z, key, sp, form=form)
+        self._prefill(jnp.zeros((1, P), jnp.int32), z, key, sp, form)
       if policy:
-        self._prefill(jnp.zeros((1, P), jnp.int32), z, key, sp, with_policy=True, form=form)
-    for b in block_sizes:
-      self.check_block_size(b)
+        self._prefill(jnp.zeros((1, P), jnp.int32), z, key, sp, form, with_policy=True)
     # A request that would start deep may run the plain AR loop (`starts_plain`), a bucket or not.
     plain = ((1,) if 1 not in block_sizes and any(b > 1 for b in block_sizes)
              and self.may_start_plain else ())
@@ -849,8 +849,9 @@ class Engine:
     toks, _ = self.encode_padded(req.prompt_ids)
     settings = req.sampling or (0.0, 0, 1.0, 0.0)
     fn, args = self._prefill(toks, jnp.int32(len(req.prompt_ids)), jax.random.key(req.seed),
-                             sampling_params(*settings), with_policy=learned, buffers=buffers,
-                             form=form_of([settings]) if form is None else form)
+                             sampling_params(*settings),
+                             form_of([settings]) if form is None else form,
+                             with_policy=learned, buffers=buffers)
     t0 = time.perf_counter()
     pre = fn(*args)
     block_size = self.policy_sizes[int(pre.policy_class)] if learned else req.block_size

@@ -352,8 +352,8 @@ def labels_stage(cfg: Any) -> None:
   """
   from tqdm import tqdm
 
-  from bp_jax.decode_job.block_choice import labelling_loop_options, sampling_options
-  from bp_jax.decoding.sampling import form_of
+  from bp_jax.decode_job.block_choice import (labelling_loop_options, sampling_form,
+                                              sampling_options)
   from bp_jax.train.regenerate import model_fingerprint, read_stamp, write_stamp
 
   bp = cfg.blockpilot
@@ -408,8 +408,7 @@ def labels_stage(cfg: Any) -> None:
                         max_new)
   t0 = time.perf_counter()
   used = sorted({engine.encode_padded(ids)[1] for ids in encoded.values()})
-  engine.precompile(sizes, used, forms=(
-      form_of([(temperature, sampling["top_k"], sampling["top_p"])]),))
+  engine.precompile(sizes, used, forms=(sampling_form(temperature, sampling),))
   print(f"[labels] {len(label)} labelling + {len(evals)} evaluation prompts x sizes "
         f"{list(sizes)} (T={temperature}, {max_new} new tokens); compiled in "
         f"{time.perf_counter() - t0:.1f} s", flush=True)

@@ -38,9 +38,8 @@ import numpy as np
 from flax import nnx
 
 from bp_jax.eval import report as rep
-from bp_jax.decode_job.block_choice import sampling_options
+from bp_jax.decode_job.block_choice import sampling_form, sampling_options
 from bp_jax.decoding.engine import LEARNED
-from bp_jax.decoding.sampling import form_of
 from bp_jax.errors import BadInputError
 from bp_jax.policy.mlp import load_policy, random_block_size
 from bp_jax.policy.features import FEATURE_TYPES, feature_dims, parse_feature_types, policy_costs
@@ -173,7 +172,7 @@ def report_stage(cfg: Any) -> None:
   engine = lab.build_engine(cfg, target, drafter, tok, sizes, [len(e) for e in encoded], max_new)
   used = sorted({engine.encode_padded(ids)[1] for ids in encoded})
   sampling = sampling_options(cfg)
-  forms = (form_of([(temperature, sampling["top_k"], sampling["top_p"])]),)
+  forms = (sampling_form(temperature, sampling),)
   t0 = time.perf_counter()
   engine.precompile((1,) + sizes, used, forms=forms)
   for policy, info in policies.values():
