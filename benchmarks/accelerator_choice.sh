@@ -22,7 +22,10 @@
 # 0.986-0.990x). Writes ${OUT:-out}/accelerator_choice/B<batch>/{controllers.json,log.txt}
 # (the json holds every priced loop call with its break-even: `call_logs`). SHAPE=tiny runs the
 # same at the test shape (a CPU smoke run); programs are cached in $JAX_COMPILATION_CACHE_DIR
-# (ar_twin's are ar's).
+# (ar_twin's are ar's). Then, with 45 s or more left (TRUNCATION=0: never), the verify rules'
+# sampling work alone at Qwen3's vocabulary, batch 16, b = 16 (benchmarks/verify_cost.py: top-k
+# 20 + top-p 0.95, read off the candidates; top-p 0.9 alone on random logits, the bisection's
+# worst case) into $root/verify_cost.
 set -uo pipefail
 limit=${1:-130}
 batches=${BATCHES:-1 8 4 16}
@@ -54,3 +57,12 @@ for B in $batches; do
     "$root/B$B/log.txt" | cut -c1-200
   sed -n '/ method /,$p' "$root/B$B/log.txt" | grep -v '^  wrote' | head -40
 done
+left=$(( deadline - $(date +%s) ))
+if (( ${TRUNCATION:-1} )) && (( left >= 45 )); then
+  for setting in "20 0.95" "0 0.9"; do
+    set -- $setting
+    timeout $(( left / 2 )) python3 -m benchmarks.verify_cost --batch_size 16 --block_size 16 \
+      --vocab 151936 --reps 20 --top_k "$1" --top_p "$2" --out "$root/verify_cost/k$1_p$2" 2>&1 \
+      | tail -6
+  done
+fi

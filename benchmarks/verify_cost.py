@@ -53,9 +53,9 @@ def measure(B: int, b: int, V: int, top_k: int, top_p: float, reps: int) -> dict
     for label, sp in (("T=1", in_form(row_settings(B, 0, 1.0), SamplingForm.SAMPLED)),
                       (f"T=1, top_k {top_k}, top_p {top_p:g}",
                        in_form(row_settings(B, top_k, top_p), form_of([(1.0, top_k, top_p)])))):
-      drafts_Bk = rule.propose(draft_BkV, sp, keys_B, pos_B)
+      drafts_Bk, q_BkV = rule.propose(draft_BkV, sp, keys_B, pos_B)
       propose_args = (draft_BkV, sp, keys_B, pos_B)
-      verify_args = (target_BbV, draft_BkV, drafts_Bk, sp, keys_B, pos_B)
+      verify_args = (target_BbV, q_BkV, drafts_Bk, sp, keys_B, pos_B)
       out.setdefault(name, {})[label] = {
           "propose_ms": round(common.mean_ms(rule.propose, propose_args, reps), 4),
           "verify_ms": round(common.mean_ms(rule.verify, verify_args, reps), 4)}

@@ -22,11 +22,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from bp_jax.decoding import loops, verify
+from bp_jax.decoding import loops, sampling, verify
 from bp_jax.decode_job.block_choice import loop_options
 from bp_jax.decoding.engine import Engine
 from bp_jax.decoding.options import LoopOptions, ShapeOptions
-from bp_jax.decoding.sampling import (SamplingForm, in_form, processed_logits,
+from bp_jax.decoding.sampling import (SamplingForm, SamplingParams, in_form, processed_logits,
                                       sampling_params)
 from bp_jax.errors import BadInputError
 from sampling_stats import (PROMPT, V, chi_square, counts_of, exact_joint, reference_probs,
@@ -67,7 +67,7 @@ def _run_rule(p, q, sp, seeds):
   def one(seed):
     key = jax.random.key(seed)
     d = verify.propose(q, "rejection", sp, key, pos)
-    y, a = verify.rejection_sample(p, q, d, sp, key, pos)
+    y, a = verify.rejection_sample(processed_logits(p, sp), processed_logits(q, sp), d, key, pos)
     return y, a
 
   return jax.vmap(one)(seeds)
@@ -137,6 +137,68 @@ def test_truncation_matches_the_reference_implementation():
   tied = jnp.array([[2.0, 1.0, 1.0, 0.0]])
   got = np.asarray(jax.nn.softmax(processed_logits(tied, sampling_params(1.0, 2))))
   assert (got[0] > 0).tolist() == [True, True, True, False]
+
+
+def test_thresholds_read_off_the_largest_values_are_the_bisections():
+  """`_truncate` reads each row's thresholds off its TOP_CANDIDATES largest values and bisects
+  only the rows where those cannot tell: where they tell, they keep the tokens the bisection's
+  threshold keeps (flat, peaked and heavily tied logits, ties at the k-th and the last kept
+  value); they
+  always tell for a top-k within them, never for one beyond them, and a top-p alone reaching
+  past them is left to the bisection."""
+  n = sampling.TOP_CANDIDATES
+  V = 5 * n
+  flat = 3.0 * jax.random.normal(jax.random.key(4), (48, V))
+  peaked = 4.0 * flat
+  coarse = jnp.round(flat * 2) / 2
+  untold = 0
+  for k, p in [(0, 0.5), (0, 0.9), (0, 0.99), (20, 0.95), (50, 1.0), (n, 0.9), (1, 1.0),
+               (0, 1.0), (5, 0.3), (n + 1, 1.0), (100, 0.8)]:
+    for x in (flat, peaked, coarse):
+      top = sampling._top_threshold(x, jnp.int32(k), jnp.float32(p))
+      want = sampling._bisected_threshold(x, jnp.int32(k), jnp.float32(p))
+      key = np.asarray(sampling._ordered(x))
+      kept, want_kept = key >= np.asarray(top.last), key >= np.asarray(want)
+      found = np.asarray(top.found)[:, 0]
+      np.testing.assert_array_equal(kept[found], want_kept[found], err_msg=str((k, p)))
+      # A k-th value found is the bisection's own, which then bisects only the top-p mass.
+      kth_found = np.asarray(top.kth_found)[:, 0]
+      np.testing.assert_array_equal(
+          (key >= np.asarray(top.kth))[kth_found],
+          (key >= np.asarray(sampling._bisected_threshold(x, jnp.int32(k), jnp.float32(1.0))))[
+              kth_found], err_msg=str((k, p)))
+      assert (found <= kth_found).all() and kth_found.all() == (k <= n)
+      np.testing.assert_array_equal(
+          key >= np.asarray(sampling._bisected_threshold(x, jnp.int32(k), jnp.float32(p), top)),
+          want_kept, err_msg=str((k, p)))
+      if k > n:
+        assert not found.any(), (k, p)
+      elif k > 0 or p >= 1.0:
+        assert found.all(), (k, p)
+      untold += int((~found).sum())
+  assert untold > 0  # the flat rows' top-p sets reach past the candidates
+
+
+def test_rows_bisected_or_not_each_match_the_reference_and_their_request_alone():
+  """A batch whose rows need the bisection (top-k beyond the candidates, a wide top-p set)
+  beside rows that do not, and a row at T = 0 whose settings would need it (moot: it takes the
+  argmax): every drawing row's distribution is the reference's, and each row's processed
+  logits are those of its settings alone."""
+  V = 5 * sampling.TOP_CANDIDATES
+  x = 3.0 * jax.random.normal(jax.random.key(5), (6, V))
+  rows = [(1.0, 100, 1.0, 0.0), (1.0, 20, 0.95, 0.0), (1.0, 0, 0.99, 0.0), (0.7, 0, 0.5, 0.05),
+          (0.0, 200, 0.9, 0.0), (1.3, 3, 1.0, 0.0)]
+  sp_B = SamplingParams(*(jnp.asarray([r[i] for r in rows], dt) for i, dt in
+                          enumerate((jnp.float32, jnp.int32, jnp.float32, jnp.float32))))
+  got = np.asarray(jax.jit(processed_logits)(x, sp_B))
+  for r, (t, k, p, m) in enumerate(rows):
+    if t == 0:
+      continue
+    np.testing.assert_allclose(np.asarray(jax.nn.softmax(got[r])),
+                               reference_probs(np.asarray(x[r]), t, k, p, m)[None][0],
+                               atol=2e-6, err_msg=str(rows[r]))
+    alone = np.asarray(jax.jit(processed_logits)(x[r:r + 1], sampling_params(t, k, p, m)))
+    np.testing.assert_array_equal(got[r], alone[0], err_msg=str(rows[r]))
 
 
 # ---- the whole pipeline --------------------------------------------------------------------------
@@ -256,11 +318,14 @@ def _primitives(jaxpr, through_branches: bool = True) -> set[str]:
 
 @pytest.mark.parametrize("mode", ["exact", "rejection"])
 def test_batch_sampling_sorts_nothing_and_each_form_traces_only_what_it_needs(mode):
-  """Top-k / top-p are thresholds found by bisection (`sampling._truncate`), not a sort of the
+  """Top-k / top-p thresholds are read off each row's largest values (XLA's TopK, a partial
+  sort), with a bisection over the values for the rows those cannot settle, never a sort of the
   vocabulary (XLA:CPU ~5 ms on [8, 4096] logits, several AR steps). With per-row settings (a
   batch's loop state) the program's sampling form (`SamplingForm`, chosen on the host for the
   rows a call decodes) decides what is traced: a greedy program draws nothing and branches on
-  no setting, an untruncated one draws without the bisection, and only ANY carries it."""
+  no setting, an untruncated one draws without truncating, and only ANY truncates, its
+  bisection behind a branch (per processed distribution, for the whole batch: under the rows'
+  vmap it would become a select that runs it always)."""
   B, b = 2, 4
   sp = jax.tree.map(lambda x: jnp.full((B,), x), sampling_params(1.0))
   keys = jax.vmap(jax.random.key)(jnp.arange(B))
@@ -270,14 +335,17 @@ def test_batch_sampling_sorts_nothing_and_each_form_traces_only_what_it_needs(mo
   for form in SamplingForm:
     view = in_form(sp, form)
     for fn, args in ((rule.propose, (d_logits, view, keys, pos)),
-                     (rule.verify, (jnp.zeros((B, b, V)), d_logits,
+                     (rule.verify, (jnp.zeros((B, b, V)), rule.q_of(d_logits, view),
                                     jnp.zeros((B, b - 1), jnp.int32), view, keys, pos))):
-      prims = _primitives(jax.make_jaxpr(fn)(*args).jaxpr)
+      jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
+      prims = _primitives(jaxpr)
       drawing, bisecting = "random_bits" in prims, bool({"scan", "while"} & prims)
       samples = not (fn == rule.propose and mode == "exact")  # exact drafts the argmax
       assert "sort" not in prims, (mode, form, fn.__name__)
+      assert not {"scan", "while"} & _primitives(jaxpr, through_branches=False), (mode, form)
       if form == SamplingForm.GREEDY:
         assert not drawing and not bisecting and "cond" not in prims, (mode, fn.__name__)
       else:
         assert drawing == samples, (mode, form, fn.__name__)
-        assert bisecting == (samples and form == SamplingForm.ANY), (mode, form, fn.__name__)
+        truncates = samples and form == SamplingForm.ANY
+        assert bisecting == truncates == ("top_k" in prims), (mode, form, fn.__name__)

@@ -87,7 +87,7 @@ def test_rejection_draws_one_vocabulary_vector_per_row_and_cycle():
   keys = position_keys(jax.random.key(0), jnp.arange(B))
   rule = verify.RULES["rejection"]
   pos_B = jnp.zeros((B,), jnp.int32)
-  jaxpr = jax.make_jaxpr(lambda t, d, k: rule.verify(t, d, k, sp, keys, pos_B))(
+  jaxpr = jax.make_jaxpr(lambda t, q, k: rule.verify(t, q, k, sp, keys, pos_B))(
       jnp.zeros((B, b, V)), jnp.zeros((B, b - 1, V)), jnp.zeros((B, b - 1), jnp.int32))
   vocab_sized = [s for s in _random_bits_shapes(jaxpr.jaxpr) if s[-1] == V]
   assert vocab_sized and all(s == (B, 1, V) for s in vocab_sized), vocab_sized

@@ -372,16 +372,18 @@ def make_batched_spec_loop(graphdef, draft_graphdef, opts: LoopOptions) -> Calla
 
     # ---- the cycle: draft -> verify -> accept, roll back, record -> back off ----------------
     def draft(s):
-      """(each row's b-1 drafts after `tok` [B, b-1], the drafter's logits [B, b-1, V]): one
-      drafter pass over [tok, MASK, ..., MASK]."""
+      """(each row's b-1 drafts after `tok` [B, b-1], the drafter's logits [B, b-1, V], their
+      processed form where the rule reads it, else None): one drafter pass over [tok, MASK,
+      ..., MASK]."""
       block_Bb = jnp.full((s.tok_B.shape[0], b), mask_id, jnp.int32).at[:, 0].set(s.tok_B)
       context = s.draft_cache.with_lengths(s.pointer_B(s.active_B()))
       h_BbD = drafter.draft(model.embed_tokens(block_Bb), context, draft_layers, window)
       logits_BkV = model.project_to_vocab(h_BbD[:, 1:])
-      drafted_Bk = rule.propose(logits_BkV, in_form(s.sp_B, form), s.seed_keys_B, s.pos_B)
+      drafted_Bk, q_BkV = rule.propose(logits_BkV, in_form(s.sp_B, form), s.seed_keys_B,
+                                       s.pos_B)
       if opts.forced_drafts:
         drafted_Bk = _forced(s, drafted_Bk)
-      return drafted_Bk.astype(jnp.int32), logits_BkV
+      return drafted_Bk.astype(jnp.int32), logits_BkV, q_BkV
 
     def forward(s, tokens_Bt):
       """(the target's output over each decoding row's tokens at pos.., active_B, the cache
@@ -399,7 +401,7 @@ def make_batched_spec_loop(graphdef, draft_graphdef, opts: LoopOptions) -> Calla
                                     draft_layers)
       return new.replace(draft_cache=context.with_lengths(new.pos_B)), a_B
 
-    def verify_k(s, k: int, draft_Bk, draft_logits_BkV, draft_next, expected_B):
+    def verify_k(s, k: int, draft_Bk, q_BkV, draft_next, expected_B):
       """The state after the target verifies each row's first k drafts ([B, k+1] tokens, one
       forward) and commits what the rule keeps; the controller learns from it (`observed`); a
       miss asks for AR steps."""
@@ -408,8 +410,8 @@ def make_batched_spec_loop(graphdef, draft_graphdef, opts: LoopOptions) -> Calla
       if k == 0:  # the AR step's own draw at pos + 1 under either verify rule
         y_Bt, a_B = _ar_draw(s, out, form), jnp.zeros_like(s.pos_B)
       else:
-        y_Bt, a_B = rule.verify(out.logits, draft_logits_BkV[:, :k], draft_Bk[:, :k],
-                                in_form(s.sp_B, form), s.seed_keys_B, s.pos_B)
+        y_Bt, a_B = rule.verify(out.logits, None if q_BkV is None else q_BkV[:, :k],
+                                draft_Bk[:, :k], in_form(s.sp_B, form), s.seed_keys_B, s.pos_B)
       new, a_B = commit(s, out, y_Bt, a_B, active_B, pointer_B, True, k + 1)
       return learned(new, k, a_B, active_B, draft_next, expected_B)
 
@@ -442,10 +444,10 @@ def make_batched_spec_loop(graphdef, draft_graphdef, opts: LoopOptions) -> Calla
       """Draft, let the controller pick k, verify k: with several buckets, one nested loop of
       zero or one trips per bucket (exactly one runs); a controller that declines (its bucket
       0) runs the full verify in the one loop where it does not (`declined`)."""
-      draft_Bk, draft_logits_BkV = draft(s)
+      draft_Bk, draft_logits_BkV, q_BkV = draft(s)
       expected_B = ctl.expected(draft_logits_BkV, draft_Bk)
       idx, draft_next = ctl.choose(draft_logits_BkV, draft_Bk, s, expected_B)
-      verify = lambda s, k: verify_k(s, k, draft_Bk, draft_logits_BkV, draft_next, expected_B)
+      verify = lambda s, k: verify_k(s, k, draft_Bk, q_BkV, draft_next, expected_B)
       if len(ctl.buckets) == 1:
         return verify(s, ctl.buckets[0])
       buckets = list(enumerate(ctl.buckets))

@@ -61,10 +61,12 @@ def accept_length(draft: jax.Array, y: jax.Array) -> jax.Array:
 
 
 def exact_match(target_logits_bV: jax.Array, draft_k: jax.Array, sp: SamplingParams,
-                seed_key: jax.Array, pos: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """(y [b], a): the target's own samples at positions pos+1..pos+b and the accepted drafts."""
+                seed_key: jax.Array, pos: jax.Array, p_logits_bV: jax.Array | None = None
+                ) -> tuple[jax.Array, jax.Array]:
+  """(y [b], a): the target's own samples at positions pos+1..pos+b and the accepted drafts
+  (`p_logits_bV`: the target's processed logits, where the caller has them)."""
   b = target_logits_bV.shape[0]
-  y = sample(target_logits_bV, sp, position_keys(seed_key, pos + 1 + jnp.arange(b)))
+  y = sample(target_logits_bV, sp, position_keys(seed_key, pos + 1 + jnp.arange(b)), p_logits_bV)
   return y, accept_length(draft_k, y)
 
 
@@ -75,16 +77,17 @@ def residual_logits(p_kV: jax.Array, q_kV: jax.Array) -> jax.Array:
   return jnp.log(jnp.where(empty, p_kV, res))
 
 
-def rejection_sample(target_logits_bV: jax.Array, draft_logits_kV: jax.Array, draft_k: jax.Array,
-                     sp: SamplingParams, seed_key: jax.Array, pos: jax.Array
-                     ) -> tuple[jax.Array, jax.Array]:
-  """(y [b], a) of speculative rejection sampling (T > 0): y[:a] are the accepted drafts, y[a]
-  the residual draw at the first rejection (or the bonus draw from p when a == b-1)."""
-  b = target_logits_bV.shape[0]
+def rejection_sample(p_logits_bV: jax.Array, q_logits_kV: jax.Array, draft_k: jax.Array,
+                     seed_key: jax.Array, pos: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(y [b], a) of speculative rejection sampling (T > 0) from the target's and the drafter's
+  processed logits (`sampling.processed_logits`: the distributions p and q): y[:a] are the
+  accepted drafts, y[a] the residual draw at the first rejection (or the bonus draw from p when
+  a == b-1)."""
+  b = p_logits_bV.shape[0]
   k = jnp.arange(b - 1)
   draft_pos = pos + 1 + k
-  logp_bV = jax.nn.log_softmax(processed_logits(target_logits_bV, sp), axis=-1)
-  logq_kV = jax.nn.log_softmax(processed_logits(draft_logits_kV, sp), axis=-1)
+  logp_bV = jax.nn.log_softmax(p_logits_bV, axis=-1)
+  logq_kV = jax.nn.log_softmax(q_logits_kV, axis=-1)
   logp_k = jnp.take_along_axis(logp_bV[:-1], draft_k[:, None], axis=-1)[:, 0]
   logq_k = jnp.take_along_axis(logq_kV, draft_k[:, None], axis=-1)[:, 0]
   u_k = jax.vmap(jax.random.uniform)(position_keys(stream_key(seed_key, ACCEPT_STREAM),
@@ -105,37 +108,57 @@ def rejection_sample(target_logits_bV: jax.Array, draft_logits_kV: jax.Array, dr
 
 class VerifyRule:
   """A verify rule as the speculative loop calls it, on a batch: each row r with its own seed
-  key and position. `propose` gives the cycle's drafts from the drafter's logits; `verify`
-  gives (y [B, b], a [B]): row r commits y[r, :a_r + 1] (a_r drafts accepted)."""
-  name: str
+  key and position. `propose` gives the cycle's drafts from the drafter's logits, and the
+  drafter's processed distribution where the rule reads it (`reads_q`); `verify` takes that
+  distribution (sliced to the drafts verified) and gives (y [B, b], a [B]): row r commits
+  y[r, :a_r + 1] (a_r drafts accepted).
 
-  def propose_row(self, draft_logits_kV, sp: SamplingParams, seed_key, pos) -> jax.Array:
+  The processed distributions a rule reads (`sampling.processed_logits`: the target's at T > 0,
+  the drafter's with `reads_q`) are computed once per cycle, for the whole batch, before the
+  rows' own work (`propose_row`, `verify_row`, vmapped): their truncation's one run-time branch
+  (whether some row needs the bisection) stays a branch, where under the rows' vmap it would be
+  a select that computes both sides."""
+  name: str
+  reads_q: bool = False  # whether the rule reads the drafter's processed distribution
+
+  def propose_row(self, draft_logits_kV, q_kV, sp: SamplingParams, seed_key, pos) -> jax.Array:
     raise NotImplementedError
 
-  def verify_row(self, target_logits_bV, draft_logits_kV, draft_k, sp: SamplingParams, seed_key,
+  def verify_row(self, target_logits_bV, p_bV, q_kV, draft_k, sp: SamplingParams, seed_key,
                  pos) -> tuple[jax.Array, jax.Array]:
     raise NotImplementedError
 
-  def propose(self, draft_logits_BkV: jax.Array, sp: SamplingParams, seed_keys_B: jax.Array,
-              pos_B: jax.Array) -> jax.Array:
-    return _per_row(lambda sp, lg, key, p: self.propose_row(lg, sp, key, p), sp,
-                    draft_logits_BkV, seed_keys_B, pos_B)
+  def q_of(self, draft_logits: jax.Array, sp: SamplingParams) -> jax.Array | None:
+    """The drafter's processed logits where the rule reads them (None: greedy or unread)."""
+    return processed_logits(draft_logits, sp) if self.reads_q and not is_greedy(sp) else None
 
-  def verify(self, target_logits_BbV: jax.Array, draft_logits_BkV: jax.Array,
-             draft_Bk: jax.Array, sp: SamplingParams, seed_keys_B: jax.Array, pos_B: jax.Array
+  def propose(self, draft_logits_BkV: jax.Array, sp: SamplingParams, seed_keys_B: jax.Array,
+              pos_B: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+    """(drafts [B, k], the drafter's processed logits [B, k, V] for `verify`, or None)."""
+    q_BkV = self.q_of(draft_logits_BkV, sp)
+    drafts_Bk = _per_row(lambda sp, lg, q, key, p: self.propose_row(lg, q, sp, key, p), sp,
+                         draft_logits_BkV, q_BkV, seed_keys_B, pos_B)
+    return drafts_Bk, q_BkV
+
+  def verify(self, target_logits_BbV: jax.Array, q_BkV: jax.Array | None, draft_Bk: jax.Array,
+             sp: SamplingParams, seed_keys_B: jax.Array, pos_B: jax.Array
              ) -> tuple[jax.Array, jax.Array]:
-    return _per_row(lambda sp, tl, dl, d, key, p: self.verify_row(tl, dl, d, sp, key, p), sp,
-                    target_logits_BbV, draft_logits_BkV, draft_Bk, seed_keys_B, pos_B)
+    """(y [B, b], a [B]) for the target's logits over [tok, drafts] and `propose`'s q, both
+    cut to the drafts verified."""
+    p_BbV = None if is_greedy(sp) else processed_logits(target_logits_BbV, sp)
+    return _per_row(
+        lambda sp, tl, p, q, d, key, pos: self.verify_row(tl, p, q, d, sp, key, pos), sp,
+        target_logits_BbV, p_BbV, q_BkV, draft_Bk, seed_keys_B, pos_B)
 
 
 def _per_row(fn, sp: SamplingParams, *rows):
   """`fn(sp_r, *row_r)` for every row r: `sp` shared (scalars, or all None: greedy by form) or
-  per row ([B] leaves; top-k / top-p may be None: off for every row).
+  per row ([B] leaves; top-k / top-p may be None: off for every row). A row may be None (a
+  distribution the rule does not read).
 
   Which sampling the rows may need is the program's form (`sampling.SamplingForm`, `in_form`),
   chosen on the host for the requests a call decodes: a greedy program draws nothing, an
-  untruncated one computes no top-k / top-p (whose bisection over the vocabulary costs XLA:CPU
-  several AR steps on [8, 4096] logits), and none branches on the settings at run time."""
+  untruncated one computes no top-k / top-p, and none branches on the settings at run time."""
   if is_greedy(sp) or jnp.ndim(sp.temperature) == 0:
     return jax.vmap(lambda *r: fn(sp, *r))(*rows)
   return jax.vmap(fn)(sp, *rows)
@@ -145,44 +168,41 @@ class ExactMatch(VerifyRule):
   """`exact`: the drafter's argmax, kept while it equals the target's own sample there."""
   name = "exact"
 
-  def propose_row(self, draft_logits_kV, sp, seed_key, pos):
+  def propose_row(self, draft_logits_kV, q_kV, sp, seed_key, pos):
     return first_argmax(draft_logits_kV)
 
-  def verify_row(self, target_logits_bV, draft_logits_kV, draft_k, sp, seed_key, pos):
-    return exact_match(target_logits_bV, draft_k, sp, seed_key, pos)
+  def verify_row(self, target_logits_bV, p_bV, q_kV, draft_k, sp, seed_key, pos):
+    return exact_match(target_logits_bV, draft_k, sp, seed_key, pos, p_bV)
 
 
 class RejectionSampling(VerifyRule):
   """`rejection`: at T > 0 drafts drawn from the drafter's processed distribution and
   speculative rejection sampling; at T = 0 the greedy rule of `exact`."""
   name = "rejection"
+  reads_q = True
 
-  def propose_row(self, draft_logits_kV, sp, seed_key, pos):
-    def drawn(logits):
-      draft_pos = pos + 1 + jnp.arange(logits.shape[0])
-      return draw_by_cdf(processed_logits(logits, sp),
-                         position_keys(stream_key(seed_key, DRAFT_STREAM), draft_pos))
+  def propose_row(self, draft_logits_kV, q_kV, sp, seed_key, pos):
+    def drawn(q_kV):
+      draft_pos = pos + 1 + jnp.arange(q_kV.shape[0])
+      return draw_by_cdf(q_kV, position_keys(stream_key(seed_key, DRAFT_STREAM), draft_pos))
 
     if is_greedy(sp):  # a greedy program (`sampling.SamplingForm.GREEDY`)
       return first_argmax(draft_logits_kV)
-    return jax.lax.cond(sp.temperature > 0, drawn, first_argmax, draft_logits_kV)
+    return jax.lax.cond(sp.temperature > 0, lambda: drawn(q_kV),
+                        lambda: first_argmax(draft_logits_kV))
 
-  def verify_row(self, target_logits_bV, draft_logits_kV, draft_k, sp, seed_key, pos):
-    def rejection(args):
-      return rejection_sample(*args, sp, seed_key, pos)
-
-    def greedy(args):  # T = 0: the argmax, no draw (what `exact_match` samples there)
-      target_logits, _, draft = args
-      y = first_argmax(target_logits)
-      return y, accept_length(draft, y)
+  def verify_row(self, target_logits_bV, p_bV, q_kV, draft_k, sp, seed_key, pos):
+    def greedy():  # T = 0: the argmax, no draw (what `exact_match` samples there)
+      y = first_argmax(target_logits_bV)
+      return y, accept_length(draft_k, y)
 
     if is_greedy(sp):  # a greedy program (`sampling.SamplingForm.GREEDY`)
-      return greedy((target_logits_bV, draft_logits_kV, draft_k))
+      return greedy()
     # Under `_per_row`'s vmap over rows with their own temperatures this `cond` becomes a
     # select that computes both sides for every row: the greedy side must stay cheap (a
     # `sample` there drew b Gumbel vectors over the vocabulary per row and cycle for nothing).
-    return jax.lax.cond(sp.temperature > 0, rejection, greedy,
-                        (target_logits_bV, draft_logits_kV, draft_k))
+    return jax.lax.cond(sp.temperature > 0,
+                        lambda: rejection_sample(p_bV, q_kV, draft_k, seed_key, pos), greedy)
 
 
 RULES: dict[str, VerifyRule] = {r.name: r for r in (ExactMatch(), RejectionSampling())}
@@ -192,14 +212,8 @@ def propose(draft_logits_kV: jax.Array, mode: str, sp: SamplingParams, seed_key:
             pos: jax.Array) -> jax.Array:
   """The cycle's b-1 drafts at positions pos+1.. of one row under `mode` (`VERIFY_MODES`): the
   drafter's argmax, or (`rejection` at T > 0) draws from its processed distribution."""
-  return RULES[mode].propose_row(draft_logits_kV, sp, seed_key, pos)
-
-
-def verify(target_logits_bV: jax.Array, draft_logits_kV: jax.Array, draft_k: jax.Array,
-           mode: str, sp: SamplingParams, seed_key: jax.Array, pos: jax.Array
-           ) -> tuple[jax.Array, jax.Array]:
-  """(y [b], a) of one row's cycle at `pos` under `mode`; T = 0 is always greedy."""
-  return RULES[mode].verify_row(target_logits_bV, draft_logits_kV, draft_k, sp, seed_key, pos)
+  rule = RULES[mode]
+  return rule.propose_row(draft_logits_kV, rule.q_of(draft_logits_kV, sp), sp, seed_key, pos)
 
 
 def same_tokens_as_ar(mode: str, temperature: float) -> bool:
