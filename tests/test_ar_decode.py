@@ -79,11 +79,15 @@ def test_prompts_of_many_lengths_compile_prefill_once_per_bucket_and_loop_once(t
   assert engine.compiled.total == len(BUCKETS) + 1
   assert all(("prefill", b) in engine.compiled for b in BUCKETS)
   # Sampling requests take the programs of their sampling form (`sampling.SamplingForm`), once
-  # per bucket; runtime values (temperature, seed, max_new_tokens) never recompile them.
+  # per bucket; runtime values (temperature, seed, max_new_tokens) never recompile them. One
+  # prefill serves both drawing forms (ANY's); the loop is the request's form's.
   for t, n in zip((0.7, 1.3, 0.9, 1.0), lengths[::3]):
     engine.generate(_prompt(n, seed=n), max_new_tokens=7, temperature=t, seed=n)
   assert counts["prefill"] == 2 * len(BUCKETS) and counts["ar_loop"] == 2, dict(counts)
-  assert all(("prefill", b, "sampled") in engine.compiled for b in BUCKETS)
+  assert all(("prefill", b, "any") in engine.compiled for b in BUCKETS)
+  assert ("ar_loop", 1, "sampled") in engine.compiled
+  engine.generate(_prompt(5, seed=5), max_new_tokens=7, temperature=0.8, top_p=0.9, seed=5)
+  assert counts["prefill"] == 2 * len(BUCKETS) and counts["ar_loop"] == 3, dict(counts)
 
 
 def test_sampling_with_a_fixed_seed_is_reproducible(engine):

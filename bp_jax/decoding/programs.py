@@ -144,8 +144,11 @@ class LoopPrograms:
 
   def prefill(self, args: tuple, p_graph=None, policy_key=None,
               form: SamplingForm = SamplingForm.ANY):
-    """The compiled prefill for `args` (`loops.make_prefill`'s, shapes pick the bucket) in
-    sampling `form` (the request's)."""
+    """The compiled prefill for `args` (`loops.make_prefill`'s, shapes pick the bucket) for a
+    request of sampling `form`: GREEDY's, or one for both drawing forms (ANY's: it samples one
+    token, whose truncation costs nothing next to the prompt's forward, and a third program
+    per length bucket took the demo server's start-up ~6 s)."""
+    form = SamplingForm.GREEDY if form == SamplingForm.GREEDY else SamplingForm.ANY
     tokens_1P = args[2]
     key = (("prefill", tokens_1P.shape[1]) + ((policy_key,) if p_graph is not None else ())
            + form_key(form))
