@@ -25,7 +25,7 @@
 # (ar_twin's are ar's). Then, with 45 s or more left (TRUNCATION=0: never), the verify rules'
 # sampling work alone at Qwen3's vocabulary, batch 16, b = 16 (benchmarks/verify_cost.py: top-k
 # 20 + top-p 0.95, read off the candidates; top-p 0.9 alone on random logits, the bisection's
-# worst case) into $root/verify_cost.
+# worst case), each also with every row bisected (--top_candidates 64,0), into $root/verify_cost.
 set -uo pipefail
 limit=${1:-130}
 batches=${BATCHES:-1 8 4 16}
@@ -63,6 +63,6 @@ if (( ${TRUNCATION:-1} )) && (( left >= 45 )); then
     set -- $setting
     timeout $(( left / 2 )) python3 -m benchmarks.verify_cost --batch_size 16 --block_size 16 \
       --vocab 151936 --reps 20 --top_k "$1" --top_p "$2" --out "$root/verify_cost/k$1_p$2" 2>&1 \
-      | tail -6
+      | tail -8
   done
 fi

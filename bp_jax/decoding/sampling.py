@@ -142,7 +142,8 @@ def _ordered(x: jax.Array) -> jax.Array:
 # (Hugging Face's default 50, Qwen3's recommended 20) and every top-p set inside them are read
 # off their partial sort, one pass of XLA's TopK over the vocabulary (~17 us per row of 4,096 on
 # the development CPU, against ~50 us for the two bisections). Wider costs more per row: TopK of
-# 256 there took 3x that of 64.
+# 256 there took 3x that of 64. 0: every row bisected (benchmarks compare the two: a TopK over
+# a GPU's 151,936-token rows has not been timed against the bisection).
 TOP_CANDIDATES = 64
 
 
@@ -231,6 +232,8 @@ def _truncate(x: jax.Array, top_k: jax.Array, top_p: jax.Array, moot: jax.Array)
   T = 0 takes the argmax of its raw logits), the bisection runs (`_bisected_threshold`, for the
   k-th value only where that is not found either), and only those rows take its threshold: a
   row's result depends on its own values and settings alone, whatever the other rows hold."""
+  if TOP_CANDIDATES <= 0:
+    return jnp.where(_ordered(x) >= _bisected_threshold(x, top_k, top_p), x, -jnp.inf)
   known = _top_threshold(x, top_k, top_p)
   known = known._replace(kth_found=known.kth_found | moot, found=known.found | moot)
   last = jax.lax.cond(
