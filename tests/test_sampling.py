@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bp_jax.decoding import verify
+from bp_jax.decoding import sampling, verify
 from bp_jax.decoding.sampling import (SamplingForm, SamplingParams, draw, draw_by_cdf,
                                       first_argmax, form_of, in_form, position_keys, sample,
                                       sampling_params)
@@ -47,6 +47,26 @@ def test_draws_by_cdf_follow_the_softmax_and_skip_zero_probability_tokens():
     assert counts[p == 0].sum() == 0, counts
     stat, df, limit = chi_square(counts[p > 0], p[p > 0])
     assert stat < limit, (row, stat, df, limit, counts)
+
+
+def test_draws_by_cdf_over_blocks_are_the_whole_running_sums():
+  """The running sum is taken over blocks of CDF_BLOCK tokens and then within the block that
+  crosses u: over a vocabulary of several blocks, its last one partial, the token is the one
+  the whole vocabulary's running sum gives for the same uniform (computed here in float64
+  with numpy), but at float32 rounding ties; tokens of probability 0 never."""
+  V = 3 * sampling.CDF_BLOCK + 17
+  logits = 2.0 * jax.random.normal(jax.random.key(8), (3, V))
+  logits = logits.at[:, ::5].set(-jnp.inf).at[:, -1].set(-jnp.inf)
+  n = 5000
+  keys = position_keys(jax.random.key(9), jnp.arange(3 * n)).reshape(n, 3)
+  toks = np.asarray(jax.jit(jax.vmap(lambda k: draw_by_cdf(logits, k)))(keys))
+  u01 = 1.0 - np.asarray(jax.vmap(jax.vmap(jax.random.uniform))(keys), np.float64)
+  x = np.asarray(logits, np.float64)
+  p = np.exp(x - x.max(-1, keepdims=True))
+  cdf = np.cumsum(p / p.sum(-1, keepdims=True), -1)
+  want = np.stack([np.searchsorted(cdf[r], u01[:, r] * cdf[r, -1]) for r in range(3)], 1)
+  assert np.mean(toks == want) > 0.999, np.mean(toks == want)
+  assert np.all(np.isfinite(x[np.arange(3), toks]))
 
 
 def test_draw_is_jax_categorical_for_the_same_keys():

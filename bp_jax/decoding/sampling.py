@@ -269,17 +269,36 @@ def draw(logits: jax.Array, keys: jax.Array) -> jax.Array:
   return first_argmax(noisy).reshape(logits.shape[:-1])
 
 
+# Tokens per block of `draw_by_cdf`'s two-level running sum.
+CDF_BLOCK = 64
+
+
 def draw_by_cdf(logits: jax.Array, keys: jax.Array) -> jax.Array:
   """int32 draws [...] from softmax(logits [..., V]) with typed keys [...] (one per row), by the
   inverse of the distribution's running sum: one uniform per row instead of `draw`'s V (its
-  Gumbel noise costs XLA:CPU ~3x this over the vocabulary). u is taken in (0, 1], so a token
-  of probability 0 is never drawn. Other draws than `draw`'s for the same keys: for streams
-  whose tokens no caller compares with plain AR decoding's (the drafts and residuals of
-  rejection sampling), never for the target's own."""
-  flat = logits.reshape(-1, logits.shape[-1])
-  cdf = jnp.cumsum(jax.nn.softmax(flat.astype(jnp.float32), axis=-1), axis=-1)
-  u = (1.0 - jax.vmap(jax.random.uniform)(keys.reshape(-1))) * cdf[:, -1]
-  out = jnp.minimum(jnp.sum(cdf < u[:, None], axis=-1), flat.shape[-1] - 1)
+  Gumbel noise costs XLA:CPU ~3x this over the vocabulary). u is taken in (0, 1] of the total,
+  so a token of probability 0 is never drawn. Other draws than `draw`'s for the same keys: for
+  streams whose tokens no caller compares with plain AR decoding's (the drafts and residuals of
+  rejection sampling), never for the target's own.
+
+  The running sum is taken in two levels, over blocks of CDF_BLOCK tokens and then within the
+  one block where it crosses u: XLA's cumulative sum over the whole vocabulary is a
+  log-depth scan (on [56, 4096] on the development CPU 1.15 ms, 7x a softmax), where the
+  block sums are one reduction. The token counted is the same: every token of an earlier
+  block lies below u, none of a later one."""
+  V = logits.shape[-1]
+  flat = logits.reshape(-1, V)
+  R, n = flat.shape[0], -(-V // CDF_BLOCK)
+  p = jax.nn.softmax(flat.astype(jnp.float32), axis=-1)
+  p = jnp.pad(p, ((0, 0), (0, n * CDF_BLOCK - V))).reshape(R, n, CDF_BLOCK)  # padding: p = 0
+  block_R_n = jnp.sum(p, axis=-1)
+  upto_R_n = jnp.cumsum(block_R_n, axis=-1)  # inclusive, over the blocks
+  u = (1.0 - jax.vmap(jax.random.uniform)(keys.reshape(-1))) * upto_R_n[:, -1]
+  j = jnp.minimum(jnp.sum(upto_R_n < u[:, None], axis=-1), n - 1)  # the block crossing u
+  before = jnp.take_along_axis(upto_R_n - block_R_n, j[:, None], axis=-1)[:, 0]
+  within = jnp.take_along_axis(p, j[:, None, None], axis=1)[:, 0]  # [R, CDF_BLOCK]
+  cdf = before[:, None] + jnp.cumsum(within, axis=-1)
+  out = jnp.minimum(j * CDF_BLOCK + jnp.sum(cdf < u[:, None], axis=-1), V - 1)
   return out.reshape(logits.shape[:-1]).astype(jnp.int32)
 
 
