@@ -41,7 +41,7 @@ FORMS = tuple(SamplingForm)
 
 def conditionals(engine: Engine, key: tuple) -> int:
   """Run-time branches (`conditional` instructions) in the compiled program of `key`."""
-  return engine.compiled._fns[key].as_text().count(" conditional(")
+  return engine.compiled.program_text(key).count(" conditional(")
 
 
 def measure(engine: Engine, prompts, block_size: int, max_new: int, repeats: int) -> dict:

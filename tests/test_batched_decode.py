@@ -258,7 +258,7 @@ def test_batched_loops_update_the_caches_in_place(models, stop_id):
   # stacked with a leading layer axis in the scanned form.
   cache_shape = re.compile(rf"= f32\[([0-9]+,)?4,({MAX_LEN},8|8,{MAX_LEN})\]\{{[0-9,]*\}} copy\(")
   for key in (("batch_ar_loop", 1, 2, 2, "all"), ("batch_spec_loop", 4, 2, 2, "all")):
-    hlo = eng.compiled._fns[key].as_text()
+    hlo = eng.compiled.program_text(key)
     copies = [line.strip()[:120] for line in hlo.splitlines() if cache_shape.search(line)]
     assert not copies, (key, copies)
     # The pattern does name the loop's cache buffers (it would see their copies).
@@ -321,7 +321,7 @@ def test_attention_windows_follow_the_rows_and_change_nothing(models, stop_id, s
   windows = {k[4] for k in long.compiled._fns if k[0].startswith("batch_")}
   assert windows == {128, "all"}  # rows moved from the first window to all slots
   assert all(long.compiled.counts[k] <= len(window_buckets(256)) for k in keys)
-  hlo = long.compiled._fns[("batch_spec_loop", 4, 3, 2, 128)].as_text()
+  hlo = long.compiled.program_text(("batch_spec_loop", 4, 3, 2, 128))
   cache_shape = re.compile(r"= f32\[([0-9]+,)?6,(256,8|8,256)\]\{[0-9,]*\} copy\(")
   assert not [line for line in hlo.splitlines() if cache_shape.search(line)]
   assert re.search(r"f32\[6,256,8\]", hlo)  # the pattern names the cache buffers

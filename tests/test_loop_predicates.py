@@ -85,4 +85,4 @@ def test_a_run_of_cycles_evaluates_one_predicate_besides_its_buckets(zeros_model
   # step, each branch a wait of the host for the device on a GPU), and no other.
   for eng, key in ((plain, ("ar_loop", 1)), (plain, ("spec_loop_forced", B)),
                    (declining, ("spec_loop_forced", B)), (default, ("spec_loop_forced", B))):
-    assert " conditional(" not in eng.compiled._fns[key].as_text(), key
+    assert " conditional(" not in eng.compiled.program_text(key), key

@@ -145,6 +145,11 @@ class CompiledCache:
   def __contains__(self, key) -> bool:
     return key in self._fns
 
+  def program_text(self, key) -> str:
+    """The compiled program of `key` as XLA's optimised HLO text (what tests and benchmarks
+    read instructions from: its `conditional`s, its cache-sized copies)."""
+    return self._fns[key].as_text()
+
   @property
   def total(self) -> int:
     return sum(self.counts.values())

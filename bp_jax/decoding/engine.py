@@ -732,9 +732,9 @@ class Engine:
     `max_new_tokens`, `seeds`, `block_size` (a bucket or LEARNED) and the sampling settings
     (`temperature`, `top_k`, `top_p`, `min_p`) may be one value or one per request (an int seed
     s gives request i the seed s + i): rows of one batch sample with their own settings, and
-    one compiled loop per sampling form (`sampling.SamplingForm`) serves every value. `stop_token_ids`: per request, stop ids besides the
-    engine's (at most `state.MAX_ROW_STOP_IDS`). `forced_continuations`: as in `generate`, one
-    per request.
+    one compiled loop per sampling form (`sampling.SamplingForm`) serves every value.
+    `stop_token_ids`: per request, stop ids besides the engine's (at most
+    `state.MAX_ROW_STOP_IDS`). `forced_continuations`: as in `generate`, one per request.
     """
     N = len(prompts)
     per = lambda v: list(v) if isinstance(v, (list, tuple)) else [v] * N
@@ -847,10 +847,10 @@ class Engine:
     checks `check_prefill` once it holds the filled buffers."""
     learned = isinstance(req.block_size, str)
     toks, _ = self.encode_padded(req.prompt_ids)
-    settings = req.sampling or (0.0, 0, 1.0, 0.0)
+    settings = [req.sampling] if req.sampling else []  # none: greedy (`sampling_params()`)
     fn, args = self._prefill(toks, jnp.int32(len(req.prompt_ids)), jax.random.key(req.seed),
-                             sampling_params(*settings),
-                             form_of([settings]) if form is None else form,
+                             sampling_params(*(req.sampling or ())),
+                             form_of(settings) if form is None else form,
                              with_policy=learned, buffers=buffers)
     t0 = time.perf_counter()
     pre = fn(*args)
