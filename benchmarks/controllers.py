@@ -533,7 +533,8 @@ PAIRS = (("priced", "backoff"), ("priced_online", "priced"), ("priced_long", "pr
          ("priced_default", "priced_default_decline"),
          ("priced_default", "priced_default_nogate"), ("priced_default", "none"),
          ("priced_default", "priced_default_nohold"),
-         ("priced_default", "ar_padded"), ("ar", "ar_tied"), ("none", "none_tied"))
+         ("priced_default", "ar_padded"), ("ar", "ar_tied"), ("none", "none_tied"),
+         ("priced_default", "ar_twin"), ("priced_default", "backoff"))
 
 
 def method_pairs(methods: list[str]) -> list[tuple[str, str]]:

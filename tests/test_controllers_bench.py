@@ -95,7 +95,7 @@ def test_simulated_drafts_at_a_model_shape_with_an_identical_twin(tmp_path):
       report["methods"]["ar_twin"]["verify_lengths"].values())}
   assert "priced_default target forwards by verify length:" in proc.stdout
   assert set(report["intervals"]) == {"none/ar", "priced_default/ar", "ar_twin/ar",
-                                      "priced_default/none"}
+                                      "priced_default/none", "priced_default/ar_twin"}
   # Python's collections inside each method's timed loop calls
   assert set(report["gc_in_calls"]) == set(report["methods"])
   assert "Python GC collections inside timed loop calls" in proc.stdout
