@@ -4,6 +4,7 @@ fails with the controlling process's stacks instead of waiting for CI's own limi
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -17,10 +18,24 @@ def _pytest(tmp_path, test_body: str, limit: str, workers: int) -> subprocess.Co
   (tmp_path / "test_one.py").write_text(f"import time\n\ndef test_one():\n  {test_body}\n")
   env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
   env.update(BP_JAX_SUITE_LIMIT_S=limit, PYTHONPATH=os.path.join(REPO, "tests"))
-  return subprocess.run(
-      [sys.executable, "-m", "pytest", "-q", "-n", str(workers), "-p", "conftest", "--rootdir",
-       str(tmp_path), "-c", os.path.join(REPO, "pyproject.toml"), str(tmp_path / "test_one.py")],
-      cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+  args = [sys.executable, "-m", "pytest", "-q", "-n", str(workers), "-p", "conftest",
+          "--rootdir", str(tmp_path), "-c", os.path.join(REPO, "pyproject.toml"),
+          str(tmp_path / "test_one.py")]
+  # Its output goes to files, not pipes: a worker the stopped run leaves behind holds its
+  # copies of them open while it sleeps on; the run is over when the controlling process exits,
+  # and its whole session (that worker too) is killed then.
+  out, err = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
+  with open(out, "w") as fo, open(err, "w") as fe:
+    proc = subprocess.Popen(args, cwd=tmp_path, env=env, stdout=fo, stderr=fe,
+                            start_new_session=True)
+    try:
+      proc.wait(timeout=120)
+    finally:
+      try:
+        os.killpg(proc.pid, signal.SIGKILL)
+      except ProcessLookupError:
+        pass
+  return subprocess.CompletedProcess(args, proc.returncode, out.read_text(), err.read_text())
 
 
 def test_a_stuck_run_fails_at_the_suite_limit(tmp_path):
