@@ -196,7 +196,7 @@ from bp_jax.decoding.costs import ForwardCosts, forward_costs
 from bp_jax.decoding.engine import Engine, decode_form
 from bp_jax.decoding.generation import Generation, forward_cost_units
 from bp_jax.decoding.options import BatchOptions, LoopOptions, ShapeOptions
-from bp_jax.eval.bootstrap import bootstrap_speedup
+from bp_jax.eval.bootstrap import speedup_entry as bootstrap_entry
 from bp_jax.errors import BadInputError
 
 METHODS = ("ar", "none", "backoff", "confidence_1step", "confidence", "confidence_poor",
@@ -546,10 +546,7 @@ def method_pairs(methods: list[str]) -> list[tuple[str, str]]:
 def speedup_entry(a: tuple[list, list], b: tuple[list, list]) -> dict:
   """a's speedup over b from paired (new tokens, seconds) per unit, with its 95% bootstrap
   interval (none for one unit)."""
-  s = bootstrap_speedup(*a, *b, reps=FLAGS.bootstrap_reps)
-  one = len(a[0]) < 2
-  return {"ratio": round(s.ratio, 4), "lo": None if one else round(s.lo, 4),
-          "hi": None if one else round(s.hi, 4)}
+  return bootstrap_entry(*a, *b, reps=FLAGS.bootstrap_reps)
 
 
 def group_speedups(per_group: dict[str, list[tuple[int, float]]], methods: list[str]) -> dict:

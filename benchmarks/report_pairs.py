@@ -20,7 +20,7 @@ from absl import flags
 
 from bp_jax import cli
 from bp_jax.errors import BadInputError
-from bp_jax.eval.bootstrap import bootstrap_speedup
+from bp_jax.eval.bootstrap import speedup_entry
 
 flags.DEFINE_string("report", "", "controllers.json written by benchmarks.controllers --out")
 flags.DEFINE_list("pairs", [], "a/b method pairs, each a's speedup over b")
@@ -47,10 +47,7 @@ def pair_speedups(report: dict, pairs: list[str], reps: int = 2000) -> dict[str,
     if len(names) != 2 or not all(names):
       raise BadInputError(f"--pairs: {pair!r} is not of the form a/b")
     a, b = (fastest_per_group(report, m) for m in names)
-    s = bootstrap_speedup(*a, *b, reps=reps)
-    one = len(a[0]) < 2
-    out[pair] = {"ratio": round(s.ratio, 4), "lo": None if one else round(s.lo, 4),
-                 "hi": None if one else round(s.hi, 4)}
+    out[pair] = speedup_entry(*a, *b, reps=reps)
   return out
 
 

@@ -73,6 +73,15 @@ def bootstrap_speedup(tokens_a, secs_a, tokens_b, secs_b, reps: int = 2000, seed
   return Speedup(ratio, float(lo), float(hi))
 
 
+def speedup_entry(tokens_a, secs_a, tokens_b, secs_b, reps: int = 2000) -> dict:
+  """`bootstrap_speedup` as a report's entry: {"ratio", "lo", "hi"} rounded to 4 places, the
+  interval None from a single prompt (or group), which has none."""
+  s = bootstrap_speedup(tokens_a, secs_a, tokens_b, secs_b, reps=reps)
+  one = len(tokens_a) < 2
+  return {"ratio": round(s.ratio, 4), "lo": None if one else round(s.lo, 4),
+          "hi": None if one else round(s.hi, 4)}
+
+
 def bootstrap_ratio_ci(a_N, b_N, reps: int = 2000, seed: int = 0,
                        level: float = 0.95) -> Speedup:
   """Ratio of sums sum(a) / sum(b) over N prompts with its paired percentile interval (e.g.
