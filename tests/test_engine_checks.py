@@ -154,6 +154,36 @@ def test_engines_of_one_architecture_share_programs_and_keep_their_own_weights(m
     assert "shared_programs" in fallback.compiled.summary()
 
 
+def test_priced_engines_of_other_costs_and_host_options_share_their_loops(models, monkeypatch):
+  """The priced controller reads its prices at run time (`LoopState.break_even_N`) and the
+  start rule and online costs only on the host (`LoopOptions.spec_program`): engines that
+  differ only there share the speculative loop, and each decodes by its own prices (with
+  perfect drafts, cheap verifies draft and dear ones take AR steps). The confidence
+  controller's costs are compiled into its loop: other costs, another program."""
+  monkeypatch.setattr(compiled_lib, "maps_in_use", lambda: None)
+  target, drafter = models
+  priced = lambda costs, draft, **kw: _engine(target, drafter, controller="priced",
+                                              controller_costs=costs,
+                                              controller_draft_cost=draft, **kw)
+  with compiled_lib.shared_programs_set_aside():
+    cheap = priced((1.0, 1.5, 1.6), 0.1)  # both decline (`options.declines_by_costs`)
+    ar = cheap.generate(PROMPT, max_new_tokens=16, block_size=1).output_ids
+    decode = lambda eng: eng.generate(PROMPT, max_new_tokens=16, block_size=4,
+                                      forced_continuation=ar)
+    g_cheap = decode(cheap)
+    dear = priced((1.0, 8.0, 16.0), 8.0, start_backoff=False, online_costs=False)
+    g_dear = decode(dear)
+    assert dear.compiled.counts["spec_loop_forced"] == 1 and dear.compiled.shared == 2
+    assert g_cheap.output_ids == g_dear.output_ids == ar
+    assert g_dear.ar_steps > g_cheap.ar_steps, (g_dear.ar_steps, g_cheap.ar_steps)
+    confident = lambda costs: _engine(target, drafter, controller="confidence",
+                                      controller_costs=costs, controller_draft_cost=0.5)
+    confident((1.0, 1.0, 1.0)).generate(PROMPT, max_new_tokens=8, block_size=4)
+    other = confident((1.0, 1.5, 2.0))
+    other.generate(PROMPT, max_new_tokens=8, block_size=4)
+    assert other.compiled.shared == 1  # the prefill: the loop compiled anew
+
+
 def test_shared_programs_yield_where_the_process_maps_too_much(models, monkeypatch):
   """XLA:CPU maps each executable's code into hundreds of memory regions, and past the
   kernel's limit the next compilation segfaults: where the process maps more than half the

@@ -303,6 +303,19 @@ class LoopOptions:
     return (self.window, self.ar_step_tokens_in_effect(), self.scan_layers, self.sync_cycles,
             self.sampling_form)
 
+  def spec_program(self, runtime_prices: bool) -> "LoopOptions":
+    """What a speculative loop of these options is built from: all of them but those only the
+    host reads (`online_costs`, `start_backoff`, `start_plain`), and, for the `priced`
+    controller given its prices at run time (`runtime_prices`: the loop state's
+    `break_even_N`, as every engine gives them), its start-up costs, which it then never reads
+    (`controllers.Priced.price_N`). Engines that differ only there run the same loop and share
+    its executable: a server's engine rebuilt with costs measured afresh, a benchmark's
+    methods."""
+    host_only = dict(online_costs=None, start_backoff=True, start_plain=True)
+    if runtime_prices and self.controller == "priced":
+      host_only.update(controller_costs=None, controller_draft_cost=None)
+    return self.replace(**host_only)
+
   def key(self, batch: int | None = None) -> tuple:
     """The compile key of this loop within one engine (whose engine-wide options are fixed): its
     name and bucket; `batch`: the batched loop over that many slots (None: one request)."""

@@ -119,6 +119,16 @@ def _forward_counts(out) -> tuple[int, ...]:
   return () if counts is None else tuple(int(c) for c in np.asarray(counts))
 
 
+# `loops.make_spec_loop`'s arguments: the priced controller's runtime prices (`break_even_N`)
+# come 13th, after the two weights, the sequence, the caches and the request's scalars.
+_SPEC_BREAK_EVEN_ARG = 12
+
+
+def _runtime_prices(args: tuple) -> bool:
+  """Whether a one-request speculative loop's `args` give the priced controller its prices."""
+  return len(args) > _SPEC_BREAK_EVEN_ARG and args[_SPEC_BREAK_EVEN_ARG] is not None
+
+
 def _ar_first(args: tuple) -> tuple:
   """A batched speculative loop's arguments whose decoding rows first ask for `WARMUP_START`'s
   AR steps (the carry, after the two weights, is `LoopState`)."""
@@ -173,7 +183,8 @@ class LoopPrograms:
     return self.cache.get(opts.key(),
                           lambda: loops.make_spec_loop(self.t_graph, self.d_graph, opts),
                           args, donate_argnums=donated(block_size, batched=False),
-                          program=("spec_loop", self.t_graph, self.d_graph, opts))
+                          program=("spec_loop", self.t_graph, self.d_graph,
+                                   opts.spec_program(_runtime_prices(args))))
 
   def batched_loop(self, block_size: int, batch: int, sync_cycles: int, window: int | None,
                    args: tuple, forced: bool = False, form: SamplingForm = SamplingForm.ANY):
@@ -191,7 +202,8 @@ class LoopPrograms:
     return self.cache.get(opts.key(batch), make, args,
                           donate_argnums=donated(block_size, batched=True),
                           out_shardings=_placements_of(args[2]),
-                          program=("batched_spec_loop", self.t_graph, self.d_graph, opts))
+                          program=("batched_spec_loop", self.t_graph, self.d_graph,
+                                   opts.spec_program(args[2].break_even_N is not None)))
 
   def batched_loop_key(self, block_size: int, batch: int, sync_cycles: int,
                        window: int | None, forced: bool = False,
