@@ -3,11 +3,14 @@ the costs in effect (an H200 at Qwen3-4B shapes priced a forward over 2 tokens a
 
 from __future__ import annotations
 
+from unittest import mock
+
 import ml_collections
 import pytest
 
 from bp_jax.decode_job.block_choice import loop_options
 from bp_jax.decode_job.records import costs_line
+from bp_jax.decoding.compiled import shared_programs_set_aside
 from bp_jax.decoding.engine import Engine
 from bp_jax.decoding.options import LoopOptions, ShapeOptions
 from bp_jax.errors import BadInputError
@@ -39,7 +42,7 @@ def test_auto_pads_where_the_costs_price_two_tokens_below_one():
 
 
 def test_padded_ar_steps_decode_ar_s_tokens_alone_in_batches_and_at_the_cache_end(
-    zeros_models, zeros_ar_outputs, monkeypatch):
+    zeros_models, zeros_ar_outputs):
   """The AR loop and the speculative loop's AR steps (priced, costs that pad) give AR's tokens,
   alone and in a batch, greedy and sampled; a request that fills the cache too (its last step's
   copy writes the last slot). The forwards traced are two-token ones."""
@@ -50,12 +53,18 @@ def test_padded_ar_steps_decode_ar_s_tokens_alone_in_batches_and_at_the_cache_en
     shapes.append(tuple(tokens_BT.shape))
     return real_call(self, tokens_BT, *a, **kw)
 
-  monkeypatch.setattr(Qwen3, "__call__", spy)
   prompts, max_news = toy_requests(6)
-  padded = toy_engine(zeros_models, "none", ar_step_tokens=2)
-  assert [padded.generate(p, max_new_tokens=m).output_ids
-          for p, m in zip(prompts, max_news)] == zeros_ar_outputs
-  assert (1, 2) in shapes and (1, 1) not in shapes  # prefill runs [1, bucket]
+  # Only the padded AR loops are traced under the spy, afresh (programs the tests before
+  # compiled are set aside for it, and those traced under it forgotten after).
+  with mock.patch.object(Qwen3, "__call__", spy), shared_programs_set_aside():
+    padded = toy_engine(zeros_models, "none", ar_step_tokens=2)
+    assert [padded.generate(p, max_new_tokens=m).output_ids
+            for p, m in zip(prompts, max_news)] == zeros_ar_outputs
+    batch = toy_engine(zeros_models, "none", batch_size=3, ar_step_tokens=2)
+    assert [g.output_ids for g in batch.generate_batch(prompts, max_new_tokens=max_news,
+                                                       block_size=1)] == zeros_ar_outputs
+  assert (1, 2) in shapes and (3, 2) in shapes
+  assert (1, 1) not in shapes and (3, 1) not in shapes  # prefills run [1, bucket]
   priced = toy_engine(zeros_models, "priced",
                       **{k: v for k, v in UNDER.items() if k != "controller"})
   assert priced.loop_options.ar_step_tokens == 2
@@ -64,10 +73,6 @@ def test_padded_ar_steps_decode_ar_s_tokens_alone_in_batches_and_at_the_cache_en
   # A cycle costs 0.75 AR steps here: even one accepting no draft is no miss, no AR step runs
   # (before 17bde9a, measured costs raised to one AR step priced such a cycle above its token).
   assert sum(g.ar_steps for g in gens) == 0 and sum(g.drafter_passes for g in gens) > 0
-  batch = toy_engine(zeros_models, "none", batch_size=3, ar_step_tokens=2)
-  assert [g.output_ids for g in batch.generate_batch(prompts, max_new_tokens=max_news,
-                                                     block_size=1)] == zeros_ar_outputs
-  assert (3, 2) in shapes
   plain = toy_engine(zeros_models, "none")
   full = [1 + i % 62 for i in range(64)]  # 64 + 64 new tokens: max_len
   assert (padded.generate(full, max_new_tokens=64).output_ids ==
