@@ -69,7 +69,7 @@ def measure(B: int, b: int, V: int, top_k: int, top_p: float, reps: int,
     for name, rule in verify.RULES.items():
       for label, sp, n in settings:
         sampling.TOP_CANDIDATES = n  # read while the calls below are traced (fresh functions)
-        drafts_Bk, q_BkV = rule.propose(draft_BkV, sp, keys_B, pos_B)
+        drafts_Bk, q_BkV = jax.jit(rule.propose)(draft_BkV, sp, keys_B, pos_B)  # not op by op
         propose_args = (draft_BkV, sp, keys_B, pos_B)
         verify_args = (target_BbV, q_BkV, drafts_Bk, sp, keys_B, pos_B)
         out.setdefault(name, {})[label] = {

@@ -5,6 +5,8 @@ the one a prefill over the same tokens builds, whatever mix of cycles and AR ste
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -33,14 +35,25 @@ def _pair():
   return target, drafter
 
 
-def _context_of(target, drafter, tokens: list[int]):
-  """(k [L, n, K, H], v) of the drafter context a prefill over `tokens` builds."""
-  n = len(tokens)
-  out = target(jnp.asarray([tokens], jnp.int32), target.init_cache(1, S),
-               drafter.cfg.target_layer_ids)
+@nnx.jit  # one program per length (run eagerly, each operation compiled apart)
+def _prefill_context(target, drafter, tokens_1n):
+  n = tokens_1n.shape[1]
+  out = target(tokens_1n, target.init_cache(1, S), drafter.cfg.target_layer_ids)
   ctx = drafter.add_context(out.layer_hiddens, drafter.init_cache(1, S))
   k, v = ctx.with_lengths(jnp.asarray([n])).as_LBSKH()
-  return np.asarray(k[:, 0, :n]), np.asarray(v[:, 0, :n])
+  return k[:, 0, :n], v[:, 0, :n]
+
+
+def _context_of(target, drafter, tokens: list[int]):
+  """(k [L, n, K, H], v) of the drafter context a prefill over `tokens` builds."""
+  k, v = _prefill_context(target, drafter, jnp.asarray([tokens], jnp.int32))
+  return np.asarray(k), np.asarray(v)
+
+
+@functools.lru_cache(maxsize=None)
+def _prefill_and_insert(graph, dgraph):
+  """The jitted prefill and slot insertion, one of each for the file (the tests' loops differ)."""
+  return jax.jit(loops.make_prefill(graph, dgraph)), jax.jit(loops.make_insert())
 
 
 def _run(target, drafter, sync_cycles: int, max_news: tuple[int, int], min_active: int = 0,
@@ -52,8 +65,7 @@ def _run(target, drafter, sync_cycles: int, max_news: tuple[int, int], min_activ
   dgraph, dstate = nnx.split(drafter)
   opts = LoopOptions(block_size=B_SIZE, controller="backoff", ar_fallback=16,
                      ar_fallback_accept=B_SIZE - 1, sync_cycles=sync_cycles)
-  prefill = jax.jit(loops.make_prefill(graph, dgraph))
-  insert = jax.jit(loops.make_insert())
+  prefill, insert = _prefill_and_insert(graph, dgraph)
   spec = jax.jit(loops.make_batched_spec_loop(graph, dgraph, opts))
   stop_ids = jnp.asarray([-1], jnp.int32)
   greedy = sampling_params(0.0, 0, 1.0, 0.0)

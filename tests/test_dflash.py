@@ -202,22 +202,23 @@ def test_draft_leaves_cache_unchanged(setup):
 
 def test_unrolled_draft_equals_scanned_draft(setup):
   _, embed, _, drafter = setup
+  # Jitted (run eagerly, each operation is compiled apart).
+  add_context = nnx.jit(lambda d, feats, cache: d.add_context(feats, cache))
+  scanned = nnx.jit(lambda d, emb, cache: d.draft(emb, cache))
+  unrolled = nnx.jit(lambda d, emb, cache: d.draft(emb, cache, d.layers.per_layer()))
   rng = np.random.default_rng(4)
-  cache = drafter.init_cache(2, 16)
-  cache = drafter.add_context(jnp.asarray(_feats(rng, 2, 6)), cache).with_lengths(np.array([6, 4]))
+  cache = add_context(drafter, jnp.asarray(_feats(rng, 2, 6)), drafter.init_cache(2, 16))
+  cache = cache.with_lengths(np.array([6, 4]))
   emb = jnp.take(jnp.asarray(embed.numpy()), jnp.asarray(_block(np.array([3, 9]))), axis=0)
-  want = np.asarray(drafter.draft(emb, cache))
-  layers = drafter.layers.per_layer()
-  np.testing.assert_allclose(np.asarray(drafter.draft(emb, cache, layers)), want, atol=1e-5,
-                             rtol=0)
+  want = np.asarray(scanned(drafter, emb, cache))
+  np.testing.assert_allclose(np.asarray(unrolled(drafter, emb, cache)), want, atol=1e-5, rtol=0)
   # The per-layer cache form: the same context written and read layer by layer.
-  split = drafter.init_cache(2, 16).per_layer()
-  split = drafter.add_context(jnp.asarray(_feats(np.random.default_rng(4), 2, 6)), split)
+  split = add_context(drafter, jnp.asarray(_feats(np.random.default_rng(4), 2, 6)),
+                      drafter.init_cache(2, 16).per_layer())
   split = split.with_lengths(np.array([6, 4]))
   for a, b in zip(jax.tree.leaves(split.stacked()), jax.tree.leaves(cache)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-  np.testing.assert_allclose(np.asarray(drafter.draft(emb, split, layers)), want, atol=1e-5,
-                             rtol=0)
+  np.testing.assert_allclose(np.asarray(unrolled(drafter, emb, split)), want, atol=1e-5, rtol=0)
 
 
 def test_default_target_layer_ids():

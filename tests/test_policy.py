@@ -86,23 +86,29 @@ def test_prefill_features_equal_a_recomputation_from_the_targets_outputs(models,
   """The features returned by the padded prefill equal the same quantities recomputed from an
   unpadded causal forward of the target (numpy means over the true prompt positions)."""
   target, _ = models
+  drafter, b = engine.drafter, engine.drafter.cfg.block_size
+
+  @nnx.jit  # one program per prompt length (run eagerly, each operation compiled apart)
+  def reference(target, drafter, ids_1n, block_1b):
+    n = ids_1n.shape[1]
+    out = target(ids_1n, target.init_cache(1, n), LAYER_IDS)
+    # The drafter's first block [first token, MASK, ...] over the unpadded prompt's context.
+    ctx = drafter.add_context(out.layer_hiddens, drafter.init_cache(1, n + b))
+    h = drafter.draft(target.embed_tokens(block_1b), ctx.with_lengths(jnp.array([n])))
+    return out.logits[0, n - 1], out.final_hidden[0, n - 1], out.layer_hiddens[:, 0], \
+        target.project_to_vocab(h[:, 1:])[0]
+
   padded = 0
   for ids in _prompts(4, seed=7):
     n = len(ids)
     g = engine.generate(ids, max_new_tokens=3, return_features=True)
-    out = target(jnp.asarray([ids]), target.init_cache(1, n), LAYER_IDS)
-    logits = np.asarray(out.logits[0, n - 1])
-    hidden = np.asarray(out.final_hidden[0, n - 1])
-    layers = np.asarray(out.layer_hiddens[:, 0])  # [2, n, D]
+    block = jnp.asarray([[g.output_ids[0]] + [drafter.cfg.mask_token_id] * (b - 1)])
+    logits, hidden, layers, draft_logits = map(
+        np.asarray, reference(target, drafter, jnp.asarray([ids]), block))  # layers [2, n, D]
     pooled = np.concatenate([np.concatenate([layers[j].mean(axis=0), layers[j][n - 1]])
                              for j in range(len(LAYER_IDS))])
-    # The drafter's first block [first token, MASK, ...] over the unpadded prompt's context.
-    drafter, b = engine.drafter, engine.drafter.cfg.block_size
-    ctx = drafter.add_context(out.layer_hiddens, drafter.init_cache(1, n + b))
-    block = jnp.asarray([[g.output_ids[0]] + [drafter.cfg.mask_token_id] * (b - 1)])
-    h = drafter.draft(target.embed_tokens(block), ctx.with_lengths(np.array([n])))
     probs = [jax.nn.softmax(jnp.asarray(x, jnp.float32), axis=-1)
-             for x in (target.project_to_vocab(h[:, 1:])[0], logits[None])]
+             for x in (draft_logits, logits[None])]
     ent = [-np.sum(np.asarray(p) * np.log(np.asarray(p)), axis=-1) for p in probs]
     confidence = np.concatenate([np.max(probs[0], -1), ent[0], np.max(probs[1], -1), ent[1]])
     f = g.features

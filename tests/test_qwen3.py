@@ -133,10 +133,15 @@ def test_unrolled_layers_equal_the_scanned_forward(tiny_pair):
   logits, requested hidden states and the cache, on top of a partly filled cache."""
   _, ours = tiny_pair
   first, more = _tokens(2, 7, 128, seed=5), _tokens(2, 4, 128, seed=6)
-  cache = ours(jnp.asarray(first), ours.init_cache(2, 16)).cache.with_lengths(np.array([7, 7]))
-  scanned = ours(jnp.asarray(more), cache, (2, 0))
-  unrolled = ours(jnp.asarray(more), cache, (2, 0), layers=ours.layers.per_layer())
-  per_layer = ours(jnp.asarray(more), cache.per_layer(), (2, 0), layers=ours.layers.per_layer())
+  # Jitted (run eagerly, each operation is compiled apart).
+  scan = nnx.jit(lambda model, tokens, cache: model(tokens, cache, (2, 0)))
+  unroll = nnx.jit(lambda model, tokens, cache: model(tokens, cache, (2, 0),
+                                                      layers=model.layers.per_layer()))
+  cache = scan(ours, jnp.asarray(first), ours.init_cache(2, 16)).cache.with_lengths(
+      np.array([7, 7]))
+  scanned = scan(ours, jnp.asarray(more), cache)
+  unrolled = unroll(ours, jnp.asarray(more), cache)
+  per_layer = unroll(ours, jnp.asarray(more), cache.per_layer())
   assert per_layer.cache.is_per_layer and len(per_layer.cache.k) == 3
   per_layer = per_layer._replace(cache=per_layer.cache.stacked())
   for other in (unrolled, per_layer):

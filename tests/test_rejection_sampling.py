@@ -151,13 +151,16 @@ def test_thresholds_read_off_the_largest_values_are_the_bisections():
   flat = 3.0 * jax.random.normal(jax.random.key(4), (48, V))
   peaked = 4.0 * flat
   coarse = jnp.round(flat * 2) / 2
+  # Jitted: run eagerly, each operation of the loops inside compiled apart.
+  top_threshold, ordered = jax.jit(sampling._top_threshold), jax.jit(sampling._ordered)
+  bisected = jax.jit(sampling._bisected_threshold)
   untold = 0
   for k, p in [(0, 0.5), (0, 0.9), (0, 0.99), (20, 0.95), (50, 1.0), (n, 0.9), (1, 1.0),
                (0, 1.0), (5, 0.3), (n + 1, 1.0), (100, 0.8)]:
     for x in (flat, peaked, coarse):
-      top = sampling._top_threshold(x, jnp.int32(k), jnp.float32(p))
-      want = sampling._bisected_threshold(x, jnp.int32(k), jnp.float32(p))
-      key = np.asarray(sampling._ordered(x))
+      top = top_threshold(x, jnp.int32(k), jnp.float32(p))
+      want = bisected(x, jnp.int32(k), jnp.float32(p))
+      key = np.asarray(ordered(x))
       kept, want_kept = key >= np.asarray(top.last), key >= np.asarray(want)
       found = np.asarray(top.found)[:, 0]
       np.testing.assert_array_equal(kept[found], want_kept[found], err_msg=str((k, p)))
@@ -165,11 +168,11 @@ def test_thresholds_read_off_the_largest_values_are_the_bisections():
       kth_found = np.asarray(top.kth_found)[:, 0]
       np.testing.assert_array_equal(
           (key >= np.asarray(top.kth))[kth_found],
-          (key >= np.asarray(sampling._bisected_threshold(x, jnp.int32(k), jnp.float32(1.0))))[
+          (key >= np.asarray(bisected(x, jnp.int32(k), jnp.float32(1.0))))[
               kth_found], err_msg=str((k, p)))
       assert (found <= kth_found).all() and kth_found.all() == (k <= n)
       np.testing.assert_array_equal(
-          key >= np.asarray(sampling._bisected_threshold(x, jnp.int32(k), jnp.float32(p), top)),
+          key >= np.asarray(bisected(x, jnp.int32(k), jnp.float32(p), top)),
           want_kept, err_msg=str((k, p)))
       if k > n:
         assert not found.any(), (k, p)
