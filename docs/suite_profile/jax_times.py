@@ -40,21 +40,35 @@ def pytest_runtest_logstart(nodeid, location):
   _current[0] = os.path.basename(location[0])
 
 
-def pytest_sessionfinish(session):
-  folder = os.environ.get("BP_JAX_JAX_TIMES")
+def write_worker_log(env_var: str, log) -> None:
+  """`log` as JSON in the folder `env_var` names (nothing without it), one file per pytest-xdist
+  worker (`main.json` without xdist)."""
+  folder = os.environ.get(env_var)
   if folder:
     os.makedirs(folder, exist_ok=True)
     worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
     with open(os.path.join(folder, f"{worker}.json"), "w") as f:
-      json.dump({k: dict(v) for k, v in _seconds.items()}, f)
+      json.dump(log, f)
+
+
+def worker_logs(folder: str) -> list:
+  """Every worker's log `write_worker_log` left in `folder`."""
+  logs = []
+  for path in sorted(glob.glob(os.path.join(folder, "*.json"))):
+    with open(path) as f:
+      logs.append(json.load(f))
+  return logs
+
+
+def pytest_sessionfinish(session):
+  write_worker_log("BP_JAX_JAX_TIMES", {k: dict(v) for k, v in _seconds.items()})
 
 
 def summary(folder: str, log: str, top: int = 30) -> str:
   jax_s: dict = collections.defaultdict(collections.Counter)
-  for path in glob.glob(os.path.join(folder, "*.json")):
-    with open(path) as f:
-      for name, events in json.load(f).items():
-        jax_s[name].update(events)
+  for worker in worker_logs(folder):
+    for name, events in worker.items():
+      jax_s[name].update(events)
   per_file: collections.Counter = collections.Counter()
   with open(log) as f:
     for line in f:

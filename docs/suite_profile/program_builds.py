@@ -15,11 +15,12 @@ reference computed op by op costs).
 from __future__ import annotations
 
 import collections
-import glob
-import json
 import os
 import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from jax_times import worker_logs, write_worker_log  # noqa: E402
 
 EAGER_MEAN_S = 0.1  # a function whose compilations average under this: one operation, eager
 _test = ["(outside tests)"]
@@ -56,19 +57,12 @@ def pytest_runtest_logstart(nodeid, location):
 
 
 def pytest_sessionfinish(session):
-  folder = os.environ.get("BP_JAX_PROGRAM_BUILDS")
-  if folder:
-    os.makedirs(folder, exist_ok=True)
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
-    with open(os.path.join(folder, f"{worker}.json"), "w") as f:
-      json.dump({"builds": _builds, "compiles": _compiles}, f)
+  write_worker_log("BP_JAX_PROGRAM_BUILDS", {"builds": _builds, "compiles": _compiles})
 
 
 def summary(folder: str, top: int = 12) -> str:
   builds, compiles = [], []
-  for path in glob.glob(os.path.join(folder, "*.json")):
-    with open(path) as f:
-      log = json.load(f)
+  for log in worker_logs(folder):
     builds += log["builds"]
     compiles += log["compiles"]
   file_of = lambda test: test.split("::")[0].rsplit("/", 1)[-1]
