@@ -50,6 +50,9 @@ def server(tmp_path_factory):
       [sys.executable, "serve.py", "--port", str(port), "--batch_size", "4",
        "--max_body_bytes", str(BODY_LIMIT), f"--config.max_len={MAX_LEN}",
        "--config.length_buckets=32,64,128", "--config.sync_cycles=2", "--config.verify=exact",
+       # Given costs: no start-up measurement (16.2 s -> 3.6 s to load here), which
+       # decode.py's tests and tests/test_costs.py cover on the same engine builder.
+       "--config.controller_costs=1,1.1,1.3,1.6", "--config.controller_draft_cost=0.8",
        # Its warm-up compiles every program a request may take: with tails in fewer slots, each
        # slot size and resize too (tests/test_per_request_sampling.py checks that warm-up).
        "--config.shrink_batches=false"],
