@@ -14,13 +14,13 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The suite's time is mostly XLA:CPU compiling small programs that then run for milliseconds.
 # LLVM's optimisation level 0 compiles them in ~0.57x the time with the same tokens, and XLA's
 # older elemental emitters (`--xla_cpu_use_fusion_emitters=false`) in ~0.65x of that again
-# (docs/results/suite.md); tests time nothing, so they and the scripts they start run so. Set
-# before JAX creates its CPU backend (no test module is imported yet); a caller's own choice of
-# either flag is kept.
-# XLA:CPU's code of one executable in one module, not split for parallel compilation
-# (`--xla_cpu_parallel_codegen_split_count=1`): the same tokens and compile time, and each
-# executable maps ~0.63x the memory regions (99 against 157 per program of the toy engines),
-# so a worker keeps more shared programs under its map budget (`decoding/compiled.py`).
+# (docs/results/suite.md); tests time nothing, so they and the scripts they start run so. Each
+# executable's code is generated as one module, not split for parallel compilation
+# (`--xla_cpu_parallel_codegen_split_count=1`): the same tokens and compile time, and it maps
+# ~0.63x the memory regions (99 against 157 per program of the toy engines), so a worker keeps
+# more shared programs under its map budget (`decoding/compiled.py`). Set before JAX creates
+# its CPU backend (no test module is imported yet); a caller's own choice of any of the three
+# flags is kept.
 for _flag, _value in (("xla_backend_optimization_level", "0"),
                       ("xla_cpu_use_fusion_emitters", "false"),
                       ("xla_cpu_parallel_codegen_split_count", "1")):

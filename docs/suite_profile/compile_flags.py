@@ -1,9 +1,11 @@
 """One fresh process compiling and running a toy engine's programs (the tests' zeros-drafter
 pair: one-request AR and b=4 loops, a batch of 3 in 4 slots at T = 0 and T = 1), printing the
 seconds JAX reports for tracing, lowering and XLA's backend compilation, and an md5 of the
-tokens. Run under the suite's XLA flags plus one candidate flag, alternating:
+tokens. Run under the suite's XLA flags (tests/conftest.py; compile_flags.txt was measured
+under the first two, before the third joined them) plus one candidate flag, alternating:
 
-  BASE="--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+  BASE="--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false \
+        --xla_cpu_parallel_codegen_split_count=1"
   JAX_PLATFORMS=cpu XLA_FLAGS="$BASE --xla_cpu_use_thunk_runtime=false" \
     python docs/suite_profile/compile_flags.py
 """
