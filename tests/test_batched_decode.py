@@ -257,7 +257,7 @@ def test_batched_loops_update_the_caches_in_place(models, stop_id):
   # A cache buffer per layer is k [Z, S, H] / v [Z, H, S] (Z = 2 rows x 2 kv heads, H = 8),
   # stacked with a leading layer axis in the scanned form.
   cache_shape = re.compile(rf"= f32\[([0-9]+,)?4,({MAX_LEN},8|8,{MAX_LEN})\]\{{[0-9,]*\}} copy\(")
-  for key in (("batch_ar_loop", 1, 2, 2, "all"), ("batch_spec_loop", 4, 2, 2, "all")):
+  for key in (("batch_ar_loop", 1, 2, "all"), ("batch_spec_loop", 4, 2, "all")):
     hlo = eng.compiled.program_text(key)
     copies = [line.strip()[:120] for line in hlo.splitlines() if cache_shape.search(line)]
     assert not copies, (key, copies)
@@ -318,10 +318,10 @@ def test_attention_windows_follow_the_rows_and_change_nothing(models, stop_id, s
     together = long.generate_batch(prompts, max_new_tokens=max_news, block_size=b)
     assert [g.output_ids for g in together] == [g.output_ids for g in alone], b
   keys = [k for k in long.compiled.counts if k.startswith("batch_")]
-  windows = {k[4] for k in long.compiled._fns if k[0].startswith("batch_")}
+  windows = {k[3] for k in long.compiled._fns if k[0].startswith("batch_")}
   assert windows == {128, "all"}  # rows moved from the first window to all slots
   assert all(long.compiled.counts[k] <= len(window_buckets(256)) for k in keys)
-  hlo = long.compiled.program_text(("batch_spec_loop", 4, 3, 2, 128))
+  hlo = long.compiled.program_text(("batch_spec_loop", 4, 3, 128))
   cache_shape = re.compile(r"= f32\[([0-9]+,)?6,(256,8|8,256)\]\{[0-9,]*\} copy\(")
   assert not [line for line in hlo.splitlines() if cache_shape.search(line)]
   assert re.search(r"f32\[6,256,8\]", hlo)  # the pattern names the cache buffers

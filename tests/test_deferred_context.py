@@ -51,9 +51,13 @@ def _context_of(target, drafter, tokens: list[int]):
 
 
 @functools.lru_cache(maxsize=None)
-def _prefill_and_insert(graph, dgraph):
-  """The jitted prefill and slot insertion, one of each for the file (the tests' loops differ)."""
-  return jax.jit(loops.make_prefill(graph, dgraph)), jax.jit(loops.make_insert())
+def _programs(graph, dgraph):
+  """The jitted prefill, slot insertion and batched b=4 loop (every cycle a miss: back-off 2, 4,
+  8, 16 AR steps), one of each for the file: a call's budget of forwards is an argument."""
+  opts = LoopOptions(block_size=B_SIZE, controller="backoff", ar_fallback=16,
+                     ar_fallback_accept=B_SIZE - 1)
+  return (jax.jit(loops.make_prefill(graph, dgraph)), jax.jit(loops.make_insert()),
+          jax.jit(loops.make_batched_spec_loop(graph, dgraph, opts)))
 
 
 def _run(target, drafter, sync_cycles: int, max_news: tuple[int, int], min_active: int = 0,
@@ -63,10 +67,7 @@ def _run(target, drafter, sync_cycles: int, max_news: tuple[int, int], min_activ
   `start` (misses, AR steps)."""
   graph, state = nnx.split(target)
   dgraph, dstate = nnx.split(drafter)
-  opts = LoopOptions(block_size=B_SIZE, controller="backoff", ar_fallback=16,
-                     ar_fallback_accept=B_SIZE - 1, sync_cycles=sync_cycles)
-  prefill, insert = _prefill_and_insert(graph, dgraph)
-  spec = jax.jit(loops.make_batched_spec_loop(graph, dgraph, opts))
+  prefill, insert, spec = _programs(graph, dgraph)
   stop_ids = jnp.asarray([-1], jnp.int32)
   greedy = sampling_params(0.0, 0, 1.0, 0.0)
   s = LoopState.empty(jnp.zeros((2, S), jnp.int32), target.init_cache(2, S),
@@ -81,7 +82,8 @@ def _run(target, drafter, sync_cycles: int, max_news: tuple[int, int], min_activ
     s = insert(s, jnp.int32(row), pre.cache, pre.draft_cache, pre.first_tok, jnp.int32(n),
                jnp.int32(max_new), jax.random.key(row), stop_ids, greedy,
                jnp.full((MAX_ROW_STOP_IDS,), -1, jnp.int32), jnp.asarray(start, jnp.int32))
-  s = spec(state, dstate, s.replace(min_active=jnp.int32(min_active)), stop_ids)
+  s = spec(state, dstate, s.replace(min_active=jnp.int32(min_active)), stop_ids,
+           jnp.int32(sync_cycles))
   assert s.pending_BPX is None
   return s, prompts
 

@@ -184,6 +184,42 @@ def test_priced_engines_of_other_costs_and_host_options_share_their_loops(models
     assert other.compiled.shared == 1  # the prefill: the loop compiled anew
 
 
+def test_engines_of_other_sync_cycles_or_rules_at_t0_share_their_loops(models, monkeypatch):
+  """A batched loop's budget of forwards per call is an argument (`BatchOptions.sync_cycles`),
+  and a greedy loop verifies with the greedy rule whatever the engine's (`LoopOptions.for_loop`):
+  batched engines of other budgets, and engines of either rule decoding greedy requests, run
+  one program each, and decode what their own options say (a call of a 1-forward budget
+  returns after each forward: more calls for the same tokens)."""
+  monkeypatch.setattr(compiled_lib, "maps_in_use", lambda: None)
+  target, drafter = models
+  batched = lambda sync, **kw: Engine(
+      target, drafter=drafter, loop=LoopOptions(controller="none", **kw),
+      shapes=ShapeOptions(max_len=MAX_LEN, length_buckets=(16,), block_sizes=(4,)),
+      batching=BatchOptions(batch_size=2, sync_cycles=sync, shrink=False))
+  prompts = [PROMPT, PROMPT[:3]]
+  with compiled_lib.shared_programs_set_aside():
+    outs, calls = [], []
+    for eng in (batched(4), batched(1), batched(0, verify="rejection")):
+      gens = eng.generate_batch(prompts, max_new_tokens=12, block_size=4)
+      outs.append([g.output_ids for g in gens])
+      calls.append(sum(t.calls for (b, _), t in eng.loop_calls.items() if b == 4))
+      if len(outs) > 1:
+        assert eng.compiled.counts["batch_spec_loop"] == 1
+        assert eng.compiled.shared == eng.compiled.total, eng.compiled.summary()
+    assert outs[0] == outs[1] == outs[2]
+    assert calls[1] > calls[0] > calls[2] == 1, calls
+    with_rule = lambda rule: _engine(target, drafter, controller="none", verify=rule)
+    with_rule("exact").generate(PROMPT, max_new_tokens=8, block_size=4)
+    rejection = with_rule("rejection")
+    rejection.generate(PROMPT, max_new_tokens=8, block_size=4)
+    assert rejection.compiled.shared == rejection.compiled.total == 2  # prefill, greedy loop
+    rejection.generate(PROMPT, max_new_tokens=8, block_size=4, temperature=1.0)
+    assert rejection.compiled.shared == 2  # a drawing loop: the rule's own
+  assert LoopOptions(verify="rejection").for_loop(4, form=SamplingForm.GREEDY).verify == "exact"
+  assert LoopOptions(verify="rejection").for_loop(4, form=SamplingForm.SAMPLED).verify == (
+      "rejection")
+
+
 def test_shared_programs_yield_where_the_process_maps_too_much(models, monkeypatch):
   """XLA:CPU maps each executable's code into hundreds of memory regions, and past the
   kernel's limit the next compilation segfaults: where the process maps more than half the
@@ -252,12 +288,11 @@ def test_loop_options_are_checked_hashable_compile_keys():
   # (keys as they always read), its name otherwise; ANY where a caller does not say.
   assert a.for_loop(4, form=SamplingForm.GREEDY).key() == ("spec_loop", 4)
   assert a.for_loop(4).key() == ("spec_loop", 4, "any")
-  assert a.for_loop(4, form=SamplingForm.SAMPLED).key(3) == ("batch_spec_loop", 4, 3, 0, "all",
+  assert a.for_loop(4, form=SamplingForm.SAMPLED).key(3) == ("batch_spec_loop", 4, 3, "all",
                                                              "sampled")
-  assert a.for_loop(4, forced=True, form=0).key(3) == ("batch_spec_loop_forced", 4, 3, 0, "all")
+  assert a.for_loop(4, forced=True, form=0).key(3) == ("batch_spec_loop_forced", 4, 3, "all")
   assert LoopOptions(verify="rejection").for_loop(4, forced=True).verify == "exact"
-  assert a.for_loop(1, sync_cycles=2, window=128, form=0).key(3) == ("batch_ar_loop", 1, 3, 2,
-                                                                     128)
+  assert a.for_loop(1, window=128, form=0).key(3) == ("batch_ar_loop", 1, 3, 128)
   with pytest.raises(BadInputError, match="ar_fallback_accept=-1"):
     LoopOptions(ar_fallback_accept=-1)
   with pytest.raises(BadInputError, match="only verify='exact'"):

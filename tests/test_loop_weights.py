@@ -36,13 +36,13 @@ def test_a_loop_call_slices_no_stacked_weight(models):
   assert len(eng.t_weights.layers) == target.cfg.num_hidden_layers
   assert len(eng.d_weights.layers) == drafter.cfg.layers.num_hidden_layers
   per_call = len(L.LAYER_PARAM_NAMES) * target.cfg.num_hidden_layers
-  opts = eng.programs.options.for_loop(1, sync_cycles=2)
+  opts = eng.programs.options.for_loop(1)
   ar = loops.make_batched_ar_loop(eng.t_graph, opts)
   carry, stop = eng.slot_carry(1), eng._stop_arr
   # The same loop on a bare state slices every stacked weight of every layer in each call.
   assert _slices(ar, eng.t_state, carry, stop) - _slices(ar, eng.t_weights, carry, stop) >= per_call
   spec = loops.make_batched_spec_loop(eng.t_graph, eng.d_graph,
-                                      eng.programs.options.for_loop(4, sync_cycles=2))
+                                      eng.programs.options.for_loop(4))
   carry = eng.slot_carry(4)
   # (The toy drafter has one layer: its "slices" are whole stacks, which lower to no slice.)
   assert (_slices(spec, eng.t_state, eng.d_state, carry, stop)

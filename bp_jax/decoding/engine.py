@@ -132,6 +132,8 @@ class Engine:
     self.length_buckets = shapes.length_buckets or default_length_buckets(max_len)
     self.stop_ids = list(stop_ids)
     self._stop_arr = jnp.asarray(self.stop_ids or [-1], jnp.int32)
+    # The batched loops' budget of target forwards per call, an argument of each call.
+    self._sync_arr = jnp.asarray(self.sync_cycles, jnp.int32)
     self.t_graph, self.t_state = nnx.split(target)
     # Caches in the form the loops carry (`loops.loop_cache`: per layer, unless the layers run
     # scanned), so that no call converts them: a one-request loop call that got stacked caches
@@ -582,8 +584,8 @@ class Engine:
           carry = (self.slot_carry(b, rows=rows) if self.mesh is not None else
                    jax.eval_shape(lambda: self.slot_carry(b, rows=rows)))
           args = ((self.t_weights,) if b == 1 else (self.t_weights, self.d_weights)) + (
-              carry, self._stop_arr)
-          self.programs.batched_loop(b, rows, self.sync_cycles, None, args, form=form)
+              carry, self._stop_arr, self._sync_arr)
+          self.programs.batched_loop(b, rows, None, args, form=form)
           if not all_windows:
             continue
           if self.sync_cycles > 0:
@@ -897,14 +899,12 @@ class Engine:
     it once on a copy of the carry (its first run's fixed cost) on first use, before any clock
     starts."""
     states = (self.t_weights,) if block_size == 1 else (self.t_weights, self.d_weights)
-    args = states + (carry, self._stop_arr)
+    args = states + (carry, self._stop_arr, self._sync_arr)
     window = (None if max_pos is None else
               window_for(max_pos, block_size, self.sync_cycles, self.max_len, ar_steps))
     rows = int(carry.pos_B.shape[0])
-    fn = self.programs.batched_loop(block_size, rows, self.sync_cycles, window, args, forced,
-                                    form)
-    key = self.programs.batched_loop_key(block_size, rows, self.sync_cycles, window, forced,
-                                         form)
+    fn = self.programs.batched_loop(block_size, rows, window, args, forced, form)
+    key = self.programs.batched_loop_key(block_size, rows, window, forced, form)
     self.programs.warm_batched(key, fn, args, block_size)
     return fn, args
 

@@ -217,13 +217,15 @@ def _forwards(s: LoopState) -> jax.Array:
   return jnp.sum(s.forward_counts_N)
 
 
-def _in_budget(s0: LoopState, sync_forwards: int) -> Callable:
+def _in_budget(s0: LoopState, sync_forwards) -> Callable:
   """s -> [] bool: whether a loop call that started at `s0` may run another target forward (at
-  most `sync_forwards` in all when > 0; always when 0)."""
-  if sync_forwards <= 0:
+  most `sync_forwards` in all when > 0; always when 0). `sync_forwards`: a Python int (the
+  one-request loops' 0), or the batched loops' [] int32 argument, a value of the call: engines
+  of other `BatchOptions.sync_cycles` run one program."""
+  if isinstance(sync_forwards, int) and sync_forwards <= 0:
     return lambda s: jnp.bool_(True)
   start = _forwards(s0)
-  return lambda s: _forwards(s) - start < sync_forwards
+  return lambda s: (sync_forwards <= 0) | (_forwards(s) - start < sync_forwards)
 
 
 def _run(cond_rows: Callable, body: Callable, s: LoopState, in_budget: Callable) -> LoopState:
@@ -254,9 +256,10 @@ def make_insert() -> Callable:
 
 
 def make_batched_ar_loop(graphdef, opts: LoopOptions = LoopOptions()) -> Callable:
-  """ar_loop(state, loop_state, stop_ids) -> loop_state: plain AR decoding of every
-  row of a `LoopState` (rows at their own positions), until no row decodes or, with
-  `opts.sync_cycles` > 0, after that many steps.
+  """ar_loop(state, loop_state, stop_ids, sync_forwards=0) -> loop_state: plain AR decoding of
+  every row of a `LoopState` (rows at their own positions), until no row decodes or, with
+  `sync_forwards` > 0 (a [] int32 argument: the engine's `BatchOptions.sync_cycles`), after
+  that many steps.
 
   `opts.window`: attention reads cache slots [0, window) only, and the loop returns to the host
   before a row's next step would reach past it (the host then picks a larger window,
@@ -268,7 +271,7 @@ def make_batched_ar_loop(graphdef, opts: LoopOptions = LoopOptions()) -> Callabl
   with per-layer weights (faster per step; the default)."""
   window, pad = opts.window, opts.ar_step_tokens_in_effect()
 
-  def ar_loop(state, s: LoopState, stop_ids) -> LoopState:
+  def ar_loop(state, s: LoopState, stop_ids, sync_forwards=0) -> LoopState:
     model, layers = _merged(graphdef, state, opts.scan_layers)
 
     def body(s):
@@ -282,7 +285,7 @@ def make_batched_ar_loop(graphdef, opts: LoopOptions = LoopOptions()) -> Callabl
 
     s = _loop_caches(s, opts.scan_layers)
     return _run(lambda s: s.decodes() & s.fits(1, window), body, s,
-                _in_budget(s, opts.sync_cycles))
+                _in_budget(s, sync_forwards))
 
   return ar_loop
 
@@ -304,10 +307,11 @@ CONTEXT_CHUNK = 8
 
 
 def make_batched_spec_loop(graphdef, draft_graphdef, opts: LoopOptions) -> Callable:
-  """spec_loop(state, draft_state, loop_state, stop_ids) -> loop_state: speculative
-  decoding of every row of a `LoopState`, each at its own position, until no row decodes or,
-  with `opts.sync_cycles` > 0, after that many target forwards (cycles, and AR steps counted
-  one each: a run of AR steps does not hold the host, a stream or a cancel for its length).
+  """spec_loop(state, draft_state, loop_state, stop_ids, sync_forwards=0) -> loop_state:
+  speculative decoding of every row of a `LoopState`, each at its own position, until no row
+  decodes or, with `sync_forwards` > 0 (as in `make_batched_ar_loop`), after that many target
+  forwards (cycles, and AR steps counted one each: a run of AR steps does not hold the host, a
+  stream or a cancel for its length).
 
   One cycle (b = `opts.block_size`): the drafter proposes b-1 tokens after each row's `tok` in
   one pass, the target verifies the rows' tokens [tok, d_1..d_k] in one forward (k = b-1, or
@@ -364,11 +368,11 @@ def make_batched_spec_loop(graphdef, draft_graphdef, opts: LoopOptions) -> Calla
   # Room for the AR steps a row may take between two drafter passes (at most the cap).
   pending_len = -(-ctl.cap // CONTEXT_CHUNK) * CONTEXT_CHUNK
 
-  def spec_loop(state, draft_state, s: LoopState, stop_ids) -> LoopState:
+  def spec_loop(state, draft_state, s: LoopState, stop_ids, sync_forwards=0) -> LoopState:
     model, layers = _merged(graphdef, state, opts.scan_layers)
     drafter, draft_layers = _merged(draft_graphdef, draft_state, opts.scan_layers)
     layer_ids, mask_id = drafter.cfg.target_layer_ids, drafter.cfg.mask_token_id
-    in_budget = _in_budget(s, opts.sync_cycles)  # the call's target forwards
+    in_budget = _in_budget(s, sync_forwards)  # the call's target forwards
 
     # ---- the cycle: draft -> verify -> accept, roll back, record -> back off ----------------
     def draft(s):

@@ -4,9 +4,10 @@
                 sizes;
   LoopOptions   the form of its decode loops (verify rule, controller and its settings, AR
                 fallback, layer form) and, per compiled loop, its bucket (block size, window,
-                sync cycles, forced drafts): what the loop builders read, and, with the batch
+                forced drafts, sampling form): what the loop builders read, and, with the batch
                 size, what tells one compiled loop from another (`LoopOptions.key`);
-  BatchOptions  how many requests decode at once and how often the host refills slots.
+  BatchOptions  how many requests decode at once and how often the host refills slots (a value
+                the batched loops get with each call: no program of its own).
 
 A bad value raises `BadInputError` naming the parameter (`ar_fallback=-1 ...`); the command line
 maps parameter names to its flags (`errors.named_as_flags`).
@@ -190,8 +191,6 @@ class LoopOptions:
   Per compiled loop (`LoopPrograms` fills them in):
     block_size: tokens per cycle (1: plain AR decoding).
     window: attention reads cache slots [0, window) only (None: all).
-    sync_cycles: return to the host after this many target forwards, cycles and AR steps
-      alike (0: when no row decodes).
     forced_drafts: the tests' perfect drafter (the carry's `forced_BS`; `exact` only).
     sampling_form: what the loop's sampling may do (`sampling.SamplingForm`, the engine's
       choice per call from the requests it decodes: a greedy loop draws nothing and branches on
@@ -215,12 +214,11 @@ class LoopOptions:
   ar_step_tokens: int = 0
   block_size: int = 1
   window: int | None = None
-  sync_cycles: int = 0
   forced_drafts: bool = False
   sampling_form: SamplingForm = SamplingForm.ANY
 
   def __post_init__(self):
-    for name in ("ar_fallback", "priced_cap", "ar_fallback_accept", "sync_cycles"):
+    for name in ("ar_fallback", "priced_cap", "ar_fallback_accept"):
       _int_at_least(getattr(self, name), 0, name)
     _int_at_least(self.block_size, 1, "block_size")
     if isinstance(self.ar_step_tokens, bool) or self.ar_step_tokens not in (0, 1, 2):
@@ -253,8 +251,7 @@ class LoopOptions:
          ar_fallback=int(self.ar_fallback), priced_cap=int(self.priced_cap),
          ar_fallback_accept=int(self.ar_fallback_accept),
          scan_layers=bool(self.scan_layers), ar_step_tokens=int(self.ar_step_tokens),
-         block_size=int(self.block_size),
-         sync_cycles=int(self.sync_cycles), forced_drafts=bool(self.forced_drafts),
+         block_size=int(self.block_size), forced_drafts=bool(self.forced_drafts),
          sampling_form=SamplingForm(self.sampling_form))
     if self.forced_drafts and self.verify != "exact":
       raise BadInputError("forced drafts are not draws from the drafter: only verify='exact'")
@@ -285,23 +282,25 @@ class LoopOptions:
     costs."""
     return self.in_effect().controller in control.PRICED and self.controller_costs is None
 
-  def for_loop(self, block_size: int, forced: bool = False, sync_cycles: int = 0,
-               window: int | None = None, form: SamplingForm = SamplingForm.ANY
-               ) -> "LoopOptions":
+  def for_loop(self, block_size: int, forced: bool = False, window: int | None = None,
+               form: SamplingForm = SamplingForm.ANY) -> "LoopOptions":
     """The options of one compiled loop: forced drafts verify with `exact`; `form`: the
-    sampling its calls need (ANY: any settings)."""
-    return self.replace(block_size=block_size, forced_drafts=forced, sync_cycles=sync_cycles,
-                        window=window, verify="exact" if forced else self.verify,
-                        sampling_form=form)
+    sampling its calls need (ANY: any settings). A greedy loop verifies with `exact`, whatever
+    the engine's rule: at T = 0 both rules are the greedy rule, one computation (the drafter's
+    argmax, kept while it equals the target's), so an engine of either rule runs the same
+    greedy program. A batched loop's forwards per call (`BatchOptions.sync_cycles`) are an
+    argument of its calls, not an option."""
+    exact = forced or SamplingForm(form) == SamplingForm.GREEDY
+    return self.replace(block_size=block_size, forced_drafts=forced, window=window,
+                        verify="exact" if exact else self.verify, sampling_form=form)
 
   def ar_program(self) -> tuple:
     """What an AR loop of these options is built from (`loops.make_batched_ar_loop` and
-    `make_ar_loop` read nothing else): its window, AR step form, layer form and forwards per
-    call. Engines whose options differ elsewhere (a controller, its costs, a verify rule) run
+    `make_ar_loop` read nothing else): its window, AR step form, layer form and sampling
+    form. Engines whose options differ elsewhere (a controller, its costs, a verify rule) run
     the same AR loop, and share its executable (`compiled.CompiledCache`'s `program`): in one
     process a speculative engine's plain bucket and an AR engine's loop are one program."""
-    return (self.window, self.ar_step_tokens_in_effect(), self.scan_layers, self.sync_cycles,
-            self.sampling_form)
+    return (self.window, self.ar_step_tokens_in_effect(), self.scan_layers, self.sampling_form)
 
   def spec_program(self, runtime_prices: bool) -> "LoopOptions":
     """What a speculative loop of these options is built from: all of them but those only the
@@ -324,7 +323,7 @@ class LoopOptions:
     if batch is None:  # the window only when the loop reads part of the cache
       key = (name, self.block_size) + (() if self.window is None else (self.window,))
     else:
-      key = ("batch_" + name, self.block_size, batch, self.sync_cycles, self.window or "all")
+      key = ("batch_" + name, self.block_size, batch, self.window or "all")
     return key + form_key(self.sampling_form)
 
 

@@ -169,13 +169,13 @@ class LoopPrograms:
 
   def loop_key(self, block_size: int, forced: bool = False, window: int | None = None,
                form: SamplingForm = SamplingForm.ANY) -> tuple:
-    return self.options.for_loop(block_size, forced, window=window, form=form).key()
+    return self.options.for_loop(block_size, forced, window, form).key()
 
   def loop(self, block_size: int, args: tuple, forced: bool = False,
            window: int | None = None, form: SamplingForm = SamplingForm.ANY):
     """The compiled decode loop of a block size (1 = plain AR) for `args`, attending over cache
     slots [0, window) (None: all; `request_window`), sampling in `form` (the request's)."""
-    opts = self.options.for_loop(block_size, forced, window=window, form=form)
+    opts = self.options.for_loop(block_size, forced, window, form)
     if block_size == 1:
       return self.cache.get(opts.key(), lambda: loops.make_ar_loop(self.t_graph, opts),
                             args, donate_argnums=donated(1, batched=False),
@@ -186,13 +186,14 @@ class LoopPrograms:
                           program=("spec_loop", self.t_graph, self.d_graph,
                                    opts.spec_program(_runtime_prices(args))))
 
-  def batched_loop(self, block_size: int, batch: int, sync_cycles: int, window: int | None,
-                   args: tuple, forced: bool = False, form: SamplingForm = SamplingForm.ANY):
+  def batched_loop(self, block_size: int, batch: int, window: int | None, args: tuple,
+                   forced: bool = False, form: SamplingForm = SamplingForm.ANY):
     """The compiled batched loop (`loops.make_batched_*_loop`) of a block size for a state of
-    `batch` rows, returning to the host every `sync_cycles` cycles (0: when no row decodes),
-    attending over `window` cache slots (None: all), sampling in `form` (what the rows it
-    decodes need); compiled once per (block size, batch, sync_cycles, window bucket, form)."""
-    opts = self.options.for_loop(block_size, forced, sync_cycles, window, form)
+    `batch` rows, attending over `window` cache slots (None: all), sampling in `form` (what the
+    rows it decodes need); compiled once per (block size, batch, window bucket, form). Its
+    calls' last argument is their budget of target forwards (`BatchOptions.sync_cycles`; 0:
+    until no row decodes), a value: engines of any budget share the program."""
+    opts = self.options.for_loop(block_size, forced, window, form)
     if block_size == 1:
       return self.cache.get(opts.key(batch), lambda: loops.make_batched_ar_loop(self.t_graph, opts),
                             args, donate_argnums=donated(1, batched=True),
@@ -205,10 +206,9 @@ class LoopPrograms:
                           program=("batched_spec_loop", self.t_graph, self.d_graph,
                                    opts.spec_program(args[2].break_even_N is not None)))
 
-  def batched_loop_key(self, block_size: int, batch: int, sync_cycles: int,
-                       window: int | None, forced: bool = False,
-                       form: SamplingForm = SamplingForm.ANY) -> tuple:
-    return self.options.for_loop(block_size, forced, sync_cycles, window, form).key(batch)
+  def batched_loop_key(self, block_size: int, batch: int, window: int | None,
+                       forced: bool = False, form: SamplingForm = SamplingForm.ANY) -> tuple:
+    return self.options.for_loop(block_size, forced, window, form).key(batch)
 
   def insert(self, args: tuple):
     """The compiled slot insertion (`loops.make_insert`) for a state's shapes."""
