@@ -87,6 +87,40 @@ def test_save_and_load_round_trip(tok, reloaded):
   assert tok_lib.stop_token_ids(reloaded) == [151645, 151643]
 
 
+def test_a_generic_tokenizer_folder_loads_as_autotokenizer_does_without_torch(tok, reloaded,
+                                                                            tmp_path):
+  """A folder whose tokenizer_config.json names the generic fast tokenizer (this project's
+  converted checkpoints) loads through that class, the one AutoTokenizer resolves it to: the
+  same tokenizer, and no import of torch (AutoTokenizer's model registry imports it: ~2.7 s of
+  every decode.py start). A folder of another class still goes through AutoTokenizer."""
+  import os
+  import subprocess
+  import sys
+
+  import transformers
+  folder = tmp_path / "tok"
+  tok.save_pretrained(str(folder))
+  auto = transformers.AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+  assert type(reloaded) is type(auto) is transformers.PreTrainedTokenizerFast
+  text = "def f(x):\n    return x  # 日本語"
+  assert reloaded.encode(text) == auto.encode(text)
+  assert reloaded.all_special_ids == auto.all_special_ids
+  assert reloaded.chat_template == auto.chat_template and reloaded.eos_token == auto.eos_token
+  code = ("import sys; from bp_jax.text.tokenizer import load_tokenizer; "
+          f"t = load_tokenizer({str(folder)!r}); "
+          "print(t.encode('Hello world', add_special_tokens=False), 'torch' in sys.modules)")
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                        cwd=repo)
+  assert proc.returncode == 0 and proc.stdout.split() == ["[9707,", "1879]", "False"], (
+      proc.stdout + proc.stderr)
+  bad = tmp_path / "bad"
+  bad.mkdir()
+  (bad / "tokenizer_config.json").write_text("[1, 2")
+  with pytest.raises(BadInputError, match="tokenizer_config.json"):
+    tok_lib.load_tokenizer(str(bad))
+
+
 def test_load_tokenizer_errors(tmp_path):
   with pytest.raises(BadInputError, match="no tokenizer files"):
     tok_lib.load_tokenizer(str(tmp_path))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import importlib.resources
+import json
 import os
 from typing import Any, Sequence
 
@@ -79,6 +80,12 @@ QWEN3_CHAT_TEMPLATE = (
 
 # Files whose presence marks a folder as holding a Hugging Face tokenizer.
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+# `tokenizer_class` values (tokenizer_config.json) that `AutoTokenizer` resolves to the generic
+# fast tokenizer itself (`TokenizersBackend`, which `PreTrainedTokenizerFast` names): such a
+# folder (this project's converted checkpoints, the demo's) loads through that class, the same
+# call AutoTokenizer ends in, without importing AutoTokenizer's model registry, which imports
+# torch (~2.7 s of every decode.py start on this CPU).
+_GENERIC_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
 
 def _qwen_tiktoken_resources() -> tuple[str, str]:
@@ -160,10 +167,26 @@ def load_tokenizer(path: str) -> transformers.PreTrainedTokenizerBase:
         f"tokenizer folder {path!r} holds no tokenizer files (expected one of "
         f"{', '.join(_TOKENIZER_FILES)}); "
         f"pass {OFFLINE_QWEN3!r} to use the offline Qwen3 tokenizer")
+  generic = _tokenizer_class(path) in _GENERIC_CLASSES
+  loader = transformers.PreTrainedTokenizerFast if generic else transformers.AutoTokenizer
   try:
-    return transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+    return loader.from_pretrained(path, local_files_only=True)
   except (OSError, ValueError, KeyError) as exc:
     raise BadInputError(f"could not load the tokenizer in folder {path!r}: {exc}") from exc
+
+
+def _tokenizer_class(path: str) -> str | None:
+  """The `tokenizer_class` a tokenizer folder's tokenizer_config.json names (None: no file or
+  no name there, AutoTokenizer then decides)."""
+  config = os.path.join(path, "tokenizer_config.json")
+  if not os.path.isfile(config):
+    return None
+  try:
+    with open(config, encoding="utf-8") as f:
+      value = json.load(f).get("tokenizer_class")
+  except (OSError, ValueError, AttributeError) as exc:
+    raise BadInputError(f"{config}: not a readable JSON object ({exc})") from exc
+  return value if isinstance(value, str) else None
 
 
 def stop_token_ids(tokenizer: Any) -> list[int]:
