@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import faulthandler
+import gc
 import os
 import subprocess
 import sys
@@ -26,6 +27,13 @@ for _flag, _value in (("xla_backend_optimization_level", "0"),
                       ("xla_cpu_parallel_codegen_split_count", "1")):
   if _flag not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --{_flag}={_value}".strip()
+
+# Python's cyclic collector runs every 700 net allocations by default, and tracing a loop
+# allocates millions of objects while the process holds many compiled programs' Python objects,
+# so frequent full passes scan them again and again: tests/test_batched_decode.py alone spent
+# 2.6-2.9 s in 1,992 collections (2.1-2.3 s in full ones), and 0.55 s in 91 with these
+# thresholds, at the same peak memory (docs/results/suite.md).
+gc.set_threshold(10_000, 10, 10)
 
 
 @pytest.fixture(scope="session")
