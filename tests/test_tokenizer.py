@@ -1,6 +1,12 @@
 """Tests for bp_jax.text.tokenizer: the offline Qwen3 tokenizer, loading, stop ids, prompt encoding."""
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
+import transformers
 
 from bp_jax.text import tokenizer as tok_lib
 from bp_jax.errors import BadInputError
@@ -24,10 +30,16 @@ def tok():
 
 
 @pytest.fixture(scope="module")
-def reloaded(tok, tmp_path_factory):
+def saved(tok, tmp_path_factory) -> str:
+  """A folder holding `tok` as `save_pretrained` writes it."""
   folder = tmp_path_factory.mktemp("qwen3_tok")
   tok.save_pretrained(str(folder))
-  return tok_lib.load_tokenizer(str(folder))
+  return str(folder)
+
+
+@pytest.fixture(scope="module")
+def reloaded(saved):
+  return tok_lib.load_tokenizer(saved)
 
 
 def test_hello_world_ids(tok):
@@ -87,33 +99,34 @@ def test_save_and_load_round_trip(tok, reloaded):
   assert tok_lib.stop_token_ids(reloaded) == [151645, 151643]
 
 
-def test_a_generic_tokenizer_folder_loads_as_autotokenizer_does_without_torch(tok, reloaded,
-                                                                            tmp_path):
+def test_a_generic_tokenizer_folder_loads_as_autotokenizer_does_without_torch(
+    saved, reloaded, tmp_path, monkeypatch):
   """A folder whose tokenizer_config.json names the generic fast tokenizer (this project's
   converted checkpoints) loads through that class, the one AutoTokenizer resolves it to: the
   same tokenizer, and no import of torch (AutoTokenizer's model registry imports it: ~2.7 s of
   every decode.py start). A folder of another class still goes through AutoTokenizer."""
-  import os
-  import subprocess
-  import sys
-
-  import transformers
-  folder = tmp_path / "tok"
-  tok.save_pretrained(str(folder))
-  auto = transformers.AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+  auto = transformers.AutoTokenizer.from_pretrained(saved, local_files_only=True)
   assert type(reloaded) is type(auto) is transformers.PreTrainedTokenizerFast
   text = "def f(x):\n    return x  # 日本語"
   assert reloaded.encode(text) == auto.encode(text)
   assert reloaded.all_special_ids == auto.all_special_ids
   assert reloaded.chat_template == auto.chat_template and reloaded.eos_token == auto.eos_token
   code = ("import sys; from bp_jax.text.tokenizer import load_tokenizer; "
-          f"t = load_tokenizer({str(folder)!r}); "
+          f"t = load_tokenizer({saved!r}); "
           "print(t.encode('Hello world', add_special_tokens=False), 'torch' in sys.modules)")
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                         cwd=repo)
   assert proc.returncode == 0 and proc.stdout.split() == ["[9707,", "1879]", "False"], (
       proc.stdout + proc.stderr)
+  # Another class (a Hugging Face Qwen3 folder names Qwen2Tokenizer): AutoTokenizer's call.
+  other = tmp_path / "other"
+  other.mkdir()
+  (other / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "Qwen2Tokenizer"}))
+  calls = []
+  monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained",
+                      lambda path, **kw: calls.append(path) or "auto's")
+  assert tok_lib.load_tokenizer(str(other)) == "auto's" and calls == [str(other)]
   bad = tmp_path / "bad"
   bad.mkdir()
   (bad / "tokenizer_config.json").write_text("[1, 2")
