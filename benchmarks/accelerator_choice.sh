@@ -53,7 +53,7 @@ for B in $batches; do
   rc=$?
   echo "batch $B: rc $rc in $(( $(date +%s) - start )) s"
   (( rc == 0 )) || tail -4 "$root/B$B/log.txt"
-  grep -E 'target forward over|since start|  profile |break-even of a full cycle|Python GC' \
+  grep -E 'target forward over|since start|  profile |break-even of a full cycle|Python GC|first timed' \
     "$root/B$B/log.txt" | cut -c1-200
   sed -n '/ method /,$p' "$root/B$B/log.txt" | grep -v '^  wrote' | head -40
 done

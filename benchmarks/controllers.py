@@ -118,8 +118,10 @@ With --sim_clock_ms instead, every engine's loop calls are timed by a simulated 
 at the given prices (benchmarks/sim_clock.py: per-call noise --sim_clock_noise, a stall of
 --sim_clock_stall_s every --sim_clock_stall_every calls): the default's online prices then fit
 device-shaped calls as on the device, and the table's speeds are the simulated device's
-(deterministic: the same run gives the same figures on any machine). Every priced method's
-loop calls, with the break-even after each, are in the json (`call_logs`).
+(deterministic: the same run gives the same figures on any machine). Every method's loop
+calls are in the json (`call_logs`; a priced method's with the break-even after each), and each
+method's first timed call against its later calls of the same forwards (`first_calls`: a cost
+of the run's start shows there).
 
 Intervals: each method's speedup over AR, and those of `PAIRS` where both methods ran (e.g.
 `priced`'s over `backoff`, `priced_default`'s over `priced_default_every8`), with a 95% paired
@@ -191,7 +193,7 @@ from bp_jax import cli
 from bp_jax.gc_freeze import freeze_after_startup
 from bp_jax.decoding import controller as control
 from bp_jax.decode_job.compare import check_repeats_agree
-from bp_jax.decoding.call_tally import calls_line, tally_json
+from bp_jax.decoding.call_tally import calls_line, first_call_against_peers, tally_json
 from bp_jax.decoding.costs import ForwardCosts, forward_costs
 from bp_jax.decoding.engine import Engine, decode_form
 from bp_jax.decoding.generation import Generation, forward_cost_units
@@ -757,7 +759,14 @@ def main(_):
           "generation): " + ", ".join(f"{m} {g['count']}, {g['ms']:.1f}, {g['max_ms']:.1f}; "
                                       f"{g['oldest']}" for m, g in gc_in_calls.items()))
   call_logs = {m: [c.to_json() for c in engines[m].call_log] for m in methods
-               if m.startswith("priced") and engines[m].call_log}
+               if engines[m].call_log}
+  first_calls = {m: first_call_against_peers(engines[m].call_log) for m in call_logs}
+  first_calls = {m: f for m, f in first_calls.items() if f}
+  if first_calls:  # a start-of-run cost (the H200's first timed calls ran 15-40 ms long)
+    print("  first timed loop call against the later calls of the same forwards (ms, their "
+          "median, how many): " + ", ".join(
+              f"{m} {1e3 * f['first_s']:.1f} vs {1e3 * f['peers_median_s']:.1f} ({f['peers']})"
+              for m, f in first_calls.items()))
   for m, log in call_logs.items():  # what the miss rule weighed cycles against, call by call
     prices = [c["break_even"] for c in log if c["block_size"] > 1 and c["break_even"]]
     if prices:
@@ -796,6 +805,7 @@ def main(_):
               "shape": FLAGS.shape or "demo", "prompt_set": setup.label,
               "sim_tau": FLAGS.sim_tau if FLAGS.shape else None,
               "repeats_per_group": per_repeat, "call_logs": call_logs,
+              "first_calls": first_calls,
               "gc_in_calls": gc_in_calls}
     common.write_json(os.path.join(FLAGS.out, "controllers.json"), report, indent=1)
     print(f"  wrote {os.path.join(FLAGS.out, 'controllers.json')}")

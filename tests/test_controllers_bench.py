@@ -96,6 +96,12 @@ def test_simulated_drafts_at_a_model_shape_with_an_identical_twin(tmp_path):
   assert "priced_default target forwards by verify length:" in proc.stdout
   assert set(report["intervals"]) == {"none/ar", "priced_default/ar", "ar_twin/ar",
                                       "priced_default/none", "priced_default/ar_twin"}
+  # Every method's timed loop calls, and its first against its later calls of the same forwards
+  # (a static method replays the first group's first call in its second repeat).
+  assert set(report["call_logs"]) == set(report["methods"])
+  ar_first = report["first_calls"]["ar"]
+  assert ar_first["peers"] >= 1 and ar_first["first_s"] > 0 < ar_first["peers_median_s"]
+  assert "first timed loop call against the later calls of the same forwards" in proc.stdout
   # Python's collections inside each method's timed loop calls
   assert set(report["gc_in_calls"]) == set(report["methods"])
   assert "Python GC collections inside timed loop calls" in proc.stdout
@@ -163,3 +169,16 @@ def test_gc_collections_are_counted_inside_the_calls_they_started_in():
   assert got["count"] == 1 and got["oldest"] == 1 and got["ms"] == got["max_ms"] > 0, got
   assert pauses.inside([])["count"] == 0
 
+
+
+def test_a_first_call_is_weighed_against_later_calls_of_the_same_forwards():
+  from bp_jax.decoding.call_tally import LoopCall, first_call_against_peers
+  call = lambda s, fwd, rows=4: LoopCall(end_s=0.0, seconds=s, block_size=16, rows=rows,
+                                         forwards_N=fwd)
+  full, tail = (0,) * 16 + (16,), (0,) * 16 + (7,)
+  log = [call(0.114, full), call(0.048, tail), call(0.090, full), call(0.080, full),
+         call(0.010, full, rows=2)]  # the last at another shape: no peer
+  assert first_call_against_peers(log) == {"first_s": 0.114, "peers_median_s": 0.085,
+                                           "peers": 2}
+  assert first_call_against_peers([call(0.1, full), call(0.05, tail)]) is None
+  assert first_call_against_peers([]) is None

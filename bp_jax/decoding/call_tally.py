@@ -4,6 +4,7 @@ call where a caller asks for the record (`Engine.call_log`)."""
 from __future__ import annotations
 
 import dataclasses
+import statistics
 
 
 @dataclasses.dataclass
@@ -64,3 +65,19 @@ def calls_line(calls: dict[str, dict]) -> str:
   return "; ".join(f"{shape} {c['calls']} calls, {c['seconds']:.2f} s, "
                    f"{c['ms_per_forward']:.3f} ms/forward"
                    for shape, c in calls.items() if c["forwards"])
+
+
+def first_call_against_peers(log: list[LoopCall]) -> dict | None:
+  """The first call of a log (a timed run's first) against the later calls that ran the same
+  forwards at the same shape (a static method replays its calls every repeat): its seconds, the
+  peers' median and how many; None when no later call ran the same. A first call far above its
+  peers is a cost of the run's start, not of the method's work."""
+  if not log:
+    return None
+  first = log[0]
+  peers = [c.seconds for c in log[1:] if (c.forwards_N, c.block_size, c.rows)
+           == (first.forwards_N, first.block_size, first.rows)]
+  if not peers:
+    return None
+  return {"first_s": round(first.seconds, 5), "peers_median_s": round(statistics.median(peers), 5),
+          "peers": len(peers)}
