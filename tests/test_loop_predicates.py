@@ -13,6 +13,8 @@ a host callback that counts each evaluation.
 
 from __future__ import annotations
 
+import re
+
 import jax
 import pytest
 
@@ -86,3 +88,14 @@ def test_a_run_of_cycles_evaluates_one_predicate_besides_its_buckets(zeros_model
   for eng, key in ((plain, ("ar_loop", 1)), (plain, ("spec_loop_forced", B)),
                    (declining, ("spec_loop_forced", B)), (default, ("spec_loop_forced", B))):
     assert " conditional(" not in eng.compiled.program_text(key), key
+  # Program size: the paper's loop projects to the vocabulary twice (the drafter's pass, the
+  # verify), the default's once more (its AR step: one copy of the target's forward, not a
+  # second one peeled out of the AR steps' loop for its first step).
+  key = ("spec_loop_forced", B)
+  assert [_vocab_projections(e, key) for e in (plain, declining, default)] == [2, 3, 3]
+
+
+def _vocab_projections(eng, key) -> int:
+  """Matrix products with a vocabulary-wide result (V = 64) in a compiled program: one per
+  copy of the target's forward, and the drafter's pass."""
+  return len(re.findall(r"= f32\[[0-9,]*,64\]\{[0-9,]*\} dot\(", eng.compiled.program_text(key)))

@@ -109,7 +109,7 @@ def test_greedy_outputs_are_ar_and_batched_rows_equal_their_request_alone(zeros_
   together = many.generate_batch(prompts, max_new_tokens=max_news, block_size=B)
   assert [g.output_ids for g in together] == zeros_ar_outputs
   # A speculative loop's untimed first runs (`programs.WARMUP_START`) took AR steps (two: the
-  # first of a run and one inside the steps' own loop) and cycles, alone and in a batch: each
+  # steps' loop past its first trip) and cycles, alone and in a batch: each
   # part of the loop body has a first-run cost of its own (kernels set up on first use), which
   # a timed call would otherwise pay.
   for eng, name in ((one, "spec_loop"), (many, "batch_spec_loop")):

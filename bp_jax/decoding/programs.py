@@ -24,9 +24,9 @@ from bp_jax.decoding.sampling import SamplingForm
 
 WARMUP_TOKENS = 16  # new tokens of a loop's untimed first run
 # (misses, AR steps) a speculative loop's second untimed run starts with (`LoopState.start_row`;
-# the first runs the request or rows as they are): two AR steps (the first of a run is taken
-# before the steps' own loop, the second inside it), their drafter context added, then cycles
-# as far as the call's budget goes, so that the two runs reach every part of the loop body. A
+# the first runs the request or rows as they are): two AR steps (the steps' loop past its first
+# trip), their drafter context added, then cycles as far as the call's budget goes, so that the
+# two runs reach every part of the loop body. A
 # part's first run has a fixed cost of its own (XLA:CPU's kernels set up on first use; on a
 # GPU, kernels loaded on first launch): warmed by cycles alone, the first timed call that took
 # AR steps paid it (this CPU, test shapes, batch 4: 49 ms against 3 ms for the same call run
