@@ -9,9 +9,12 @@
 #
 #   bash benchmarks/accelerator_choice.sh [seconds per batch size, default 130]
 #
-# BATCHES="1 16 8 4" runs those batch sizes in that order; DEADLINE=540 ends the whole run within
-# that many seconds (each batch size gets what is left, up to its limit; none starts with under
-# a minute left), so that a device lease's one call returns with the rows it finished.
+# BATCHES="1 16 8 4" runs those batch sizes in that order; GROUPS=8 decodes 8 static batches per
+# batch size above 1 instead of 4 (the intervals resample them; on an H200 a group of batch 8
+# took ~6 s, all methods and repeats, after ~90-150 s of start-up and compiles); DEADLINE=540
+# ends the whole run within that many seconds (each batch size gets what is left, up to its
+# limit; none starts with under a minute left), so that a device lease's one call returns with
+# the rows it finished.
 # METHODS=none,priced_default,priced_default_nogate replaces the methods besides our AR (e.g. the
 # default with and without its back-off gate). PROFILE=0 drops the profiler pass that counts
 # each method's device kernels and device-to-host copies per batch target forward (on a GPU each
@@ -41,7 +44,7 @@ for B in $batches; do
   if (( left < 60 )); then echo "batch $B: skipped, $left s left"; continue; fi
   run_limit=$(( left < limit ? left : limit ))
   mkdir -p "$root/B$B"
-  prompts=$(( B == 1 ? 12 : 4 * B ))
+  prompts=$(( B == 1 ? 12 : ${GROUPS:-4} * B ))
   methods=${METHODS:-none,priced_default,ar_twin}
   profile=$( (( ${PROFILE:-1} )) && echo --profile )
   (( B == 1 )) && methods=$methods,ar_padded  # one-row AR steps as two-token forwards
