@@ -135,3 +135,22 @@ def test_check_disjoint():
   prompts.check_disjoint({"train": ["a", "b"], "eval": ["c"]})
   with pytest.raises(BadInputError, match="'train' and 'eval' overlap"):
     prompts.check_disjoint({"train": ["a", "b"], "eval": ["b"]})
+
+
+def test_benchmarks_demo_prompts_are_the_labelling_splits_humaneval_prompts():
+  """benchmarks.common.demo_prompts skips the labelling set's corpus windows (not HumanEval's):
+  each half is what the labelling stage's split holds of HumanEval, corpus windows cut or not."""
+  from benchmarks import common
+  from bp_jax.text.tokenizer import encode_prompt, load_tokenizer
+  from bp_jax.train.labels import prompt_sets
+  from configs import demo
+  tok = load_tokenizer("demo/target")
+  cfg = demo.get_config()
+  cfg.blockpilot.corpus_prompts = 8  # some corpus windows, as the labelling stage cuts them
+  label, evals = prompt_sets(cfg, tok)
+  assert any(p.source != cfg.blockpilot.eval_source for p in label)
+  for half, part in (("eval", evals), ("label", label)):
+    want = [(p.key, encode_prompt(tok, p.text, False)) for p in part
+            if p.source == cfg.blockpilot.eval_source]
+    assert common.demo_prompts(tok, half) == want and want, half
+  assert common.demo_prompts(tok, "eval", skip=2, limit=3) == common.demo_prompts(tok)[2:5]
