@@ -21,8 +21,8 @@ from bp_jax.decoding import controllers
 from bp_jax.decoding import evidence
 from bp_jax.decoding import verify as verify_rules
 from bp_jax.decoding.options import LoopOptions
-from bp_jax.decoding.sampling import (SamplingForm, as_sampling, in_form, position_keys,
-                                      sample)
+from bp_jax.decoding.sampling import (SamplingForm, as_sampling, in_form, is_greedy,
+                                      position_keys, sample)
 from bp_jax.decoding.state import LoopState
 from bp_jax.models.kv_cache import KVCache
 from bp_jax.policy.features import prefill_features
@@ -183,9 +183,11 @@ def _forward(model, tokens_Bt: jax.Array, cache, ar_step_tokens: int, **kw):
 
 def _ar_draw(s: LoopState, out, form: SamplingForm) -> jax.Array:
   """[B, 1] the target's sample at pos + 1 from a one-token forward: what plain AR decoding
-  commits there (each row's own settings, read in the loop's sampling `form`, and key)."""
-  keys_B = _row_keys(s.seed_keys_B, (s.pos_B + 1)[:, None])[:, 0]
-  return sample(out.logits[:, 0], in_form(s.sp_B, form), keys_B)[:, None]
+  commits there (each row's own settings, read in the loop's sampling `form`, and key; a
+  greedy program derives no key)."""
+  sp = in_form(s.sp_B, form)
+  keys_B = None if is_greedy(sp) else _row_keys(s.seed_keys_B, (s.pos_B + 1)[:, None])[:, 0]
+  return sample(out.logits[:, 0], sp, keys_B)[:, None]
 
 
 def _checked(logits_BtV: jax.Array, a_B: jax.Array, active_B: jax.Array

@@ -302,9 +302,10 @@ def draw_by_cdf(logits: jax.Array, keys: jax.Array) -> jax.Array:
   return out.reshape(logits.shape[:-1]).astype(jnp.int32)
 
 
-def sample(logits: jax.Array, sp, keys: jax.Array, processed: jax.Array | None = None
+def sample(logits: jax.Array, sp, keys: jax.Array | None, processed: jax.Array | None = None
            ) -> jax.Array:
-  """Samples [...] tokens from logits [..., V] with typed keys [...].
+  """Samples [...] tokens from logits [..., V] with typed keys [...] (None where `sp` is greedy
+  by form: a greedy program derives no keys).
 
   `sp`: SamplingParams (scalars, or [B] per row of logits [B, ..., V]; all None: greedy by
   form, `in_form`), or a temperature scalar. Temperature 0 gives the argmax; otherwise one

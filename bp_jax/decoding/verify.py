@@ -37,8 +37,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from bp_jax.decoding.sampling import (SamplingParams, draw, draw_by_cdf, first_argmax,
-                                      is_greedy, position_keys, processed_logits, sample)
+from bp_jax.decoding.sampling import (SamplingParams, as_sampling, draw, draw_by_cdf,
+                                      first_argmax, is_greedy, position_keys, processed_logits,
+                                      sample)
 from bp_jax.errors import BadInputError
 
 VERIFY_MODES = ("exact", "rejection")  # the names of `RULES`
@@ -66,7 +67,8 @@ def exact_match(target_logits_bV: jax.Array, draft_k: jax.Array, sp: SamplingPar
   """(y [b], a): the target's own samples at positions pos+1..pos+b and the accepted drafts
   (`p_logits_bV`: the target's processed logits, where the caller has them)."""
   b = target_logits_bV.shape[0]
-  y = sample(target_logits_bV, sp, position_keys(seed_key, pos + 1 + jnp.arange(b)), p_logits_bV)
+  keys = None if is_greedy(as_sampling(sp)) else position_keys(seed_key, pos + 1 + jnp.arange(b))
+  y = sample(target_logits_bV, sp, keys, p_logits_bV)
   return y, accept_length(draft_k, y)
 
 
