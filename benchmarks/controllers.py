@@ -258,6 +258,10 @@ flags.DEFINE_bool("profile", False, "after the timed runs, decode the first grou
                   "device-to-host copies per batch target forward (a GPU's stream lines: "
                   "each copy of a loop predicate is a wait of the host for the device; a CPU "
                   "has none to count)")
+flags.DEFINE_string("idle_gaps", "", "after the timed runs, our AR decodes the first group "
+                    "twice after each of these idle seconds (comma-separated, e.g. 0,0.2,1,3; "
+                    "empty: not run): its first loop call's seconds per gap, a cost of a device "
+                    "left idle (clocks that fall while it waits) if they grow with the gap")
 flags.DEFINE_bool("hold_costs", False, "the default and its variants keep the start-up costs "
                   "(given or measured) instead of updating them from their loop calls: their "
                   "choices then follow those prices alone (with --controller_costs: a replay at "
@@ -505,6 +509,21 @@ def profiled(engine: Engine, group: list, block_size: int,
     decode_group(engine, group, block_size, 0, forced)
     return max(sum(engine.forwards_run.values()) - before, 1)
   return accelerator.profile_counts(run)
+
+
+def idle_gaps(engine: Engine, group: list, gaps: list[float], reps: int = 2
+              ) -> dict[str, list[float]]:
+  """Seconds of the first loop call of `reps` decodes of `group` by `engine` (a plain AR
+  engine: every decode replays the same calls) after each idle gap in `gaps` (seconds the host
+  sleeps first), by gap."""
+  out: dict[str, list[float]] = {}
+  for gap in gaps:
+    for _ in range(reps):
+      time.sleep(gap)
+      before = len(engine.call_log)
+      decode_group(engine, group, 1, 0)
+      out.setdefault(f"{gap:g}", []).append(round(engine.call_log[before].seconds, 5))
+  return out
 
 
 def seconds_per_token(gens: list[Generation]) -> float:
@@ -780,6 +799,12 @@ def main(_):
               f"{p['kernels_per_cycle']} device kernels and {p['d2h_copies_per_cycle']} "
               "device-to-host copies per forward")
     print(f"  profile {m}: {p['cycles']} batch target forwards, {counts}")
+  gaps = (idle_gaps(engines["ar"], groups[0], [float(g) for g in FLAGS.idle_gaps.split(",")])
+          if FLAGS.idle_gaps else {})
+  if gaps:
+    print("  our AR's first loop call of the first group after an idle host (gap: ms each): "
+          + ", ".join(f"{g} s: " + " / ".join(f"{1e3 * x:.1f}" for x in xs)
+                      for g, xs in gaps.items()))
   if FLAGS.out:
     report = {"prompts": [k for k, _ in prompts], "half": FLAGS.half,
               "repeats": FLAGS.repeats, "warmup_groups": FLAGS.warmup_groups,
@@ -798,6 +823,7 @@ def main(_):
               "tails_shrink": shrinks, "batch_forwards": batched,
               "profile": {m: {k: v for k, v in p.items() if k != "device_lines"}
                           for m, p in profiles.items()},
+              "idle_gaps": gaps,
               "hold_costs": FLAGS.hold_costs,
               # the engines holding a measurement (the default's): the run's, as their source
               "engine_costs": {m: source for m, e in engines.items()

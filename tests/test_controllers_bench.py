@@ -69,6 +69,7 @@ def test_simulated_drafts_at_a_model_shape_with_an_identical_twin(tmp_path):
        "--num_prompts=3", "--repeats=2", "--max_new_tokens=20", "--block_size=4",
        "--methods=none,priced_default,ar_twin", "--batch_size=2", "--group_size=2",
        f"--cost_cache={tmp_path / 'costs'}", "--bootstrap_reps=50", "--profile",
+       "--idle_gaps=0,0.1",
        f"--out={out}"],
       cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
@@ -102,6 +103,10 @@ def test_simulated_drafts_at_a_model_shape_with_an_identical_twin(tmp_path):
   ar_first = report["first_calls"]["ar"]
   assert ar_first["peers"] >= 1 and ar_first["first_s"] > 0 < ar_first["peers_median_s"]
   assert "first timed loop call against the later calls of the same forwards" in proc.stdout
+  # Our AR's first loop call after each idle gap, twice each
+  assert list(report["idle_gaps"]) == ["0", "0.1"]
+  assert all(len(xs) == 2 and min(xs) > 0 for xs in report["idle_gaps"].values())
+  assert "our AR's first loop call of the first group after an idle host" in proc.stdout
   # Python's collections inside each method's timed loop calls
   assert set(report["gc_in_calls"]) == set(report["methods"])
   assert "Python GC collections inside timed loop calls" in proc.stdout
