@@ -510,7 +510,8 @@ def make_batched_spec_loop(graphdef, draft_graphdef, opts: LoopOptions) -> Calla
       so that every drafter pass finds its context whole: the steps' own loop inside a loop of
       zero or one trips (a `lax.cond` would copy every cache buffer). The run's first step is
       not peeled out of its loop: that would save one predicate per run of AR steps and put a
-      second copy of the target's forward in the program (a fifth of the default's HLO)."""
+      second copy of the target's forward in the program (846 of the default's 3,687 lowered
+      operations at the test shapes)."""
       steps = lambda s: flush_context(jax.lax.while_loop(wants_ar, ar_step, s))
       return jax.lax.while_loop(wants_ar, steps, s)
 
