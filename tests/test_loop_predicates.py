@@ -1,14 +1,14 @@
-"""Loop predicates per cycle. On a GPU, XLA evaluates each predicate of a data-dependent
+"""Host waits per cycle. On a GPU, XLA evaluates each predicate of a data-dependent
 `while_loop` on the device, copies it to the host and waits there for the device before it
-launches what follows, so every predicate a cycle evaluates is time the device idles. A run of
-the default's cycles (`priced`, with its back-off, decline and gate) must evaluate no more of
-them than the paper's loop (one per cycle) plus, where it declines, its full verify's (a nested
-loop of zero or one trips, skipped where the cycle declines its drafts: two evaluations when
-it verifies); where the costs leave the decline off, as many as the paper's loop. Greedy
-requests' programs branch at run time on nothing else (`sampling.SamplingForm`).
+launches what follows, and likewise the branch index of a `lax.cond`, so every predicate and
+branch a cycle evaluates is time the device idles. A run of the default's cycles (`priced`, with
+its back-off, decline and gate) must evaluate no more of them than the paper's loop (one per
+cycle) plus, where it declines, its one branch between the full verify and none; where the costs
+leave the decline off, as many as the paper's loop. Greedy requests' programs branch at run time
+on nothing else (`sampling.SamplingForm`).
 
-Counted on this CPU by wrapping `jax.lax.while_loop`'s predicates, while the loops compile, with
-a host callback that counts each evaluation.
+Counted on this CPU by wrapping `jax.lax.while_loop`'s predicates and `jax.lax.cond`'s branch
+index, while the loops compile, with a host callback that counts each evaluation.
 """
 
 from __future__ import annotations
@@ -28,17 +28,24 @@ COSTS = dict(controller_costs="1,1.05,1.1", controller_draft_cost=0.1, start_bac
 
 @pytest.fixture
 def evaluations(monkeypatch) -> list[int]:
-  """[n]: the loop predicates evaluated so far by loops compiled from here on."""
+  """[n]: the loop predicates and branch indices evaluated so far by loops compiled from here
+  on."""
   seen = [0]
-  real = jax.lax.while_loop
+  count = lambda: jax.debug.callback(lambda: seen.__setitem__(0, seen[0] + 1))
+  real_while, real_cond = jax.lax.while_loop, jax.lax.cond
 
   def while_loop(cond, body, init):
     def counted(s):
-      jax.debug.callback(lambda: seen.__setitem__(0, seen[0] + 1))
+      count()
       return cond(s)
-    return real(counted, body, init)
+    return real_while(counted, body, init)
+
+  def cond(pred, true_fn, false_fn, *operands):
+    count()
+    return real_cond(pred, true_fn, false_fn, *operands)
 
   monkeypatch.setattr(jax.lax, "while_loop", while_loop)
+  monkeypatch.setattr(jax.lax, "cond", cond)
   return seen
 
 
@@ -73,21 +80,25 @@ def test_a_run_of_cycles_evaluates_one_predicate_besides_its_buckets(zeros_model
   calls = len(prompts)  # one loop call per request (sync_cycles 0)
   # The paper's loop: its one predicate per cycle, and one more per call (the exit).
   assert n_plain == c_plain + calls
-  # With the decline: the cycles' loop and the full verify's (2) per cycle; per call, the
-  # outer loop's two, the AR steps' loop of zero or one trips and the cycles' loop's exit.
-  # Nested in a loop of zero or one trips after AR steps that ran first, with a nested loop for
-  # each of its two verify lengths (the form before), a cycle evaluated 8 (the outer loop, the
-  # AR steps', its own twice, the context flush's, the buckets' 2 + 1).
+  # With the decline: the cycles' loop and the branch to the full verify per cycle; per call,
+  # the outer loop's two, the AR steps' loop of zero or one trips and the cycles' loop's exit.
+  # The full verify in a loop of zero or one trips (the form before) evaluated its predicate
+  # twice per cycle that verified (3 per cycle); nested in a loop of zero or one trips after AR
+  # steps that ran first, with a nested loop for each of its two verify lengths (the form
+  # before that), a cycle evaluated 8 (the outer loop, the AR steps', its own twice, the
+  # context flush's, the buckets' 2 + 1).
   per_cycle = (n_declining - 4 * calls) / c_declining
-  assert per_cycle == pytest.approx(3.0), (n_declining, c_declining)
+  assert per_cycle == pytest.approx(2.0), (n_declining, c_declining)
   # Without it, the paper's loop's one per cycle.
   assert (n_default - 4 * calls) / c_default == pytest.approx(1.0), (n_default, c_default)
   # Greedy requests run greedy programs (`sampling.SamplingForm`): no run-time branch on the
   # sampling settings (one program for every setting branched twice per cycle and once per AR
-  # step, each branch a wait of the host for the device on a GPU), and no other.
-  for eng, key in ((plain, ("ar_loop", 1)), (plain, ("spec_loop_forced", B)),
-                   (declining, ("spec_loop_forced", B)), (default, ("spec_loop_forced", B))):
-    assert " conditional(" not in eng.compiled.program_text(key), key
+  # step, each branch a wait of the host for the device on a GPU), and no other than the
+  # decline's.
+  for eng, key, branches in ((plain, ("ar_loop", 1), 0), (plain, ("spec_loop_forced", B), 0),
+                             (declining, ("spec_loop_forced", B), 1),
+                             (default, ("spec_loop_forced", B), 0)):
+    assert eng.compiled.program_text(key).count(" conditional(") == branches, key
   # Program size: the paper's loop projects to the vocabulary twice (the drafter's pass, the
   # verify), the default's once more (its AR step: one copy of the target's forward, not a
   # second one peeled out of the AR steps' loop for its first step).

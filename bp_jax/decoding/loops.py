@@ -354,8 +354,9 @@ def make_batched_spec_loop(graphdef, draft_graphdef, opts: LoopOptions) -> Calla
   cycle's; with `controller_persist` a miss takes its AR steps only while misses persist
   (`evidence.backs_off`). "fixed:k" (tests) verifies k drafts every cycle through the same
   machinery. Each bucket is its own verify shape [B, k+1] run as a nested `while_loop` of zero
-  or one trips (a `lax.switch` would copy every cache buffer); a cycle verifying k = 0 drafts
-  still counts as a cycle (its drafter pass was paid).
+  or one trips (a `lax.switch` among them would copy every cache buffer; the decline's one
+  branch, whose other side passes the state through, is a `lax.cond`); a cycle verifying k = 0
+  drafts still counts as a cycle (its drafter pass was paid).
 
   `opts.forced_drafts` (tests and benchmarks; `exact` only): the state has `forced_BS`, and
   each row drafts the tokens stored there at its positions (where >= 0; elsewhere the
@@ -449,18 +450,22 @@ def make_batched_spec_loop(graphdef, draft_graphdef, opts: LoopOptions) -> Calla
     def cycle(s):
       """Draft, let the controller pick k, verify k: with several buckets, one nested loop of
       zero or one trips per bucket (exactly one runs); a controller that declines (its bucket
-      0) runs the full verify in the one loop where it does not (`declined`)."""
+      0) runs the full verify in the one branch where it does not (`declined`)."""
       draft_Bk, draft_logits_BkV, q_BkV = draft(s)
       expected_B = ctl.expected(draft_logits_BkV, draft_Bk)
       idx, draft_next = ctl.choose(draft_logits_BkV, draft_Bk, s, expected_B)
       verify = lambda s, k: verify_k(s, k, draft_Bk, q_BkV, draft_next, expected_B)
       if len(ctl.buckets) == 1:
         return verify(s, ctl.buckets[0])
-      buckets = list(enumerate(ctl.buckets))
-      if ctl.declines:  # bucket 0 verifies nothing
+      if ctl.declines:  # bucket 0 verifies nothing; the full verify where not declined
+        (k,) = ctl.buckets[1:]
         s = declined(s, idx == 0, draft_next, expected_B)
-        buckets = buckets[1:]
-      for i, k in buckets:
+        # One branch index copied to the host per cycle on a GPU, where a loop of zero or one
+        # trips evaluated its predicate twice; the branch that verifies nothing passes the
+        # state through, so XLA updates the caches in place (tests/test_loop_predicates.py).
+        return jax.lax.cond(idx == 1, lambda t: verify(t, k), lambda t: t, s)
+      # Several verifying buckets: a `lax.switch` among them would copy every cache buffer.
+      for i, k in enumerate(ctl.buckets):
         run = lambda t, k=k: (jnp.bool_(False), verify(t[1], k))
         s = jax.lax.while_loop(lambda t: t[0], run, (idx == i, s))[1]
       return s

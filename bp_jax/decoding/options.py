@@ -105,8 +105,8 @@ class BatchOptions:
 # `LoopOptions.controller_decline` None keeps the decline where a declined cycle saves at least
 # this many AR steps: the verify of the engine's largest block size less an AR step, in the
 # costs in effect. It saves at most that per declined cycle, and every cycle pays for it: its
-# full verify runs in a loop of zero or one trips (two loop predicates per cycle, each a wait of
-# the host for the device on a GPU) and its drafter probabilities over the vocabulary. On this
+# full verify runs behind a branch (one branch index per cycle, a wait of the host for the
+# device on a GPU) and its drafter probabilities over the vocabulary. On this
 # CPU a b = 8 verify costs 1.9-2.5 AR steps (saving 0.9-1.5: kept); on an H100 at Qwen3-4B
 # shapes a b = 16 verify cost 1.23 / 1.44 / 1.90 AR steps at batch 4 / 8 / 16 (saving 0.23 /
 # 0.44 / 0.90), and at batch 1 a 16-token forward cost less than the AR step; replayed at an
