@@ -263,13 +263,14 @@ def test_batched_loops_update_the_caches_in_place(models, stop_id):
     assert not copies, (key, copies)
     # The pattern does name the loop's cache buffers (it would see their copies).
     assert re.search(rf"f32\[4,{MAX_LEN},8\]", hlo) and re.search(rf"f32\[4,8,{MAX_LEN}\]", hlo)
-  # The decline's branch between the full verify and none (a `lax.cond` whose other branch
-  # passes the state through) copies no cache buffer either.
+  # The decline's branch between the full verify and none, like the branch to a run of AR
+  # steps (each a `lax.cond` whose other branch passes the state through), copies no cache
+  # buffer either.
   declining = _engine(models, stop_id, 2, controller="priced", controller_decline=True,
                       controller_costs="1,1.05,1.1", controller_draft_cost=0.1)
   declining.precompile([4], length_buckets=BUCKETS[:1])
   hlo = declining.compiled.program_text(("batch_spec_loop", 4, 2, "all"))
-  assert hlo.count(" conditional(") == 1 and not cache_shape.search(hlo)
+  assert hlo.count(" conditional(") == 2 and not cache_shape.search(hlo)
 
 
 @pytest.mark.parametrize("kw, flag", [(dict(batch_size=0), "--config.batch_size"),

@@ -94,10 +94,10 @@ def test_a_run_of_cycles_evaluates_one_predicate_besides_its_buckets(zeros_model
   # Greedy requests run greedy programs (`sampling.SamplingForm`): no run-time branch on the
   # sampling settings (one program for every setting branched twice per cycle and once per AR
   # step, each branch a wait of the host for the device on a GPU), and no other than the
-  # decline's.
+  # run of AR steps' (where the loop backs off) and the decline's.
   for eng, key, branches in ((plain, ("ar_loop", 1), 0), (plain, ("spec_loop_forced", B), 0),
-                             (declining, ("spec_loop_forced", B), 1),
-                             (default, ("spec_loop_forced", B), 0)):
+                             (declining, ("spec_loop_forced", B), 2),
+                             (default, ("spec_loop_forced", B), 1)):
     assert eng.compiled.program_text(key).count(" conditional(") == branches, key
   # Program size: the paper's loop projects to the vocabulary twice (the drafter's pass, the
   # verify), the default's once more (its AR step: one copy of the target's forward, not a
