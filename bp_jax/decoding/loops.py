@@ -462,7 +462,8 @@ def make_batched_spec_loop(graphdef, draft_graphdef, opts: LoopOptions) -> Calla
         s = declined(s, idx == 0, draft_next, expected_B)
         # One branch index copied to the host per cycle on a GPU, where a loop of zero or one
         # trips evaluated its predicate twice; the branch that verifies nothing passes the
-        # state through, so XLA updates the caches in place (tests/test_loop_predicates.py).
+        # state through, so XLA updates the caches in place (tests/test_batched_decode.py; the
+        # waits are counted in tests/test_loop_predicates.py).
         return jax.lax.cond(idx == 1, lambda t: verify(t, k), lambda t: t, s)
       # Several verifying buckets: a `lax.switch` among them would copy every cache buffer.
       for i, k in enumerate(ctl.buckets):
