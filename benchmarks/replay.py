@@ -81,7 +81,7 @@ def accepted_and_expected(p_Tk: np.ndarray, hit_Tk: np.ndarray, rates=None
 
 # The gate's rules as the loop runs them, on one row (jitted: called once per simulated cycle).
 _gate_observed = jax.jit(evidence.observed, static_argnums=(1, 2))
-_gate_persists = jax.jit(evidence.persists)
+_gate_backs_off = jax.jit(evidence.backs_off, static_argnums=2)
 
 
 def iid(prompts: list[tuple[np.ndarray, np.ndarray]], seed: int = 0
@@ -95,15 +95,18 @@ def iid(prompts: list[tuple[np.ndarray, np.ndarray]], seed: int = 0
 
 def simulate(prompts: list[tuple[np.ndarray, np.ndarray]], draft_cost: float,
              verify_cost: float, cap: int, declines: bool, gate: bool = False,
-             every_cycle: bool = False) -> dict:
+             every_cycle: bool = False, pays_multiple: float = evidence.PAYS_MULTIPLE) -> dict:
   """The priced back-off over every prompt's positions (module doc): committed tokens, cost in
-  AR steps, verified and declined cycles, AR steps. `gate`: a miss backs off only while misses
-  persist (`evidence.persists`, its evidence carried across the prompts as the engine carries
-  it); `every_cycle`: no cycle is a miss (the paper's loop)."""
+  AR steps, verified and declined cycles, AR steps. `gate`: a miss backs off only as the
+  engine's gate lets it (`evidence.backs_off` at the cycle's price and `pays_multiple`; its
+  evidence carried across the prompts as the engine carries it); `every_cycle`: no cycle is a
+  miss (the paper's loop)."""
   decline_3 = np.zeros(3)
   seen = jnp.asarray(evidence.empty_state())
   block = 2  # the gate reads full cycles only: any k = block - 1 > 0 marks one
-  backs_off = lambda: not gate or bool(_gate_persists(seen))  # a miss takes its AR steps now
+  price = draft_cost + verify_cost
+  # Whether a miss takes its AR steps now.
+  backs_off = lambda: not gate or bool(_gate_backs_off(seen, price, pays_multiple))
   tokens = cost = 0.0
   verified = declined = ar_steps = 0
   for accepted_T, expected_T in prompts:

@@ -128,6 +128,23 @@ def test_misses_back_off_where_cycles_lose_on_average_persisting_or_not():
   assert not bool(evidence.cycles_lose(jnp.asarray(evidence.empty_state()), 2.5))
 
 
+def test_misses_back_off_nothing_where_the_cycles_after_them_pay_several_prices():
+  """Misses persist against the mean (cycles after them commit ~2.9 tokens of ~3.5) but those
+  cycles commit at least PAYS_MULTIPLE prices: no AR steps at a cheap cycle's price; at a dearer
+  one, and before any post-miss cycle outweighs the prior, the back-off holds."""
+  state = _seen([([3, 3], False)] * 90 + [([1, 3], True)] * 40)
+  after = float(evidence.after_miss_tokens(state))
+  assert 2.8 < after < 3.0 and bool(evidence.persists(state))
+  cheap, dear = after / evidence.PAYS_MULTIPLE - 0.01, after / evidence.PAYS_MULTIPLE + 0.01
+  assert bool(evidence.pays_after_miss(state, cheap)) and not bool(evidence.backs_off(state, cheap))
+  assert not bool(evidence.pays_after_miss(state, dear)) and bool(evidence.backs_off(state, dear))
+  # The rule before the pay test backs off at any price.
+  assert bool(evidence.backs_off(state, cheap, pays_multiple=float("inf")))
+  # Nothing seen: the prior (1 token per post-miss cycle) pays no price >= 1 AR step.
+  empty = jnp.asarray(evidence.empty_state())
+  assert bool(evidence.backs_off(empty, 1.0)) and not bool(evidence.pays_after_miss(empty, 1.0))
+
+
 def test_the_gate_keeps_the_back_off_where_independent_cycles_lose(zeros_models):
   """Wrong positions independent but frequent (p 0.6: a b = 4 cycle commits ~1.6 tokens against
   its price of 2.5 AR steps): the gated engine backs off as the ungated one does, the same
@@ -148,3 +165,26 @@ def test_the_gate_keeps_the_back_off_where_independent_cycles_lose(zeros_models)
   gate = backoff_gate_of(gated)
   assert not gate["misses_persist"] and gate["cycles_lose"] and gate["backs_off"], gate
   assert steps["always"] > 40 and steps["gated"] > 0.8 * steps["always"], steps
+
+
+def test_the_summary_says_when_cycles_after_misses_pay(zeros_models, capsys):
+  """An engine at cheap prices (a b = 4 cycle 1.05 AR steps) whose evidence has misses persist
+  (cycles after them commit ~3.25 tokens, cycles 4 on average) but those cycles commit over 3
+  prices: the gate lifts the back-off and the decode summary says why."""
+  import ml_collections
+  from bp_jax.decode_job import records as rec
+  eng = toy_engine(zeros_models, "priced", controller_costs="1,1,1", controller_draft_cost=0.05,
+                   start_backoff=False)
+  state = evidence.empty_state()
+  state[evidence.PERSIST] = [100.0, 330.0, 200.0, 800.0]
+  eng.evidence_state = state
+  gate = backoff_gate_of(eng)
+  assert gate["misses_persist"] and gate["cycles_after_misses_pay"] and not gate["backs_off"]
+  assert gate["cycle_price"] == 1.05
+  record = {"new_tokens": 3, "prefill_s": 0.01, "decode_s": 0.1, "acceptance_lengths": [2],
+            "tau": 2.0, "tokens_per_forward": 1.5, "cycles": 1, "ar_steps": 1,
+            "forward_verified": [4, 0], "block_size": B, "ids_beyond_tokenizer": 0}
+  cfg = ml_collections.ConfigDict(dict(mode="spec", block_policy="fixed", temperature=0.0))
+  rec.print_summary(rec.summarize([record], eng, cfg, wall_s=1.0))
+  assert ("persist, but the cycles after them pay 3x their price (1.05 AR steps)"
+          in capsys.readouterr().out)

@@ -108,7 +108,8 @@ def backoff_gate_of(engine) -> dict | None:
   """What the priced back-off's gate measured (`evidence.backs_off`): the tokens a row-cycle
   committed right after a miss and on average (decayed, over about the last 100 of each),
   whether misses persist, whether the average cycle loses at one request's price of a full
-  cycle of the largest block size now, and whether misses then back one request off; None
+  cycle of the largest block size now, whether the cycles after misses pay several such prices
+  (`evidence.pays_after_miss`), and whether misses then back one request off; None
   where no loop gates its back-off."""
   state = getattr(engine, "evidence_state", None)
   if state is None or not engine.loop_options.controller_persist:
@@ -129,6 +130,7 @@ def _gate_verdict(engine, state) -> dict:
   price = prices.break_even(max(engine.block_sizes), 1)
   return {"misses_persist": persists, "cycle_price": round(price, 3),
           "cycles_lose": bool(evidence.cycles_lose(state, price)),
+          "cycles_after_misses_pay": bool(evidence.pays_after_miss(state, price)),
           "backs_off": bool(evidence.backs_off(state, price))}
 
 
@@ -301,6 +303,11 @@ def print_summary(s: dict) -> None:
                   f"{s['backoff_gate']['cycle_price']:g} AR steps)")
                  if s["backoff_gate"].get("cycles_lose") else
                  "back the rows off" if s["backoff_gate"]["backs_off"] else
+                 ("persist, but the cycles after them pay "
+                  f"{evidence.PAYS_MULTIPLE:g}x their price "
+                  f"({s['backoff_gate']['cycle_price']:g} AR steps): the next cycle runs at once")
+                 if s["backoff_gate"].get("cycles_after_misses_pay")
+                 and s["backoff_gate"]["misses_persist"] else
                  "do not persist, the next cycle runs at once"))]
             if spec and s.get("backoff_gate") else []),
           *([("slot time holding a decoding row", f"{s['slot_use']:.1%} (batched calls; "

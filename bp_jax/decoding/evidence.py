@@ -41,6 +41,22 @@ rows: the same AR steps, the same tokens per unit cost) and took the independent
 16, `/tmp/s39/gate.py`) lost on the real acceptances: PERSIST_RATIO 0.8 up to 3.6% of the
 back-off on two rows, and comparing the cycles after misses with the cycle's price instead of
 the mean up to 3.5% at an accelerator's prices (those cycles ran after the AR steps).
+
+Where a cycle is cheap (an accelerator's: a b = 16 cycle priced 1.6-2.5 AR steps against the
+6 tokens it commits), misses may persist against the mean and the cycles after them still pay
+for themselves several times over: the AR steps of the back-off then lose whatever the
+acceptances' runs. So a miss backs off nothing where a row-cycle right after a miss is
+estimated to commit at least PAYS_MULTIPLE times the full cycle's price (`pays_after_miss`;
+the estimate is `persists`' own, prior included, so an engine that has seen nothing still
+backs off). The margin of 3 covers the bias above (post-miss cycles measured after the AR
+steps commit more than they would right after the miss): in the replay of the demo's
+teacher-forced acceptances (`benchmarks/decline_replay.py --iid`, both halves, b = 16 and 8,
+accelerator and CPU prices, `--pays_multiples`; docs/results/controller.md) a margin of 1.5
+lost up to 4.2% on the real acceptances, 2 up to 0.55%, 3 at most 0.11%, while on independent
+acceptances at an accelerator's prices 3 gained 1.7% on average and up to 11.8% over the gate
+without the test. On
+a CPU, where a b = 8 cycle costs 2.7 AR steps or more, 3 prices exceed the 8 tokens a cycle
+can commit and the test never lifts the back-off.
 """
 
 from __future__ import annotations
@@ -59,6 +75,9 @@ PRIOR_ROWS = 2.0
 PRIOR_TOKENS = 1.0
 # A post-miss cycle must commit less than this share of the overall mean for misses to persist.
 PERSIST_RATIO = 0.9
+# A post-miss cycle that commits at least this many times a full cycle's price lifts the
+# back-off, misses persisting or not (`pays_after_miss`; module doc).
+PAYS_MULTIPLE = 3.0
 # The weight the evidence keeps per cycle of its kind after it (about the last 100 count).
 FORGET = decline.EVIDENCE_FORGET
 
@@ -68,12 +87,27 @@ def empty_state() -> np.ndarray:
   return np.zeros((SIZE,), np.float32)
 
 
+def after_miss_tokens(state_7: jax.Array) -> jax.Array:
+  """[] float32: the estimate of what a row-cycle right after a miss commits (its prior of
+  PRIOR_ROWS row-cycles of PRIOR_TOKENS each, then the decayed post-miss cycles seen)."""
+  after_rows, after_tokens = state_7[PERSIST][0], state_7[PERSIST][1]
+  return (PRIOR_ROWS * PRIOR_TOKENS + after_tokens) / (PRIOR_ROWS + after_rows)
+
+
 def persists(state_7: jax.Array) -> jax.Array:
   """[] bool: whether cycles right after a miss commit less than PERSIST_RATIO of the mean
   (module doc): the rows back off after a miss. True before any cycle was seen."""
-  after_rows, after_tokens, rows, tokens = (state_7[PERSIST][i] for i in range(4))
-  after = (PRIOR_ROWS * PRIOR_TOKENS + after_tokens) / (PRIOR_ROWS + after_rows)
-  return (rows <= 0) | (after < PERSIST_RATIO * tokens / jnp.maximum(rows, 1e-6))
+  rows, tokens = state_7[PERSIST][2], state_7[PERSIST][3]
+  return (rows <= 0) | (after_miss_tokens(state_7) < PERSIST_RATIO * tokens
+                        / jnp.maximum(rows, 1e-6))
+
+
+def pays_after_miss(state_7: jax.Array, price: jax.Array | float,
+                    multiple: float = PAYS_MULTIPLE) -> jax.Array:
+  """[] bool: whether a row-cycle right after a miss commits at least `multiple` times `price`
+  (a full cycle's break-even in AR steps; module doc): then a miss backs off nothing, misses
+  persisting or not. Never before the post-miss cycles outweigh the prior (1 token < price)."""
+  return after_miss_tokens(state_7) >= multiple * jnp.asarray(price, jnp.float32)
 
 
 def cycles_lose(state_7: jax.Array, price: jax.Array | float) -> jax.Array:
@@ -85,10 +119,13 @@ def cycles_lose(state_7: jax.Array, price: jax.Array | float) -> jax.Array:
   return (rows > 0) & (tokens < jnp.asarray(price, jnp.float32) * rows)
 
 
-def backs_off(state_7: jax.Array, price: jax.Array | float) -> jax.Array:
-  """[] bool: whether a miss backs the rows off: misses persist (`persists`) or cycles lose on
-  average at `price` (`cycles_lose`)."""
-  return persists(state_7) | cycles_lose(state_7, price)
+def backs_off(state_7: jax.Array, price: jax.Array | float,
+              pays_multiple: float = PAYS_MULTIPLE) -> jax.Array:
+  """[] bool: whether a miss backs the rows off: misses persist (`persists`) and the cycles
+  after them do not clearly pay (`pays_after_miss` at `pays_multiple`; math.inf: never, the
+  rule before it), or cycles lose on average at `price` (`cycles_lose`)."""
+  return ((persists(state_7) & ~pays_after_miss(state_7, price, pays_multiple))
+          | cycles_lose(state_7, price))
 
 
 def observed(state_7: jax.Array, k: int, block_size: int, a_B: jax.Array,
