@@ -54,9 +54,8 @@ teacher-forced acceptances (`benchmarks/decline_replay.py --iid`, both halves, b
 accelerator and CPU prices, `--pays_multiples`; docs/results/controller.md) a margin of 1.5
 lost up to 4.2% on the real acceptances, 2 up to 0.55%, 3 at most 0.11%, while on independent
 acceptances at an accelerator's prices 3 gained 1.7% on average and up to 11.8% over the gate
-without the test. On
-a CPU, where a b = 8 cycle costs 2.7 AR steps or more, 3 prices exceed the 8 tokens a cycle
-can commit and the test never lifts the back-off.
+without the test. On a CPU, where a b = 8 cycle costs 2.7 AR steps or more, 3 prices exceed
+the 8 tokens a cycle can commit and the test never lifts the back-off.
 """
 
 from __future__ import annotations
