@@ -81,7 +81,7 @@ def test_a_run_of_cycles_evaluates_one_predicate_besides_its_buckets(zeros_model
   # The paper's loop: its one predicate per cycle, and one more per call (the exit).
   assert n_plain == c_plain + calls
   # With the decline: the cycles' loop and the branch to the full verify per cycle; per call,
-  # the outer loop's two, the AR steps' loop of zero or one trips and the cycles' loop's exit.
+  # the outer loop's two, the branch to a run of AR steps and the cycles' loop's exit.
   # The full verify in a loop of zero or one trips (the form before) evaluated its predicate
   # twice per cycle that verified (3 per cycle); nested in a loop of zero or one trips after AR
   # steps that ran first, with a nested loop for each of its two verify lengths (the form
