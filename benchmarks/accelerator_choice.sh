@@ -32,6 +32,13 @@
 # sampling work alone at Qwen3's vocabulary, batch 16, b = 16 (benchmarks/verify_cost.py: top-k
 # 20 + top-p 0.95, read off the candidates; top-p 0.9 alone on random logits, the bisection's
 # worst case), each also with every row bisected (--top_candidates 64,0), into $root/verify_cost.
+# AB_XLA_FLAGS="--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL" runs each batch size a second
+# time, in a process of its own with those flags added to XLA_FLAGS, into $root/B<batch>_ab: XLA
+# flags act when a process starts its backend, so the two arms are two processes one after the
+# other (a GPU's AR twin reads 0.99-1.01x, so the pair compares within that). The flags in the
+# example let XLA:GPU run the decode loops' while loops and branches as CUDA graph nodes on the
+# device, where by default each trip's predicate is copied to the host, which then launches the
+# next trip's ~700-1,200 kernels (measured per batch forward on an H200).
 set -uo pipefail
 limit=${1:-130}
 batches=${BATCHES:-1 8 4 16}
@@ -42,11 +49,17 @@ root=${OUT:-out}/accelerator_choice
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/bp_jax_jax_cache}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null || true
 python3 -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())"
+arms=("")
+[[ -n "${AB_XLA_FLAGS:-}" ]] && arms+=("$AB_XLA_FLAGS")
+base_xla_flags=${XLA_FLAGS:-}
 for B in $batches; do
+ for extra in "${arms[@]}"; do
   left=$(( deadline - $(date +%s) ))
-  if (( left < 60 )); then echo "batch $B: skipped, $left s left"; continue; fi
+  if (( left < 60 )); then echo "batch $B${extra:+ ($extra)}: skipped, $left s left"; continue; fi
   run_limit=$(( left < limit ? left : limit ))
-  mkdir -p "$root/B$B"
+  out_dir="$root/B$B${extra:+_ab}"
+  export XLA_FLAGS="$base_xla_flags${extra:+ $extra}"
+  mkdir -p "$out_dir"
   prompts=$(( B == 1 ? 12 : ${GROUPS:-4} * B ))
   methods=${METHODS:-none,priced_default,ar_twin}
   profile=$( (( ${PROFILE:-1} )) && echo --profile )
@@ -55,15 +68,17 @@ for B in $batches; do
   timeout "$run_limit" python3 -m benchmarks.controllers --shape "$shape" --block_size 16 \
     --prompt_len 256 --max_new_tokens 128 --num_prompts "$prompts" --repeats 2 --warmup_groups 1 \
     --batch_size "$B" --group_size "$B" --methods "$methods" \
-    --cost_cache "" $profile --idle_gaps "${IDLE_GAPS-0,0.2,1,3}" --out "$root/B$B" \
-    > "$root/B$B/log.txt" 2>&1
+    --cost_cache "" $profile --idle_gaps "${IDLE_GAPS-0,0.2,1,3}" --out "$out_dir" \
+    > "$out_dir/log.txt" 2>&1
   rc=$?
-  echo "batch $B: rc $rc in $(( $(date +%s) - start )) s"
-  (( rc == 0 )) || tail -4 "$root/B$B/log.txt"
+  echo "batch $B${extra:+ ($extra)}: rc $rc in $(( $(date +%s) - start )) s"
+  (( rc == 0 )) || tail -4 "$out_dir/log.txt"
   grep -E 'target forward over|since start|  profile |break-even of a full cycle|Python GC|first timed|idle host' \
-    "$root/B$B/log.txt" | cut -c1-200
-  sed -n '/ method /,$p' "$root/B$B/log.txt" | grep -v '^  wrote' | head -40
+    "$out_dir/log.txt" | cut -c1-200
+  sed -n '/ method /,$p' "$out_dir/log.txt" | grep -v '^  wrote' | head -40
+ done
 done
+export XLA_FLAGS="$base_xla_flags"
 left=$(( deadline - $(date +%s) ))
 if (( ${TRUNCATION:-1} )) && (( left >= 45 )); then
   for setting in "20 0.95" "0 0.9"; do
