@@ -37,8 +37,8 @@
 # flags act when a process starts its backend, so the two arms are two processes one after the
 # other (a GPU's AR twin reads 0.99-1.01x, so the pair compares within that). The flags in the
 # example let XLA:GPU run the decode loops' while loops and branches as CUDA graph nodes on the
-# device, where by default each trip's predicate is copied to the host, which then launches the
-# next trip's ~700-1,200 kernels (measured per batch forward on an H200).
+# device; in the H200's profiles each trip's predicate was copied to the host, which then
+# launched the next trip's ~700-1,200 kernels (per batch forward).
 set -uo pipefail
 limit=${1:-130}
 batches=${BATCHES:-1 8 4 16}
