@@ -79,9 +79,10 @@ def in_form(sp: SamplingParams, form: SamplingForm) -> SamplingParams:
 
 
 def sampling_params(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0) -> SamplingParams:
-  """SamplingParams of host values (numpy float32 / int32 scalars: a program's call moves them
-  with its other arguments; as jax arrays each was an eager transfer of its own, ~0.2 ms for the
-  four on this CPU, twice per request)."""
+  """SamplingParams of host values (numpy float32 / int32 scalars, which a program's call moves
+  with its other arguments; built as jax arrays the four took ~0.2 ms of eager transfers on this
+  CPU, but the calls then pay most of that: a prefill measured no difference beyond the noise,
+  docs/results/controller.md)."""
   return SamplingParams(np.float32(temperature), np.int32(top_k), np.float32(top_p),
                         np.float32(min_p))
 
