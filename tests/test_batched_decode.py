@@ -245,7 +245,25 @@ def test_batched_loops_compile_once_per_bucket_and_batch(models, stop_id):
     assert sizes == (3 if shrink else 1)
     assert 1 <= counts["batch_ar_loop"] <= sizes and 1 <= counts["batch_spec_loop"] <= sizes
     assert counts["insert"] == 2  # carries with and without a drafter cache
-  assert counts["prefill"] <= len(BUCKETS)
+  # Per bucket one prefill with the drafter, one without for the plain rows (`plain_prefill`).
+  assert counts["prefill"] <= 2 * len(BUCKETS)
+
+
+def test_plain_rows_are_prefilled_without_the_drafter(models, stop_id, single):
+  """`Engine.plain_prefill`: a batch's rows routed to the plain bucket before their prefill take
+  the target's prefill alone; the drafting rows' fills the drafter's context. Every row's tokens
+  are its request's alone."""
+  prompts, max_news = _requests(6, seed=12)
+  eng = _engine(models, stop_id, 2, sync_cycles=2)
+  sizes = [1, 4, 1, 1, 4, 1]
+  together = eng.generate_batch(prompts, max_new_tokens=max_news, block_size=sizes)
+  alone = _alone(single, prompts, max_news, sizes)
+  assert [g.output_ids for g in together] == [g.output_ids for g in alone]
+  prefills = {k for k in eng.compiled.seconds if k[0] == "prefill"}
+  bucket = lambda p: min(b for b in BUCKETS if b >= len(p))
+  assert prefills == ({("prefill", bucket(p), "target_only") for p, b in zip(prompts, sizes)
+                       if b == 1} | {("prefill", bucket(p)) for p, b in zip(prompts, sizes)
+                                     if b > 1})
 
 
 def test_batched_loops_update_the_caches_in_place(models, stop_id):

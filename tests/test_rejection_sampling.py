@@ -278,8 +278,9 @@ def test_rejection_engine_greedy_equals_ar_and_is_reproducible(models):
                            seed=case).output_ids for _ in range(2)]
       assert runs[0] == runs[1]
   # One prefill and one loop per block size and sampling form (greedy; any: top-p), whatever
-  # the values (traced).
-  assert eng.compiled.summary()["compilations"] == 2 * (1 + 3) - 1  # the AR loop: greedy only
+  # the values (traced); the AR requests' prefill without the drafter (greedy only, as their
+  # loop): greedy 2 prefills + 3 loops, any 1 prefill + 2 loops.
+  assert eng.compiled.summary()["compilations"] == (2 + 3) + (1 + 2)
 
 
 @pytest.mark.parametrize("kw, flag", [

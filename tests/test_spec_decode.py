@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import re
 
+import jax
 import numpy as np
 import pytest
 import torch
@@ -373,6 +374,7 @@ def test_each_bucket_compiles_once(engine, reference):
   outputs = [engine.generate(p, max_new_tokens=m, block_size=b).output_ids for p, m, b in jobs]
   keys = set(engine.compiled.seconds)
   expected = ({("prefill", P) for P in used_buckets} | {("ar_loop", 1)}
+              | {("prefill", P, "target_only") for P in used_buckets}  # block size 1's
               | {("spec_loop", b) for b in sizes if b > 1})
   assert expected <= keys
   assert keys - before <= expected  # nothing else was compiled by this pass
@@ -386,6 +388,26 @@ def test_each_bucket_compiles_once(engine, reference):
   assert again == outputs
   assert dict(engine.compiled.counts) == counts
   assert compiles.n == 0, f"{compiles.n} XLA compilations in the second pass"
+
+
+def test_a_plain_request_is_prefilled_without_the_drafter(engine, reference, ar_outputs):
+  """`Engine.plain_prefill`: a block-size-1 request on an engine with a drafter runs the
+  target's prefill alone (its own program per length bucket) and leaves the drafter's context
+  buffers as they were, neither written nor donated; a drafting request after it fills them and
+  decodes AR's tokens."""
+  prompts, _, _ = reference
+  draft_before = engine.draft_cache
+  leaves = [np.asarray(x) for x in jax.tree_util.tree_leaves(draft_before)]
+  g = engine.generate(prompts[4], max_new_tokens=MAX_NEWS[4], block_size=1)
+  assert g.output_ids == ar_outputs[4]
+  assert engine.draft_cache is draft_before  # the same buffers, still alive
+  for old, new in zip(leaves, jax.tree_util.tree_leaves(engine.draft_cache)):
+    np.testing.assert_array_equal(np.asarray(new), old)
+  bucket = min(x for x in LENGTH_BUCKETS if x >= len(prompts[4]))
+  assert ("prefill", bucket, "target_only") in engine.compiled
+  spec = engine.generate(prompts[4], max_new_tokens=MAX_NEWS[4], block_size=8)
+  assert spec.output_ids == ar_outputs[4] and spec.cycles > 0
+  assert engine.draft_cache is not draft_before  # the drafting prefill took (donated) them
 
 
 def test_precompile_compiles_every_requested_bucket(models, reference):

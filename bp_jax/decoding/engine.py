@@ -430,19 +430,33 @@ class Engine:
 
   # -- compiled pieces ----------------------------------------------------------------------
   def _prefill_args(self, tokens_1P, n, seed_key, sampling, with_policy: bool,
-                    buffers: tuple | None = None) -> tuple:
+                    buffers: tuple | None = None, target_only: bool = False) -> tuple:
     cache, draft_cache = buffers or (self.cache, self.draft_cache)
-    return (self.t_weights, self.d_weights, tokens_1P, n, cache, draft_cache, seed_key,
+    drafter = (None, None) if target_only else (self.d_weights, draft_cache)
+    return (self.t_weights, drafter[0], tokens_1P, n, cache, drafter[1], seed_key,
             sampling) + ((self.p_state,) if with_policy else ())
 
   def _prefill(self, tokens_1P, n, seed_key, sampling, form: SamplingForm,
-               with_policy: bool = False, buffers: tuple | None = None):
+               with_policy: bool = False, buffers: tuple | None = None,
+               target_only: bool = False):
     """(compiled prefill, its arguments) into `buffers` (donated; default: the engine's own
-    one-sequence caches), sampling the first token in `form` (the request's)."""
-    args = self._prefill_args(tokens_1P, n, seed_key, sampling, with_policy, buffers)
+    one-sequence caches), sampling the first token in `form` (the request's). `target_only`
+    (`plain_prefill`): without the drafter's context; the drafter's buffer is left as it is."""
+    args = self._prefill_args(tokens_1P, n, seed_key, sampling, with_policy, buffers,
+                              target_only)
     fn = self.programs.prefill(args, self.p_graph if with_policy else None, self.policy_key,
-                               form)
+                               form, target_only)
     return fn, args
+
+  def plain_prefill(self, block_size: int | str, return_features: bool = False) -> bool:
+    """Whether a request that decodes in the plain AR loop (`block_size` 1: asked for, or the
+    route its priced start took before its prefill, `starts_plain`) is prefilled without the
+    drafter: the target's forward alone, with no drafter context, which only drafting reads
+    (a speculative bucket's rows move to the plain one, never back). On the demo's CPU the
+    drafter's context was ~16% of a prefill (stop 56: 4.37-4.45 s against 3.65-3.72 s over
+    164 prefills). Not for a learned size (the policy reads the drafter's features) nor where
+    the prefill's features are returned (`return_features`: they include the drafter's)."""
+    return (self.drafter is not None and block_size == 1 and not return_features)
 
   def _loop_args(self, pre, n, max_new, sampling, seed_key, block_size,
                  forced_seq=None, start: tuple[int, int] = (0, 0)) -> tuple:
@@ -569,14 +583,17 @@ class Engine:
                   all_windows, form: SamplingForm) -> None:
     """`precompile` for one sampling form (its arguments checked)."""
     key, z, sp = jax.random.key(0), jnp.int32(1), sampling_params()
-    for P in length_buckets or self.length_buckets:
-      if plain_prefill:
-        self._prefill(jnp.zeros((1, P), jnp.int32), z, key, sp, form)
-      if policy:
-        self._prefill(jnp.zeros((1, P), jnp.int32), z, key, sp, form, with_policy=True)
     # A request that would start deep may run the plain AR loop (`starts_plain`), a bucket or not.
     plain = ((1,) if 1 not in block_sizes and any(b > 1 for b in block_sizes)
              and self.may_start_plain else ())
+    # The plain loop's requests are prefilled without the drafter (`plain_prefill`), the
+    # others with it: each that will run compiles here.
+    firsts = [self.plain_prefill(b) for b in tuple(block_sizes) + plain] or [False]
+    for P in length_buckets or self.length_buckets:
+      for target_only in dict.fromkeys(firsts) if plain_prefill else ():
+        self._prefill(jnp.zeros((1, P), jnp.int32), z, key, sp, form, target_only=target_only)
+      if policy:
+        self._prefill(jnp.zeros((1, P), jnp.int32), z, key, sp, form, with_policy=True)
     if self.batch_size > 1:
       for b in tuple(block_sizes) + plain:
         for rows in self.slot_sizes():  # the batch's, then its tail's (`BatchOptions.shrink`)
@@ -673,14 +690,20 @@ class Engine:
       form = SamplingForm(sampling_form)
     seed_key = jax.random.key(seed)
     req = BatchRequest(0, prompt_ids, max_new_tokens, seed, block_size, sampling=settings)
-    pre, block_size, prefill_s, probs = self.stage(req, (self.cache, self.draft_cache), form)
+    forced = forced_continuation is not None
+    # A fixed size's start is known before the prefill (a plain one's needs no drafter
+    # context, `plain_prefill`); a learned size's once its policy chose.
+    known = None if isinstance(block_size, str) else self.request_start(block_size)
+    pre, block_size, prefill_s, probs = self.stage(
+        req, (self.cache, self.draft_cache), form,
+        run_size=None if known is None or not self.starts_plain(block_size, known, forced)
+        else 1, return_features=return_features)
     self.cache, self.draft_cache = pre.cache, pre.draft_cache  # before any raise: donated
     self.check_prefill(pre, n)
     features = ({k: np.asarray(v[0]) for k, v in pre.features.items()} if return_features
                 else None)
-    forced = forced_continuation is not None
     forced_seq = self._forced_seq(n, forced_continuation) if forced else None
-    start = self.request_start(block_size)
+    start = self.request_start(block_size) if known is None else known
     plain = self.starts_plain(block_size, start, forced)
     # A plain start runs the AR loop (its drafting is what recent requests lost: no probing
     # cycle); the request keeps its bucket, `Generation.plain_start` says how it ran.
@@ -840,22 +863,30 @@ class Engine:
     scheduler reuses them once the request is in its slot), placed on the mesh."""
     return tuple(shard_cache(c, self.mesh) for c in self._new_caches(1))
 
-  def stage(self, req: BatchRequest, buffers: tuple, form: SamplingForm | None = None) -> tuple:
+  def stage(self, req: BatchRequest, buffers: tuple, form: SamplingForm | None = None,
+            run_size: int | str | None = None, return_features: bool = False) -> tuple:
     """Prefills `req` with its sampling settings (`BatchRequest.sampling`; None: greedy; in
     `form`, None: the one they need) into one-sequence `buffers` (donated; the filled ones are
     `PrefillOut.cache` / `draft_cache`): (PrefillOut, its block size, prefill seconds including
     the policy and reading its choice back, the policy's decision scores or None: probabilities
     of a classify head, shrunk value ratios of a value head, `BlockPolicy.decide`). The caller
-    checks `check_prefill` once it holds the filled buffers."""
+    checks `check_prefill` once it holds the filled buffers. `run_size`: the block size whose
+    loop the request will run, where known before its prefill (None: its own); the plain
+    loop's requests are prefilled without the drafter (`plain_prefill`: `draft_cache` is then
+    the given buffer, untouched)."""
     learned = isinstance(req.block_size, str)
+    target_only = self.plain_prefill(req.block_size if run_size is None else run_size,
+                                     return_features)
     toks, _ = self.encode_padded(req.prompt_ids)
     settings = [req.sampling] if req.sampling else []  # none: greedy (`sampling_params()`)
     fn, args = self._prefill(toks, jnp.int32(len(req.prompt_ids)), jax.random.key(req.seed),
                              sampling_params(*(req.sampling or ())),
                              form_of(settings) if form is None else form,
-                             with_policy=learned, buffers=buffers)
+                             with_policy=learned, buffers=buffers, target_only=target_only)
     t0 = time.perf_counter()
     pre = fn(*args)
+    if target_only:
+      pre = pre._replace(draft_cache=buffers[1])
     block_size = self.policy_sizes[int(pre.policy_class)] if learned else req.block_size
     pre.first_tok.block_until_ready()
     secs = time.perf_counter() - t0

@@ -153,19 +153,22 @@ class LoopPrograms:
     self.warmup_forwards: dict[tuple, tuple[int, ...]] = {}
 
   def prefill(self, args: tuple, p_graph=None, policy_key=None,
-              form: SamplingForm = SamplingForm.ANY):
+              form: SamplingForm = SamplingForm.ANY, target_only: bool = False):
     """The compiled prefill for `args` (`loops.make_prefill`'s, shapes pick the bucket) for a
     request of sampling `form`: GREEDY's, or one for both drawing forms (ANY's: it samples one
     token, whose truncation costs nothing next to the prompt's forward, and a third program
-    per length bucket took the demo server's start-up ~6 s)."""
+    per length bucket took the demo server's start-up ~6 s). `target_only`: the target's
+    forward alone, no drafter context (a request that decodes plain; its `args` carry None
+    for the drafter's state and cache); an engine without a drafter has no other."""
     form = SamplingForm.GREEDY if form == SamplingForm.GREEDY else SamplingForm.ANY
     tokens_1P = args[2]
+    apart = target_only and self.d_graph is not None
+    d_graph = None if target_only else self.d_graph
     key = (("prefill", tokens_1P.shape[1]) + ((policy_key,) if p_graph is not None else ())
-           + form_key(form))
-    return self.cache.get(key, lambda: loops.make_prefill(self.t_graph, self.d_graph, p_graph,
-                                                          form),
-                          args, donate_argnums=(4, 5),
-                          program=("prefill", self.t_graph, self.d_graph, p_graph, form))
+           + form_key(form) + (("target_only",) if apart else ()))
+    return self.cache.get(key, lambda: loops.make_prefill(self.t_graph, d_graph, p_graph, form),
+                          args, donate_argnums=(4,) if target_only else (4, 5),
+                          program=("prefill", self.t_graph, d_graph, p_graph, form))
 
   def loop_key(self, block_size: int, forced: bool = False, window: int | None = None,
                form: SamplingForm = SamplingForm.ANY) -> tuple:

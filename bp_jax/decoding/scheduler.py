@@ -286,7 +286,11 @@ class Scheduler:
     while self.queue and self._may_prefill(self.queue[0]):
       req = self.queue.popleft()
       buffers = self.pool.pop() if self.pool else self.engine.staging_buffers()
-      staged = _Staged(req, *self.engine.stage(req, buffers))
+      # A fixed size's route is known before its prefill (`_may_prefill`): the plain bucket's
+      # requests are prefilled without the drafter (`Engine.plain_prefill`).
+      run_size = (None if isinstance(req.block_size, str)
+                  else self._route(req, req.block_size).bucket)
+      staged = _Staged(req, *self.engine.stage(req, buffers, run_size=run_size))
       if isinstance(req.block_size, str):
         staged.policy_block_size = staged.block_size
         staged.block_size = self._learned_bucket(staged.block_size)
