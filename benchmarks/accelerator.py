@@ -156,14 +156,19 @@ def stretched_profile(survival: np.ndarray, tau: float, block: int = 16) -> np.n
 
 
 def simulated_continuation(cont: Sequence[int], block: int, probs: np.ndarray, vocab: int,
-                           rng: np.random.Generator) -> tuple[list[int], list[int]]:
+                           rng: np.random.Generator, tail_from: int | None = None,
+                           tail_rng: np.random.Generator | None = None
+                           ) -> tuple[list[int], list[int]]:
   """(forced drafts, the accepted drafts per cycle they produce): `cont` (the target's own
   continuation, index 0 = the prefill's token) with one wrong token placed where each cycle's
   drawn acceptance ends; a draw is capped at block - 1 (a b16 drafter's acceptance seen
-  through a smaller block)."""
+  through a smaller block). `tail_from` / `tail_rng`: cycles starting at index `tail_from` or
+  later draw from `tail_rng` (a continuation run past the requests' last token draws its tail
+  apart, so that the draws before it are those of the continuation cut there)."""
   forced, drawn, p = list(cont), [], 0
   while p + 1 < len(cont):
-    a = min(int(rng.choice(len(probs), p=probs)), block - 1)
+    source = rng if tail_from is None or p < tail_from else tail_rng
+    a = min(int(source.choice(len(probs), p=probs)), block - 1)
     drawn.append(a)
     if a < block - 1 and p + 1 + a < len(cont):
       forced[p + 1 + a] = (cont[p + 1 + a] + 1) % vocab

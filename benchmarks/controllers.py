@@ -155,7 +155,11 @@ tokens. Random weights have no drafter worth the name, so there every speculativ
 the SIMULATED acceptance profile of benchmarks/accelerator.py (mean τ `--sim_tau` at b = 16):
 the target's own greedy continuation, decoded once by AR, with one wrong token where each drawn
 acceptance ends (`accelerator.simulated_continuation` at --block_size, the same tokens for
-every method), given as forced drafts (the drafter's full pass is still paid). Cycles that
+every method), given as forced drafts (the drafter's full pass is still paid). The continuation
+runs --block_size - 1 tokens past --max_new_tokens, so that a request's last cycles draft from
+it as every other does: ending at --max_new_tokens, the drafts past it were the random
+drafter's own, and a cycle with one token left committed one, a miss no real drafter makes
+(the loops count a cycle's accepted drafts, not the tokens kept). Cycles that
 start elsewhere than the fixed-size loop's meet the same wrong tokens, so every method sees one
 fixed continuation; a forced request never takes a plain start (`Engine.starts_plain`), its
 start rule still starts it deep in the speculative loop. T = 0 only. This is issue 19's
@@ -422,11 +426,17 @@ def simulated_drafts(ar_engine: Engine, setup: Setup) -> dict[str, list[int]]:
   """Each prompt key's forced drafts under --shape: its greedy continuation (decoded once by
   `ar_engine`) with one wrong token where each drawn acceptance ends (module doc)."""
   probs = accelerator.stretched_profile(accelerator.demo_survival(), FLAGS.sim_tau)
-  rng = np.random.default_rng(1)
+  rng, tail_rng = np.random.default_rng(1), np.random.default_rng(2)
+  # Past --max_new_tokens by the drafts a request's last cycle may verify (module doc).
   gens = ar_engine.generate_batch([ids for _, ids in setup.prompts],
-                                  max_new_tokens=FLAGS.max_new_tokens, block_size=1)
+                                  max_new_tokens=FLAGS.max_new_tokens + FLAGS.block_size - 1,
+                                  block_size=1)
+  # The cycles a continuation cut at --max_new_tokens would draw keep their draws (the same
+  # as before the tail); the cycles past them draw apart.
   return {key: accelerator.simulated_continuation(g.output_ids, FLAGS.block_size, probs,
-                                                  setup.target.cfg.vocab_size, rng)[0]
+                                                  setup.target.cfg.vocab_size, rng,
+                                                  tail_from=FLAGS.max_new_tokens - 1,
+                                                  tail_rng=tail_rng)[0]
           for (key, _), g in zip(setup.prompts, gens)}
 
 
@@ -632,6 +642,10 @@ def main(_):
     if variant in engines:
       starts = engines[variant].starts
       setattr(starts, field, getattr(starts, value) if isinstance(value, str) else value)
+  # Before the call logs and simulated clocks start: AR's decode of the continuations is no
+  # part of its tallies, nor of its clock's noise and stalls.
+  sim = simulated_drafts(engines["ar"], setup) if FLAGS.shape else None
+  engines["ar"].clear_tallies()
   for m in methods:  # every loop call (the priced methods' with their prices after each)
     engines[m].call_log = []
   if "priced_default_nohold" in engines:
@@ -648,7 +662,6 @@ def main(_):
       if engines[m].prices is not None:  # as an engine that measured its one-token forward
         engines[m].prices.set_ar_step_floor(FLAGS.sim_clock_ms * 1e-3, FLAGS.batch_size)
   size = {m: 1 if loop_method(m) == "ar" else FLAGS.block_size for m in methods}
-  sim = simulated_drafts(engines["ar"], setup) if FLAGS.shape else None
   forced = {m: None if size[m] == 1 else sim for m in methods}
   # Outputs that do not depend on the path decoding takes (greedy, or `exact` at T > 0): every
   # repeat must give the same tokens. Under `rejection` at T > 0 a method whose choices follow
@@ -830,6 +843,9 @@ def main(_):
                                if measured is not None and e.measured_costs is measured},
               "shape": FLAGS.shape or "demo", "prompt_set": setup.label,
               "sim_tau": FLAGS.sim_tau if FLAGS.shape else None,
+              # how far each simulated continuation runs past --max_new_tokens (module doc)
+              "sim_tokens_past_max_new": (min(len(c) for c in sim.values())
+                                          - FLAGS.max_new_tokens if sim else None),
               "repeats_per_group": per_repeat, "call_logs": call_logs,
               "first_calls": first_calls,
               "gc_in_calls": gc_in_calls}

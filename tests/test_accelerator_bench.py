@@ -42,6 +42,24 @@ def test_simulated_continuation_places_one_wrong_token_where_each_draw_ends():
       if a < 7 and q + 1 + a < len(cont))
 
 
+def test_a_continuation_run_past_the_last_token_keeps_the_draws_before_it():
+  """benchmarks/controllers.py's simulated drafts run a block past the requests' last token
+  (`tail_from`): the cycles the cut continuation draws keep their draws and wrong tokens; the
+  cycles past them draw from the tail's own generator, and the last cut cycle's wrong token,
+  past the cut, is placed."""
+  cont, cut = [5] * 60, 40
+  probs = A.stretched_profile(A.demo_survival(), 6.5)
+  short, drawn_short = A.simulated_continuation(cont[:cut], 8, probs, 512,
+                                                np.random.default_rng(0))
+  long, drawn_long = A.simulated_continuation(cont, 8, probs, 512, np.random.default_rng(0),
+                                              tail_from=cut - 1,
+                                              tail_rng=np.random.default_rng(9))
+  assert drawn_long[:len(drawn_short)] == drawn_short
+  assert long[:cut] == short and len(drawn_long) > len(drawn_short)
+  last = sum(a + 1 for a in drawn_short[:-1]) + 1 + drawn_short[-1]  # the last cut cycle's end
+  assert last >= cut - 1 and (drawn_short[-1] == 7 or long[last] == 6)
+
+
 def test_the_suite_runs_at_a_tiny_shape(tmp_path):
   opts = A.Options(sizes=("tiny",), batch_sizes=(1, 2), hf_batch_sizes=(1,), block_sizes=(4,),
                    prompt_len=16, new_tokens=24, prompts=1, repeats=1)

@@ -77,6 +77,9 @@ def test_simulated_drafts_at_a_model_shape_with_an_identical_twin(tmp_path):
           in proc.stdout)
   report = json.loads((out / "controllers.json").read_text())
   assert (report["shape"], report["sim_tau"]) == ("tiny", 6.5)
+  # The simulated drafts run past the requests' last tokens by a block's drafts (--block_size
+  # 4): a request's last cycles draft them as every other cycle does, not the random drafter's.
+  assert report["sim_tokens_past_max_new"] == 3
   for name, row in report["methods"].items():
     assert row["identical_to_ar"] == 3, name
   # the paper's loop drafts the simulated profile (τ 2.8 at b = 4), not the random drafter's
