@@ -453,9 +453,10 @@ class Engine:
     route its priced start took before its prefill, `starts_plain`) is prefilled without the
     drafter: the target's forward alone, with no drafter context, which only drafting reads
     (a speculative bucket's rows move to the plain one, never back). On the demo's CPU the
-    drafter's context was ~16% of a prefill (stop 56: 4.37-4.45 s against 3.65-3.72 s over
-    164 prefills). Not for a learned size (the policy reads the drafter's features) nor where
-    the prefill's features are returned (`return_features`: they include the drafter's)."""
+    drafter's part was ~19% of a prefill (`benchmarks/plain_prefill.py`, batch 4: prefill
+    seconds 0.813x [0.798, 0.828]). Not for a learned size (the policy reads the drafter's
+    features) nor where the prefill's features are returned (`return_features`: they include
+    the drafter's)."""
     return (self.drafter is not None and block_size == 1 and not return_features)
 
   def _loop_args(self, pre, n, max_new, sampling, seed_key, block_size,
