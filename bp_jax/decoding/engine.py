@@ -432,8 +432,8 @@ class Engine:
   def _prefill_args(self, tokens_1P, n, seed_key, sampling, with_policy: bool,
                     buffers: tuple | None = None, target_only: bool = False) -> tuple:
     cache, draft_cache = buffers or (self.cache, self.draft_cache)
-    drafter = (None, None) if target_only else (self.d_weights, draft_cache)
-    return (self.t_weights, drafter[0], tokens_1P, n, cache, drafter[1], seed_key,
+    d_weights, draft_cache = (None, None) if target_only else (self.d_weights, draft_cache)
+    return (self.t_weights, d_weights, tokens_1P, n, cache, draft_cache, seed_key,
             sampling) + ((self.p_state,) if with_policy else ())
 
   def _prefill(self, tokens_1P, n, seed_key, sampling, form: SamplingForm,
@@ -589,9 +589,9 @@ class Engine:
              and self.may_start_plain else ())
     # The plain loop's requests are prefilled without the drafter (`plain_prefill`), the
     # others with it: each that will run compiles here.
-    firsts = [self.plain_prefill(b) for b in tuple(block_sizes) + plain] or [False]
+    kinds = dict.fromkeys(self.plain_prefill(b) for b in tuple(block_sizes) + plain) or [False]
     for P in length_buckets or self.length_buckets:
-      for target_only in dict.fromkeys(firsts) if plain_prefill else ():
+      for target_only in kinds if plain_prefill else ():
         self._prefill(jnp.zeros((1, P), jnp.int32), z, key, sp, form, target_only=target_only)
       if policy:
         self._prefill(jnp.zeros((1, P), jnp.int32), z, key, sp, form, with_policy=True)
@@ -694,18 +694,20 @@ class Engine:
     forced = forced_continuation is not None
     # A fixed size's start is known before the prefill (a plain one's needs no drafter
     # context, `plain_prefill`); a learned size's once its policy chose.
-    known = None if isinstance(block_size, str) else self.request_start(block_size)
+    learned = isinstance(block_size, str)
+    start = None if learned else self.request_start(block_size)
+    plain = not learned and self.starts_plain(block_size, start, forced)
     pre, block_size, prefill_s, probs = self.stage(
-        req, (self.cache, self.draft_cache), form,
-        run_size=None if known is None or not self.starts_plain(block_size, known, forced)
-        else 1, return_features=return_features)
+        req, (self.cache, self.draft_cache), form, run_size=1 if plain else None,
+        return_features=return_features)
     self.cache, self.draft_cache = pre.cache, pre.draft_cache  # before any raise: donated
     self.check_prefill(pre, n)
     features = ({k: np.asarray(v[0]) for k, v in pre.features.items()} if return_features
                 else None)
     forced_seq = self._forced_seq(n, forced_continuation) if forced else None
-    start = self.request_start(block_size) if known is None else known
-    plain = self.starts_plain(block_size, start, forced)
+    if learned:
+      start = self.request_start(block_size)
+      plain = self.starts_plain(block_size, start, forced)
     # A plain start runs the AR loop (its drafting is what recent requests lost: no probing
     # cycle); the request keeps its bucket, `Generation.plain_start` says how it ran.
     run_size, start = (1, (0, 0)) if plain else (block_size, start)
