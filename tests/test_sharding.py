@@ -210,7 +210,7 @@ def test_checkpoints_restore_onto_their_shardings(checks):
   r = checks["restore"]
   assert r["target_shardings_as_table"] and r["target_values_equal"]
   assert r["q_proj_spec"] == [None, None, "model"]
-  assert r["q_proj_shard_shape"] == [3, 32, 16]  # half of N*H = 32 per model shard
+  assert r["q_proj_shard_shape"] == [2, 32, 16]  # 2 layers; half of N*H = 32 per model shard
   assert r["embed_spec"] == ["model", None] and r["lm_head_spec"] == [None, "model"]
   assert r["down_proj_spec"] == [None, "model", None]
   assert r["drafter_k_proj_spec"] == [None, None, "model"]

@@ -298,10 +298,6 @@ class Engine:
       return None
     return self.prices.break_even_N(max(self.block_sizes), rows)
 
-  @staticmethod
-  def _on_device(x: np.ndarray | None) -> jax.Array | None:
-    return None if x is None else jnp.asarray(x)
-
   def loop_ran(self, t0: float, counts_N, rows: int, block_size: int,
                decoding: int | None = None) -> float:
     """Books a loop call that started at `clock()` time t0 and ran `counts_N` target forwards
@@ -466,8 +462,7 @@ class Engine:
               seed_key, self._stop_arr)
     return (self.t_weights, self.d_weights, self.seq, self.cache, self.draft_cache,
             pre.first_tok, n, max_new, sampling, seed_key, self._stop_arr, forced_seq,
-            self._on_device(self.break_even_N(block_size, 1)), jnp.asarray(start, jnp.int32),
-            self._on_device(self.evidence_state))
+            self.break_even_N(block_size, 1), np.asarray(start, np.int32), self.evidence_state)
 
   def request_start(self, block_size: int, rows: int = 1) -> tuple[int, int]:
     """(misses, AR steps) the next request in a loop of `block_size` and `rows` slots starts
@@ -631,7 +626,7 @@ class Engine:
     P = pick_bucket(n, self.length_buckets, flag="--config.max_len / --config.length_buckets")
     toks = np.zeros((1, P), np.int32)
     toks[0, :n] = prompt_ids
-    return jnp.asarray(toks), P
+    return toks, P
 
   def _forced_seq(self, n: int, forced_continuation: Sequence[int]) -> jax.Array:
     """[1, S] the perfect drafter's tokens at their positions (-1 past the continuation: the
@@ -639,7 +634,7 @@ class Engine:
     forced = np.full((1, self.max_len), -1, np.int32)  # -1: no forced token (the drafter's)
     cont = list(forced_continuation)[:self.max_len - n]
     forced[0, n:n + len(cont)] = cont
-    return jnp.asarray(forced)
+    return forced
 
   def _check_one(self, prompt_ids: Sequence[int], max_new_tokens: int,
                  block_size: int | str) -> None:
@@ -682,7 +677,7 @@ class Engine:
     self._check_one(prompt_ids, max_new_tokens, block_size)
     check_sampling(temperature, top_k, top_p, min_p)
     settings = (temperature, top_k, top_p, min_p)
-    n_arr, sp, form = jnp.int32(n), sampling_params(*settings), form_of([settings])
+    n_arr, sp, form = np.int32(n), sampling_params(*settings), form_of([settings])
     if sampling_form is not None:
       if sampling_form not in tuple(SamplingForm) or sampling_form < form:
         given = getattr(sampling_form, "name", repr(sampling_form))
@@ -711,31 +706,33 @@ class Engine:
     # A plain start runs the AR loop (its drafting is what recent requests lost: no probing
     # cycle); the request keeps its bucket, `Generation.plain_start` says how it ran.
     run_size, start = (1, (0, 0)) if plain else (block_size, start)
-    loop_args = self._loop_args(pre, n_arr, jnp.int32(max_new_tokens), sp, seed_key,
+    loop_args = self._loop_args(pre, n_arr, np.int32(max_new_tokens), sp, seed_key,
                                 run_size, forced_seq, start)
     window = self.request_window(n, max_new_tokens, run_size)
     # The loop's untimed first runs, made only if it has not run yet (`LoopPrograms.warm`).
     self.programs.warm(run_size, lambda warm_start: self._loop_args(
-        pre, n_arr, jnp.int32(min(max_new_tokens, WARMUP_TOKENS)), sp, seed_key, run_size,
+        pre, n_arr, np.int32(min(max_new_tokens, WARMUP_TOKENS)), sp, seed_key, run_size,
         forced_seq, warm_start), forced, window, form)
     fn = self.programs.loop(run_size, loop_args, forced, window, form)
     t2 = self.clock()
     out = fn(*loop_args)
-    n_gen = int(out.n_gen)
-    decode_s = self.loop_ran(t2, np.asarray(out.forward_counts), 1, run_size)
-    if out.evidence is not None:
-      self.evidence_state = np.asarray(out.evidence)
+    # What the host reads, in one read-back (an array read alone is a transfer of its own).
+    host = jax.device_get((out.n_gen, out.forward_counts, out.forwards, out.bad_logits,
+                           out.seq, out.accept_lens, out.is_cycle, out.verified, out.evidence))
+    n_gen, counts_N, forwards, bad_logits, seq_1S, accept_S, is_cycle_S, verified_S, evid = host
+    n_gen, forwards = int(n_gen), int(forwards)
+    decode_s = self.loop_ran(t2, counts_N, 1, run_size)
+    if evid is not None:
+      self.evidence_state = evid
     self.seq, self.cache = out.seq, out.cache
     if out.draft_cache is not None:
       self.draft_cache = out.draft_cache
-    forwards = int(out.forwards)
-    if bool(out.bad_logits):
+    if bool(bad_logits):
       self.raise_nonfinite(n + n_gen, "a decode step")
-    if n_gen < max_new_tokens and not np.isin(np.asarray(out.seq[0, n:n + n_gen]),
-                                              self.stop_ids).any():
+    if n_gen < max_new_tokens and not np.isin(seq_1S[0, n:n + n_gen], self.stop_ids).any():
       raise RuntimeError(f"the decode loop stopped at {n_gen} of {max_new_tokens} tokens with "
                          f"no stop token (window {window}): a bug, please report it")
-    gen = generation_of(out.seq[0], out.accept_lens, out.is_cycle, out.verified, forwards, n,
+    gen = generation_of(seq_1S[0], accept_S, is_cycle_S, verified_S, forwards, n,
                         n_gen, self.stop_ids, max_new_tokens, block_size, prefill_s, decode_s,
                         probs, features, plain_start=plain,
                         policy_block_size=block_size if isinstance(req.block_size, str) else None)
@@ -849,7 +846,7 @@ class Engine:
     `carry` is not donated (its buffers are freed when the caller drops it)."""
     src = np.zeros((size,), np.int32)
     src[:len(rows)] = rows
-    args = (carry, jnp.asarray(src), jnp.asarray(np.arange(size) < len(rows)))
+    args = (carry, src, np.arange(size) < len(rows))
     fn = self.programs.resize(args)
     return (lambda *a: self._placed(fn(*a))), args
 
@@ -858,7 +855,7 @@ class Engine:
     holding `src`'s request of slot `src_row` as it stands mid-decode (`LoopState.
     with_row_from`: its tokens, target cache, records and settings; one slot-sized copy).
     `src` is not donated: the caller empties that slot."""
-    args = (carry, jnp.int32(row), src, jnp.int32(src_row))
+    args = (carry, np.int32(row), src, np.int32(src_row))
     return self.programs.move(args), args
 
   def staging_buffers(self) -> tuple:
@@ -882,7 +879,7 @@ class Engine:
                                      return_features)
     toks, _ = self.encode_padded(req.prompt_ids)
     settings = [req.sampling] if req.sampling else []  # none: greedy (`sampling_params()`)
-    fn, args = self._prefill(toks, jnp.int32(len(req.prompt_ids)), jax.random.key(req.seed),
+    fn, args = self._prefill(toks, np.int32(len(req.prompt_ids)), jax.random.key(req.seed),
                              sampling_params(*(req.sampling or ())),
                              form_of(settings) if form is None else form,
                              with_policy=learned, buffers=buffers, target_only=target_only)
@@ -916,9 +913,9 @@ class Engine:
       sp = sampling_params(*(req.sampling or ()))  # None: greedy
     row_stop = np.full((MAX_ROW_STOP_IDS,), -1, np.int32)
     row_stop[:len(req.stop_token_ids)] = req.stop_token_ids
-    args = (carry, jnp.int32(row), pre.cache, draft_cache, pre.first_tok, jnp.int32(n),
-            jnp.int32(req.max_new_tokens), jax.random.key(req.seed), self._stop_arr, sp,
-            jnp.asarray(row_stop), jnp.asarray(start, jnp.int32)) + forced
+    args = (carry, np.int32(row), pre.cache, draft_cache, pre.first_tok, np.int32(n),
+            np.int32(req.max_new_tokens), jax.random.key(req.seed), self._stop_arr, sp,
+            row_stop, np.asarray(start, np.int32)) + forced
     return self.programs.insert(args), args
 
   def slots_program(self, block_size: int, carry: LoopState, forced: bool = False,

@@ -442,13 +442,19 @@ class Scheduler:
   def _collect(self, bucket: _Bucket) -> None:
     c = bucket.carry
     n_gen, done, max_new = jax.device_get((c.n_gen_B, c.done_B, c.max_new_B))
-    for i, staged in enumerate(bucket.rows):
-      if staged is None or not (done[i] or n_gen[i] >= max_new[i]):
-        continue
-      r = c.records
-      seq, accept, is_cycle, verified, forwards, bad = jax.device_get(
-          (c.seq_BS[i], r.accept_BS[i], r.is_cycle_BS[i], r.verified_BS[i], r.forwards_B[i],
-           c.bad_B[i]))
+    finished = [i for i, staged in enumerate(bucket.rows)
+                if staged is not None and (done[i] or n_gen[i] >= max_new[i])]
+    if not finished:
+      return
+    r = c.records
+    # The whole slots' records in one read-back (a row indexed on the device was an eager
+    # gather per array and row).
+    seq_BS, accept_BS, is_cycle_BS, verified_BS, forwards_B, bad_B = jax.device_get(
+        (c.seq_BS, r.accept_BS, r.is_cycle_BS, r.verified_BS, r.forwards_B, c.bad_B))
+    for i in finished:
+      staged = bucket.rows[i]
+      seq, accept, is_cycle, verified, forwards, bad = (
+          seq_BS[i], accept_BS[i], is_cycle_BS[i], verified_BS[i], forwards_B[i], bad_B[i])
       bucket.rows[i] = None
       index = staged.req.index
       try:
