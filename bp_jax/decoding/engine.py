@@ -621,14 +621,14 @@ class Engine:
         self.programs.loop(b, self._loop_args(pre, z, z, sp, key, b), window=window, form=form)
 
   # -- public -------------------------------------------------------------------------------
-  def encode_padded(self, prompt_ids: Sequence[int]) -> tuple[jax.Array, int]:
+  def encode_padded(self, prompt_ids: Sequence[int]) -> tuple[np.ndarray, int]:
     n = len(prompt_ids)
     P = pick_bucket(n, self.length_buckets, flag="--config.max_len / --config.length_buckets")
     toks = np.zeros((1, P), np.int32)
     toks[0, :n] = prompt_ids
     return toks, P
 
-  def _forced_seq(self, n: int, forced_continuation: Sequence[int]) -> jax.Array:
+  def _forced_seq(self, n: int, forced_continuation: Sequence[int]) -> np.ndarray:
     """[1, S] the perfect drafter's tokens at their positions (-1 past the continuation: the
     drafter's own drafts there)."""
     forced = np.full((1, self.max_len), -1, np.int32)  # -1: no forced token (the drafter's)
@@ -735,7 +735,7 @@ class Engine:
     gen = generation_of(seq_1S[0], accept_S, is_cycle_S, verified_S, forwards, n,
                         n_gen, self.stop_ids, max_new_tokens, block_size, prefill_s, decode_s,
                         probs, features, plain_start=plain,
-                        policy_block_size=block_size if isinstance(req.block_size, str) else None)
+                        policy_block_size=block_size if learned else None)
     self.request_done(gen)
     return gen
 

@@ -452,14 +452,12 @@ class Scheduler:
     seq_BS, accept_BS, is_cycle_BS, verified_BS, forwards_B, bad_B = jax.device_get(
         (c.seq_BS, r.accept_BS, r.is_cycle_BS, r.verified_BS, r.forwards_B, c.bad_B))
     for i in finished:
-      staged = bucket.rows[i]
-      seq, accept, is_cycle, verified, forwards, bad = (
-          seq_BS[i], accept_BS[i], is_cycle_BS[i], verified_BS[i], forwards_B[i], bad_B[i])
-      bucket.rows[i] = None
+      staged, bucket.rows[i] = bucket.rows[i], None
       index = staged.req.index
       try:
-        self.results[index] = self._generation(staged, seq, accept, is_cycle, verified,
-                                               int(forwards), int(n_gen[i]), bool(bad))
+        self.results[index] = self._generation(
+            staged, seq_BS[i], accept_BS[i], is_cycle_BS[i], verified_BS[i], int(forwards_B[i]),
+            int(n_gen[i]), bool(bad_B[i]))
         self.engine.request_done(self.results[index])
         self._report.finished[index] = self.results[index]
       except BadInputError as e:  # NaN/inf logits: this request alone fails
