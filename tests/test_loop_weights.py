@@ -35,6 +35,11 @@ def test_a_loop_call_slices_no_stacked_weight(models):
   eng = toy_engine(models, "priced", batch_size=2, sync_cycles=2)
   assert len(eng.t_weights.layers) == target.cfg.num_hidden_layers
   assert len(eng.d_weights.layers) == drafter.cfg.layers.num_hidden_layers
+  # The target's q|k|v and gate|up as one product each (`layers.fuse_projections`), the
+  # drafter's separate (its keys and values also project the context).
+  fused = eng.t_weights.layers[0]
+  assert {L.QKV, L.GATE_UP} <= set(fused) and "q_proj" not in fused
+  assert "q_proj" in eng.d_weights.layers[0] and L.QKV not in eng.d_weights.layers[0]
   per_call = len(L.LAYER_PARAM_NAMES) * target.cfg.num_hidden_layers
   opts = eng.programs.options.for_loop(1)
   ar = loops.make_batched_ar_loop(eng.t_graph, opts)

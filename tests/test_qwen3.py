@@ -153,6 +153,31 @@ def test_unrolled_layers_equal_the_scanned_forward(tiny_pair):
     ours(jnp.asarray(more), cache, layers=ours.layers.per_layer()[:2])
 
 
+def test_fused_projections_compute_what_the_separate_ones_do(tiny_pair):
+  """`per_layer(fuse_qkv=True, fuse_mlp=True)` (the target's per-layer weights in an engine):
+  q|k|v and gate|up as one product each, the separate matrices gone; the same logits, hidden
+  states and cache as the separate products, and the same with gate|up fused alone (the form a
+  drafter-like caller may take)."""
+  _, ours = tiny_pair
+  fused = ours.layers.per_layer(fuse_qkv=True, fuse_mlp=True)
+  D, N, K, H = 64, 4, 2, 24
+  assert set(fused[0]) == {"input_norm", "o_proj", "q_norm", "k_norm", "post_norm",
+                           "down_proj", "qkv_proj", "gate_up_proj"}
+  assert fused[0]["qkv_proj"].shape == (D, (N + 2 * K) * H)
+  assert fused[0]["gate_up_proj"].shape == (D, 2 * ours.cfg.intermediate_size)
+  mlp_only = ours.layers.per_layer(fuse_mlp=True)
+  assert "q_proj" in mlp_only[0] and "gate_proj" not in mlp_only[0]
+  first, more = _tokens(2, 7, 128, seed=5), _tokens(2, 4, 128, seed=6)
+  run = nnx.jit(lambda model, tokens, cache, layers: model(tokens, cache, (2, 0), layers=layers))
+  cache = run(ours, jnp.asarray(first), ours.init_cache(2, 16).per_layer(),
+              ours.layers.per_layer()).cache.with_lengths(np.array([7, 7]))
+  separate = run(ours, jnp.asarray(more), cache, ours.layers.per_layer())
+  for layers in (fused, mlp_only):
+    other = run(ours, jnp.asarray(more), cache, layers)
+    for a, b in zip(jax.tree.leaves(separate), jax.tree.leaves(other)):
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0)
+
+
 def test_requested_hidden_layers_come_back_in_requested_order(tiny_pair):
   hf, ours = tiny_pair
   tokens = _tokens(1, 9, 128, seed=3)

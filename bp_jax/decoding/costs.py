@@ -231,7 +231,8 @@ def _forward_loop(target, t_graph, layer_ids, pos: int, reps: int, scan_layers: 
   @jax.jit
   def verify(state, cache, tokens_BT):
     model = nnx.merge(t_graph, state)
-    layers = None if scan_layers else model.layers.per_layer()
+    # the target's per-layer weights in the form an engine decodes with (`Engine._loop_weights`)
+    layers = None if scan_layers else model.layers.per_layer(fuse_qkv=True, fuse_mlp=True)
 
     def step(i, carry):
       acc, cache = carry

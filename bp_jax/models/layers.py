@@ -14,6 +14,9 @@ import jax.numpy as jnp
 #   q_norm [H], k_norm [H], post_norm [D], gate_proj [D, F], up_proj [D, F], down_proj [F, D]
 LAYER_PARAM_NAMES = ("input_norm", "q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm",
                      "post_norm", "gate_proj", "up_proj", "down_proj")
+# A decode loop's per-layer weights may hold these instead (`fuse_projections`):
+#   qkv_proj [D, N*H + 2*K*H] = q_proj | k_proj | v_proj, gate_up_proj [D, 2F] = gate_proj | up_proj
+QKV, GATE_UP = "qkv_proj", "gate_up_proj"
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -40,8 +43,45 @@ def apply_rope(x_BTNH: jax.Array, cos_BTH: jax.Array, sin_BTH: jax.Array) -> jax
   return out.astype(x_BTNH.dtype)
 
 
+def fuse_projections(p: dict[str, jax.Array], qkv: bool) -> dict[str, jax.Array]:
+  """One layer's weights with gate_proj | up_proj concatenated into GATE_UP and, where `qkv`,
+  q_proj | k_proj | v_proj into QKV (the separate matrices dropped): one product each where
+  there were three and two. A decode step's products are matrix-vector ones that stream their
+  weights, and on a 2-core CPU VM fewer, wider ones read them faster (the demo's AR loop:
+  0.91-0.97x the time per token in three alternated runs, `docs/cpu_epyc/fused_loop_ab.py`).
+  Taken once per engine, in place of the separate slices (`Engine._loop_weights`)."""
+  fused = {k: w for k, w in p.items() if k not in ("gate_proj", "up_proj")}
+  fused[GATE_UP] = jnp.concatenate([p["gate_proj"], p["up_proj"]], axis=-1)
+  if qkv:
+    for k in ("q_proj", "k_proj", "v_proj"):
+      del fused[k]
+    fused[QKV] = jnp.concatenate([p["q_proj"], p["k_proj"], p["v_proj"]], axis=-1)
+  return fused
+
+
 def swiglu_mlp(x: jax.Array, p: dict) -> jax.Array:
+  if GATE_UP in p:
+    gu = x @ p[GATE_UP]
+    F = gu.shape[-1] // 2
+    return (jax.nn.silu(gu[..., :F]) * gu[..., F:]) @ p["down_proj"]
   return (jax.nn.silu(x @ p["gate_proj"]) * (x @ p["up_proj"])) @ p["down_proj"]
+
+
+def project_qkv(x_BTD: jax.Array, p: dict, cos: jax.Array, sin: jax.Array, num_heads: int,
+                num_kv: int, head_dim: int, eps: float) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Queries [B, T, N, H], keys and values [B, T, K, H] of the same normalised inputs (as
+  `project_q` and `project_kv`): one product where the layer's weights hold QKV."""
+  if QKV not in p:
+    return (project_q(x_BTD, p, cos, sin, num_heads, head_dim, eps),
+            *project_kv(x_BTD, p, cos, sin, num_kv, head_dim, eps))
+  B, T, _ = x_BTD.shape
+  nq, nk = num_heads * head_dim, num_kv * head_dim
+  y = x_BTD @ p[QKV]
+  q_BTNH = y[..., :nq].reshape(B, T, num_heads, head_dim)
+  k_BTKH = y[..., nq:nq + nk].reshape(B, T, num_kv, head_dim)
+  v_BTKH = y[..., nq + nk:].reshape(B, T, num_kv, head_dim)
+  return (apply_rope(rms_norm(q_BTNH, p["q_norm"], eps), cos, sin),
+          apply_rope(rms_norm(k_BTKH, p["k_norm"], eps), cos, sin), v_BTKH)
 
 
 def project_kv(x_BSD: jax.Array, p: dict, cos: jax.Array, sin: jax.Array, num_kv: int,

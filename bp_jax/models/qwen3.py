@@ -42,8 +42,10 @@ class LayerStack(nnx.Module):
   def as_dict(self) -> dict[str, jax.Array]:
     return {name: getattr(self, name)[...] for name in L.LAYER_PARAM_NAMES}
 
-  def per_layer(self) -> list[dict[str, jax.Array]]:
-    """One parameter dict per layer (static slices of the stacks), for the unrolled forward.
+  def per_layer(self, fuse_qkv: bool = False,
+                fuse_mlp: bool = False) -> list[dict[str, jax.Array]]:
+    """One parameter dict per layer (static slices of the stacks), for the unrolled forward;
+    with `fuse_mlp` / `fuse_qkv`, gate|up and q|k|v concatenated (`layers.fuse_projections`).
 
     Inside a decode loop, take these once before the `while_loop`: the slices are then loop
     invariants, whereas `lax.scan` over the stacks slices (copies) every layer's weights at
@@ -51,7 +53,10 @@ class LayerStack(nnx.Module):
     """
     stacked = self.as_dict()
     n = stacked["input_norm"].shape[0]
-    return [{name: w[i] for name, w in stacked.items()} for i in range(n)]
+    layers = [{name: w[i] for name, w in stacked.items()} for i in range(n)]
+    if fuse_qkv or fuse_mlp:
+      layers = [L.fuse_projections(p, qkv=fuse_qkv) for p in layers]
+    return layers
 
 
 class ForwardOutput(NamedTuple):
@@ -129,9 +134,8 @@ class Qwen3(nnx.Module):
       x, k_all, v_all, hid = carry
       p, layer, slot = xs  # layer / slot: traced under scan, Python ints when unrolled
       xn = L.rms_norm(x, p["input_norm"], c.rms_norm_eps)
-      q = L.project_q(xn, p, cos, sin, c.num_attention_heads, c.head_dim, c.rms_norm_eps)
-      k_new, v_new = L.project_kv(xn, p, cos, sin, c.num_key_value_heads, c.head_dim,
-                                  c.rms_norm_eps)
+      q, k_new, v_new = L.project_qkv(xn, p, cos, sin, c.num_attention_heads,
+                                      c.num_key_value_heads, c.head_dim, c.rms_norm_eps)
       if isinstance(k_all, tuple):  # per-layer cache (unrolled): layer is a Python int
         k_l = write_keys(k_all[layer], k_new, pos_BT)
         v_l = write_values(v_all[layer], v_new, pos_BT)
