@@ -43,19 +43,18 @@ def apply_rope(x_BTNH: jax.Array, cos_BTH: jax.Array, sin_BTH: jax.Array) -> jax
   return out.astype(x_BTNH.dtype)
 
 
-def fuse_projections(p: dict[str, jax.Array], qkv: bool) -> dict[str, jax.Array]:
-  """One layer's weights with gate_proj | up_proj concatenated into GATE_UP and, where `qkv`,
-  q_proj | k_proj | v_proj into QKV (the separate matrices dropped): one product each where
-  there were three and two. A decode step's products are matrix-vector ones that stream their
+def fuse_projections(p: dict[str, jax.Array], qkv: bool, mlp: bool) -> dict[str, jax.Array]:
+  """One layer's weights with, where `qkv`, q_proj | k_proj | v_proj concatenated into QKV
+  and, where `mlp`, gate_proj | up_proj into GATE_UP (the separate matrices dropped): one
+  product each where there were three and two. A decode step's products are matrix-vector ones that stream their
   weights, and on a 2-core CPU VM fewer, wider ones read them faster (the demo's AR loop:
   0.91-0.97x the time per token in three alternated runs, `docs/cpu_epyc/fused_loop_ab.py`).
   Taken once per engine, in place of the separate slices (`Engine._loop_weights`)."""
-  fused = {k: w for k, w in p.items() if k not in ("gate_proj", "up_proj")}
-  fused[GATE_UP] = jnp.concatenate([p["gate_proj"], p["up_proj"]], axis=-1)
-  if qkv:
-    for k in ("q_proj", "k_proj", "v_proj"):
-      del fused[k]
-    fused[QKV] = jnp.concatenate([p["q_proj"], p["k_proj"], p["v_proj"]], axis=-1)
+  groups = ((QKV, ("q_proj", "k_proj", "v_proj")) if qkv else None,
+            (GATE_UP, ("gate_proj", "up_proj")) if mlp else None)
+  fused = dict(p)
+  for name, parts in filter(None, groups):
+    fused[name] = jnp.concatenate([fused.pop(part) for part in parts], axis=-1)
   return fused
 
 

@@ -55,7 +55,7 @@ class LayerStack(nnx.Module):
     n = stacked["input_norm"].shape[0]
     layers = [{name: w[i] for name, w in stacked.items()} for i in range(n)]
     if fuse_qkv or fuse_mlp:
-      layers = [L.fuse_projections(p, qkv=fuse_qkv) for p in layers]
+      layers = [L.fuse_projections(p, qkv=fuse_qkv, mlp=fuse_mlp) for p in layers]
     return layers
 
 
