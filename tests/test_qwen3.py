@@ -160,11 +160,12 @@ def test_fused_projections_compute_what_the_separate_ones_do(tiny_pair):
   drafter-like caller may take)."""
   _, ours = tiny_pair
   fused = ours.layers.per_layer(fuse_qkv=True, fuse_mlp=True)
-  D, N, K, H = 64, 4, 2, 24
+  c = ours.cfg
+  D, N, K, H = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
   assert set(fused[0]) == {"input_norm", "o_proj", "q_norm", "k_norm", "post_norm",
                            "down_proj", "qkv_proj", "gate_up_proj"}
   assert fused[0]["qkv_proj"].shape == (D, (N + 2 * K) * H)
-  assert fused[0]["gate_up_proj"].shape == (D, 2 * ours.cfg.intermediate_size)
+  assert fused[0]["gate_up_proj"].shape == (D, 2 * c.intermediate_size)
   mlp_only = ours.layers.per_layer(fuse_mlp=True)
   assert "q_proj" in mlp_only[0] and "gate_proj" not in mlp_only[0]
   first, more = _tokens(2, 7, 128, seed=5), _tokens(2, 4, 128, seed=6)

@@ -46,10 +46,11 @@ def apply_rope(x_BTNH: jax.Array, cos_BTH: jax.Array, sin_BTH: jax.Array) -> jax
 def fuse_projections(p: dict[str, jax.Array], qkv: bool, mlp: bool) -> dict[str, jax.Array]:
   """One layer's weights with, where `qkv`, q_proj | k_proj | v_proj concatenated into QKV
   and, where `mlp`, gate_proj | up_proj into GATE_UP (the separate matrices dropped): one
-  product each where there were three and two. A decode step's products are matrix-vector ones that stream their
-  weights, and on a 2-core CPU VM fewer, wider ones read them faster (the demo's AR loop:
-  0.91-0.97x the time per token in three alternated runs, `docs/cpu_epyc/fused_loop_ab.py`).
-  Taken once per engine, in place of the separate slices (`Engine._loop_weights`)."""
+  product each where there were three and two. A decode step's products are matrix-vector
+  ones that stream their weights, and on a 2-core CPU VM fewer, wider ones read them faster
+  (the demo's AR loop: 0.91-0.97x the time per token in three alternated runs,
+  `docs/cpu_epyc/fused_loop_ab.py`). Taken once per engine, in place of the separate slices
+  (`Engine._loop_weights`)."""
   groups = ((QKV, ("q_proj", "k_proj", "v_proj")) if qkv else None,
             (GATE_UP, ("gate_proj", "up_proj")) if mlp else None)
   fused = dict(p)
@@ -60,45 +61,53 @@ def fuse_projections(p: dict[str, jax.Array], qkv: bool, mlp: bool) -> dict[str,
 
 def swiglu_mlp(x: jax.Array, p: dict) -> jax.Array:
   if GATE_UP in p:
-    gu = x @ p[GATE_UP]
-    F = gu.shape[-1] // 2
-    return (jax.nn.silu(gu[..., :F]) * gu[..., F:]) @ p["down_proj"]
-  return (jax.nn.silu(x @ p["gate_proj"]) * (x @ p["up_proj"])) @ p["down_proj"]
+    gate, up = jnp.split(x @ p[GATE_UP], 2, axis=-1)
+  else:
+    gate, up = x @ p["gate_proj"], x @ p["up_proj"]
+  return (jax.nn.silu(gate) * up) @ p["down_proj"]
+
+
+def _queries(q_BTX: jax.Array, p: dict, cos: jax.Array, sin: jax.Array, num_heads: int,
+             head_dim: int, eps: float) -> jax.Array:
+  """Projected queries [B, T, N*H] as heads [B, T, N, H], q_norm then RoPE."""
+  B, T, _ = q_BTX.shape
+  q_BTNH = q_BTX.reshape(B, T, num_heads, head_dim)
+  return apply_rope(rms_norm(q_BTNH, p["q_norm"], eps), cos, sin)
+
+
+def _keys_values(k_BSX: jax.Array, v_BSX: jax.Array, p: dict, cos: jax.Array, sin: jax.Array,
+                 num_kv: int, head_dim: int, eps: float) -> tuple[jax.Array, jax.Array]:
+  """Projected keys and values [B, S, K*H] as heads [B, S, K, H], the keys k_norm then RoPE."""
+  B, S, _ = k_BSX.shape
+  k_BSKH = k_BSX.reshape(B, S, num_kv, head_dim)
+  v_BSKH = v_BSX.reshape(B, S, num_kv, head_dim)
+  return apply_rope(rms_norm(k_BSKH, p["k_norm"], eps), cos, sin), v_BSKH
 
 
 def project_qkv(x_BTD: jax.Array, p: dict, cos: jax.Array, sin: jax.Array, num_heads: int,
                 num_kv: int, head_dim: int, eps: float) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Queries [B, T, N, H], keys and values [B, T, K, H] of the same normalised inputs (as
   `project_q` and `project_kv`): one product where the layer's weights hold QKV."""
-  if QKV not in p:
-    return (project_q(x_BTD, p, cos, sin, num_heads, head_dim, eps),
-            *project_kv(x_BTD, p, cos, sin, num_kv, head_dim, eps))
-  B, T, _ = x_BTD.shape
-  nq, nk = num_heads * head_dim, num_kv * head_dim
-  y = x_BTD @ p[QKV]
-  q_BTNH = y[..., :nq].reshape(B, T, num_heads, head_dim)
-  k_BTKH = y[..., nq:nq + nk].reshape(B, T, num_kv, head_dim)
-  v_BTKH = y[..., nq + nk:].reshape(B, T, num_kv, head_dim)
-  return (apply_rope(rms_norm(q_BTNH, p["q_norm"], eps), cos, sin),
-          apply_rope(rms_norm(k_BTKH, p["k_norm"], eps), cos, sin), v_BTKH)
+  if QKV in p:
+    nq, nk = num_heads * head_dim, num_kv * head_dim
+    q, k, v = jnp.split(x_BTD @ p[QKV], [nq, nq + nk], axis=-1)
+  else:
+    q, k, v = x_BTD @ p["q_proj"], x_BTD @ p["k_proj"], x_BTD @ p["v_proj"]
+  return (_queries(q, p, cos, sin, num_heads, head_dim, eps),
+          *_keys_values(k, v, p, cos, sin, num_kv, head_dim, eps))
 
 
 def project_kv(x_BSD: jax.Array, p: dict, cos: jax.Array, sin: jax.Array, num_kv: int,
                head_dim: int, eps: float) -> tuple[jax.Array, jax.Array]:
   """Keys (k_norm, then RoPE) and values [B, S, K, H] of already-normalised inputs."""
-  B, S, _ = x_BSD.shape
-  k_BSKH = (x_BSD @ p["k_proj"]).reshape(B, S, num_kv, head_dim)
-  v_BSKH = (x_BSD @ p["v_proj"]).reshape(B, S, num_kv, head_dim)
-  k_BSKH = apply_rope(rms_norm(k_BSKH, p["k_norm"], eps), cos, sin)
-  return k_BSKH, v_BSKH
+  return _keys_values(x_BSD @ p["k_proj"], x_BSD @ p["v_proj"], p, cos, sin, num_kv, head_dim,
+                      eps)
 
 
 def project_q(x_BTD: jax.Array, p: dict, cos: jax.Array, sin: jax.Array, num_heads: int,
               head_dim: int, eps: float) -> jax.Array:
   """Queries [B, T, N, H] (q_norm, then RoPE) of already-normalised inputs."""
-  B, T, _ = x_BTD.shape
-  q_BTNH = (x_BTD @ p["q_proj"]).reshape(B, T, num_heads, head_dim)
-  return apply_rope(rms_norm(q_BTNH, p["q_norm"], eps), cos, sin)
+  return _queries(x_BTD @ p["q_proj"], p, cos, sin, num_heads, head_dim, eps)
 
 
 def heads_to_rows(x_BTKH: jax.Array) -> jax.Array:
