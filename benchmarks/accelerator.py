@@ -248,13 +248,13 @@ def forward_costs(target: Qwen3, drafter: DFlashDrafter, max_len: int, at: int,
   @jax.jit
   def verify(ts, toks, cache):
     model = nnx.merge(tg, ts)
-    out = model(toks, cache, ids, layers=model.layers.per_layer())
+    out = model(toks, cache, ids, layers=model.loop_layers())
     return jnp.argmax(out.logits, -1), out.layer_hiddens
 
   @jax.jit
   def draft(ts, ds, block, dcache):
     model, d = nnx.merge(tg, ts), nnx.merge(dg, ds)
-    h = d.draft(model.embed_tokens(block), dcache, d.layers.per_layer())
+    h = d.draft(model.embed_tokens(block), dcache, d.loop_layers())
     return jnp.argmax(model.project_to_vocab(h[:, 1:]), -1)
 
   out = {"ar_step_s": _median_seconds(verify, ts, jnp.ones((1, 1), jnp.int32), cache)}

@@ -56,7 +56,7 @@ def main(_):
   @jax.jit
   def verify(state, cache, tokens_1T):
     model = nnx.merge(t_graph, state)
-    layers = model.layers.per_layer()
+    layers = model.loop_layers()  # the form an engine decodes with
 
     def step(i, acc):  # tokens vary with i: a loop-invariant forward would be hoisted
       toks = (tokens_1T + i) % model.cfg.vocab_size
@@ -67,7 +67,7 @@ def main(_):
   @jax.jit
   def draft(state, d_state, draft_cache):
     model, dr = nnx.merge(t_graph, state), nnx.merge(d_graph, d_state)
-    layers = dr.layers.per_layer()
+    layers = dr.loop_layers()
     b = FLAGS.block_size
 
     def step(i, acc):

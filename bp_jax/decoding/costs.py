@@ -196,7 +196,7 @@ def measure_forward_costs(target, drafter, batch_size: int, block_size: int, max
   @jax.jit
   def draft(state, d_state, draft_cache):
     model, dr = nnx.merge(t_graph, state), nnx.merge(d_graph, d_state)
-    layers = None if scan_layers else dr.layers.per_layer()
+    layers = None if scan_layers else dr.loop_layers()  # the form an engine drafts with
 
     def step(i, acc):
       block = jnp.full((B, b), dr.cfg.mask_token_id, jnp.int32).at[:, 0].set(i % vocab)
@@ -232,7 +232,7 @@ def _forward_loop(target, t_graph, layer_ids, pos: int, reps: int, scan_layers: 
   def verify(state, cache, tokens_BT):
     model = nnx.merge(t_graph, state)
     # the target's per-layer weights in the form an engine decodes with (`Engine._loop_weights`)
-    layers = None if scan_layers else model.layers.per_layer(fuse_qkv=True, fuse_mlp=True)
+    layers = None if scan_layers else model.loop_layers()
 
     def step(i, carry):
       acc, cache = carry

@@ -198,21 +198,23 @@ class Engine:
       self.cache, self.draft_cache = (shard_cache(c, mesh) for c in (self.cache, self.draft_cache))
       self.seq = jax.device_put(self.seq, replicated(mesh))
     # The loops' weights, their per-layer slices taken once here (`loops.LoopWeights`).
-    self.t_weights = self._loop_weights(self.t_graph, self.t_state, fused=mesh is None)
+    self.t_weights = self._loop_weights(self.t_graph, self.t_state, one_device=mesh is None)
     self.d_weights = (None if drafter is None else
-                      self._loop_weights(self.d_graph, self.d_state, fused=False))
+                      self._loop_weights(self.d_graph, self.d_state, one_device=mesh is None))
     if policy is not None:
       self.set_policy(policy, policy_sizes)
 
-  def _loop_weights(self, graph, state, fused: bool) -> LoopWeights:
+  def _loop_weights(self, graph, state, one_device: bool) -> LoopWeights:
     """A model's `LoopWeights`: its per-layer weights sliced once from `state` (placed as it
     is), none where the loops scan the stacked layers. Prefill and the loops read them; the
     stacked ones stay in `state` beside them: the layers' weights twice, which a loop call held
-    anyway while it sliced its own copy, now without the copy. `fused`: q|k|v and gate|up
-    concatenated (`layers.fuse_projections`; the target's, on one device: on a mesh the
-    concatenation would not follow the rule table's per-matrix sharding)."""
+    anyway while it sliced its own copy, now without the copy. On `one_device`, the model's
+    `loop_layers` (the target's projections concatenated, `layers.fuse_projections`); on a
+    mesh the separate matrices (a concatenation would not follow the rule table's per-matrix
+    sharding)."""
+    model = nnx.merge(graph, state)
     layers = (None if self.scan_layers else
-              tuple(nnx.merge(graph, state).layers.per_layer(fuse_qkv=fused, fuse_mlp=fused)))
+              tuple(model.loop_layers() if one_device else model.layers.per_layer()))
     return LoopWeights(state, layers)
 
   def _padded(self, loop: LoopOptions, target, batch_size: int,

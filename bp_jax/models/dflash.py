@@ -79,6 +79,15 @@ class DFlashDrafter(nnx.Module):
     self.hidden_norm = nnx.Param(jnp.ones((D,), dtype))
     self.norm = nnx.Param(jnp.ones((D,), dtype))
 
+  def loop_layers(self) -> list[dict[str, jax.Array]]:
+    """The per-layer weights in the form a single-device decode loop runs them
+    (`Engine._loop_weights`, the start-up cost probe): the separate matrices. A drafter pass
+    projects a whole block (matrix-matrix products, not the target's AR matrix-vector ones),
+    and k|v and gate|up fused made no difference beyond the noise on the 2-core EPYC model-1
+    VM (0.97-1.04x a pass at batch 1 and 8, seven runs of four forms; the paper's b = 8 loop
+    1.065x and 1.010x; docs/results/controller.md)."""
+    return self.layers.per_layer()
+
   # ---- context -------------------------------------------------------------------------------
 
   def init_cache(self, batch: int, max_len: int) -> KVCache:
@@ -159,8 +168,8 @@ class DFlashDrafter(nnx.Module):
       p, k_ctx_ZSH, v_ctx_ZHS = xs
       k_ctx_ZSH, v_ctx_ZHS = in_window(k_ctx_ZSH, v_ctx_ZHS)
       xn_BbD = L.rms_norm(x_BbD, p["input_norm"], eps)
-      q_BbNH = L.project_q(xn_BbD, p, cos_BbH, sin_BbH, c.num_attention_heads, H, eps)
-      k_blk_BbKH, v_blk_BbKH = L.project_kv(xn_BbD, p, cos_BbH, sin_BbH, K, H, eps)
+      q_BbNH, k_blk_BbKH, v_blk_BbKH = L.project_qkv(xn_BbD, p, cos_BbH, sin_BbH,
+                                                     c.num_attention_heads, K, H, eps)
       attn_BbX = _two_part_attend(q_BbNH, k_ctx_ZSH, v_ctx_ZHS, ctx_mask_BS, k_blk_BbKH,
                                   v_blk_BbKH)
       h_BbD = x_BbD + attn_BbX @ p["o_proj"]

@@ -79,6 +79,12 @@ class Qwen3(nnx.Module):
     if not cfg.tie_word_embeddings:
       self.lm_head = nnx.Param((0.02 * jax.random.normal(rngs.params(), (D, V))).astype(dtype))
 
+  def loop_layers(self) -> list[dict[str, jax.Array]]:
+    """The per-layer weights in the form a single-device decode loop runs them
+    (`Engine._loop_weights`, the start-up cost probe): q|k|v and gate|up fused, as every layer
+    projects its queries, keys and values from one input."""
+    return self.layers.per_layer(fuse_qkv=True, fuse_mlp=True)
+
   def init_cache(self, batch: int, max_len: int) -> KVCache:
     c = self.cfg
     return KVCache.create(c.num_hidden_layers, batch, max_len, c.num_key_value_heads, c.head_dim,
