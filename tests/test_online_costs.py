@@ -269,6 +269,21 @@ def test_a_batchs_ar_step_costs_at_least_the_start_up_forward():
     est.set_ar_step_floor(0.0, rows=4)
 
 
+def test_one_requests_fit_is_not_bounded_by_the_start_up_forward():
+  """One request's calls run many AR steps, so its fit prices the AR step itself: the start-up
+  forward does not bound its break-even (a batch-1 run on the 2-core EPYC VM: the loop's AR step
+  1.96 ms, a cycle 9.6 ms, the start-up forward read 3.61 ms from the cost cache, which priced
+  the cycle at 2.66 AR steps instead of 4.9)."""
+  rng = np.random.default_rng(3)
+  est = OnlineCosts(lambda n: 3.48, one_prior_floor=0.5)
+  est.set_ar_step_floor(3.61e-3, rows=1)
+  for _ in range(30):
+    n_ar, n_cycle = int(rng.integers(15, 45)), int(rng.integers(10, 30))
+    est.observe(1.96e-3 * n_ar + 9.6e-3 * n_cycle, _counts(n_ar, n_cycle), rows=1)
+  assert est.break_even(N, rows=1) == pytest.approx(9.6 / 1.96, rel=0.02)
+  assert est.start_break_even(N, rows=1) == est.break_even(N, rows=1)
+
+
 def test_keeps_its_prior_on_degenerate_calls():
   est = OnlineCosts(lambda n: 3.0)
   # Calls that run cycles only cannot tell them from AR steps: the ratio stays the prior's

@@ -35,7 +35,7 @@ import numpy as np
 
 from bp_jax.decoding import controller as control
 
-FORMAT = 2  # 2: one_row_s
+FORMAT = 3  # 2: one_row_s; 3: the target timed with its fused projections (`Qwen3.loop_layers`)
 DEFAULT = "default"  # cost_cache value meaning default_dir()
 
 

@@ -406,13 +406,14 @@ class OnlineCosts:
 
   def set_ar_step_floor(self, seconds: float, rows: int) -> None:
     """The start-up one-token forward's `seconds` at batch size `rows`: what the speculative
-    loop's AR step costs at least there (`break_even`'s bound)."""
+    loop's AR step costs at least there (`break_even`'s bound, for a batch: rows > 1)."""
     self._ar_step_floor_s[int(rows)] = _check_positive(seconds, "seconds")
 
   def break_even(self, n: int, rows: int) -> float:
     """The cost of a cycle verifying n tokens (n - 1 drafts, a drafter pass) in AR steps at
-    batch size `rows`: the current fit, or the prior before the calls tell it; at most the
-    fitted cycle's seconds over the start-up one-token forward's, where one was measured.
+    batch size `rows`: the current fit, or the prior before the calls tell it; for a batch
+    (rows > 1), at most the fitted cycle's seconds over the start-up one-token forward's,
+    where one was measured.
 
     The bound: a batch's speculative-loop AR step is a one-token forward over its
     rows plus the drafter context it stages, so it costs at least the start-up one-token
@@ -426,14 +427,21 @@ class OnlineCosts:
     `start_backoff.DECISIVE`) no longer found τ 6.43 decisive, and a whole batch started deep:
     66 batch AR steps, as the device's run had (66 at batch 16, 68 and 72 at 8 and 4;
     docs/results/accelerator.md); bounded, 2. At 10% noise the first priced fit read 34.5 AR
-    steps, every cycle a miss (96 batch AR steps); bounded, 4. On a CPU the bound does not bind
-    (the speculative loop's AR steps stage the drafter's context: a batch of 8 on the demo, 4.3
-    against 3.6 ms a plain step), and it follows the machine through the fitted cycle.
-    """
+    steps, every cycle a miss (96 batch AR steps); bounded, 4.
+
+    Not for one request: its calls back off after every miss and run many AR steps (~2,500
+    among ~1,500 cycles in a batch-1 run of the demo's 82 prompts), so its fit prices the AR
+    step itself. There the bound only went wrong: the start-up forward, timed over the whole
+    cache (no attention window) and perhaps read from the cost cache of a slower hour, cost
+    more than the loop's AR step, and the bound cut the fitted price in every batch-1 run on
+    the 2-core EPYC model-1 VM (4.35, 4.89 and 7.06 AR steps fitted, 2.97, 2.66 and 5.50
+    priced), so cycles were drafted at a price they did not have (docs/results/controller.md).
+    On a CPU the bound does not bind a batch (its AR steps stage the drafter's context: a batch
+    of 8 on the demo, 4.3 against 3.6 ms a plain step)."""
     fit = self._fit(int(rows))
     fitted = fit.break_even(int(n), self._clip_of(rows))
     cycle_s, floor_s = fit.seconds(int(n)), self._ar_step_floor_s.get(int(rows))
-    if cycle_s is None or floor_s is None:
+    if cycle_s is None or floor_s is None or rows == 1:
       return fitted
     return min(fitted, self.clip(n, cycle_s / floor_s, int(rows)))
 
