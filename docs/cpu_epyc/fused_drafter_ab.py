@@ -12,15 +12,13 @@ with a 95% bootstrap interval over the paired requests.
 """
 
 import sys
-import time
-
-import numpy as np
 
 from benchmarks.common import demo_prompts
 from bp_jax.decoding.engine import Engine, decode_form
 from bp_jax.decoding.options import LoopOptions, ShapeOptions
 from bp_jax.text.tokenizer import load_tokenizer
 from bp_jax.weights.loading import load_drafter, load_target
+from paired_ab import paired_ratio
 
 
 def main() -> None:
@@ -39,20 +37,9 @@ def main() -> None:
                  for p in prompts] for name, e in engines.items()}
   ar = [list(fused.generate(p, max_new_tokens=128).output_ids) for p in prompts]
   print("same tokens", outs["fused"] == outs["separate"] == ar)
-  times = {"fused": [], "separate": []}
-  for r in range(6):  # round 0 warms up
-    for name in (("fused", "separate") if r % 2 else ("separate", "fused")):
-      for p in prompts:
-        t0 = time.perf_counter()
-        engines[name].generate(p, max_new_tokens=128, block_size=b)
-        if r:
-          times[name].append(time.perf_counter() - t0)
-  f, s = np.asarray(times["fused"]), np.asarray(times["separate"])
-  draws = np.random.default_rng(1).integers(0, len(f), (2000, len(f)))
-  boot = [np.median(f[i] / s[i]) for i in draws]
-  print(f"b={b}: separate {1e3 * np.median(s) / 128:.3f} ms/token, fused "
-        f"{1e3 * np.median(f) / 128:.3f} ms/token; fused / separate {np.median(f / s):.3f} "
-        f"[{np.percentile(boot, 2.5):.3f}, {np.percentile(boot, 97.5):.3f}]")
+  decode = {name: (lambda p, e=e: e.generate(p, max_new_tokens=128, block_size=b))
+            for name, e in engines.items()}
+  print(f"b={b}: " + paired_ratio(decode, prompts, rounds=5, new_tokens=128))
 
 
 if __name__ == "__main__":

@@ -9,13 +9,12 @@ Prints whether both give the same tokens, and fused / separate time per request 
 bootstrap interval over the paired requests.
 """
 
-import time
-
 import numpy as np
 
 from bp_jax.decoding.engine import Engine, decode_form
 from bp_jax.decoding.options import ShapeOptions
 from bp_jax.weights.loading import load_target
+from paired_ab import paired_ratio
 
 
 def main() -> None:
@@ -30,21 +29,10 @@ def main() -> None:
   same = all(list(fused.generate(p, max_new_tokens=128).output_ids)
              == list(separate.generate(p, max_new_tokens=128).output_ids) for p in prompts)
   print("same tokens", same)
-  times = {"fused": [], "separate": []}
   engines = {"fused": fused, "separate": separate}
-  for r in range(8):  # round 0 warms up
-    for name in (("fused", "separate") if r % 2 else ("separate", "fused")):
-      for p in prompts:
-        t0 = time.perf_counter()
-        engines[name].generate(p, max_new_tokens=128)
-        if r:
-          times[name].append(time.perf_counter() - t0)
-  f, s = np.asarray(times["fused"]), np.asarray(times["separate"])
-  draws = np.random.default_rng(1).integers(0, len(f), (2000, len(f)))
-  boot = [np.median(f[i] / s[i]) for i in draws]
-  print(f"separate {1e3 * np.median(s) / 128:.3f} ms/token, fused {1e3 * np.median(f) / 128:.3f}"
-        f" ms/token; fused / separate {np.median(f / s):.3f} "
-        f"[{np.percentile(boot, 2.5):.3f}, {np.percentile(boot, 97.5):.3f}]")
+  decode = {name: (lambda p, e=e: e.generate(p, max_new_tokens=128))
+            for name, e in engines.items()}
+  print(paired_ratio(decode, prompts, rounds=7, new_tokens=128))
 
 
 if __name__ == "__main__":
