@@ -117,19 +117,41 @@ def test_cache_hits_for_equal_keys_and_misses_when_shapes_change(zeros_models, t
     json.dump(entry, f)
   _, hit = costs.forward_costs(target, drafter, 1, B, MAX_LEN, cache_dir=folder)
   assert not hit and len(calls) == 8
+  # Timed by other code (the models' or this module's sources changed since): a miss.
+  with open(path) as f:
+    entry = json.load(f)
+  entry["key"]["code"] = "0" * 16
+  with open(path, "w") as f:
+    json.dump(entry, f)
+  _, hit = costs.forward_costs(target, drafter, 1, B, MAX_LEN, cache_dir=folder)
+  assert not hit and len(calls) == 9
   with open(path, "w") as f:
     f.write("{not json")
   _, hit = costs.forward_costs(target, drafter, 1, B, MAX_LEN, cache_dir=folder)
-  assert not hit and len(calls) == 9
+  assert not hit and len(calls) == 10
   assert not [n for n in os.listdir(folder) if n.endswith(".tmp")]
   # "" = no cache: measured every time, nothing written.
   for _ in range(2):
     assert not costs.forward_costs(target, drafter, 1, B, MAX_LEN, cache_dir="")[1]
-  assert len(calls) == 11 and len(os.listdir(folder)) == 5
+  assert len(calls) == 12 and len(os.listdir(folder)) == 5
   assert key["machine"] == costs.machine_fingerprint()
   if os.path.exists("/proc/cpuinfo"):  # Linux: the CPU's generation and features are in it
     assert key["machine"]["cpu_id"].count("/") == 3 and "?" not in key["machine"]["cpu_id"]
     assert len(key["machine"]["cpu_flags"]) == 12
+
+
+def test_the_code_fingerprint_follows_the_timed_sources(tmp_path):
+  """The cost cache's key holds a digest of the timed code's sources: it changes with any one
+  of them, and covers the models' files and this module's by default."""
+  files = [tmp_path / "a.py", tmp_path / "b.py"]
+  for f in files:
+    f.write_text("x = 1\n")
+  before = costs.code_fingerprint([str(f) for f in files])
+  assert before == costs.code_fingerprint([str(f) for f in files]) and len(before) == 16
+  files[1].write_text("x = 2\n")
+  assert costs.code_fingerprint([str(f) for f in files]) != before
+  # the default covers more than this module and the controller's: the models' files
+  assert costs.code_fingerprint() != costs.code_fingerprint([costs.__file__, control.__file__])
 
 
 def test_given_costs_come_as_a_pair():

@@ -13,7 +13,8 @@ a CPU several times more), so they are measured on the engine's own shapes, not 
                          in which the forwards take turns (a few seconds at demo size);
   forward_costs          the same, cached per machine (`machine_fingerprint`: CPU model,
                          generation, cache and feature flags, devices), model weights
-                         (`models.fingerprint`), shapes and dtype in
+                         (`models.fingerprint`), the timed code (`code_fingerprint`),
+                         shapes and dtype in
                          `$XDG_CACHE_HOME/bp_jax/costs/` (written atomically; cache_dir="" = no
                          cache);
   measure_ar_step        the target alone over one and over two tokens per row: whether an AR
@@ -78,6 +79,24 @@ def machine_fingerprint() -> dict[str, Any]:
           "cpu_count": os.cpu_count(), "machine": platform.machine(),
           "jax": jax.__version__, "backend": jax.default_backend(),
           "devices": f"{len(devices)} x {devices[0].device_kind}"}
+
+
+def code_fingerprint(files: Sequence[str] | None = None) -> str:
+  """SHA-256 (16 hex digits) of the source files whose code the timed forwards run (None: this
+  module, the controller's and the models' files). A cached entry timed by other code is
+  measured again: the target's fused projections made its AR step cheaper, and an entry timed
+  before them, read from the cache after, priced one request's cycles at 2.66 AR steps where
+  the loop's own calls fitted 4.89 (docs/results/controller.md, 2026-11-29)."""
+  if files is None:
+    from bp_jax.models import layers
+    models = os.path.dirname(os.path.abspath(layers.__file__))
+    files = [os.path.abspath(__file__), os.path.abspath(control.__file__)] + sorted(
+        os.path.join(models, f) for f in os.listdir(models) if f.endswith(".py"))
+  digest = hashlib.sha256()
+  for path in files:
+    with open(path, "rb") as f:
+      digest.update(os.path.basename(path).encode() + b"\0" + f.read())
+  return digest.hexdigest()[:16]
 
 
 def verify_lengths(block_size: int) -> tuple[int, ...]:
@@ -278,7 +297,8 @@ def cost_key(target, drafter, batch_size: int, block_size: int, max_len: int,
   from bp_jax.models.fingerprint import model_fingerprint
 
   t_fp, d_fp = fingerprints or (model_fingerprint(target), model_fingerprint(drafter))
-  return {"format": FORMAT, "machine": machine_fingerprint(), "target": str(t_fp),
+  return {"format": FORMAT, "machine": machine_fingerprint(), "code": code_fingerprint(),
+          "target": str(t_fp),
           "drafter": str(d_fp), "batch_size": int(batch_size), "block_size": int(block_size),
           "max_len": int(max_len), "dtype": str(np.dtype(target.dtype)),
           "drafter_dtype": str(np.dtype(drafter.dtype)), "scan_layers": bool(scan_layers)}
