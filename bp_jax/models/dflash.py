@@ -84,8 +84,8 @@ class DFlashDrafter(nnx.Module):
     (`Engine._loop_weights`, the start-up cost probe): the separate matrices. A drafter pass
     projects a whole block (matrix-matrix products, not the target's AR matrix-vector ones),
     and k|v and gate|up fused made it no faster on the 2-core EPYC model-1 VM (0.95-1.05x a
-    pass at batch 1 and 8, seven runs of four forms; the paper's b = 8 loop 1.01-1.09x the
-    time per request, three runs; docs/results/controller.md)."""
+    pass at batch 1 and 8, seven runs of four forms; the paper's b = 8 loop 0.97-1.09x the
+    time per request, four runs; docs/results/controller.md)."""
     return self.layers.per_layer()
 
   # ---- context -------------------------------------------------------------------------------
