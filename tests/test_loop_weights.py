@@ -36,7 +36,7 @@ def test_a_loop_call_slices_no_stacked_weight(models):
   assert len(eng.t_weights.layers) == target.cfg.num_hidden_layers
   assert len(eng.d_weights.layers) == drafter.cfg.layers.num_hidden_layers
   # The target's q|k|v and gate|up as one product each (`layers.fuse_projections`), the
-  # drafter's separate (its keys and values also project the context).
+  # drafter's separate (`DFlashDrafter.loop_layers`: fused, its passes ran no faster).
   fused = eng.t_weights.layers[0]
   assert {L.QKV, L.GATE_UP} <= set(fused) and "q_proj" not in fused
   assert "q_proj" in eng.d_weights.layers[0] and L.QKV not in eng.d_weights.layers[0]

@@ -25,6 +25,7 @@ a CPU several times more), so they are measured on the engine's own shapes, not 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -83,20 +84,26 @@ def machine_fingerprint() -> dict[str, Any]:
 
 def code_fingerprint(files: Sequence[str] | None = None) -> str:
   """SHA-256 (16 hex digits) of the source files whose code the timed forwards run (None: this
-  module, the controller's and the models' files). A cached entry timed by other code is
-  measured again: the target's fused projections made its AR step cheaper, and an entry timed
-  before them, read from the cache after, priced one request's cycles at 2.66 AR steps where
-  the loop's own calls fitted 4.89 (docs/results/controller.md, 2026-11-29)."""
+  module, the controller's and the models' files, read once per process: the code it imported).
+  A cached entry timed by other code is measured again: the target's fused projections made its
+  AR step cheaper, and an entry timed before them, read from the cache after, priced one
+  request's cycles at 2.66 AR steps where the loop's own calls fitted 4.89
+  (docs/results/controller.md, 2026-11-29)."""
   if files is None:
-    from bp_jax.models import layers
-    models = os.path.dirname(os.path.abspath(layers.__file__))
-    files = [os.path.abspath(__file__), os.path.abspath(control.__file__)] + sorted(
-        os.path.join(models, f) for f in os.listdir(models) if f.endswith(".py"))
+    return _loaded_code_fingerprint()
   digest = hashlib.sha256()
   for path in files:
     with open(path, "rb") as f:
       digest.update(os.path.basename(path).encode() + b"\0" + f.read())
   return digest.hexdigest()[:16]
+
+
+@functools.cache
+def _loaded_code_fingerprint() -> str:
+  from bp_jax.models import layers
+  models = os.path.dirname(os.path.abspath(layers.__file__))
+  return code_fingerprint([os.path.abspath(__file__), os.path.abspath(control.__file__)] + sorted(
+      os.path.join(models, f) for f in os.listdir(models) if f.endswith(".py")))
 
 
 def verify_lengths(block_size: int) -> tuple[int, ...]:
@@ -298,10 +305,10 @@ def cost_key(target, drafter, batch_size: int, block_size: int, max_len: int,
 
   t_fp, d_fp = fingerprints or (model_fingerprint(target), model_fingerprint(drafter))
   return {"format": FORMAT, "machine": machine_fingerprint(), "code": code_fingerprint(),
-          "target": str(t_fp),
-          "drafter": str(d_fp), "batch_size": int(batch_size), "block_size": int(block_size),
-          "max_len": int(max_len), "dtype": str(np.dtype(target.dtype)),
-          "drafter_dtype": str(np.dtype(drafter.dtype)), "scan_layers": bool(scan_layers)}
+          "target": str(t_fp), "drafter": str(d_fp), "batch_size": int(batch_size),
+          "block_size": int(block_size), "max_len": int(max_len),
+          "dtype": str(np.dtype(target.dtype)), "drafter_dtype": str(np.dtype(drafter.dtype)),
+          "scan_layers": bool(scan_layers)}
 
 
 def _path(folder: str, key: dict) -> str:
