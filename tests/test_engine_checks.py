@@ -324,7 +324,7 @@ def test_loop_state_fields_have_the_shapes_their_names_say(models):
       for leaf in (value if isinstance(value, tuple) else (value,)):
         assert leaf.shape == shapes[suffix], name
       checked += 1
-  assert checked == 18
+  assert checked == 19
   assert state.draft_cache is not None and eng.slot_carry(1).draft_cache is None
 
 

@@ -159,16 +159,20 @@ class Priced(Plain):
 
   def observed(self, s, k: int, a_B: jax.Array, expected_B=None):
     """The state after a cycle that verified k drafts: the decline's and the back-off gate's
-    evidence (`evidence`; the cycle follows a miss when the batch's back-off level, the deepest
-    `misses_B` of the rows that decoded in it (a_B >= 0, as its choice read them: a row the
-    cycle finished counts), is above 0: `misses_B` is this cycle's before `backed_off`)."""
+    evidence (`evidence`). A row's cycle follows a miss when the row's own last full cycle
+    committed fewer tokens than its price (`LoopState.missed_B`, renewed here), whether or not
+    the batch backed off: at batch 4 on an H200's prices (a b = 16 cycle 1.56 AR steps) a
+    batch's miss needs its rows' mean under 1.56 tokens, so they came only in batch tails, a
+    few per run, and the gate, counting the cycles after those, kept its prior (a post-miss
+    cycle commits 1 token) and backed off through the run (docs/results/accelerator.md)."""
     e = s.evidence_7
     if self.decline:
       e = e.at[evidence.DECLINE].set(decline_rule.observed(e[evidence.DECLINE], k,
                                                            self.block_size, expected_B, a_B))
     if self.persist:
-      after_miss = s.backoff_level(a_B >= 0) > 0
-      e = evidence.observed(e, k, self.block_size, a_B, after_miss)
+      e = evidence.observed(e, k, self.block_size, a_B, s.missed_B)
+      price = self.price_N(s.break_even_N)[k + 1]
+      s = s.replace(missed_B=evidence.row_missed(s.missed_B, k, self.block_size, a_B, price))
     return s.replace(evidence_7=e) if self.stateful else s
 
   def miss_B(self, k: int, a_B: jax.Array, draft_next: jax.Array,

@@ -18,8 +18,9 @@ acceptances are independent by construction, the default ran 0.90-0.91x of the p
 (docs/results/accelerator.md): most of its misses fell in its batches' tails, where a few rows
 decode and each AR step costs a whole batch's forward.
 
-So the gate measures the bet: decayed, the row-cycles verified right after a miss and the tokens
-they committed, and all verified row-cycles and theirs. After a miss the rows back off only while
+So the gate measures the bet: decayed, the row-cycles verified right after a miss of that row
+(its own last full cycle committed less than its price, `row_missed`; in a batch, whether or not
+the batch backed off) and the tokens they committed, and all verified row-cycles and theirs. After a miss the rows back off only while
 a cycle after a miss commits less than PERSIST_RATIO of what cycles commit overall (its estimate
 starting from PRIOR_ROWS row-cycles of one token each, so that an engine backs off until its
 cycles say otherwise), or while cycles commit less than their price on average (`cycles_lose`):
@@ -128,19 +129,33 @@ def backs_off(state_7: jax.Array, price: jax.Array | float,
 
 
 def observed(state_7: jax.Array, k: int, block_size: int, a_B: jax.Array,
-             after_miss: jax.Array) -> jax.Array:
-  """[SIZE] the gate's evidence after a cycle that verified k drafts, `after_miss` ([] bool)
-  when the batch's back-off level was above 0 (the cycle after a miss): a cycle that verified all
-  its drafts adds its committing rows (a_B >= 0) and their tokens, a_B + 1, to all cycles' and,
-  after a miss, to the post-miss cycles' (each kind forgetting FORGET of its older weight); a
-  declined cycle (k = 0) tells nothing."""
+             after_miss_B: jax.Array) -> jax.Array:
+  """[SIZE] the gate's evidence after a cycle that verified k drafts; `after_miss_B` ([B] bool,
+  or one [] bool for every row): the rows whose own last full cycle was a miss (`row_missed`).
+  A cycle that verified all its drafts adds its committing rows (a_B >= 0) and their tokens,
+  a_B + 1, to all cycles' and, those of them after a miss, to the post-miss cycles' (each kind
+  forgetting FORGET of its older weight, where the cycle adds rows to it); a declined cycle
+  (k = 0) tells nothing."""
   if k != block_size - 1:
     return state_7
   seen_B = a_B >= 0
-  rows = jnp.sum(seen_B).astype(jnp.float32)
-  tokens = jnp.sum(jnp.where(seen_B, a_B + 1, 0)).astype(jnp.float32)
+  after_B = seen_B & after_miss_B
+  count = lambda rows_B: jnp.stack([jnp.sum(rows_B), jnp.sum(jnp.where(rows_B, a_B + 1, 0))]
+                                   ).astype(jnp.float32)
   old = state_7[PERSIST]
-  after = jnp.where(after_miss, FORGET * old[:2] + jnp.stack([rows, tokens]), old[:2])
-  every = FORGET * old[2:] + jnp.stack([rows, tokens])
-  new = jnp.concatenate([after, every])
-  return state_7.at[PERSIST].set(jnp.where(rows > 0, new, old))
+  after_rows_tokens, rows_tokens = count(after_B), count(seen_B)
+  after = jnp.where(after_rows_tokens[0] > 0, FORGET * old[:2] + after_rows_tokens, old[:2])
+  every = jnp.where(rows_tokens[0] > 0, FORGET * old[2:] + rows_tokens, old[2:])
+  return state_7.at[PERSIST].set(jnp.concatenate([after, every]))
+
+
+def row_missed(missed_B: jax.Array, k: int, block_size: int, a_B: jax.Array,
+               price: jax.Array | float) -> jax.Array:
+  """[B] bool each row's own miss after a cycle that verified k drafts: for a cycle that
+  verified all of them, whether a committing row (a_B >= 0) committed fewer tokens, a_B + 1,
+  than `price` (the cycle's break-even in AR steps); other rows, and every row after a cycle
+  that verified fewer drafts (a decline), keep `missed_B`. What `observed` reads as "after a
+  miss" at the row's next full cycle."""
+  if k != block_size - 1:
+    return missed_B
+  return jnp.where(a_B >= 0, (a_B + 1).astype(jnp.float32) < price, missed_B)

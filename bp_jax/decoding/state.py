@@ -76,6 +76,10 @@ class LoopState:
   # [B] bool: the row's last cycle declined its drafts (`priced`'s decline): its next AR step is
   # that cycle's forward, recorded as a cycle that verified no draft (`loops`).
   declined_B: jax.Array
+  # [B] bool: the row's last cycle that verified all its drafts committed fewer tokens than the
+  # cycle's price (`evidence.row_missed`): the priced back-off gate counts the row's next full
+  # cycle as one after a miss.
+  missed_B: jax.Array
   seed_keys_B: jax.Array     # [B] typed PRNG keys: each request's own seed
   sp_B: SamplingParams       # [B] each row's sampling settings (temperature, top-k/p, min-p)
   stop_BK: jax.Array         # [B, K] int32 each row's own stop ids besides the engine's (-1)
@@ -120,7 +124,7 @@ class LoopState:
                max_new_B=zeros(), done_B=jnp.zeros((B,), jnp.bool_),
                bad_B=jnp.zeros((B,), jnp.bool_), records=ForwardRecords.empty(B, S),
                misses_B=zeros(), wait_B=zeros(), declined_B=jnp.zeros((B,), jnp.bool_),
-               seed_keys_B=jax.random.split(jax.random.key(0), B), sp_B=row_params(B),
+               missed_B=jnp.zeros((B,), jnp.bool_), seed_keys_B=jax.random.split(jax.random.key(0), B), sp_B=row_params(B),
                stop_BK=jnp.full((B, MAX_ROW_STOP_IDS), -1, jnp.int32),
                forward_counts_N=jnp.zeros((max_verify + 1,), jnp.int32),
                min_active=jnp.zeros((), jnp.int32), draft_cache=draft_cache,
@@ -153,7 +157,7 @@ class LoopState:
         bad_B=self.bad_B.at[row].set(False), records=self.records.cleared(row),
         misses_B=self.misses_B.at[row].set(start_2[0]),
         wait_B=self.wait_B.at[row].set(start_2[1]),
-        declined_B=self.declined_B.at[row].set(False),
+        declined_B=self.declined_B.at[row].set(False), missed_B=self.missed_B.at[row].set(False),
         seed_keys_B=self.seed_keys_B.at[row].set(seed_key), sp_B=set_row(self.sp_B, row, sp),
         stop_BK=self.stop_BK.at[row].set(row_stop))
     if forced_S is not None:
@@ -199,7 +203,7 @@ class LoopState:
         min_active=self.min_active, break_even_N=self.break_even_N,
         evidence_7=self.evidence_7, pending_BPX=self.pending_BPX,
         misses_B=out.misses_B.at[row].set(0), wait_B=out.wait_B.at[row].set(0),
-        declined_B=out.declined_B.at[row].set(False))
+        declined_B=out.declined_B.at[row].set(False), missed_B=out.missed_B.at[row].set(False))
 
   # -- read by the loops --------------------------------------------------------------------
   def active_B(self) -> jax.Array:
