@@ -20,11 +20,12 @@ decode and each AR step costs a whole batch's forward.
 
 So the gate measures the bet: decayed, the row-cycles verified right after a miss of that row
 (its own last full cycle committed less than its price, `row_missed`; in a batch, whether or not
-the batch backed off) and the tokens they committed, and all verified row-cycles and theirs. After a miss the rows back off only while
-a cycle after a miss commits less than PERSIST_RATIO of what cycles commit overall (its estimate
-starting from PRIOR_ROWS row-cycles of one token each, so that an engine backs off until its
-cycles say otherwise), or while cycles commit less than their price on average (`cycles_lose`):
-then the next cycle is expected to lose whether misses persist or not. Without that second
+the batch backed off) and the tokens they committed, and all verified row-cycles and theirs.
+After a miss the rows back off only while a cycle after a miss commits less than PERSIST_RATIO
+of what cycles commit overall (its estimate starting from PRIOR_ROWS row-cycles of one token
+each, so that an engine backs off until its cycles say otherwise), or while cycles commit less
+than their price on average (`cycles_lose`): then the next cycle is expected to lose whether
+misses persist or not. Without that second
 condition the gate lifted the back-off where every cycle loses and acceptances are independent
 (T = 1 on the demo's CPU: τ 2.15 at b = 8 against a cycle priced ~4.6 AR steps), and each
 request that drafted (the first ones, every 4th explorer) drafted every cycle at about half
