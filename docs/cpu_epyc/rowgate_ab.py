@@ -6,12 +6,14 @@ tokens, the priced default's options as `benchmarks/controllers.py` builds them,
 measuring its own costs and keeping its own history; a warm-up round, then ROUNDS timed rounds.
 
     PYTHONPATH=. python docs/cpu_epyc/rowgate_ab.py [rounds] [num_prompts]
+    AA=1 PYTHONPATH=. python docs/cpu_epyc/rowgate_ab.py 3   # the A/A check
 
 Prints whether both give AR's tokens, each engine's drafted requests, AR steps and cycles in
 the timed rounds, and per-row / batch-level time per request with a 95% bootstrap interval.
 """
 
 import contextlib
+import os
 import sys
 
 from benchmarks.common import demo_prompts
@@ -36,8 +38,11 @@ def batch_level_observed(self, s, k, a_B, expected_B=None):
 
 @contextlib.contextmanager
 def batch_level_rule():
+  """The rule before, its programs kept apart; with AA=1 in the environment, only kept apart (an
+  A/A check of the setup: both engines run the per-row rule)."""
   new = controllers.Priced.observed
-  controllers.Priced.observed = batch_level_observed
+  if not os.environ.get("AA"):
+    controllers.Priced.observed = batch_level_observed
   try:
     with compiled.shared_programs_set_aside():
       yield
