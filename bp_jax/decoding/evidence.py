@@ -25,14 +25,13 @@ After a miss the rows back off only while a cycle after a miss commits less than
 of what cycles commit overall (its estimate starting from PRIOR_ROWS row-cycles of one token
 each, so that an engine backs off until its cycles say otherwise), or while cycles commit less
 than their price on average (`cycles_lose`): then the next cycle is expected to lose whether
-misses persist or not. Without that second
-condition the gate lifted the back-off where every cycle loses and acceptances are independent
-(T = 1 on the demo's CPU: τ 2.15 at b = 8 against a cycle priced ~4.6 AR steps), and each
-request that drafted (the first ones, every 4th explorer) drafted every cycle at about half
-AR's speed: the default at batch 1, T = 1 read 0.53x and 0.82x AR in two runs
-(docs/results/controller.md), where it had read 0.975-0.99x before the gate. A gated miss still
-counts as a miss (`LoopState.misses_B`): the next cycle is the one after it, and the gate's next
-evidence.
+misses persist or not. Without that second condition the gate lifted the back-off where every
+cycle loses and acceptances are independent (T = 1 on the demo's CPU: τ 2.15 at b = 8 against a
+cycle priced ~4.6 AR steps), and each request that drafted (the first ones, every 4th explorer)
+drafted every cycle at about half AR's speed: the default at batch 1, T = 1 read 0.53x and 0.82x
+AR in two runs (docs/results/controller.md), where it had read 0.975-0.99x before the gate. A
+gated miss still counts as a miss (the row's `LoopState.missed_B`): the row's next full cycle is
+one after it, and the gate's next evidence.
 
 While the rows back off, the cycle after a miss runs after the AR steps and commits more than it
 would have right after the miss, so the estimate leans towards lifting the back-off; where misses
