@@ -269,6 +269,38 @@ def test_a_batchs_ar_step_costs_at_least_the_start_up_forward():
     est.set_ar_step_floor(0.0, rows=4)
 
 
+def test_a_batch_tails_ar_step_costs_at_least_its_share_of_the_start_up_forward():
+  """The sizes a batch's tail shrinks to have no start-up forward of their own; a forward over
+  R rows costs at most R / r forwards over r rows, so the one measured at the batch size bounds
+  theirs below at r / R of it. The four calls of a batch-16 run's tail of 8 (the 2-core EPYC VM,
+  T = 0, the demo: `docs/cpu_epyc/b16_t0_2026-11-29_rowgate`; start-up forward 11.228 ms at 16
+  rows, a full b = 8 cycle priced 3.02 AR steps; a cycle of 8 rows there took 3.7 plain steps)
+  fitted the AR step at ~0 and the cycle at the cap, 32 AR steps: bounded, at most 4."""
+  tail = ((0.23654, [9, 0, 0, 0, 0, 0, 0, 0, 7]), (0.1787, [9, 1, 0, 0, 0, 0, 0, 0, 6]),
+          (0.18646, [9, 1, 0, 0, 0, 0, 0, 0, 6]), (0.1331, [14, 0, 0, 0, 0, 0, 0, 0, 2]))
+  prior = lambda n: 1.5 if n == 1 else 3.0178
+  unbounded = OnlineCosts(prior, batch_prior_floor=1.0, by_prior=(1,))
+  est = OnlineCosts(prior, batch_prior_floor=1.0, by_prior=(1,))
+  est.set_ar_step_floor(11.228e-3, rows=16)
+  assert est.ar_step_floor_s(16) == 11.228e-3
+  assert est.ar_step_floor_s(8) == pytest.approx(11.228e-3 / 2)
+  assert est.ar_step_floor_s(2) == pytest.approx(11.228e-3 / 8)
+  assert est.ar_step_floor_s(32) is None  # nothing measured at or above 32 rows
+  for seconds, counts in tail:
+    unbounded.observe(seconds, counts, rows=8)
+    est.observe(seconds, counts, rows=8)
+  assert unbounded.break_even(8, rows=8) == 32.0  # the cap
+  assert 3.0178 <= est.break_even(8, rows=8) < 4.0
+  assert est.break_even(8, rows=8) == pytest.approx(
+      min(32.0, max(3.0178, est.estimate(8).cycle_s[8] / (11.228e-3 / 2))))
+  # One request (a tail of one row) is not bounded so: its calls price its AR step.
+  for seconds, counts in tail:
+    unbounded.observe(seconds, counts, rows=1)
+    est.observe(seconds, counts, rows=1)
+  assert est.ar_step_floor_s(1) == pytest.approx(11.228e-3 / 16)
+  assert est.break_even(8, rows=1) == unbounded.break_even(8, rows=1) > 4.0
+
+
 def test_one_requests_fit_is_not_bounded_by_the_start_up_forward():
   """One request's calls run many AR steps, so its fit prices the AR step itself: the start-up
   forward does not bound its break-even (a batch-1 run on the 2-core EPYC VM: the loop's AR step

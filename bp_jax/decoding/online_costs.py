@@ -409,15 +409,38 @@ class OnlineCosts:
     loop's AR step costs at least there (`break_even`'s bound, for a batch: rows > 1)."""
     self._ar_step_floor_s[int(rows)] = _check_positive(seconds, "seconds")
 
+  def ar_step_floor_s(self, rows: int) -> float | None:
+    """The least seconds of the speculative loop's AR step at batch size `rows`: the start-up
+    one-token forward measured there, else the one measured at the nearest larger batch size R
+    scaled by rows / R (None: none measured at `rows` or above).
+
+    A forward over R rows costs at most R / rows forwards over `rows` rows (it could run as
+    those), so one over `rows` rows costs at least rows / R of it: a bound for the sizes a
+    batch's tail shrinks to, where no start-up forward is timed. Tight where a forward's cost is
+    proportional to its rows (a CPU's compute-bound forwards: in a batch-16 run on the 2-core
+    EPYC VM the plain loop's step took 6.1 ms at 8 rows, 12.4 at 16), loose where it is flat (an
+    accelerator's bandwidth-bound ones), and binding only where a fit prices the step far below
+    it: four calls of that run's tail of 8, each ~9 AR steps and 6-7 cycles, fitted the step at
+    2 us and the cycle at the cap, 32 AR steps, where a cycle of 8 rows took 22.3 ms, 3.7 plain
+    steps (docs/results/controller.md)."""
+    if rows in self._ar_step_floor_s:
+      return self._ar_step_floor_s[rows]
+    larger = [r for r in self._ar_step_floor_s if r > rows]
+    if not larger:
+      return None
+    measured = min(larger)
+    return self._ar_step_floor_s[measured] * rows / measured
+
   def break_even(self, n: int, rows: int) -> float:
     """The cost of a cycle verifying n tokens (n - 1 drafts, a drafter pass) in AR steps at
     batch size `rows`: the current fit, or the prior before the calls tell it; for a batch
     (rows > 1), at most the fitted cycle's seconds over the start-up one-token forward's,
-    where one was measured.
+    where one was measured at `rows` or above (`ar_step_floor_s`: a batch's tail).
 
     The bound: a batch's speculative-loop AR step is a one-token forward over its
     rows plus the drafter context it stages, so it costs at least the start-up one-token
-    forward at that batch size (`set_ar_step_floor`, where the engine measured one): the break-even
+    forward at that batch size (`set_ar_step_floor`, where the engine measured one; its share
+    of the one measured at a larger size for a shrunk tail, `ar_step_floor_s`): the break-even
     is at most the fitted cycle's seconds over that forward's. A batch's calls run few AR steps
     (0-3 among 10-30 cycles on an H200 at Qwen3-4B shapes), so its fit barely prices the step
     and the fitted ratio swung with the calls' noise, mostly by an AR step fitted too cheap.
@@ -437,10 +460,10 @@ class OnlineCosts:
     the 2-core EPYC model-1 VM (4.35, 4.89 and 7.06 AR steps fitted, 2.97, 2.66 and 5.50
     priced), so cycles were drafted at a price they did not have (docs/results/controller.md).
     On a CPU the bound does not bind a batch (its AR steps stage the drafter's context: a batch
-    of 8 on the demo, 4.3 against 3.6 ms a plain step)."""
+    of 8 on the demo, 4.3 against 3.6 ms a plain step), except a tail's fit gone astray."""
     fit = self._fit(int(rows))
     fitted = fit.break_even(int(n), self._clip_of(rows))
-    cycle_s, floor_s = fit.seconds(int(n)), self._ar_step_floor_s.get(int(rows))
+    cycle_s, floor_s = fit.seconds(int(n)), self.ar_step_floor_s(int(rows))
     if cycle_s is None or floor_s is None or rows == 1:
       return fitted
     return min(fitted, self.clip(n, cycle_s / floor_s, int(rows)))
