@@ -1,0 +1,81 @@
+"""Replays benchmark runs' logged loop calls through the priced controller's cost estimator.
+
+Each `benchmarks.controllers` run keeps the default's loop calls in its json (`call_logs`:
+seconds, forward counts, slots) and the start-up costs; this feeds them, in order, to an
+`OnlineCosts` built as the engine builds it, and prints per batch size the full cycle's price
+(in AR steps) after each priced call: calls, median, max, last. Open loop: the calls are the
+run's, not what another estimator's prices would have made the loop run.
+
+    PYTHONPATH=. python docs/cpu_epyc/price_replay.py docs/cpu_epyc/b16_t0_2026-11-29_rowgate
+    # --plain_floor: one request's fitted AR step held at least at the plain loop's step, the
+    #   cycles refitted with it (tried in docs/results/controller.md's thirty-fifth session)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+
+from bp_jax.decoding import controller as control
+from bp_jax.decoding.online_costs import OnlineCosts
+
+
+class PlainFloored(OnlineCosts):
+  """One request's price with its AR step at least the plain loop's step, the other verify
+  lengths refitted by least squares with the step held there."""
+
+  def break_even(self, n: int, rows: int) -> float:
+    fit, plain = self._fit(int(rows)), self.plain_step_s(rows)
+    if rows != 1 or plain is None or not fit.pricing or n not in fit.lengths \
+        or fit.theta[0] >= plain:
+      return super().break_even(n, rows)
+    rest = list(range(1, len(fit.lengths)))
+    A_rr = fit.A[np.ix_(rest, rest)]
+    ridge = np.diag(0.03 * np.diag(A_rr) + 1e-12)
+    theta = np.linalg.solve(A_rr + ridge,
+                            fit.b[rest] - fit.A[rest, 0] * plain + ridge @ fit.theta[rest])
+    return self.clip(n, theta[rest.index(fit.lengths.index(n))] / plain, rows)
+
+
+def replay(run: Path, plain_floor: bool) -> dict[int, tuple[int, float, float, float]]:
+  report = json.loads((run / "controllers.json").read_text())
+  first = re.search(r"target forward over 1/2/4/8 tokens ([\d.]+)/",
+                    (run / "controllers.log").read_text())
+  costs = report["controller_costs"]
+  prior = lambda n: control.break_even(n - 1, costs["controller_costs"],
+                                       costs["controller_draft_cost"])
+  est = (PlainFloored if plain_floor else OnlineCosts)(
+      prior, batch_prior_floor=1.0, one_prior_floor=0.5, by_prior=(1,))
+  est.set_ar_step_floor(float(first.group(1)) * 1e-3, report["batch_size"])
+  prices: dict[int, list[float]] = {}
+  for call in report["call_logs"]["priced_default"]:
+    counts, rows = call["forwards_N"], call["rows"]
+    if call["block_size"] == 1:  # the plain loop
+      est.observe_plain(call["seconds"], counts[0], rows)
+      continue
+    est.observe(call["seconds"], counts, rows)
+    prices.setdefault(rows, []).append(est.break_even(len(counts) - 1, rows))
+  return {rows: (len(p), round(float(np.median(p)), 2), round(max(p), 2), round(p[-1], 2))
+          for rows, p in sorted(prices.items())}
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("runs", nargs="+", type=Path, help="run folders (controllers.json/.log)")
+  parser.add_argument("--plain_floor", action="store_true",
+                      help="hold one request's AR step at least at the plain loop's step")
+  args = parser.parse_args()
+  for run in args.runs:
+    if not (run / "controllers.json").is_file() or not (run / "controllers.log").is_file():
+      print(f"{run}: no controllers.json and .log, skipped")
+      continue
+    print(run.name, "{rows: (speculative-loop calls, median, max, last)}",
+          replay(run, args.plain_floor))
+
+
+if __name__ == "__main__":
+  main()
