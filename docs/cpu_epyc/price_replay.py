@@ -8,7 +8,8 @@ run's, not what another estimator's prices would have made the loop run.
 
     PYTHONPATH=. python docs/cpu_epyc/price_replay.py docs/cpu_epyc/b16_t0_2026-11-29_rowgate
     # --plain_floor: one request's fitted AR step held at least at the plain loop's step, the
-    #   cycles refitted with it (tried in docs/results/controller.md's thirty-fifth session)
+    #   cycles refitted with it (plainfloor_ab.PlainFloor; measured, not landed:
+    #   docs/results/controller.md's thirty-fifth session)
 """
 
 from __future__ import annotations
@@ -22,23 +23,7 @@ import numpy as np
 
 from bp_jax.decoding import controller as control
 from bp_jax.decoding.online_costs import OnlineCosts
-
-
-class PlainFloored(OnlineCosts):
-  """One request's price with its AR step at least the plain loop's step, the other verify
-  lengths refitted by least squares with the step held there."""
-
-  def break_even(self, n: int, rows: int) -> float:
-    fit, plain = self._fit(int(rows)), self.plain_step_s(rows)
-    if rows != 1 or plain is None or not fit.pricing or n not in fit.lengths \
-        or fit.theta[0] >= plain:
-      return super().break_even(n, rows)
-    rest = list(range(1, len(fit.lengths)))
-    A_rr = fit.A[np.ix_(rest, rest)]
-    ridge = np.diag(0.03 * np.diag(A_rr) + 1e-12)
-    theta = np.linalg.solve(A_rr + ridge,
-                            fit.b[rest] - fit.A[rest, 0] * plain + ridge @ fit.theta[rest])
-    return self.clip(n, theta[rest.index(fit.lengths.index(n))] / plain, rows)
+from plainfloor_ab import PlainFloor
 
 
 def replay(run: Path, plain_floor: bool) -> dict[int, tuple[int, float, float, float]]:
@@ -48,7 +33,7 @@ def replay(run: Path, plain_floor: bool) -> dict[int, tuple[int, float, float, f
   costs = report["controller_costs"]
   prior = lambda n: control.break_even(n - 1, costs["controller_costs"],
                                        costs["controller_draft_cost"])
-  est = (PlainFloored if plain_floor else OnlineCosts)(
+  est = (PlainFloor if plain_floor else OnlineCosts)(
       prior, batch_prior_floor=1.0, one_prior_floor=0.5, by_prior=(1,))
   est.set_ar_step_floor(float(first.group(1)) * 1e-3, report["batch_size"])
   prices: dict[int, list[float]] = {}
