@@ -2,7 +2,7 @@
 k|v and gate|up fused (`DFlashDrafter.loop_layers` with docs/cpu_epyc/drafter_kv_fusion.patch
 applied: `git apply docs/cpu_epyc/drafter_kv_fusion.patch`; not landed) against the same engine
 code given the drafter's separate matrices (a second engine's drafter weights replaced), both
-with the target's fused weights, alternated per request in one process: the first 8 prompts of
+with the target's fused weights, alternated round by round in one process: the first 8 prompts of
 HumanEval's evaluation half, 128 new tokens, stop ids off, 5 timed rounds after a warm-up one.
 
     PYTHONPATH=. python docs/cpu_epyc/fused_drafter_ab.py [block_size]

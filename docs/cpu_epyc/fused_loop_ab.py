@@ -1,7 +1,7 @@
 """The demo target's one-request AR loop with the per-layer weights an engine takes
 (`Engine._loop_weights`: q|k|v and gate|up fused, one product each) against the same engine
 code given the separate matrices (a second engine's per-layer weights replaced), alternated
-per request in one process: 4 random 100-token prompts, 128 new tokens, 7 timed rounds.
+round by round in one process: 4 random 100-token prompts, 128 new tokens, 7 timed rounds.
 
     PYTHONPATH=. python docs/cpu_epyc/fused_loop_ab.py
 

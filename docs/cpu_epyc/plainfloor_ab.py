@@ -17,13 +17,8 @@ import sys
 
 import numpy as np
 
-from benchmarks.common import demo_prompts
-from bp_jax.decoding.engine import Engine, decode_form
 from bp_jax.decoding.online_costs import OnlineCosts
-from bp_jax.decoding.options import LoopOptions, ShapeOptions
-from bp_jax.text.tokenizer import load_tokenizer, stop_token_ids
-from bp_jax.weights.loading import load_drafter, load_target
-from paired_ab import paired_ratio
+from paired_ab import demo_default, paired_ratio, timed_summary
 
 
 class PlainFloor(OnlineCosts):
@@ -60,17 +55,8 @@ def main() -> None:
   rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 3
   temperature = float(sys.argv[2]) if len(sys.argv) > 2 else 0.0
   limit = int(sys.argv[3]) if len(sys.argv) > 3 else 0
-  target = decode_form(load_target("demo/target", "float32"))
   sampled = temperature > 0
-  drafter = load_drafter("demo/drafter_sampling" if sampled else "demo/drafter", target.cfg,
-                         "float32")
-  tok = load_tokenizer("demo/target")
-  prompts = [ids for _, ids in demo_prompts(tok, "eval", limit=limit)]
-  loop = LoopOptions(controller="priced", ar_fallback=16, priced_cap=64, online_costs=True,
-                     start_backoff=True, start_plain=True, ar_fallback_accept=1,
-                     verify="rejection" if sampled else "exact")
-  build = lambda: Engine(target, drafter=drafter, stop_ids=stop_token_ids(tok),
-                         shapes=ShapeOptions(max_len=1024, block_sizes=(1, 8)), loop=loop)
+  build, prompts = demo_default(sampled, limit)
   engines = {"plain_floor": build(), "before": build()}
   engines["plain_floor"].prices.__class__ = PlainFloor
   gens = {name: [] for name in engines}
@@ -88,20 +74,16 @@ def main() -> None:
 
   decode = {name: runner(name) for name in engines}
   print("plain_floor / before: " + paired_ratio(decode, prompts, rounds=rounds, new_tokens=128))
-  n = len(prompts)
   ar = None if sampled else [
       list(engines["before"].generate(p, max_new_tokens=128, block_size=1).output_ids)
       for p in prompts]
   for name, gs in gens.items():
-    timed = gs[n:]
-    same = "-" if ar is None else all(list(g.output_ids) == ar[i % n] for i, g in enumerate(gs))
     prices = [c.break_even for c in engines[name].call_log
               if c.block_size > 1 and c.break_even is not None]
-    print(f"{name}: AR's tokens {same}; timed rounds: {sum(not g.plain_start for g in timed)} of "
-          f"{len(timed)} requests drafted, {sum(g.ar_steps for g in timed)} AR steps, "
-          f"{sum(g.cycles for g in timed)} cycles; full cycle's price over {len(prices)} calls: "
-          f"median {np.median(prices):.2f}, 5-95% {np.percentile(prices, 5):.2f}-"
-          f"{np.percentile(prices, 95):.2f}, max {max(prices):.2f}, last {prices[-1]:.2f}")
+    print(f"{name}: {timed_summary(gs, len(prompts), ar)}; full cycle's price over "
+          f"{len(prices)} calls: median {np.median(prices):.2f}, 5-95% "
+          f"{np.percentile(prices, 5):.2f}-{np.percentile(prices, 95):.2f}, max "
+          f"{max(prices):.2f}, last {prices[-1]:.2f}")
 
 
 if __name__ == "__main__":

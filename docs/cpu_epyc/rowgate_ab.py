@@ -1,7 +1,7 @@
 """The default at batch 1 with the back-off gate counting each row's own misses (the engine's
 code, 3884410) against the rule before it (a cycle follows a miss when the batch's back-off
 level is above 0; patched in for the second engine, whose programs are traced and kept apart),
-alternated per request in one process on the demo: HumanEval's evaluation half, 128 new
+alternated round by round in one process (`paired_ab`) on the demo: HumanEval's evaluation half, 128 new
 tokens, the priced default's options as `benchmarks/controllers.py` builds them, each engine
 measuring its own costs and keeping its own history; a warm-up round, then ROUNDS timed rounds.
 
@@ -16,13 +16,8 @@ import contextlib
 import os
 import sys
 
-from benchmarks.common import demo_prompts
 from bp_jax.decoding import compiled, controllers, decline as decline_rule, evidence
-from bp_jax.decoding.engine import Engine, decode_form
-from bp_jax.decoding.options import LoopOptions, ShapeOptions
-from bp_jax.text.tokenizer import load_tokenizer, stop_token_ids
-from bp_jax.weights.loading import load_drafter, load_target
-from paired_ab import paired_ratio
+from paired_ab import demo_default, paired_ratio, timed_summary
 
 
 def batch_level_observed(self, s, k, a_B, expected_B=None):
@@ -53,14 +48,7 @@ def batch_level_rule():
 def main() -> None:
   rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 3
   limit = int(sys.argv[2]) if len(sys.argv) > 2 else 0
-  target = decode_form(load_target("demo/target", "float32"))
-  drafter = load_drafter("demo/drafter", target.cfg, "float32")
-  tok = load_tokenizer("demo/target")
-  prompts = [ids for _, ids in demo_prompts(tok, "eval", limit=limit)]
-  loop = LoopOptions(controller="priced", ar_fallback=16, priced_cap=64, online_costs=True,
-                     start_backoff=True, start_plain=True, ar_fallback_accept=1)
-  build = lambda: Engine(target, drafter=drafter, stop_ids=stop_token_ids(tok),
-                         shapes=ShapeOptions(max_len=1024, block_sizes=(1, 8)), loop=loop)
+  build, prompts = demo_default(limit=limit)
   per_row = build()
   with batch_level_rule():
     batch_level = build()
@@ -78,13 +66,8 @@ def main() -> None:
   decode = {"per_row": lambda p: run("per_row", per_row, p), "batch_level": run_old}
   print("per_row / batch_level: " + paired_ratio(decode, prompts, rounds=rounds, new_tokens=128))
   ar = [list(per_row.generate(p, max_new_tokens=128, block_size=1).output_ids) for p in prompts]
-  n = len(prompts)
   for name, gs in gens.items():
-    timed = gs[n:]
-    same = all(list(g.output_ids) == ar[i % n] for i, g in enumerate(gs))
-    print(f"{name}: AR's tokens {same}; timed rounds: {sum(not g.plain_start for g in timed)} of "
-          f"{len(timed)} requests drafted, {sum(g.ar_steps for g in timed)} AR steps, "
-          f"{sum(g.cycles for g in timed)} cycles")
+    print(f"{name}: {timed_summary(gs, len(prompts), ar)}")
 
 
 if __name__ == "__main__":
