@@ -309,12 +309,14 @@ class Engine:
     holding a decoding request when it started (a batched call): counts them, stops the clock,
     and feeds the online prices with a spec loop's call; returns its seconds.
 
-    A plain start's AR loop (`starts_plain`) is not fed: on a VM whose speed moved by a third
-    between calls, one such call, slower than the calls before, priced the AR step above what
-    the older calls' cycles and AR steps together took, their cycles near zero: the
-    break-even fell to its floor of 1 and the next requests drafted every cycle (batch 1,
-    T = 1, /tmp/s30/fit.py). A batched call of the plain AR loop is priced apart
-    (`OnlineCosts.observe_plain`): what a batch's request that does not draft costs."""
+    A call of the plain AR loop (a plain start, `starts_plain`, or a batch's plain bucket) is
+    timed apart from the speculative loop's fit (`OnlineCosts.observe_plain`): what a request
+    that does not draft costs a step, and the least one request's speculative-loop AR step
+    costs (`OnlineCosts.break_even`). Fitted with the speculative calls, on a VM whose speed
+    moved by a third between calls, one such call, slower than the calls before, priced the AR
+    step above what the older calls' cycles and AR steps together took, their cycles near zero:
+    the break-even fell to its floor of 1 and the next requests drafted every cycle (batch 1,
+    T = 1, /tmp/s30/fit.py)."""
     counts_N = np.asarray(counts_N)
     for n in np.flatnonzero(counts_N):
       self.forwards_run[int(n)] += int(counts_N[n])
@@ -323,8 +325,8 @@ class Engine:
         secs, int(counts_N.sum()))
     if block_size > 1 and self.online:
       self.prices.observe(secs, counts_N, rows)
-    elif decoding is not None and self.online:
-      self.prices.observe_plain(secs, int(counts_N[0]), rows)  # the plain bucket's calls
+    elif self.online:
+      self.prices.observe_plain(secs, int(counts_N[0]), rows)  # the plain AR loop's calls
     if decoding is not None:
       self.slot_seconds += secs * rows
       self.decoding_slot_seconds += secs * decoding

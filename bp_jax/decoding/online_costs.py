@@ -24,7 +24,9 @@ demo settled above it, at 3.6-5 against 2.8-3.1, except one that sank to the flo
 One request backs off after every miss, so its calls keep running AR steps; its fit is
 bounded only at half the prior (`one_prior_floor` 0.5: at T = 0 on the demo it settled at 2.5
 AR steps per cycle against a start-up 4.8 and ran as fast as back-off; bounded at 4.8 it ran 4%
-slower than back-off, in another run). That lower bound is for a VM whose speed moves by a
+slower than back-off, in another run), and its AR step at the plain AR loop's step once that
+loop has been timed (`one_plain_floor`, `break_even`): its calls mix their forwards in like
+proportions, and within their noise the fit moved time from AR steps to cycles. That lower bound is for a VM whose speed moves by a
 third between calls: a call slower than the ones before prices the AR step above what the
 older calls took in all, their cycles near zero, and the break-even fell to 1 (every cycle
 then pays: batch 1, T = 1, the next requests drafted every cycle; /tmp/s30/fit.py).
@@ -198,8 +200,7 @@ class _Fit:
     prior = scale * r
     if not prior[0] > 0:  # no usable scale: this call's own seconds per forward
       prior = r * seconds / float(x @ r)
-    d = np.diag(self.A).copy()
-    R = np.diag(ridge * d + 1e-9 * (float(np.trace(self.A)) / len(d) + 1.0))
+    R = _ridge(self.A, ridge)
     theta = np.linalg.solve(self.A + R, self.b + R @ prior)
     if not np.all(np.isfinite(theta)):
       theta = prior
@@ -208,6 +209,22 @@ class _Fit:
     for i, n in enumerate(self.lengths[1:], start=1):  # each cycle within bounds of an AR step
       theta[i] = theta[0] * clip(n, theta[i] / theta[0])
     self.theta = theta
+
+  def cycle_seconds_at(self, n: int, step_s: float, ridge: float) -> float | None:
+    """The seconds of a cycle verifying n tokens refitted to the same calls with the AR step's
+    held at `step_s` (its column moved to the data side; regularized toward the current
+    estimate as `update` is); None where `seconds(n)` is."""
+    if self.seconds(n) is None:
+      return None
+    rest = list(range(1, len(self.lengths)))
+    A_rr = self.A[np.ix_(rest, rest)]
+    R = _ridge(A_rr, ridge)
+    current = self.theta[rest]
+    theta = np.linalg.solve(A_rr + R, self.b[rest] - self.A[rest, 0] * step_s + R @ current)
+    if not np.all(np.isfinite(theta)):
+      return None
+    return float(max(theta[rest.index(self.lengths.index(n))],
+                     1e-3 * current[rest.index(self.lengths.index(n))]))
 
   def _x(self, counts: Mapping[int, int]) -> np.ndarray:
     x = np.zeros(len(self.lengths))
@@ -244,6 +261,13 @@ class _Fit:
     if n not in self.lengths or not self.pricing:
       return None
     return float(self.theta[self.lengths.index(n)])
+
+
+def _ridge(A: np.ndarray, ridge: float) -> np.ndarray:
+  """The fit's pull toward its previous estimate for the sums `A`: `ridge` times each
+  parameter's own weight, and a tiny multiple of the mean weight (a parameter no call ran)."""
+  d = np.diag(A).copy()
+  return np.diag(ridge * d + 1e-9 * (float(np.trace(A)) / len(d) + 1.0))
 
 
 def _tests(counts: Mapping[int, int], held: Mapping[int, int]) -> bool:
@@ -291,15 +315,18 @@ class OnlineCosts:
   against 4.0 without them, every request then starting plain; /tmp/b36/B1dec). A batch
   size's break-even is the prior's until its fit has seen `min_calls` calls (`MIN_CALLS`).
   `hold_outliers`: a batch's call off alone is held out of its fit until a call like it confirms
-  a change or refutes it (module doc); False: fitted at once, as one request's calls are."""
+  a change or refutes it (module doc); False: fitted at once, as one request's calls are.
+  `one_plain_floor`: one request's AR step costs at least the plain AR loop's step, once that
+  loop has been timed (`break_even`); False: the fit's own step."""
 
   def __init__(self, prior: Callable[[int], float], *, forget: float = 0.8, ridge: float = 0.03,
                min_break_even: float = 1.0, max_break_even_per_token: float = 4.0,
                restart_error: float = 0.2, restart_calls: int = 2,
                batch_prior_floor: float = 0.0, one_prior_floor: float = 0.0,
                by_prior: Sequence[int] = (), min_calls: int = MIN_CALLS,
-               hold_outliers: bool = True):
+               hold_outliers: bool = True, one_plain_floor: bool = True):
     self.prior = prior
+    self.one_plain_floor = bool(one_plain_floor)
     self.hold_outliers = bool(hold_outliers)
     self.min_calls = _check_count(min_calls, "min_calls")
     self.by_prior = frozenset(int(n) for n in by_prior if int(n) > 0)
@@ -398,7 +425,8 @@ class OnlineCosts:
     `benchmarks/load_shift.py --batch_size 4`). A change of the machine now moves the price
     when a speculative call times the cycle under it.
     """
-    cycle_s = self._fit(int(rows)).seconds(n)
+    held = self._held_at_plain(n, rows)
+    cycle_s = self._fit(int(rows)).seconds(n) if held is None else held[0]
     plain = self._plain_at_fit.get(int(rows)) or self.plain_step_s(rows)
     if plain is None or cycle_s is None:
       return self.break_even(n, rows)
@@ -460,13 +488,34 @@ class OnlineCosts:
     the 2-core EPYC model-1 VM (4.35, 4.89 and 7.06 AR steps fitted, 2.97, 2.66 and 5.50
     priced), so cycles were drafted at a price they did not have (docs/results/controller.md).
     On a CPU the bound does not bind a batch (its AR steps stage the drafter's context: a batch
-    of 8 on the demo, 4.3 against 3.6 ms a plain step), except a tail's fit gone astray."""
+    of 8 on the demo, 4.3 against 3.6 ms a plain step), except a tail's fit gone astray.
+
+    One request's AR step is bounded instead by a step timed in the same loop form and windows:
+    the plain AR loop's, once a plain start has run (`one_plain_floor`, `_held_at_plain`)."""
     fit = self._fit(int(rows))
     fitted = fit.break_even(int(n), self._clip_of(rows))
+    if rows == 1:
+      held = self._held_at_plain(n, rows)
+      return fitted if held is None else self.clip(n, held[0] / held[1], 1)
     cycle_s, floor_s = fit.seconds(int(n)), self.ar_step_floor_s(int(rows))
-    if cycle_s is None or floor_s is None or rows == 1:
+    if cycle_s is None or floor_s is None:
       return fitted
     return min(fitted, self.clip(n, cycle_s / floor_s, int(rows)))
+
+  def _held_at_plain(self, n: int, rows: int) -> tuple[float, float] | None:
+    """(a cycle's seconds, an AR step's) for one request whose fit prices its AR step below
+    the plain AR loop's step (`plain_step_s`): the step held at the plain loop's, the cycles
+    refitted to the same calls with it (`break_even`); None where that does not apply (a
+    batch, `one_plain_floor` off, no plain call timed, the fit not pricing, or its step at
+    least the plain one)."""
+    if rows != 1 or not self.one_plain_floor:
+      return None
+    fit, plain = self._fit(1), self.plain_step_s(1)
+    step = fit.seconds(0)
+    if plain is None or step is None or step >= plain:
+      return None
+    cycle = fit.cycle_seconds_at(int(n), plain, self.ridge)
+    return None if cycle is None else (cycle, plain)
 
   def break_even_N(self, max_verify: int, rows: int) -> np.ndarray:
     """[max_verify + 1] float32: entry n the break-even of a cycle verifying n tokens (entry 0,
