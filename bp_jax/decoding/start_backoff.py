@@ -16,7 +16,8 @@ batch's explorer runs: `_Choice.clear_since`), the `explore_max`-th (16) explore
 batch 1, T = 1 on the demo (τ ≈ 2.2 against a cycle's price of 5-16 AR steps) each explorer
 drafted a request at ~0.5x AR and explorers were most of the default's loss. A price that moves
 toward the flip point brings explorers back at once, but alone only calls that run cycles
-renew a cycle's price in AR steps (a plain start's call does not feed the fit), so a cycle
+renew a cycle's price in AR steps (a plain start's call does not feed the fit; it times the
+plain step that bounds the AR step from below, `OnlineCosts.one_plain_floor`), so a cycle
 that becomes cheaper while the choice is clearly deep is seen within 16 requests there, not 4.
 
 A request decoded alone that would start deep runs the plain AR loop instead
