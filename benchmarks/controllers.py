@@ -87,6 +87,12 @@ Methods (`--methods`, comma-separated):
   ar_twin           a second engine identical to ar, interleaved like any method: its ratio
                     to ar and that ratio's interval are what two identical programs read on
                     this machine in this run (the noise floor of every other row's interval);
+  priced_default_twin
+                    a second engine identical to priced_default, with its own prices and
+                    start rule: its ratio to priced_default is what two such engines read in
+                    this run, their histories parting as each follows its own timed calls
+                    (at batch 1 on a 2-core CPU two of them read 0.951-1.078x of each other,
+                    docs/results/controller.md);
   ar_padded         our AR with its steps run as two-token forwards (`ar_step_tokens=2`: the
                     same tokens; faster where a one-row matrix product costs more than a
                     two-row one, as on an H200 at Qwen3-4B shapes). On an accelerator `ar`
@@ -211,7 +217,7 @@ METHODS = ("ar", "none", "backoff", "confidence_1step", "confidence", "confidenc
            "priced_default_every4", "priced_default_margin1", "priced_default_draftfirst", "ar_full",
            "priced_default_full", "ar_twin", "priced_default_nomove",
            "priced_default_nodecline", "priced_default_decline", "priced_default_nogate",
-           "priced_default_nohold", "ar_padded", "ar_tied", "none_tied")
+           "priced_default_nohold", "priced_default_twin", "ar_padded", "ar_tied", "none_tied")
 
 common.define_flags("target", "drafter", "dtype", "max_len", "max_new_tokens", "block_size",
                     num_prompts=24, repeats=3,
@@ -305,7 +311,8 @@ START_RULES = {"priced_default_every8": ("batch_explore_max", "batch_explore_eve
 def loop_method(method: str) -> str:
   """The method whose loop form `method` decodes with (a `_full` method: its base's;
   `START_RULES`' variants: priced_default's, their start rules set in `main`)."""
-  if method in START_RULES or method in ("priced_default_nomove", "priced_default_nohold"):
+  if method in START_RULES or method in ("priced_default_nomove", "priced_default_nohold",
+                                          "priced_default_twin"):
     return "priced_default"
   if method in ("ar_twin", "ar_padded", "ar_tied"):
     return "ar"
@@ -565,7 +572,8 @@ PAIRS = (("priced", "backoff"), ("priced_online", "priced"), ("priced_long", "pr
          ("priced_default", "priced_default_nogate"), ("priced_default", "none"),
          ("priced_default", "priced_default_nohold"),
          ("priced_default", "ar_padded"), ("ar", "ar_tied"), ("none", "none_tied"),
-         ("priced_default", "ar_twin"), ("priced_default", "backoff"))
+         ("priced_default", "ar_twin"), ("priced_default", "backoff"),
+         ("priced_default_twin", "priced_default"))
 
 
 def method_pairs(methods: list[str]) -> list[tuple[str, str]]:

@@ -61,13 +61,14 @@ def test_simulated_drafts_at_a_model_shape_with_an_identical_twin(tmp_path):
   """--shape: random weights of a Qwen3 shape (here the tiny test shape), every speculative
   method drafting the SIMULATED acceptance profile as forced drafts: issue 19's accelerator
   row. Every method still gives AR's tokens; the report says which verify lengths each ran,
-  and ar_twin (an engine identical to ar) gives the run's noise floor."""
+  ar_twin (an engine identical to ar) gives the run's noise floor, and priced_default_twin
+  (one identical to the default, its own prices and history) what two defaults differ by."""
   out = tmp_path / "bench"
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
   proc = subprocess.run(
       [sys.executable, "-m", "benchmarks.controllers", "--shape=tiny", "--prompt_len=16",
        "--num_prompts=3", "--repeats=2", "--max_new_tokens=20", "--block_size=4",
-       "--methods=none,priced_default,ar_twin", "--batch_size=2", "--group_size=2",
+       "--methods=none,priced_default,ar_twin,priced_default_twin", "--batch_size=2", "--group_size=2",
        f"--cost_cache={tmp_path / 'costs'}", "--bootstrap_reps=50", "--profile",
        "--idle_gaps=0,0.1",
        f"--out={out}"],
@@ -99,7 +100,12 @@ def test_simulated_drafts_at_a_model_shape_with_an_identical_twin(tmp_path):
       report["methods"]["ar_twin"]["verify_lengths"].values())}
   assert "priced_default target forwards by verify length:" in proc.stdout
   assert set(report["intervals"]) == {"none/ar", "priced_default/ar", "ar_twin/ar",
-                                      "priced_default/none", "priced_default/ar_twin"}
+                                      "priced_default_twin/ar", "priced_default/none",
+                                      "priced_default/ar_twin",
+                                      "priced_default_twin/priced_default"}
+  # The twin: the default's engine again (its blind first run drafts too), its own prices.
+  assert report["repeats_per_group"]["priced_default_twin"][0][0][2] == 2
+  assert report["cost_estimates"]["priced_default_twin"] != {}
   # Every method's timed loop calls, and its first against its later calls of the same forwards
   # (a static method replays the first group's first call in its second repeat).
   assert set(report["call_logs"]) == set(report["methods"])
@@ -122,8 +128,9 @@ def test_simulated_drafts_at_a_model_shape_with_an_identical_twin(tmp_path):
       assert rep[4] >= rep[1] > 0, (name, rep)
   # The default's engine holds a measurement as a user's does (the run's, measured once here)
   # and decides from it whether a batch's tail shrinks.
-  assert report["engine_costs"] == {"priced_default": "measured"}
-  assert set(report["tails_shrink"]) == {"none", "priced_default"}
+  assert report["engine_costs"] == {"priced_default": "measured",
+                                    "priced_default_twin": "measured"}
+  assert set(report["tails_shrink"]) == {"none", "priced_default", "priced_default_twin"}
   assert "batch tails shrink: none " in proc.stdout
   assert report["intervals"]["ar_twin/ar"]["lo"] is not None  # 2 groups: an interval
   # The forwards as the batches ran them (a forward of 2 slots counts once), every repeat, and
