@@ -68,7 +68,8 @@ def test_simulated_drafts_at_a_model_shape_with_an_identical_twin(tmp_path):
   proc = subprocess.run(
       [sys.executable, "-m", "benchmarks.controllers", "--shape=tiny", "--prompt_len=16",
        "--num_prompts=3", "--repeats=2", "--max_new_tokens=20", "--block_size=4",
-       "--methods=none,priced_default,ar_twin,priced_default_twin", "--batch_size=2", "--group_size=2",
+       "--methods=none,priced_default,ar_twin,priced_default_twin", "--batch_size=2",
+       "--group_size=2",
        f"--cost_cache={tmp_path / 'costs'}", "--bootstrap_reps=50", "--profile",
        "--idle_gaps=0,0.1",
        f"--out={out}"],

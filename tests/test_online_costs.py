@@ -327,11 +327,13 @@ def test_one_requests_ar_step_costs_at_least_its_plain_loops_step():
   same where the fit's step is at least the plain one, and nearer the truth in noisy runs."""
   # Exact calls of a step 0.8 ms and a cycle 6 ms, the plain loop's step 1 ms: held there, the
   # cycle is the forgetting least-squares fit of what the calls' steps at 1 ms leave.
-  est = OnlineCosts(lambda n: 3.0)
-  off = OnlineCosts(lambda n: 3.0, one_plain_floor=False)
+  # `plain_cheaper`: the plain loop's step 0.5 ms, below the fit's.
+  est, off, plain_cheaper = (OnlineCosts(lambda n: 3.0),
+                             OnlineCosts(lambda n: 3.0, one_plain_floor=False),
+                             OnlineCosts(lambda n: 3.0))
   calls = _calls(20)
-  for e in (est, off):
-    e.observe_plain(64 * 1e-3, 64, rows=1)
+  for e, plain_s in ((est, 1e-3), (off, 1e-3), (plain_cheaper, 0.5e-3)):
+    e.observe_plain(64 * plain_s, 64, rows=1)
     for n_ar, n_cycle in calls:
       e.observe(0.8e-3 * n_ar + 6e-3 * n_cycle, _counts(n_ar, n_cycle), rows=1)
   assert off.break_even(N, rows=1) == pytest.approx(7.5, rel=0.01)
@@ -341,12 +343,8 @@ def test_one_requests_ar_step_costs_at_least_its_plain_loops_step():
   assert est.break_even(N, rows=1) == pytest.approx(cycle_s / 1e-3, rel=0.02)
   assert est.break_even(N, rows=1) < off.break_even(N, rows=1)
   assert est.start_break_even(N, rows=1) == pytest.approx(est.break_even(N, rows=1))
-  # The fit's step at least the plain loop's (0.8 ms): nothing changes.
-  below = OnlineCosts(lambda n: 3.0)
-  below.observe_plain(64 * 0.5e-3, 64, rows=1)
-  for n_ar, n_cycle in calls:
-    below.observe(0.8e-3 * n_ar + 6e-3 * n_cycle, _counts(n_ar, n_cycle), rows=1)
-  assert below.break_even(N, rows=1) == off.break_even(N, rows=1)
+  # The fit's step (0.8 ms) at least the plain loop's: nothing changes.
+  assert plain_cheaper.break_even(N, rows=1) == off.break_even(N, rows=1)
   # Noisy calls (15% per call) of a step 1.1 ms and a cycle 4.7 ms (4.27 AR steps), the plain
   # step 1 ms (5%): over 8 runs the held price is never above the fit's own and errs less (mean
   # |log(price / 4.27)| 0.84x the fit's).

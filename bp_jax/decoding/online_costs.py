@@ -217,15 +217,13 @@ class _Fit:
     estimate as `update` is); None where `seconds(n)` is."""
     if self.seconds(n) is None:
       return None
-    rest = list(range(1, len(self.lengths)))
-    A_rr = self.A[np.ix_(rest, rest)]
-    R = _ridge(A_rr, ridge)
-    current = self.theta[rest]
-    theta = np.linalg.solve(A_rr + R, self.b[rest] - self.A[rest, 0] * step_s + R @ current)
+    A_cc, current = self.A[1:, 1:], self.theta[1:]  # the cycles' parameters (0: the AR step)
+    R = _ridge(A_cc, ridge)
+    theta = np.linalg.solve(A_cc + R, self.b[1:] - self.A[1:, 0] * step_s + R @ current)
     if not np.all(np.isfinite(theta)):
       return None
-    return float(max(theta[rest.index(self.lengths.index(n))],
-                     1e-3 * current[rest.index(self.lengths.index(n))]))
+    i = self.lengths.index(n) - 1
+    return float(max(theta[i], 1e-3 * current[i]))
 
   def _x(self, counts: Mapping[int, int]) -> np.ndarray:
     x = np.zeros(len(self.lengths))

@@ -16,8 +16,8 @@ and plain-floor / before time per request with a 95% bootstrap interval (over re
 leaves out how far two engines' histories part, which the A/A runs measure).
 
 Until the thirty-sixth session the engine did not time one request's plain loop into its
-prices, so the floor this script patched in never bound at batch 1: its four runs of then and
-the four of that session's start were A/A runs (docs/results/controller.md).
+prices, so the floor this script patched in never bound at batch 1: its two runs of the
+session before and the four at that session's start were A/A runs (docs/results/controller.md).
 """
 
 import sys

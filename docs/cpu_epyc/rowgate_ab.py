@@ -1,9 +1,10 @@
 """The default at batch 1 with the back-off gate counting each row's own misses (the engine's
 code, 3884410) against the rule before it (a cycle follows a miss when the batch's back-off
 level is above 0; patched in for the second engine, whose programs are traced and kept apart),
-alternated round by round in one process (`paired_ab`) on the demo: HumanEval's evaluation half, 128 new
-tokens, the priced default's options as `benchmarks/controllers.py` builds them, each engine
-measuring its own costs and keeping its own history; a warm-up round, then ROUNDS timed rounds.
+alternated round by round in one process (`paired_ab`) on the demo: HumanEval's evaluation
+half, 128 new tokens, the priced default's options as `benchmarks/controllers.py` builds them,
+each engine measuring its own costs and keeping its own history; a warm-up round, then ROUNDS
+timed rounds.
 
     PYTHONPATH=. python docs/cpu_epyc/rowgate_ab.py [rounds] [num_prompts]
     AA=1 PYTHONPATH=. python docs/cpu_epyc/rowgate_ab.py 3   # the A/A check
