@@ -53,3 +53,25 @@ def test_bootstrap_bad_input_is_refused():
     bootstrap_speedup([1], [-1], [1], [1])
   with pytest.raises(BadInputError, match="level"):
     bootstrap_speedup([1], [1], [1], [1], level=1.0)
+
+
+def test_decode_comparisons_pair_each_prompt_with_its_own_ar_decode():
+  """decode.py's --config.compare interval (`compare.speedup_against_ar`): the prompts are
+  resampled in pairs, so a method twice as fast on every prompt reads exactly 2x whatever the
+  prompts' lengths, where an unpaired resample would spread; one prompt gives no interval."""
+  from bp_jax.decode_job.compare import speedup_against_ar
+  rs = np.random.default_rng(0)
+  secs = rs.uniform(0.05, 2.0, 40)  # prompts of very different lengths
+  ar = [{"new_tokens": 128, "decode_s": s} for s in secs]
+  fast = [{"new_tokens": 128, "decode_s": s / 2} for s in secs]
+  got = speedup_against_ar(fast, ar)
+  assert got == {"ratio": 2.0, "lo": 2.0, "hi": 2.0}
+  noisy = [{"new_tokens": 128, "decode_s": s * f} for s, f in zip(secs, rs.uniform(0.8, 1.2, 40))]
+  got = speedup_against_ar(noisy, ar)
+  want = bootstrap_speedup([128] * 40, [r["decode_s"] for r in noisy], [128] * 40, secs,
+                           reps=2000, seed=0)
+  assert got == {"ratio": round(want.ratio, 4), "lo": round(want.lo, 4), "hi": round(want.hi, 4)}
+  assert got["lo"] < got["ratio"] < got["hi"]
+  assert speedup_against_ar(fast[:1], ar[:1]) is None
+  with pytest.raises(ValueError, match="the same prompts"):
+    speedup_against_ar(fast, ar[:3])

@@ -31,7 +31,7 @@ def cfg(tmp_path):
   return c
 
 
-def test_methods_compared_in_one_interleaved_run(cfg, monkeypatch):
+def test_methods_compared_in_one_interleaved_run(cfg, monkeypatch, capsys):
   calls = []
   real = Engine.generate
   monkeypatch.setattr(Engine, "generate", lambda self, ids, **kw: (
@@ -48,6 +48,17 @@ def test_methods_compared_in_one_interleaved_run(cfg, monkeypatch):
     assert entry["identical_to_ar"] == len(PROMPTS), entry
     assert entry["decode_tokens_per_s"] > 0
   assert s["compare"]["ar"]["tau"] == 1.0
+  # Each method's speed over AR's with its paired interval over the prompts; AR has none.
+  assert s["compare"]["ar"]["speedup_vs_ar"] is None
+  for entry in (s["main"], s["compare"]["b4"]):
+    got = entry["speedup_vs_ar"]
+    want = entry["decode_tokens_per_s"] / s["compare"]["ar"]["decode_tokens_per_s"]
+    assert got["lo"] <= got["ratio"] <= got["hi"] and got["ratio"] == pytest.approx(want, 1e-3)
+  run_decode.print_summary(s)
+  out = capsys.readouterr().out
+  b4 = s["compare"]["b4"]["speedup_vs_ar"]
+  assert f"x [{b4['lo']:.2f}, {b4['hi']:.2f}]" in out
+  assert "paired bootstrap over the 3 prompts" in out
   for r in records:  # one meaning per figure (no τ for a request that ran no cycle)
     assert r["tau"] == (pytest.approx(sum(r["acceptance_lengths"]) / r["cycles"], abs=1e-4)
                         if r["cycles"] else None)

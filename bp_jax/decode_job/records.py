@@ -339,15 +339,23 @@ def print_comparison(s: dict) -> None:
          f"in batches of {s['batch_size']}, one pass over the prompts per method, alternating")
   print(f"\n  compared in one run, {how}, fastest of {s['repeats']} "
         f"(decode time, T={s['temperature']}):")
-  head = (f"  {'method':<16} {'decode tok/s':>12} {'speedup vs AR':>14} "
+  head = (f"  {'method':<16} {'decode tok/s':>12} {'speedup vs AR [95%]':>22} "
           f"{'tau/cycle':>9} {'tok/forward':>11} {'identical to AR':>16}")
   print(head)
   for name, r in rows.items():
     speed = (f"{r['decode_tokens_per_s'] / ar['decode_tokens_per_s']:.2f}x" if ar else "-")
+    if r.get("speedup_vs_ar"):
+      speed += " [{lo:.2f}, {hi:.2f}]".format(**r["speedup_vs_ar"])
     same = r.get("identical_to_ar")
     mark = "-" if same is None else f"{'✓' if same == r['prompts'] else '✗'} {same}/{r['prompts']}"
-    print(f"  {name:<16} {r['decode_tokens_per_s']:>12,.0f} {speed:>14} "
+    print(f"  {name:<16} {r['decode_tokens_per_s']:>12,.0f} {speed:>22} "
           f"{_fmt(r['tau'], '.2f'):>9} {_fmt(r['tokens_per_forward'], '.2f'):>11} {mark:>16}")
+  if any(r.get("speedup_vs_ar") for r in rows.values()):
+    print(f"  ([95%]: paired bootstrap over the {s['prompts']} prompts, each method's fastest "
+          "decode of each)")
+  elif ar and s.get("batch_size", 1) > 1:
+    print("  (no interval: a batch's requests share their loop calls, so their times are not "
+          "the prompts' own)")
   if not same_tokens_as_ar(s["verify"], s["temperature"]):
     print("  (verify=rejection at T > 0 samples the target's own distribution, not AR's tokens "
           "for a seed: outputs are not compared)")

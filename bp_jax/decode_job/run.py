@@ -21,7 +21,7 @@ from bp_jax.decode_job.block_choice import (BLOCK_POLICIES, BlockChoice, batch_o
                                           parse_int_list, resolve_block_choice,
                                           sampling_form, sampling_options)
 from bp_jax.decode_job.compare import (check_repeats_agree, fastest_of, method_choice, method_of,
-                                     parse_methods, run_order)
+                                     parse_methods, run_order, speedup_against_ar)
 from bp_jax.decoding.call_tally import tally_json
 from bp_jax.decoding.engine import Engine
 from bp_jax.decoding.options import OPTION_NAMES, BatchOptions, LoopOptions, ShapeOptions
@@ -362,7 +362,12 @@ def _run(cfg) -> tuple[list[dict], dict]:
               sum(r["output_ids"] == a for r, a in zip(recs, ar_out)))
       keep = ("decode_tokens_per_s", "tokens_per_s", "tau", "tokens_per_forward", "prompts")
       got = figures(recs)
-      return {"method": m, **{k: got[k] for k in keep}, "identical_to_ar": same}
+      # Paired over prompts where each request was timed alone (interleaved per request); a
+      # batch's requests share their loop calls, so their times are not the prompts' own.
+      interval = (speedup_against_ar(recs, per_method["ar"], cfg.seed)
+                  if "ar" in per_method and m != "ar" and engine.batch_size == 1 else None)
+      return {"method": m, **{k: got[k] for k in keep}, "identical_to_ar": same,
+              "speedup_vs_ar": interval}
 
     summary["main"] = entry(main)
     summary["compare"] = {m: entry(m) for m in others}
