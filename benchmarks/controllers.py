@@ -49,6 +49,10 @@ Methods (`--methods`, comma-separated):
                     priced_default whose requests decoded alone start deep below a cycle's
                     price in AR steps (`StartBackoff.margin` = 1); the default's below 0.8 x
                     it;
+  priced_default_bmargin1
+                    priced_default whose batch requests draft where the recent cycles commit at
+                    least a cycle's price in plain-loop steps (`StartBackoff.batch_margin` = 1;
+                    the default's: 1.2 x it);
   priced_default_draftfirst
                     priced_default whose batches weigh the speculative loop's own price as if
                     in plain steps until the plain loop has been timed
@@ -214,7 +218,8 @@ from bp_jax.errors import BadInputError
 METHODS = ("ar", "none", "backoff", "confidence_1step", "confidence", "confidence_poor",
            "confidence_cal", "confidence_cal_poor", "priced", "priced_online", "priced_long",
            "priced_default", "priced_default_noplain", "priced_default_every8",
-           "priced_default_every4", "priced_default_margin1", "priced_default_draftfirst", "ar_full",
+           "priced_default_every4", "priced_default_margin1", "priced_default_bmargin1",
+           "priced_default_draftfirst", "ar_full",
            "priced_default_full", "ar_twin", "priced_default_nomove",
            "priced_default_nodecline", "priced_default_decline", "priced_default_nogate",
            "priced_default_nohold", "priced_default_twin", "ar_padded", "ar_tied", "none_tied")
@@ -305,6 +310,7 @@ def parse_methods(text: str) -> list[str]:
 START_RULES = {"priced_default_every8": ("batch_explore_max", "batch_explore_every"),
                "priced_default_every4": ("explore_max", "explore_every"),
                "priced_default_margin1": ("margin", 1.0),
+               "priced_default_bmargin1": ("batch_margin", 1.0),
                "priced_default_draftfirst": ("batch_plain_first", False)}
 
 
@@ -565,6 +571,7 @@ PAIRS = (("priced", "backoff"), ("priced_online", "priced"), ("priced_long", "pr
          ("priced_default_full", "ar_full"), ("priced_default", "priced_default_noplain"),
          ("priced_default", "priced_default_every8"), ("priced_default", "priced_default_every4"),
          ("priced_default", "priced_default_margin1"),
+         ("priced_default", "priced_default_bmargin1"), ("priced_default_bmargin1", "backoff"),
          ("priced_default", "priced_default_draftfirst"),
          ("priced_default", "priced_default_nomove"),
          ("priced_default", "priced_default_nodecline"),
