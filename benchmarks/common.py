@@ -103,13 +103,11 @@ def load_models(F, drafter: bool = True, dtype: str | None = None,
   return Models(target, draft, tok, stop_token_ids(tok) if tok is not None else [])
 
 
-def demo_prompts(tok, half: str = "eval", skip: int = 0,
-                 limit: int = 0) -> list[tuple[str, list[int]]]:
-  """(key, token ids) of one half of configs/demo.py's HumanEval split: "eval" (the BlockPilot
-  evaluation half, never labelled on) or "label" (its HumanEval prompts); those after the first
-  `skip`, the first `limit` of them (0 = all)."""
+def demo_prompt_set(tok, half: str = "eval", skip: int = 0, limit: int = 0) -> list:
+  """The prompts (`key`, `text`) of one half of configs/demo.py's HumanEval split: "eval" (the
+  BlockPilot evaluation half, never labelled on) or "label" (its HumanEval prompts); those after
+  the first `skip`, the first `limit` of them (0 = all)."""
   from configs import demo
-  from bp_jax.text.tokenizer import encode_prompt
   from bp_jax.train.labels import prompt_sets
   if half not in ("eval", "label"):
     raise ValueError(f"half={half!r}: give eval or label")
@@ -120,8 +118,15 @@ def demo_prompts(tok, half: str = "eval", skip: int = 0,
   label, evals = prompt_sets(cfg, tok)
   source = str(cfg.blockpilot.eval_source)
   chosen = [p for p in (evals if half == "eval" else label) if p.source == source][skip:]
-  chosen = chosen[:limit] if limit > 0 else chosen
-  return [(p.key, encode_prompt(tok, p.text, False)) for p in chosen]
+  return chosen[:limit] if limit > 0 else chosen
+
+
+def demo_prompts(tok, half: str = "eval", skip: int = 0,
+                 limit: int = 0) -> list[tuple[str, list[int]]]:
+  """(key, token ids) of `demo_prompt_set`'s prompts."""
+  from bp_jax.text.tokenizer import encode_prompt
+  return [(p.key, encode_prompt(tok, p.text, False))
+          for p in demo_prompt_set(tok, half, skip, limit)]
 
 
 def by_verify_length(counts: Mapping[int, int]) -> dict[str, int]:

@@ -13,10 +13,7 @@ from typing import Sequence
 from bp_jax.decode_job.block_choice import BlockChoice, learned_choice, random_candidates
 from bp_jax.decoding.generation import Generation
 from bp_jax.errors import BadInputError
-from bp_jax.eval.bootstrap import bootstrap_speedup
-
-# Resamples of the comparison's paired bootstrap over prompts (`speedup_against_ar`).
-BOOTSTRAP_REPS = 2000
+from bp_jax.eval.bootstrap import speedup_entry
 
 
 def parse_methods(text: str) -> tuple[str, ...]:
@@ -80,19 +77,15 @@ def fastest_of(gens: Sequence[Generation]) -> Generation:
   return dataclasses.replace(best, prefill_s=min(g.prefill_s for g in gens))
 
 
-
-def speedup_against_ar(records: Sequence[dict], ar_records: Sequence[dict],
-                       seed: int = 0) -> dict | None:
+def speedup_against_ar(records: Sequence[dict], ar_records: Sequence[dict]) -> dict | None:
   """A method's decode speed over plain AR's on the same prompts (records in prompt order, each
   request's fastest repeat: `new_tokens`, `decode_s`), with its 95% paired bootstrap interval
-  over the prompts (`bp_jax.eval.bootstrap`): {"ratio", "lo", "hi"}. None for one prompt, where
-  a resample is the prompt itself and says nothing of the spread."""
+  over the prompts (`bp_jax.eval.bootstrap.speedup_entry`): {"ratio", "lo", "hi"}. None for one
+  prompt, where a resample is the prompt itself and says nothing of the spread."""
   if len(records) != len(ar_records):
     raise ValueError(f"{len(records)} records against {len(ar_records)} of AR: the same prompts "
                      "are compared")
   if len(records) < 2:
     return None
-  got = bootstrap_speedup([r["new_tokens"] for r in records], [r["decode_s"] for r in records],
-                          [r["new_tokens"] for r in ar_records],
-                          [r["decode_s"] for r in ar_records], reps=BOOTSTRAP_REPS, seed=seed)
-  return {"ratio": round(got.ratio, 4), "lo": round(got.lo, 4), "hi": round(got.hi, 4)}
+  return speedup_entry([r["new_tokens"] for r in records], [r["decode_s"] for r in records],
+                       [r["new_tokens"] for r in ar_records], [r["decode_s"] for r in ar_records])

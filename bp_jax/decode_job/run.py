@@ -364,7 +364,7 @@ def _run(cfg) -> tuple[list[dict], dict]:
       got = figures(recs)
       # Paired over prompts where each request was timed alone (interleaved per request); a
       # batch's requests share their loop calls, so their times are not the prompts' own.
-      interval = (speedup_against_ar(recs, per_method["ar"], cfg.seed)
+      interval = (speedup_against_ar(recs, per_method["ar"])
                   if "ar" in per_method and m != "ar" and engine.batch_size == 1 else None)
       return {"method": m, **{k: got[k] for k in keep}, "identical_to_ar": same,
               "speedup_vs_ar": interval}

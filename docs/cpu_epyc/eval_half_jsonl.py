@@ -12,16 +12,13 @@ from __future__ import annotations
 import json
 import sys
 
+from benchmarks.common import demo_prompt_set
 from configs import demo
 from bp_jax.text.tokenizer import load_tokenizer
-from bp_jax.train.labels import prompt_sets
 
 
 def main(path: str) -> None:
-  cfg = demo.get_config()
-  cfg.blockpilot.corpus_prompts = 0  # the labelling half's corpus windows: not needed here
-  _, evals = prompt_sets(cfg, load_tokenizer(cfg.target))
-  chosen = [p for p in evals if p.source == str(cfg.blockpilot.eval_source)]
+  chosen = demo_prompt_set(load_tokenizer(demo.get_config().target), "eval")
   with open(path, "w", encoding="utf-8") as f:
     for p in chosen:
       f.write(json.dumps({"id": p.key, "prompt": p.text}) + "\n")
