@@ -53,6 +53,13 @@ Methods (`--methods`, comma-separated):
                     priced_default whose batch requests draft where the recent cycles commit at
                     least a cycle's price in plain-loop steps (`StartBackoff.batch_margin` = 1;
                     the default's: 1.2 x it);
+  priced_default_bmargin0
+                    priced_default whose batch requests all draft first once the plain loop
+                    is priced (`StartBackoff.batch_margin` = 0.01): each request's own misses,
+                    not the recent requests' cycles, move it to the plain bucket
+                    (`BatchOptions.move_plain_after`);
+  priced_default_bmargin0_move1
+                    priced_default_bmargin0 whose requests move after one miss instead of 3;
   priced_default_draftfirst
                     priced_default whose batches weigh the speculative loop's own price as if
                     in plain steps until the plain loop has been timed
@@ -219,6 +226,7 @@ METHODS = ("ar", "none", "backoff", "confidence_1step", "confidence", "confidenc
            "confidence_cal", "confidence_cal_poor", "priced", "priced_online", "priced_long",
            "priced_default", "priced_default_noplain", "priced_default_every8",
            "priced_default_every4", "priced_default_margin1", "priced_default_bmargin1",
+           "priced_default_bmargin0", "priced_default_bmargin0_move1",
            "priced_default_draftfirst", "ar_full",
            "priced_default_full", "ar_twin", "priced_default_nomove",
            "priced_default_nodecline", "priced_default_decline", "priced_default_nogate",
@@ -311,6 +319,8 @@ START_RULES = {"priced_default_every8": ("batch_explore_max", "batch_explore_eve
                "priced_default_every4": ("explore_max", "explore_every"),
                "priced_default_margin1": ("margin", 1.0),
                "priced_default_bmargin1": ("batch_margin", 1.0),
+               "priced_default_bmargin0": ("batch_margin", 0.01),
+               "priced_default_bmargin0_move1": ("batch_margin", 0.01),
                "priced_default_draftfirst": ("batch_plain_first", False)}
 
 
@@ -366,6 +376,14 @@ def engine_options(method: str, costs: dict, default_costs: dict) -> dict:
           "priced_default_decline": dict(default, controller_decline=True),
           "priced_default_nogate": dict(default, controller_persist=False),
           }[method]}
+
+
+def move_plain_after(method: str) -> int:
+  """The misses in a row after which a method's batched requests move to the plain bucket
+  (`BatchOptions.move_plain_after`): none for `_nomove`, one for `_move1`, else the default's."""
+  if method.endswith("_nomove"):
+    return 0
+  return 1 if method.endswith("_move1") else BatchOptions.move_plain_after
 
 
 def method_order(methods: list[str], index: int) -> list[str]:
@@ -572,6 +590,9 @@ PAIRS = (("priced", "backoff"), ("priced_online", "priced"), ("priced_long", "pr
          ("priced_default", "priced_default_every8"), ("priced_default", "priced_default_every4"),
          ("priced_default", "priced_default_margin1"),
          ("priced_default", "priced_default_bmargin1"), ("priced_default_bmargin1", "backoff"),
+         ("priced_default", "priced_default_bmargin0"), ("priced_default_bmargin0", "backoff"),
+         ("priced_default_bmargin0_move1", "priced_default_bmargin0"),
+         ("priced_default_bmargin0_move1", "backoff"),
          ("priced_default", "priced_default_draftfirst"),
          ("priced_default", "priced_default_nomove"),
          ("priced_default", "priced_default_nodecline"),
@@ -650,8 +671,7 @@ def main(_):
                        batching=BatchOptions(batch_size=FLAGS.batch_size,
                                              shrink=not (m.endswith("_full")
                                                          or FLAGS.sim_clock_ms),
-                                             move_plain_after=0 if m.endswith("_nomove")
-                                             else BatchOptions.move_plain_after))
+                                             move_plain_after=move_plain_after(m)))
              for m in methods}
   for variant, (field, value) in START_RULES.items():
     if variant in engines:
