@@ -229,8 +229,9 @@ def get_config() -> ml_collections.ConfigDict:
   # Comparisons in one run: every prompt is also decoded by each method listed (ar, b<k> for a
   # fixed block size k, learned, random), all interleaved per request in a shuffled order,
   # `repeats` times each, fastest time kept; the summary and the printed table compare them
-  # (at batch_size 1 each speedup over ar with a 95% paired bootstrap interval over the prompts,
-  # `speedup_vs_ar` in the summary).
+  # (at batch_size 1 each speedup over ar with a 95% paired bootstrap interval over the prompts:
+  # in decode time, `speedup_vs_ar` in the summary, and end to end with each request's prefill,
+  # `end_to_end_vs_ar`).
   c.compare = ""
   c.repeats = 1
   # JAX's persistent compilation cache: "default" = ~/.cache/bp_jax/jax, "" = off, or a folder.

@@ -75,3 +75,16 @@ def test_decode_comparisons_pair_each_prompt_with_its_own_ar_decode():
   assert speedup_against_ar(fast[:1], ar[:1]) is None
   with pytest.raises(ValueError, match="the same prompts"):
     speedup_against_ar(fast, ar[:3])
+  # End to end: each request's prefill joins its decode. A method 2x faster to decode whose
+  # prefill costs as much as AR's decode gains nothing there.
+  pre = [dict(r, prefill_s=0.0) for r in ar]
+  slow_prefill = [dict(r, prefill_s=s / 2) for r, s in zip(fast, secs)]
+  assert speedup_against_ar(slow_prefill, pre) == {"ratio": 2.0, "lo": 2.0, "hi": 2.0}
+  assert speedup_against_ar(slow_prefill, pre, end_to_end=True) == {
+      "ratio": 1.0, "lo": 1.0, "hi": 1.0}
+  prefills = rs.uniform(0.01, 0.1, 40)
+  got = speedup_against_ar([dict(r, prefill_s=p) for r, p in zip(noisy, prefills)], pre,
+                           end_to_end=True)
+  want = bootstrap_speedup([128] * 40, [r["decode_s"] + p for r, p in zip(noisy, prefills)],
+                           [128] * 40, secs, reps=2000, seed=0)
+  assert got == {"ratio": round(want.ratio, 4), "lo": round(want.lo, 4), "hi": round(want.hi, 4)}

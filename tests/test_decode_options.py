@@ -49,15 +49,20 @@ def test_methods_compared_in_one_interleaved_run(cfg, monkeypatch, capsys):
     assert entry["decode_tokens_per_s"] > 0
   assert s["compare"]["ar"]["tau"] == 1.0
   # Each method's speed over AR's with its paired interval over the prompts; AR has none.
-  assert s["compare"]["ar"]["speedup_vs_ar"] is None
+  # End to end too (prefill and decode seconds): the ratio of the prompts' tokens per second.
+  ar = s["compare"]["ar"]
+  assert ar["speedup_vs_ar"] is None and ar["end_to_end_vs_ar"] is None
   for entry in (s["main"], s["compare"]["b4"]):
-    got = entry["speedup_vs_ar"]
-    want = entry["decode_tokens_per_s"] / s["compare"]["ar"]["decode_tokens_per_s"]
-    assert got["lo"] <= got["ratio"] <= got["hi"] and got["ratio"] == pytest.approx(want, 1e-3)
+    for field, speed in (("speedup_vs_ar", "decode_tokens_per_s"),
+                         ("end_to_end_vs_ar", "tokens_per_s")):
+      got, want = entry[field], entry[speed] / ar[speed]
+      assert got["lo"] <= got["ratio"] <= got["hi"] and got["ratio"] == pytest.approx(want, 1e-3)
   run_decode.print_summary(s)
   out = capsys.readouterr().out
-  b4 = s["compare"]["b4"]["speedup_vs_ar"]
-  assert f"x [{b4['lo']:.2f}, {b4['hi']:.2f}]" in out
+  for field in ("speedup_vs_ar", "end_to_end_vs_ar"):
+    b4 = s["compare"]["b4"][field]
+    assert f"{b4['ratio']:.2f}x [{b4['lo']:.2f}, {b4['hi']:.2f}]" in out
+  assert "end to end vs AR [95%]" in out
   assert "paired bootstrap over the 3 prompts" in out
   for r in records:  # one meaning per figure (no τ for a request that ran no cycle)
     assert r["tau"] == (pytest.approx(sum(r["acceptance_lengths"]) / r["cycles"], abs=1e-4)

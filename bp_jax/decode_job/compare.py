@@ -77,15 +77,20 @@ def fastest_of(gens: Sequence[Generation]) -> Generation:
   return dataclasses.replace(best, prefill_s=min(g.prefill_s for g in gens))
 
 
-def speedup_against_ar(records: Sequence[dict], ar_records: Sequence[dict]) -> dict | None:
-  """A method's decode speed over plain AR's on the same prompts (records in prompt order, each
-  request's fastest repeat: `new_tokens`, `decode_s`), with its 95% paired bootstrap interval
-  over the prompts (`bp_jax.eval.bootstrap.speedup_entry`): {"ratio", "lo", "hi"}. None for one
-  prompt, where a resample is the prompt itself and says nothing of the spread."""
+def speedup_against_ar(records: Sequence[dict], ar_records: Sequence[dict],
+                       end_to_end: bool = False) -> dict | None:
+  """A method's speed over plain AR's on the same prompts (records in prompt order, each
+  request's fastest repeat: `new_tokens`, `decode_s`, and with `end_to_end` its `prefill_s`),
+  with its 95% paired bootstrap interval over the prompts (`bp_jax.eval.bootstrap.speedup_entry`):
+  {"ratio", "lo", "hi"}. `end_to_end`: over each request's prefill and decode seconds, what a
+  user waits for (a drafting request's prefill also builds the drafter's context, which a plain
+  one skips); else over its decode alone. None for one prompt, where a resample is the prompt
+  itself and says nothing of the spread."""
   if len(records) != len(ar_records):
     raise ValueError(f"{len(records)} records against {len(ar_records)} of AR: the same prompts "
                      "are compared")
   if len(records) < 2:
     return None
-  return speedup_entry([r["new_tokens"] for r in records], [r["decode_s"] for r in records],
-                       [r["new_tokens"] for r in ar_records], [r["decode_s"] for r in ar_records])
+  seconds = lambda rs: [r["decode_s"] + (r["prefill_s"] if end_to_end else 0.0) for r in rs]
+  return speedup_entry([r["new_tokens"] for r in records], seconds(records),
+                       [r["new_tokens"] for r in ar_records], seconds(ar_records))

@@ -331,6 +331,16 @@ def print_summary(s: dict) -> None:
     print_comparison(s)
 
 
+def _against_ar(r: dict, ar: dict | None, speed: str, interval: str) -> str:
+  """A comparison row's `speed` over AR's, with its interval (`interval`) where it has one."""
+  if ar is None:
+    return "-"
+  text = f"{r[speed] / ar[speed]:.2f}x"
+  if r.get(interval):
+    text += " [{lo:.2f}, {hi:.2f}]".format(**r[interval])
+  return text
+
+
 def print_comparison(s: dict) -> None:
   """The methods of one interleaved run side by side, speedups against plain AR."""
   rows = {"main: " + s["main"]["method"]: s["main"], **s["compare"]}
@@ -338,21 +348,21 @@ def print_comparison(s: dict) -> None:
   how = ("interleaved per request" if s.get("batch_size", 1) == 1 else
          f"in batches of {s['batch_size']}, one pass over the prompts per method, alternating")
   print(f"\n  compared in one run, {how}, fastest of {s['repeats']} "
-        f"(decode time, T={s['temperature']}):")
+        f"(T={s['temperature']}):")
   head = (f"  {'method':<16} {'decode tok/s':>12} {'speedup vs AR [95%]':>22} "
-          f"{'tau/cycle':>9} {'tok/forward':>11} {'identical to AR':>16}")
+          f"{'end to end vs AR [95%]':>23} {'tau/cycle':>9} {'tok/forward':>11} "
+          f"{'identical to AR':>16}")
   print(head)
   for name, r in rows.items():
-    speed = (f"{r['decode_tokens_per_s'] / ar['decode_tokens_per_s']:.2f}x" if ar else "-")
-    if r.get("speedup_vs_ar"):
-      speed += " [{lo:.2f}, {hi:.2f}]".format(**r["speedup_vs_ar"])
+    speed = _against_ar(r, ar, "decode_tokens_per_s", "speedup_vs_ar")
+    whole = _against_ar(r, ar, "tokens_per_s", "end_to_end_vs_ar")
     same = r.get("identical_to_ar")
     mark = "-" if same is None else f"{'✓' if same == r['prompts'] else '✗'} {same}/{r['prompts']}"
-    print(f"  {name:<16} {r['decode_tokens_per_s']:>12,.0f} {speed:>22} "
+    print(f"  {name:<16} {r['decode_tokens_per_s']:>12,.0f} {speed:>22} {whole:>23} "
           f"{_fmt(r['tau'], '.2f'):>9} {_fmt(r['tokens_per_forward'], '.2f'):>11} {mark:>16}")
   if any(r.get("speedup_vs_ar") for r in rows.values()):
     print(f"  ([95%]: paired bootstrap over the {s['prompts']} prompts, each method's fastest "
-          "decode of each)")
+          "decode of each; end to end: that decode and the request's fastest prefill)")
   elif ar and s.get("batch_size", 1) > 1:
     print("  (no interval: a batch's requests share their loop calls, so their times are not "
           "the prompts' own)")

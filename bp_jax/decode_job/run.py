@@ -364,10 +364,11 @@ def _run(cfg) -> tuple[list[dict], dict]:
       got = figures(recs)
       # Paired over prompts where each request was timed alone (interleaved per request); a
       # batch's requests share their loop calls, so their times are not the prompts' own.
-      interval = (speedup_against_ar(recs, per_method["ar"])
-                  if "ar" in per_method and m != "ar" and engine.batch_size == 1 else None)
+      paired = "ar" in per_method and m != "ar" and engine.batch_size == 1
+      interval = lambda whole: (speedup_against_ar(recs, per_method["ar"], end_to_end=whole)
+                                if paired else None)
       return {"method": m, **{k: got[k] for k in keep}, "identical_to_ar": same,
-              "speedup_vs_ar": interval}
+              "speedup_vs_ar": interval(False), "end_to_end_vs_ar": interval(True)}
 
     summary["main"] = entry(main)
     summary["compare"] = {m: entry(m) for m in others}
