@@ -332,13 +332,14 @@ def print_summary(s: dict) -> None:
 
 
 def _against_ar(r: dict, ar: dict | None, speed: str, interval: str) -> str:
-  """A comparison row's `speed` over AR's, with its interval (`interval`) where it has one."""
+  """A comparison row's `speed` over AR's, with its interval (`interval`) where it has one: then
+  the interval's own ratio, so that the printed figure and its bounds come from one computation
+  (the tokens per second in the summary are rounded apart)."""
   if ar is None:
     return "-"
-  text = f"{r[speed] / ar[speed]:.2f}x"
   if r.get(interval):
-    text += " [{lo:.2f}, {hi:.2f}]".format(**r[interval])
-  return text
+    return "{ratio:.2f}x [{lo:.2f}, {hi:.2f}]".format(**r[interval])
+  return f"{r[speed] / ar[speed]:.2f}x"
 
 
 def print_comparison(s: dict) -> None:
