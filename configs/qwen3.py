@@ -231,7 +231,9 @@ def get_config() -> ml_collections.ConfigDict:
   # `repeats` times each, fastest time kept; the summary and the printed table compare them
   # (at batch_size 1 each speedup over ar with a 95% paired bootstrap interval over the prompts:
   # in decode time, `speedup_vs_ar` in the summary, and end to end with each request's prefill,
-  # `end_to_end_vs_ar`).
+  # `end_to_end_vs_ar`); with other fixed sizes listed (e.g. ar,b5,b6,b7,b8,b9,b10,b11), the
+  # run's own method also against the fastest of them, the best fixed size in hindsight
+  # (`main_vs_best_fixed`; paired at batch_size 1).
   c.compare = ""
   c.repeats = 1
   # JAX's persistent compilation cache: "default" = ~/.cache/bp_jax/jax, "" = off, or a folder.

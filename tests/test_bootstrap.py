@@ -56,35 +56,65 @@ def test_bootstrap_bad_input_is_refused():
 
 
 def test_decode_comparisons_pair_each_prompt_with_its_own_ar_decode():
-  """decode.py's --config.compare interval (`compare.speedup_against_ar`): the prompts are
+  """decode.py's --config.compare interval (`compare.paired_speedup`): the prompts are
   resampled in pairs, so a method twice as fast on every prompt reads exactly 2x whatever the
   prompts' lengths, where an unpaired resample would spread; one prompt gives no interval."""
-  from bp_jax.decode_job.compare import speedup_against_ar
+  from bp_jax.decode_job.compare import paired_speedup
   rs = np.random.default_rng(0)
   secs = rs.uniform(0.05, 2.0, 40)  # prompts of very different lengths
   ar = [{"new_tokens": 128, "decode_s": s} for s in secs]
   fast = [{"new_tokens": 128, "decode_s": s / 2} for s in secs]
-  got = speedup_against_ar(fast, ar)
+  got = paired_speedup(fast, ar)
   assert got == {"ratio": 2.0, "lo": 2.0, "hi": 2.0}
   noisy = [{"new_tokens": 128, "decode_s": s * f} for s, f in zip(secs, rs.uniform(0.8, 1.2, 40))]
-  got = speedup_against_ar(noisy, ar)
+  got = paired_speedup(noisy, ar)
   want = bootstrap_speedup([128] * 40, [r["decode_s"] for r in noisy], [128] * 40, secs,
                            reps=2000, seed=0)
   assert got == {"ratio": round(want.ratio, 4), "lo": round(want.lo, 4), "hi": round(want.hi, 4)}
   assert got["lo"] < got["ratio"] < got["hi"]
-  assert speedup_against_ar(fast[:1], ar[:1]) is None
+  assert paired_speedup(fast[:1], ar[:1]) is None
   with pytest.raises(ValueError, match="the same prompts"):
-    speedup_against_ar(fast, ar[:3])
+    paired_speedup(fast, ar[:3])
   # End to end: each request's prefill joins its decode. A method 2x faster to decode whose
   # prefill costs as much as AR's decode gains nothing there.
   pre = [dict(r, prefill_s=0.0) for r in ar]
   slow_prefill = [dict(r, prefill_s=s / 2) for r, s in zip(fast, secs)]
-  assert speedup_against_ar(slow_prefill, pre) == {"ratio": 2.0, "lo": 2.0, "hi": 2.0}
-  assert speedup_against_ar(slow_prefill, pre, end_to_end=True) == {
+  assert paired_speedup(slow_prefill, pre) == {"ratio": 2.0, "lo": 2.0, "hi": 2.0}
+  assert paired_speedup(slow_prefill, pre, end_to_end=True) == {
       "ratio": 1.0, "lo": 1.0, "hi": 1.0}
   prefills = rs.uniform(0.01, 0.1, 40)
-  got = speedup_against_ar([dict(r, prefill_s=p) for r, p in zip(noisy, prefills)], pre,
+  got = paired_speedup([dict(r, prefill_s=p) for r, p in zip(noisy, prefills)], pre,
                            end_to_end=True)
   want = bootstrap_speedup([128] * 40, [r["decode_s"] + p for r, p in zip(noisy, prefills)],
                            [128] * 40, secs, reps=2000, seed=0)
   assert got == {"ratio": round(want.ratio, 4), "lo": round(want.lo, 4), "hi": round(want.hi, 4)}
+
+
+def test_the_best_fixed_size_in_hindsight_is_the_fastest_other_b_k():
+  """decode.py's bar for its own method (`compare.best_fixed`, `against_best_fixed`): the
+  fastest `b<k>` among the other compared methods, never AR, learned, random or the run's own;
+  paired over the prompts at batch 1, the ratio of tokens per second alone in a batch."""
+  from bp_jax.decode_job.compare import against_best_fixed, best_fixed, fixed_size, paired_speedup
+  assert [fixed_size(m) for m in ("b8", "b12", "ar", "b1", "learned", "random")] == [
+      8, 12, None, None, None, None]
+  figs = {"ar": {"decode_tokens_per_s": 900.0}, "b4": {"decode_tokens_per_s": 500.0},
+          "b8": {"decode_tokens_per_s": 700.0}, "b6": {"decode_tokens_per_s": 650.0},
+          "random": {"decode_tokens_per_s": 990.0}}
+  assert best_fixed("learned", figs) == "b8"
+  assert best_fixed("b8", figs) == "b6"  # the run's own size is not its own bar
+  assert best_fixed("learned", {"ar": figs["ar"], "random": figs["random"]}) is None
+  rs = np.random.default_rng(1)
+  secs = rs.uniform(0.05, 2.0, 30)
+  best = [{"new_tokens": 128, "decode_s": s, "prefill_s": 0.1} for s in secs]
+  main = [{"new_tokens": 128, "decode_s": s * f, "prefill_s": 0.2}
+          for s, f in zip(secs, rs.uniform(0.9, 1.05, 30))]
+  got = against_best_fixed({"method": "learned"}, {"method": "b8"}, main, best, batch_size=1)
+  assert got["method"] == "b8"
+  assert got["decode"] == paired_speedup(main, best)
+  assert got["end_to_end"] == paired_speedup(main, best, end_to_end=True)
+  assert got["end_to_end"]["ratio"] < got["decode"]["ratio"]  # its dearer prefill
+  speeds = lambda d, t: {"decode_tokens_per_s": d, "tokens_per_s": t}
+  got = against_best_fixed({"method": "learned", **speeds(990.0, 800.0)},
+                           {"method": "b8", **speeds(1000.0, 1000.0)}, main, best, batch_size=4)
+  assert got == {"method": "b8", "decode": {"ratio": 0.99, "lo": None, "hi": None},
+                 "end_to_end": {"ratio": 0.8, "lo": None, "hi": None}}

@@ -64,6 +64,15 @@ def test_methods_compared_in_one_interleaved_run(cfg, monkeypatch, capsys):
     assert f"{b4['ratio']:.2f}x [{b4['lo']:.2f}, {b4['hi']:.2f}]" in out
   assert "end to end vs AR [95%]" in out
   assert "paired bootstrap over the 3 prompts" in out
+  # The run's own method against the best other fixed size (here the only one, b4), paired.
+  best = s["main_vs_best_fixed"]
+  assert best["method"] == "b4"
+  for field, speed in (("decode", "decode_tokens_per_s"), ("end_to_end", "tokens_per_s")):
+    got, want = best[field], s["main"][speed] / s["compare"]["b4"][speed]
+    assert got["lo"] <= got["ratio"] <= got["hi"] and got["ratio"] == pytest.approx(want, 1e-3)
+  fmt = "{ratio:.2f}x [{lo:.2f}, {hi:.2f}]"
+  assert (f"main: b8 against the best fixed size in hindsight (b4): {fmt.format(**best['decode'])}"
+          f" in decode time, {fmt.format(**best['end_to_end'])} end to end") in out
   for r in records:  # one meaning per figure (no τ for a request that ran no cycle)
     assert r["tau"] == (pytest.approx(sum(r["acceptance_lengths"]) / r["cycles"], abs=1e-4)
                         if r["cycles"] else None)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import random
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from bp_jax.decode_job.block_choice import BlockChoice, learned_choice, random_candidates
 from bp_jax.decoding.generation import Generation
@@ -77,20 +77,49 @@ def fastest_of(gens: Sequence[Generation]) -> Generation:
   return dataclasses.replace(best, prefill_s=min(g.prefill_s for g in gens))
 
 
-def speedup_against_ar(records: Sequence[dict], ar_records: Sequence[dict],
-                       end_to_end: bool = False) -> dict | None:
-  """A method's speed over plain AR's on the same prompts (records in prompt order, each
-  request's fastest repeat: `new_tokens`, `decode_s`, and with `end_to_end` its `prefill_s`),
-  with its 95% paired bootstrap interval over the prompts (`bp_jax.eval.bootstrap.speedup_entry`):
-  {"ratio", "lo", "hi"}. `end_to_end`: over each request's prefill and decode seconds, what a
-  user waits for (a drafting request's prefill also builds the drafter's context, which a plain
-  one skips); else over its decode alone. None for one prompt, where a resample is the prompt
-  itself and says nothing of the spread."""
-  if len(records) != len(ar_records):
-    raise ValueError(f"{len(records)} records against {len(ar_records)} of AR: the same prompts "
+def fixed_size(method: str) -> int | None:
+  """k of a fixed-size speculative method `b<k>` (k > 1); None for ar, learned and random."""
+  if method[:1] == "b" and method[1:].isdigit() and int(method[1:]) > 1:
+    return int(method[1:])
+  return None
+
+
+def best_fixed(main: str, figures: Mapping[str, dict]) -> str | None:
+  """The fixed block size in hindsight among the compared methods other than the run's own
+  (`main`): the `b<k>` with the most decode tokens per second (`figures`: method -> its
+  summary entry); None where no other fixed size was compared."""
+  fixed = [m for m in figures if m != main and fixed_size(m) is not None]
+  return max(fixed, key=lambda m: figures[m]["decode_tokens_per_s"], default=None)
+
+
+def paired_speedup(records: Sequence[dict], base_records: Sequence[dict],
+                   end_to_end: bool = False) -> dict | None:
+  """A method's speed over another's on the same prompts (AR's, or the best fixed size's;
+  records in prompt order, each request's fastest repeat: `new_tokens`, `decode_s`, and with
+  `end_to_end` its `prefill_s`), with its 95% paired bootstrap interval over the prompts
+  (`bp_jax.eval.bootstrap.speedup_entry`): {"ratio", "lo", "hi"}. `end_to_end`: over each
+  request's prefill and decode seconds, what a user waits for (a drafting request's prefill
+  also builds the drafter's context, which a plain one skips); else over its decode alone. None
+  for one prompt, where a resample is the prompt itself and says nothing of the spread."""
+  if len(records) != len(base_records):
+    raise ValueError(f"{len(records)} records against {len(base_records)}: the same prompts "
                      "are compared")
   if len(records) < 2:
     return None
   seconds = lambda rs: [r["decode_s"] + (r["prefill_s"] if end_to_end else 0.0) for r in rs]
   return speedup_entry([r["new_tokens"] for r in records], seconds(records),
-                       [r["new_tokens"] for r in ar_records], seconds(ar_records))
+                       [r["new_tokens"] for r in base_records], seconds(base_records))
+
+
+def against_best_fixed(main: dict, best: dict, main_records: list[dict],
+                       best_records: list[dict], batch_size: int) -> dict:
+  """The run's own method against the best fixed block size in hindsight (`best_fixed`), in
+  decode time and end to end: paired over the prompts where each request was timed alone
+  (interleaved per request), the ratio of tokens per second alone in a batch, whose requests
+  share their loop calls (their times are not the prompts' own)."""
+  def ratio(whole: bool) -> dict | None:
+    if batch_size == 1:
+      return paired_speedup(main_records, best_records, end_to_end=whole)
+    speed = "tokens_per_s" if whole else "decode_tokens_per_s"
+    return {"ratio": round(main[speed] / best[speed], 4), "lo": None, "hi": None}
+  return {"method": best["method"], "decode": ratio(False), "end_to_end": ratio(True)}

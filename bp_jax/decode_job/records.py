@@ -338,8 +338,17 @@ def _against_ar(r: dict, ar: dict | None, speed: str, interval: str) -> str:
   if ar is None:
     return "-"
   if r.get(interval):
-    return "{ratio:.2f}x [{lo:.2f}, {hi:.2f}]".format(**r[interval])
+    return _ratio_text(r[interval])
   return f"{r[speed] / ar[speed]:.2f}x"
+
+
+def _ratio_text(entry: dict | None) -> str:
+  """A speedup entry ({"ratio", "lo", "hi"}) as printed: with its interval where it has one."""
+  if entry is None:
+    return "-"
+  if entry.get("lo") is None:
+    return f"{entry['ratio']:.2f}x"
+  return "{ratio:.2f}x [{lo:.2f}, {hi:.2f}]".format(**entry)
 
 
 def print_comparison(s: dict) -> None:
@@ -361,7 +370,13 @@ def print_comparison(s: dict) -> None:
     mark = "-" if same is None else f"{'✓' if same == r['prompts'] else '✗'} {same}/{r['prompts']}"
     print(f"  {name:<16} {r['decode_tokens_per_s']:>12,.0f} {speed:>22} {whole:>23} "
           f"{_fmt(r['tau'], '.2f'):>9} {_fmt(r['tokens_per_forward'], '.2f'):>11} {mark:>16}")
-  if any(r.get("speedup_vs_ar") for r in rows.values()):
+  best = s.get("main_vs_best_fixed")
+  if best:  # the bar a default must clear: the better of AR and the best fixed size
+    print(f"  main: {s['main']['method']} against the best fixed size in hindsight "
+          f"({best['method']}): {_ratio_text(best['decode'])} in decode time, "
+          f"{_ratio_text(best['end_to_end'])} end to end")
+  paired_best = bool(best and best["decode"] and best["decode"]["lo"] is not None)
+  if any(r.get("speedup_vs_ar") for r in rows.values()) or paired_best:
     print(f"  ([95%]: paired bootstrap over the {s['prompts']} prompts, each method's fastest "
           "decode of each; end to end: that decode and the request's fastest prefill)")
   elif ar and s.get("batch_size", 1) > 1:

@@ -20,8 +20,9 @@ from bp_jax.decode_job.block_choice import (BLOCK_POLICIES, BlockChoice, batch_o
                                           online_costs,
                                           parse_int_list, resolve_block_choice,
                                           sampling_form, sampling_options)
-from bp_jax.decode_job.compare import (check_repeats_agree, fastest_of, method_choice, method_of,
-                                     parse_methods, run_order, speedup_against_ar)
+from bp_jax.decode_job.compare import (against_best_fixed, best_fixed, check_repeats_agree,
+                                     fastest_of, method_choice, method_of, paired_speedup,
+                                     parse_methods, run_order)
 from bp_jax.decoding.call_tally import tally_json
 from bp_jax.decoding.engine import Engine
 from bp_jax.decoding.options import OPTION_NAMES, BatchOptions, LoopOptions, ShapeOptions
@@ -365,7 +366,7 @@ def _run(cfg) -> tuple[list[dict], dict]:
       # Paired over prompts where each request was timed alone (interleaved per request); a
       # batch's requests share their loop calls, so their times are not the prompts' own.
       paired = "ar" in per_method and m != "ar" and engine.batch_size == 1
-      interval = lambda whole: (speedup_against_ar(recs, per_method["ar"], end_to_end=whole)
+      interval = lambda whole: (paired_speedup(recs, per_method["ar"], end_to_end=whole)
                                 if paired else None)
       return {"method": m, **{k: got[k] for k in keep}, "identical_to_ar": same,
               "speedup_vs_ar": interval(False), "end_to_end_vs_ar": interval(True)}
@@ -373,6 +374,11 @@ def _run(cfg) -> tuple[list[dict], dict]:
     summary["main"] = entry(main)
     summary["compare"] = {m: entry(m) for m in others}
     summary["repeats"] = repeats
+    best = best_fixed(main, summary["compare"])
+    if best is not None:
+      summary["main_vs_best_fixed"] = against_best_fixed(
+          summary["main"], summary["compare"][best], per_method[main], per_method[best],
+          engine.batch_size)
   with open(cfg.output + ".summary.json", "w") as f:
     json.dump(summary, f, indent=2)
   if cfg.report:
