@@ -16,13 +16,24 @@ from bp_jax.errors import BadInputError
 from bp_jax.eval.bootstrap import speedup_entry
 
 
+def _size_of(method: str) -> int | None:
+  """k of a method named `b<k>` (any k written in digits); None for any other name."""
+  return int(method[1:]) if method[:1] == "b" and method[1:].isdigit() else None
+
+
+def fixed_size(method: str) -> int | None:
+  """k of a fixed-size speculative method `b<k>` (k > 1); None for ar, learned and random."""
+  k = _size_of(method)
+  return k if k is not None and k > 1 else None
+
+
 def parse_methods(text: str) -> tuple[str, ...]:
   """--config.compare: comma-separated `ar`, `b<k>` (fixed block size k), `learned`, `random`."""
   out = []
   for m in (x.strip() for x in str(text or "").split(",")):
     if not m:
       continue
-    ok = m in ("ar", "learned", "random") or (m[:1] == "b" and m[1:].isdigit() and int(m[1:]) >= 1)
+    ok = m in ("ar", "learned", "random") or (_size_of(m) or 0) >= 1
     if not ok:
       raise BadInputError(f"--config.compare: unknown method {m!r}; give comma-separated ar, "
                           "b<k> (a fixed block size k, e.g. b8), learned or random")
@@ -75,13 +86,6 @@ def fastest_of(gens: Sequence[Generation]) -> Generation:
   check_repeats_agree(gens)
   best = min(gens, key=lambda g: g.decode_s)
   return dataclasses.replace(best, prefill_s=min(g.prefill_s for g in gens))
-
-
-def fixed_size(method: str) -> int | None:
-  """k of a fixed-size speculative method `b<k>` (k > 1); None for ar, learned and random."""
-  if method[:1] == "b" and method[1:].isdigit() and int(method[1:]) > 1:
-    return int(method[1:])
-  return None
 
 
 def best_fixed(main: str, figures: Mapping[str, dict]) -> str | None:

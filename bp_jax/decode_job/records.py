@@ -352,7 +352,8 @@ def _ratio_text(entry: dict | None) -> str:
 
 
 def print_comparison(s: dict) -> None:
-  """The methods of one interleaved run side by side, speedups against plain AR."""
+  """The methods of one interleaved run side by side, speedups against plain AR, and the run's
+  own method against the best fixed size in hindsight where one was compared."""
   rows = {"main: " + s["main"]["method"]: s["main"], **s["compare"]}
   ar = next((r for r in rows.values() if r["method"] == "ar"), None)
   how = ("interleaved per request" if s.get("batch_size", 1) == 1 else
