@@ -45,11 +45,16 @@ def blockpilot_config(**overrides: Any) -> ml_collections.ConfigDict:
   # Policies (stage policy): one per head, feature type and label rule.
   c.features = "last_logits,last_hidden,pooled_layers,draft_confidence"
   c.rules = "max_tau,max_throughput"
-  # Heads: classify (argmax of a classifier of the label) and/or value (regressed per-size value
+  # Heads: classify (argmax of a classifier of the label), value (regressed per-size value
   # relative to the best static size, shrunk toward it: decodes with the static size unless the
-  # validation prompts show a gain). Both by default, so `ship=auto` can pick either.
-  c.heads = "classify,value"
-  c.value_lams = "0,0.25,0.5,0.75,1"  # shrinkage grid of value policies (0 = static size always)
+  # validation prompts show a gain) and priced (regressed per-size cycles and fallback steps per
+  # token, priced when decoding by the costs the engine measures on its own machine, shrunk
+  # toward the labelling set's counts; max_throughput only). All by default, so `ship=auto`
+  # can pick any.
+  c.heads = "classify,value,priced"
+  # Shrinkage grid of value and priced policies (0 = the static size always: for a priced
+  # policy the best static size at the prices it decodes with).
+  c.value_lams = "0,0.25,0.5,0.75,1"
   # A lam qualifies when the lower bound of this central bootstrap interval (over validation
   # prompts) of its gain over the static size is >= 1x; the best qualifying lam is kept.
   c.value_level = 0.9

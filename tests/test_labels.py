@@ -304,7 +304,8 @@ def test_policies_trained_saved_and_shipped(stages_done):
   cfg = stages_done
   summary = json.load(open(os.path.join(cfg.workdir, "policies", "summary.json")))
   names = {f"{f}:{r}{h}" for f in FEATURES
-           for r in ("max_tau", "max_throughput") for h in ("", ":value")}
+           for r in ("max_tau", "max_throughput") for h in ("", ":value")} | {
+               f"{f}:max_throughput:priced" for f in FEATURES}
   assert set(summary["policies"]) == names
   assert summary["train_prompts"] + summary["val_prompts"] == 13 and summary["val_prompts"] >= 2
   records = lab.read_label_set(cfg, label_sets.LABELS, "test")
@@ -317,8 +318,15 @@ def test_policies_trained_saved_and_shipped(stages_done):
     assert info.labelled_hashes == {r["text_hash"] for r in records}
     assert not info.labelled_hashes & {r["text_hash"] for r in evals}
     assert 0.0 <= entry["val_accuracy"] <= 1.0 and entry["steps_run"] <= 20
-    assert policy.arch.head == entry["head"] == ("value" if name.endswith(":value") else
-                                                 "classify")
+    assert policy.arch.head == entry["head"] == (name.split(":")[2] if name.count(":") == 2
+                                                 else "classify")
+    if entry["head"] == "priced":  # counts prior and lam chosen; priced as labelled
+      assert policy.decision()["lam"] == entry["lam"] in [g["lam"] for g in entry["lam_grid"]]
+      assert np.allclose(policy.decision()["prior"], entry["prior"], atol=1e-5)
+      table = label_sets.label_set_costs(label_sets.open_label_set(
+          os.path.join(cfg.workdir, "data", label_sets.LABELS)))
+      assert policy.prices()["cycle"][1] == round(
+          table["cycle_s"]["2"] / table["ar_step_s"], 4)
     if entry["head"] == "value":  # the decision rule chosen on the validation prompts, stored
       grid = entry["lam_grid"]
       assert [g["lam"] for g in grid] == [0.0, 0.25, 0.5, 0.75, 1.0]
@@ -344,8 +352,8 @@ def test_report(stages_done):
   # Size 1 is the AR row itself (no second AR run, no "fixed b=1" row).
   assert methods[0] == "AR (b=1)" and [f"fixed b={b}" for b in SIZES[1:]] == methods[1:4]
   assert sum(m.startswith("best static") for m in methods) == 2
-  # 2 feature types x 2 rules x (classify and value heads)
-  assert sum(m.startswith("learned ") for m in methods) == 8
+  # 2 feature types x 2 rules x (classify and value heads), and x max_throughput's priced head
+  assert sum(m.startswith("learned ") for m in methods) == 10
   assert "random" in methods and sum(m.startswith("oracle") for m in methods) == 2
   for r in rep["rows"]:
     assert r["prompts"] == 4 and r["tokens_per_s"] > 0
@@ -362,11 +370,11 @@ def test_report(stages_done):
   assert len(by_prompt) == 4 and all(len(v) == 1 for v in by_prompt.values())
   assert rep["learned_vs_fixed_forward_mismatches"] == 0
   # Compilations: per length bucket a plain prefill, one without the drafter (AR's,
-  # `Engine.plain_prefill`) and one per policy architecture (2 feature types x 2 heads), one AR
+  # `Engine.plain_prefill`) and one per policy architecture (2 feature types x 3 heads), one AR
   # loop and one loop per size; nothing compiled while decoding.
   comp = rep["compilations"]["by_function"]
   assert comp["spec_loop"] == len(SIZES) - 1 and comp["ar_loop"] == 1
-  assert comp["prefill"] % 6 == 0
+  assert comp["prefill"] % 8 == 0
   over = rep["policy_overhead"]
   assert set(over["policies"]) == {m[len("learned "):] for m in methods if m.startswith("learned")}
   assert over["params_qwen3_4b"]["last_logits"] > 10 * over["params_qwen3_4b"]["last_hidden"]
@@ -424,6 +432,14 @@ def test_decode_block_policies(setup, stages_done):
       summary["policy"]["policy_probs_are"]
   if decision["lam"] == 0.0:
     assert {r["block_size"] for r in valued} == {SIZES[decision["static_class"]]}
+  # A priced policy: lossless, priced by the costs this run's engine measured.
+  priced_policy = os.path.join(cfg.workdir, "policies", "pooled_layers-max_throughput-priced")
+  priced, summary = run_decode.run(_decode_cfg(setup, eval_only, block_policy="learned",
+                                               policy=priced_policy))
+  assert [r["output_ids"] for r in priced] == outputs
+  assert summary["policy"]["head"] == "priced" and summary["policy"]["prices_from"] == \
+      "this machine"
+  assert len(summary["policy"]["decision"]["prices"]["cycle"]) == len(SIZES)
   oracle, _ = run_decode.run(_decode_cfg(
       setup, eval_only, block_policy="oracle", label_rule="max_tau", ar_fallback=2,
       oracle_labels=os.path.join(cfg.workdir, "data", label_sets.EVAL_LABELS)))

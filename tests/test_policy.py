@@ -277,6 +277,77 @@ def test_value_policy_decides_inside_the_prefill(engine):
     engine.set_policy(_policy(), SIZES)
 
 
+def _priced_policy(counts) -> BlockPolicy:
+  """A priced policy over SIZES on last_hidden predicting `counts` ([2K]) for every input."""
+  dims = feature_dims(V, D, len(LAYER_IDS), draft_block_size=3)
+  policy = BlockPolicy(PolicyArch("last_hidden", dims["last_hidden"], 16, 2, len(SIZES),
+                                  head="priced"), rngs=nnx.Rngs(7))
+  policy.w_out[...] = jnp.zeros_like(policy.w_out[...])
+  policy.b_out[...] = jnp.asarray(counts, jnp.float32)
+  policy.set_priced_decision(np.asarray(counts), 1.0)
+  return policy
+
+
+# Cycles per new token of sizes 2, 3, 5 (τ 2, 2.2, 3.3), no fallback step.
+PRICED_COUNTS = np.r_[0.5, 0.45, 0.3, 0.0, 0.0, 0.0]
+
+
+def test_priced_policy_decides_inside_the_prefill_by_the_engines_prices(engine, monkeypatch):
+  """Through the jitted prefill: a priced policy's choice follows the costs the engine hands it
+  (`Engine.policy_prices`, here a CPU's, then an accelerator's, then the CPU's again), from one
+  request to the next, with no prefill compiled for a change of prices; decoding stays
+  lossless. Without prices from the engine it decides at the labelling machine's."""
+  prompts = _prompts(3, seed=12)
+  cpu = (np.array([6.0, 8.0, 12.0]), np.ones(3))
+  accelerator = (np.array([1.07, 1.08, 1.11]), np.ones(3))
+  try:
+    policy = _priced_policy(PRICED_COUNTS)
+    policy.set_prices(*cpu)
+    engine.set_policy(policy, SIZES)
+    assert engine.policy_prices() is None and engine.policy_prices_source == "labelling machine"
+    g = engine.generate(prompts[0], max_new_tokens=5, block_size=LEARNED)
+    assert g.block_size == 2 and engine.policy_prices_source == "labelling machine"
+    n = engine.compiled.counts["prefill"]
+    got = []
+    for prices, want in ((accelerator, 5), (cpu, 2), (accelerator, 5)):
+      monkeypatch.setattr(engine, "policy_prices", lambda p=prices: p)
+      for p in prompts:
+        got.append(engine.generate(p, max_new_tokens=5, block_size=LEARNED))
+        assert got[-1].block_size == want
+        cost = PRICED_COUNTS[:3] * prices[0]
+        np.testing.assert_allclose(got[-1].policy_probs, 1.0 / cost, rtol=1e-5)
+      assert engine.policy.prices()["cycle"] == [round(float(c), 4) for c in prices[0]]
+    assert engine.compiled.counts["prefill"] == n
+    assert engine.policy_prices_source == "this machine"
+    ar = [engine.generate(p, max_new_tokens=5, block_size=1).output_ids for p in prompts]
+    assert [g.output_ids for g in got] == ar * 3
+  finally:
+    engine.set_policy(_policy(), SIZES)
+
+
+def test_engine_prices_a_policy_by_its_priced_controllers_costs(models):
+  """`Engine.policy_prices`: a size-b cycle at the priced controller's break-even of a b-token
+  verify (drafter pass included) at the engine's batch size, a step at one AR step; a cheap
+  verify (an accelerator's costs) makes the longest size the priced choice, a dear one (a
+  CPU's) the shortest."""
+  from bp_jax.decoding.options import LoopOptions
+
+  target, drafter = models
+  picks = []
+  for costs, draft in (("1,4,8,16", 2.0), ("1,1.02,1.05,1.1", 0.05)):
+    eng = Engine(target, drafter=drafter, policy=_priced_policy(PRICED_COUNTS),
+                 policy_sizes=SIZES,
+                 shapes=ShapeOptions(max_len=MAX_LEN, length_buckets=BUCKETS,
+                                     block_sizes=(2, 3, 4, 5)),
+                 loop=LoopOptions(controller="priced", ar_fallback=16, controller_costs=costs,
+                                  controller_draft_cost=draft, online_costs=False))
+    cycle, step = eng.policy_prices()
+    np.testing.assert_allclose(cycle, [eng.prices.break_even(b, 1) for b in SIZES], rtol=1e-6)
+    assert step.tolist() == [1.0] * 3
+    picks.append(SIZES[int(np.argmin(PRICED_COUNTS[:3] * cycle))])
+  assert picks == [2, 5]
+
+
 def test_policy_misuse_is_refused(models, engine):
   target, drafter = models
   plain = Engine(target, drafter=drafter,

@@ -1,7 +1,10 @@
 """The value head and its expected-value decision (bp_jax/policy/mlp.py `BlockPolicy.decide`,
 bp_jax/train/policy_stage.py `choose_lam`): an uninformative value policy decodes with the
 static size, strong evidence moves it, the head learns a known rule, checkpoints keep the
-decision rule, and lam chosen on noise gives static-size behaviour."""
+decision rule, and lam chosen on noise gives static-size behaviour. The priced head: its counts
+priced by the costs in effect pick what those costs make cheapest (a middle size at a CPU's, the
+longest at an accelerator's), lam = 0 is the best static size of the prices, checkpoints keep
+its rule and prices, and counts learned at one machine's prices decide right at another's."""
 
 from __future__ import annotations
 
@@ -17,9 +20,10 @@ from bp_jax.errors import BadInputError
 from bp_jax.optim_config import opt_config
 from bp_jax.data import label_sets
 from bp_jax.policy.mlp import BlockPolicy, PolicyArch, load_policy, save_policy
-from bp_jax.train.policy_stage import (best_static, choice_metrics, choose_lam, crossfit_choice,
-                                       fit_policy, parse_heads, parse_lams, predict,
-                                       relative_values, rule_totals, shrunk_choice, value_prior)
+from bp_jax.train.policy_stage import (best_static, choice_metrics, choose_lam, count_prior,
+                                       count_targets, crossfit_choice, fit_policy, label_prices,
+                                       parse_heads, parse_lams, predict, relative_values,
+                                       rule_totals, shrunk_choice, value_prior)
 
 SIZES = (2, 3, 5, 8)
 LAMS = (0.0, 0.25, 0.5, 0.75, 1.0)
@@ -274,3 +278,142 @@ def test_crossfit_decisions_use_lam_chosen_on_the_other_prompts():
   noise = np.random.default_rng(0).normal(1.0, 0.3, r.shape)
   assert (crossfit_choice(noise, prior, static, num, den, LAMS, **kw) == static).mean() > 0.9
   assert (crossfit_choice(r[:3], prior, static, num[:3], den[:3], LAMS, **kw) == static).all()
+
+
+# ---- the priced head: counts priced by the running machine's costs ---------------------------
+
+
+def _priced_policy(counts=None, lam: float = 1.0, prior=None, F: int = 6, seed: int = 0
+                   ) -> BlockPolicy:
+  """A priced policy over SIZES; with `counts` ([2K]) every input predicts them (w_out zero)."""
+  K = len(SIZES)
+  policy = BlockPolicy(PolicyArch("last_hidden", F, 8, 2, K, head="priced"), rngs=nnx.Rngs(seed))
+  if counts is not None:
+    policy.w_out[...] = jnp.zeros_like(policy.w_out[...])
+    policy.b_out[...] = jnp.asarray(counts, jnp.float32)
+  policy.set_priced_decision(np.asarray(prior if prior is not None else np.r_[np.ones(K),
+                                                                             np.zeros(K)]), lam)
+  return policy
+
+
+# Sizes 2, 3, 5, 8: τ 1.8, 2.5, 3.5, 4.4 (cycles per token 1/τ), no fallback step.
+TAU = np.array([1.8, 2.5, 3.5, 4.4])
+COUNTS = np.r_[1.0 / TAU, np.zeros(4)]
+CPU_CYCLES = np.array([1.5, 2.0, 3.2, 5.0])     # a verify costs several AR steps
+FLAT_CYCLES = np.array([1.0, 1.02, 1.05, 1.1])  # an accelerator's: about one AR step
+
+
+def test_priced_decision_follows_the_machines_prices():
+  """The same counts priced by a CPU's costs pick a middle size, by an accelerator's the
+  longest; the scores are tokens per AR step's time (1 / (cycles x price + steps x price))."""
+  policy = _priced_policy(COUNTS)
+  x = jnp.asarray(_x(5))
+  for cycles, want in ((CPU_CYCLES, 1), (FLAT_CYCLES, 3)):
+    policy.set_prices(cycles, np.ones(4))
+    scores, cls = policy.decide(x)
+    cost = COUNTS[:4] * cycles
+    assert int(np.argmin(cost)) == want
+    assert np.asarray(cls).tolist() == [want] * 5
+    np.testing.assert_allclose(np.asarray(scores)[0], 1.0 / cost, rtol=1e-5)
+    assert policy.prices() == {"cycle": [round(float(c), 4) for c in cycles],
+                               "step": [1.0] * 4}
+  # Fallback steps count at their own price: dear steps move the choice off sizes that take them.
+  steps = np.r_[1.0 / TAU, 0.0, 0.0, 0.0, 0.6]
+  policy.b_out[...] = jnp.asarray(steps, jnp.float32)
+  policy.set_prices(FLAT_CYCLES, np.ones(4))
+  assert np.asarray(policy.decide(x)[1]).tolist() == [2] * 5
+
+
+def test_priced_decision_at_lam_0_is_the_best_static_size_of_the_prices():
+  """lam = 0: the prior (the labelling set's counts) priced at the costs in effect, whatever the
+  network says; it moves with the prices as the per-prompt choice does."""
+  wild = np.r_[np.full(4, 0.01), np.zeros(4)]  # the network would pick anything
+  policy = _priced_policy(wild, lam=0.0, prior=COUNTS)
+  x = jnp.asarray(_x(7))
+  policy.set_prices(CPU_CYCLES, np.ones(4))
+  assert np.asarray(policy.decide(x)[1]).tolist() == [1] * 7
+  policy.set_prices(FLAT_CYCLES, np.ones(4))
+  assert np.asarray(policy.decide(x)[1]).tolist() == [3] * 7
+
+
+def test_priced_decision_misuse_is_refused():
+  policy = _priced_policy()
+  with pytest.raises(BadInputError, match="2 cycle and 4 step costs"):
+    policy.set_prices([1.0, 2.0], np.ones(4))
+  with pytest.raises(BadInputError, match="finite and > 0"):
+    policy.set_prices([1.0, 2.0, 0.0, 3.0], np.ones(4))
+  with pytest.raises(BadInputError, match="give 8 counts >= 0"):
+    policy.set_priced_decision(np.ones(4), 0.5)
+  with pytest.raises(BadInputError, match="give 8 counts >= 0"):
+    policy.set_priced_decision(-np.ones(8), 0.5)
+  with pytest.raises(BadInputError, match="lam=2"):
+    policy.set_priced_decision(np.ones(8), 2.0)
+  with pytest.raises(BadInputError, match="only head='priced'"):
+    _value_policy().set_prices(np.ones(4), np.ones(4))
+  with pytest.raises(BadInputError, match="only head='priced'"):
+    _value_policy().set_priced_decision(np.ones(8), 0.5)
+  assert _value_policy().prices() == {}
+
+
+def test_priced_checkpoint_round_trip_keeps_prior_lam_and_prices(tmp_path):
+  policy = _priced_policy(COUNTS, lam=0.5, prior=COUNTS * 1.1)
+  policy.set_prices(CPU_CYCLES, np.full(4, 1.2))
+  loaded, info = load_policy(_save(policy, str(tmp_path / "priced")))
+  assert loaded.arch == policy.arch and loaded.arch.num_outputs == 8
+  assert loaded.arch.signature.endswith("-priced")
+  assert loaded.decision() == policy.decision()
+  assert info.meta["decision"]["prices"]["step"] == [1.2] * 4
+  x = jnp.asarray(_x(9))
+  for a, b in zip(loaded.decide(x), policy.decide(x)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
+
+
+def test_priced_head_learns_counts_that_price_right_on_another_machine():
+  """Counts are a known function of 4 of 16 features; trained with one machine's prices as
+  weights, the decisions priced by another machine's costs agree with the best size there far
+  more often than that machine's best static size does."""
+  rng = np.random.default_rng(1)
+  F, K = 16, len(SIZES)
+  w = rng.normal(size=(F, 1)).astype(np.float32)
+  w[4:] = 0.0
+
+  def data(n):
+    x = rng.normal(size=(n, F)).astype(np.float32)
+    # One acceptance level per prompt: τ of size b grows with it, saturating at b.
+    q = 1.0 / (1.0 + np.exp(-(x @ w)))                              # [n, 1] in (0, 1)
+    tau = (1.0 - q ** np.asarray(SIZES)[None, :]) / np.maximum(1.0 - q, 1e-3)
+    return x, np.concatenate([1.0 / tau, np.zeros((n, K))], 1).astype(np.float32)
+
+  (xt, yt), (xv, yv), (xe, ye) = data(3000), data(300), data(1000)
+  labelled = np.r_[CPU_CYCLES, np.ones(K)]
+  arch = PolicyArch("last_hidden", F, 64, 2, K, dropout=0.0, head="priced")
+  fit = fit_policy(xt, yt, xv, yv, arch, opt_cfg=opt_config(lr=3e-3, weight_decay=0.01),
+                   steps=800, batch=128, label_smoothing=0.0, eval_every=50, patience=6,
+                   seed=0, prices_2C=labelled)
+  assert fit.policy.prices()["cycle"] == [round(float(c), 4) for c in CPU_CYCLES]
+  fit.policy.set_priced_decision(yt.mean(0), 1.0)
+  other = np.array([1.0, 1.3, 1.9, 2.9])  # a machine between the CPU and an accelerator
+  fit.policy.set_prices(other, np.ones(K))
+  best = np.argmin(ye[:, :K] * other[None, :], 1)
+  agree = float((predict(fit.policy, xe) == best).mean())
+  static = float((best == np.bincount(best, minlength=K).argmax()).mean())
+  assert agree > 0.85 and agree > static + 0.2, (agree, static)
+  with pytest.raises(BadInputError, match="labelling machine's prices"):
+    fit_policy(xt, yt, None, None, arch, opt_cfg=opt_config(), steps=1, batch=8,
+               label_smoothing=0.0, eval_every=1, patience=1, seed=0)
+
+
+def test_count_targets_prior_and_label_prices():
+  """The priced head's training data from label records: cycles and fallback steps per new
+  token; the pooled prior; the labelling table's prices in AR steps (size 1 = AR steps)."""
+  sizes = (1, 4, 8)
+  rec = lambda new, cyc, fwd: {"block_sizes": np.asarray(sizes), "new_tokens": np.asarray(new),
+                               "cycles": np.asarray(cyc), "forwards": np.asarray(fwd)}
+  records = [rec([10, 10, 10], [10, 4, 2], [10, 6, 2]), rec([30, 30, 30], [30, 10, 5],
+                                                            [30, 10, 5])]
+  np.testing.assert_allclose(count_targets(records)[0], [1.0, 0.4, 0.2, 0.0, 0.2, 0.0])
+  np.testing.assert_allclose(count_prior(records), [1.0, 14 / 40, 7 / 40, 0.0, 2 / 40, 0.0])
+  table = {"ar_step_s": 0.5, "cycle_s": {"4": 1.0, "8": 2.0}, "fallback_step_s": {"4": 0.6}}
+  np.testing.assert_allclose(label_prices(table, sizes), [1.0, 2.0, 4.0, 1.0, 1.2, 1.0])
+  with pytest.raises(BadInputError, match="priced by a cost table"):
+    label_prices(np.ones(3), sizes)

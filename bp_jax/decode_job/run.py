@@ -41,6 +41,10 @@ from bp_jax.weights.loading import load_drafter, load_target
 
 MODES = ("ar", "spec")
 LABELLED_PROMPTS = ("refuse", "skip")
+# What each record's `policy_probs` holds, per policy head (`BlockPolicy.decide`).
+POLICY_SCORES = {"classify": "class probabilities",
+                 "value": "shrunk value ratios lam*rhat+(1-lam)*prior",
+                 "priced": "1 / cost: estimated tokens per AR step's time at the prices in effect"}
 
 
 def prompt_limit(num_prompts: int) -> int | None:
@@ -347,12 +351,11 @@ def _run(cfg) -> tuple[list[dict], dict]:
                          "label_rule": choice.info.label_rule,
                          "num_params": choice.policy.arch.num_params(),
                          "head": choice.policy.arch.head,
-                         # What each record's `policy_probs` holds (`BlockPolicy.decide`).
-                         "policy_probs_are": ("class probabilities"
-                                              if choice.policy.arch.head == "classify" else
-                                              "shrunk value ratios lam*rhat+(1-lam)*prior"),
-                         **({"decision": choice.policy.decision()}
-                            if choice.policy.arch.head == "value" else {})}
+                         "policy_probs_are": POLICY_SCORES[choice.policy.arch.head],
+                         **({"decision": engine.policy.decision()}
+                            if engine.policy.decision() else {}),
+                         **({"prices_from": engine.policy_prices_source}
+                            if engine.policy_prices_source else {})}
   if others:
     ar_out = [r["output_ids"] for r in per_method["ar"]] if "ar" in per_method else None
     same_tokens = same_tokens_as_ar(engine.verify, cfg.temperature)

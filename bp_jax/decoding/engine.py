@@ -190,8 +190,9 @@ class Engine:
     self.evidence_state = (evidence.empty_state() if drafter is not None
                            and opts.controller == "priced"
                            and (opts.controller_decline or opts.controller_persist) else None)
-    self.p_graph = self.p_state = self.policy_key = None
+    self.p_graph = self.p_state = self.policy_key = self.policy = None
     self.policy_sizes: tuple[int, ...] = ()
+    self.policy_prices_source: str | None = None
     self.mesh = mesh
     if mesh is not None:  # weights by the rule table, caches by rows; jit propagates the rest
       self.t_state, self.d_state = (shard_state(s, mesh) for s in (self.t_state, self.d_state))
@@ -422,6 +423,38 @@ class Engine:
     self.p_graph, self.p_state = nnx.split(policy)
     self.p_state = shard_state(self.p_state, self.mesh)
     self.policy_key, self.policy_sizes = policy.arch.signature, sizes
+    self.policy = policy
+    # A priced head's costs in effect: the labelling machine's (stored with it) until this
+    # engine's own are placed (`_place_policy_prices`).
+    self.policy_prices_source = ("labelling machine" if policy.arch.head == "priced" else None)
+    self._placed_prices: np.ndarray | None = None
+
+  def policy_prices(self) -> tuple[np.ndarray, np.ndarray] | None:
+    """([C] a cycle of each of the policy's sizes, [C] a plain step in its loop) in AR steps on
+    this machine at the engine's batch size: the priced controller's current break-even per
+    verify length (a size-b cycle verifies b tokens; size 1's "cycle" is never run and its
+    step is the AR step), None where the engine prices nothing (another controller)."""
+    if self.prices is None or not self.policy_sizes:
+      return None
+    be_N = self.prices.break_even_N(max(self.block_sizes), self.batch_size)
+    cycle_C = np.asarray([1.0 if b == 1 else float(be_N[b]) for b in self.policy_sizes])
+    return cycle_C, np.ones_like(cycle_C)
+
+  def _place_policy_prices(self) -> None:
+    """A priced policy's state with this machine's current costs (`policy_prices`), placed
+    when they changed: the prefill that runs it takes them as an argument and compiles
+    nothing new."""
+    if self.p_state is None or self.policy.arch.head != "priced":
+      return
+    got = self.policy_prices()
+    if got is None:
+      return
+    key = np.concatenate(got).astype(np.float32)
+    if self._placed_prices is not None and np.array_equal(key, self._placed_prices):
+      return
+    self.policy.set_prices(*got)
+    self.p_state = shard_state(nnx.state(self.policy), self.mesh)
+    self._placed_prices, self.policy_prices_source = key, "this machine"
 
   # -- checks -------------------------------------------------------------------------------
   def check_block_size(self, block_size: int) -> None:
@@ -435,6 +468,8 @@ class Engine:
                     buffers: tuple | None = None, target_only: bool = False) -> tuple:
     cache, draft_cache = buffers or (self.cache, self.draft_cache)
     d_weights, draft_cache = (None, None) if target_only else (self.d_weights, draft_cache)
+    if with_policy:
+      self._place_policy_prices()
     return (self.t_weights, d_weights, tokens_1P, n, cache, draft_cache, seed_key,
             sampling) + ((self.p_state,) if with_policy else ())
 

@@ -14,6 +14,17 @@ Two heads read `out` (`PolicyArch.head`):
             argmax scores (ties to the static class). prior, lam and the static class are stored
             with the weights (`DecisionStat`); prior is maximal at the static class, so lam = 0
             always picks the static size ("a policy that never loses" without evidence).
+  priced    `out` = [a_k(x), s_k(x)] (2C outputs), the regressed counts of size k's decode per
+            committed token: speculative cycles a_k and plain (AR fallback) steps s_k, which
+            depend on the prompt, the drafter and the loop but not on the machine. The decision
+            prices them with the costs of the machine it runs on (`size_prices`: a size-k
+            cycle p_k and a fallback step q_k, in AR steps, set by the engine from the costs it
+            measures, `Engine.set_policy_prices`; at first those of the labelling machine):
+              cost_k = lam * (a_k p_k + s_k q_k) + (1 - lam) * (abar_k p_k + sbar_k q_k)
+            (abar, sbar: the labelling set's counts per committed token) and picks argmin cost
+            (scores: 1 / cost_k, tokens per AR step's time). lam = 0 picks the best static size
+            for those costs; on a machine where a long verify costs about an AR step (an
+            accelerator) the choice moves to long verifies without retraining.
 
 The published policy is depth 2 (two hidden layers of 2048, the second residual), ReLU, dropout
 0.2, over the last prompt position's logits. Dropout takes an explicit PRNG key (training only),
@@ -41,7 +52,7 @@ from bp_jax.policy.features import check_feature_type, mlp_param_count
 
 POLICY_KIND = "policy"
 LABEL_RULES = ("max_tau", "max_throughput")
-HEADS = ("classify", "value")
+HEADS = ("classify", "value", "priced")
 # Added to the static class's score before the value head's argmax, so that a tie (e.g. lam = 0,
 # or rhat constant across sizes) picks the static size; far below any real ratio difference.
 STATIC_TIE_BONUS = 1e-5
@@ -89,6 +100,11 @@ class PolicyArch:
       raise BadInputError(f"policy dropout={self.dropout} must lie in [0, 1)")
 
   @property
+  def num_outputs(self) -> int:
+    """Outputs of the last layer: one per class, two (cycles, steps) for a priced head."""
+    return 2 * self.num_classes if self.head == "priced" else self.num_classes
+
+  @property
   def signature(self) -> str:
     """Short name of the architecture, e.g. 'last_hidden-256:64x2r-5-d0.2' (classify head) or
     'last_hidden-256:64x2r-5-d0.2-value' (a compile-cache key: every field is in it, so equal
@@ -98,7 +114,7 @@ class PolicyArch:
             f"{'' if self.head == 'classify' else '-' + self.head}")
 
   def num_params(self) -> int:
-    return mlp_param_count(self.input_dim, self.hidden_dim, self.depth, self.num_classes)
+    return mlp_param_count(self.input_dim, self.hidden_dim, self.depth, self.num_outputs)
 
 
 class FeatureStat(nnx.Variable):
@@ -106,8 +122,9 @@ class FeatureStat(nnx.Variable):
 
 
 class DecisionStat(nnx.Variable):
-  """The value head's decision rule (prior [C], lam [], static class []): stored and loaded with
-  the policy, never trained (set by the policy stage's lam selection)."""
+  """The value or priced head's decision rule (prior, lam, static class; a priced head's
+  `size_prices`): stored and loaded with the policy, never trained (set by the policy stage's
+  lam selection; the prices by the engine that runs it)."""
 
 
 def shrunk_scores(rhat_BC: jax.Array, prior_C: jax.Array, lam: jax.Array) -> jax.Array:
@@ -115,10 +132,30 @@ def shrunk_scores(rhat_BC: jax.Array, prior_C: jax.Array, lam: jax.Array) -> jax
   return lam * rhat_BC + (1.0 - lam) * prior_C[None, :]
 
 
+def priced_costs(counts_B2C: jax.Array, prices_2C: jax.Array) -> jax.Array:
+  """[B, C] AR steps per committed token of each size: cycles x its cycle's price + steps x
+  its step's price (counts and prices laid out [cycles of every size, steps of every size])."""
+  C = prices_2C.shape[-1] // 2
+  return counts_B2C[:, :C] * prices_2C[None, :C] + counts_B2C[:, C:] * prices_2C[None, C:]
+
+
 def decision_class(scores_BC: jax.Array, static_class: jax.Array) -> jax.Array:
   """[B] int32 argmax of the scores, ties (within `STATIC_TIE_BONUS`) to `static_class`."""
   bonus_C = STATIC_TIE_BONUS * jax.nn.one_hot(static_class, scores_BC.shape[-1])
   return jnp.argmax(scores_BC + bonus_C[None, :], axis=-1).astype(jnp.int32)
+
+
+def check_prices(cycle_C: Sequence[float], step_C: Sequence[float], C: int) -> np.ndarray:
+  """[2C] float32 a priced head's costs [cycles, steps], refused unless C of each, > 0, finite."""
+  cycle, step = (np.asarray(v, np.float64).reshape(-1) for v in (cycle_C, step_C))
+  if cycle.shape != (C,) or step.shape != (C,):
+    raise BadInputError(f"policy prices: {cycle.size} cycle and {step.size} step costs for a "
+                        f"policy with {C} classes")
+  both = np.concatenate([cycle, step])
+  if not np.isfinite(both).all() or (both <= 0).any():
+    raise BadInputError(f"policy prices must be finite and > 0, got cycles {cycle.tolist()}, "
+                        f"steps {step.tolist()}")
+  return both.astype(np.float32)
 
 
 def _he(key: jax.Array, shape: tuple[int, ...], fan_in: int) -> jax.Array:
@@ -147,8 +184,15 @@ class BlockPolicy(nnx.Module):
       scale = 0.5 if arch.residual else 1.0
       self.w_hid = nnx.Param(scale * _he(rngs.params(), (n_hid, H, H), H))
       self.b_hid = nnx.Param(jnp.zeros((n_hid, H), jnp.float32))
-    self.w_out = nnx.Param(0.1 * _he(rngs.params(), (H, C), H))
-    if arch.head == "value":
+    self.w_out = nnx.Param(0.1 * _he(rngs.params(), (H, arch.num_outputs), H))
+    if arch.head == "priced":
+      # Counts start at one cycle and no step per token; the decision starts at lam = 0 and
+      # at every size's cycle and step costing one AR step (the engine or training sets them).
+      self.b_out = nnx.Param(jnp.concatenate([jnp.ones((C,)), jnp.zeros((C,))]))
+      self.value_prior = DecisionStat(jnp.concatenate([jnp.ones((C,)), jnp.zeros((C,))]))
+      self.value_lam = DecisionStat(jnp.zeros((), jnp.float32))
+      self.size_prices = DecisionStat(jnp.ones((2 * C,), jnp.float32))
+    elif arch.head == "value":
       # Ratios start at 1 (no size better than the static one); the decision starts at lam = 0.
       self.b_out = nnx.Param(jnp.ones((C,), jnp.float32))
       self.value_prior = DecisionStat(jnp.ones((C,), jnp.float32))
@@ -191,8 +235,44 @@ class BlockPolicy(nnx.Module):
     self.value_lam[...] = jnp.asarray(float(lam), jnp.float32)
     self.static_class[...] = jnp.asarray(int(static_class), jnp.int32)
 
+  def set_priced_decision(self, prior_2C: np.ndarray, lam: float) -> None:
+    """Sets a priced head's decision rule (module docstring): the labelling set's counts per
+    committed token [cycles of every size, steps of every size] and lam in [0, 1]."""
+    if self.arch.head != "priced":
+      raise BadInputError(f"set_priced_decision: a {self.arch.head!r} policy has no priced "
+                          "decision (only head='priced')")
+    prior_2C = np.asarray(prior_2C, np.float32)
+    C = self.arch.num_classes
+    if prior_2C.shape != (2 * C,) or not np.isfinite(prior_2C).all() or (prior_2C < 0).any():
+      raise BadInputError(f"priced decision prior of shape {prior_2C.shape} (or negative, or not "
+                          f"finite) for a policy with {C} classes: give {2 * C} counts >= 0")
+    if not 0.0 <= float(lam) <= 1.0:
+      raise BadInputError(f"decision lam={lam} must lie in [0, 1]")
+    self.value_prior[...] = jnp.asarray(prior_2C)
+    self.value_lam[...] = jnp.asarray(float(lam), jnp.float32)
+
+  def set_prices(self, cycle_C: Sequence[float], step_C: Sequence[float]) -> None:
+    """Sets a priced head's costs: a cycle of each size and a plain step in its loop, in AR
+    steps (> 0, finite)."""
+    if self.arch.head != "priced":
+      raise BadInputError(f"set_prices: a {self.arch.head!r} policy prices nothing (only "
+                          "head='priced')")
+    self.size_prices[...] = jnp.asarray(check_prices(cycle_C, step_C, self.arch.num_classes))
+
+  def prices(self) -> dict[str, list[float]]:
+    """A priced head's costs in effect ({} for another head)."""
+    if self.arch.head != "priced":
+      return {}
+    p = np.asarray(self.size_prices[...], np.float64)
+    C = self.arch.num_classes
+    return {"cycle": [round(float(v), 4) for v in p[:C]],
+            "step": [round(float(v), 4) for v in p[C:]]}
+
   def decision(self) -> dict[str, Any]:
     """The stored decision rule as plain values ({} for a classify head)."""
+    if self.arch.head == "priced":
+      return {"prior": [float(p) for p in np.asarray(self.value_prior[...])],
+              "lam": float(self.value_lam[...]), "prices": self.prices()}
     if self.arch.head != "value":
       return {}
     return {"prior": [float(p) for p in np.asarray(self.value_prior[...])],
@@ -204,8 +284,16 @@ class BlockPolicy(nnx.Module):
     classify: scores = softmax(logits), the class probabilities, and class = their argmax.
     value: scores = `shrunk_scores` (expected value relative to the static size, shrunk toward
     the prior: not probabilities) and class = `decision_class` (ties to the static class).
+    priced: scores = 1 / cost (estimated committed tokens per AR step's time at `size_prices`,
+    module docstring) and class = their argmax (ties to the best size of the prior).
     """
     out_BC = self(x_BF)
+    if self.arch.head == "priced":
+      prices_2C, lam = self.size_prices[...], self.value_lam[...]
+      counts_B2C = lam * jnp.maximum(out_BC, 0.0) + (1.0 - lam) * self.value_prior[...][None, :]
+      scores_BC = 1.0 / jnp.maximum(priced_costs(counts_B2C, prices_2C), 1e-6)
+      prior_C = priced_costs(self.value_prior[...][None, :], prices_2C)[0]
+      return scores_BC, decision_class(scores_BC, jnp.argmin(prior_C).astype(jnp.int32))
     if self.arch.head == "classify":
       probs_BC = jax.nn.softmax(out_BC, axis=-1)
       return probs_BC, jnp.argmax(probs_BC, axis=-1).astype(jnp.int32)
@@ -213,8 +301,8 @@ class BlockPolicy(nnx.Module):
     return scores_BC, decision_class(scores_BC, self.static_class[...])
 
   def __call__(self, x_BF: jax.Array, dropout_key: jax.Array | None = None) -> jax.Array:
-    """Outputs [B, C] of feature vectors [B, F] (class logits, or rhat for a value head);
-    dropout only when a key is given."""
+    """Outputs [B, C] of feature vectors [B, F] (class logits, or rhat for a value head; [B, 2C]
+    counts for a priced head); dropout only when a key is given."""
     a = self.arch
     keys = [None] * a.depth if dropout_key is None else list(jax.random.split(dropout_key, a.depth))
     z = (x_BF.astype(jnp.float32) - self.feat_mean[...]) * self.feat_inv_std[...]
@@ -263,7 +351,7 @@ def save_policy(out_dir: str, policy: BlockPolicy, *, block_sizes: Sequence[int]
   full_meta = {"kind": POLICY_KIND, **(meta or {}),
                "labelled_prompt_hashes": sorted(set(labelled_hashes)),
                "num_trainable_params": policy.arch.num_params(),
-               **({"decision": policy.decision()} if policy.arch.head == "value" else {})}
+               **({"decision": policy.decision()} if policy.decision() else {})}
   return save_checkpoint(out_dir, state, _config_dict(policy, block_sizes, label_rule,
                                                       target_layer_ids), full_meta,
                          overwrite=True)

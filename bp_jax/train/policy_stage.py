@@ -12,6 +12,12 @@ feature to a block size (class i = candidate size i):
             Its decision shrinks rhat toward the training prompts' mean ratio (`value_prior`):
             scores = lam * rhat + (1 - lam) * prior; lam is chosen on the validation prompts
             (`choose_lam`), so without evidence the policy decodes with the static size.
+  priced    each size's counts per new token, speculative cycles and AR fallback steps
+            (`count_targets`: the same on every machine), trained by squared error weighted by
+            the labelling machine's prices; its decision prices them with the costs of the
+            machine it decodes on (`bp_jax.policy.mlp`), shrunk toward the training prompts'
+            counts (`count_prior`) by a lam chosen as the value head's is. Trained under
+            `max_throughput` only (what it decides is throughput).
 Training data are `policy_labels` only (made by the labels stage);
 its prompts are split by key into train and validation parts (`val_frac`). Training: AdamW
 (`train.optim`, weight decay), label-smoothed cross-entropy, dropout, mini-batches reshuffled
@@ -48,7 +54,7 @@ from bp_jax.parallel.mesh import make_mesh
 from bp_jax.parallel.rules import shard_batch, shard_state
 from bp_jax.eval.bootstrap import bootstrap_speedup
 from bp_jax.policy.mlp import (BlockPolicy, PolicyArch, check_head, check_label_rule,
-                               decision_class, save_policy, shrunk_scores)
+                               decision_class, priced_costs, save_policy, shrunk_scores)
 from bp_jax.policy.features import parse_feature_types
 from bp_jax.text.prompts import check_disjoint, split_ids
 from bp_jax.data import label_sets
@@ -58,6 +64,7 @@ from bp_jax.train import workdir as wd
 POLICIES_DIR = "policies"
 # The value head's Huber loss is quadratic for |rhat - r| below this and linear above (ratios).
 HUBER_DELTA = 0.25
+PRICED_RULE = "max_throughput"  # the only rule a priced head is trained under
 
 
 @dataclasses.dataclass
@@ -92,6 +99,27 @@ def _value_loss_fn(model: BlockPolicy, frozen: Any, batch: Mapping[str, jax.Arra
   return loss, {"accuracy": acc}
 
 
+def _priced_loss_fn(weights_2C: np.ndarray):
+  """Squared error of a priced head's counts [B, 2C] against the measured ones, each weighted
+  by its price on the labelling machine (an error in AR steps per token); "accuracy": the
+  cheapest size at those prices agrees."""
+  w_2C = jnp.asarray(weights_2C, jnp.float32)
+
+  def loss_fn(model: BlockPolicy, frozen: Any, batch: Mapping[str, jax.Array], rng: jax.Array):
+    del frozen
+    return _priced_metrics(model(batch["x"], rng), batch["y"], w_2C)
+
+  return loss_fn
+
+
+def _priced_metrics(pred_B2C: jax.Array, y_B2C: jax.Array, w_2C: jax.Array
+                    ) -> tuple[jax.Array, dict]:
+  loss = jnp.square((pred_B2C - y_B2C) * w_2C[None, :]).sum(-1).mean()
+  agree = (jnp.argmin(priced_costs(pred_B2C, w_2C), -1)
+           == jnp.argmin(priced_costs(y_B2C, w_2C), -1)).astype(jnp.float32).mean()
+  return loss, {"accuracy": agree}
+
+
 @functools.partial(jax.jit, static_argnums=2)
 def _val_metrics(params, rest, graphdef, x_NF, y_N):
   logits = nnx.merge(graphdef, params, rest)(x_NF)
@@ -107,6 +135,13 @@ def _val_value_metrics(params, rest, graphdef, x_NF, r_NC):
   return loss, (jnp.argmax(rhat_NC, -1) == jnp.argmax(r_NC, -1)).astype(jnp.float32).mean()
 
 
+@functools.partial(jax.jit, static_argnums=2)
+def _val_priced_metrics(params, rest, graphdef, x_NF, y_N2C, w_2C):
+  """(weighted squared error, agreement of the cheapest size) of a priced head."""
+  loss, m = _priced_metrics(nnx.merge(graphdef, params, rest)(x_NF), y_N2C, w_2C)
+  return loss, m["accuracy"]
+
+
 def predict(policy: BlockPolicy, x_NF: np.ndarray) -> np.ndarray:
   """[N] the policy's decided classes of feature vectors (`BlockPolicy.decide`, no dropout):
   argmax class of a classifier, the shrunk decision of a value head."""
@@ -116,24 +151,29 @@ def predict(policy: BlockPolicy, x_NF: np.ndarray) -> np.ndarray:
 def fit_policy(x_train: np.ndarray, y_train: np.ndarray, x_val: np.ndarray | None,
                y_val: np.ndarray | None, arch: PolicyArch, *, opt_cfg: Any, steps: int,
                batch: int, label_smoothing: float, eval_every: int, patience: int,
-               seed: int, mesh=None) -> FitResult:
+               seed: int, mesh=None, prices_2C: np.ndarray | None = None) -> FitResult:
   """Trains a policy; with a validation set, early-stops on its loss (see the module docstring)
   and returns the best parameters, else the last ones. `y_*`: [N] int classes for a classify
   head, [N, C] relative values (`relative_values`) for a value head (whose decision rule is left
-  at lam = 0: see `choose_lam`). `mesh` (`--config.mesh`): params placed by the rule table
+  at lam = 0: see `choose_lam`), [N, 2C] counts (`count_targets`) for a priced head, whose
+  squared errors `prices_2C` (the labelling machine's, `label_prices`) weigh and which it is
+  left priced at. `mesh` (`--config.mesh`): params placed by the rule table
   (`bp_jax.parallel.rules`), each batch split over `data`."""
   from bp_jax.train.loop import make_train_step
   from bp_jax.train.optim import make_optimizer
 
-  value = arch.head == "value"
-  y_dtype = np.float32 if value else np.int32
+  value, priced = arch.head == "value", arch.head == "priced"
+  y_dtype = np.float32 if value or priced else np.int32
   x_train, y_train = np.asarray(x_train, np.float32), np.asarray(y_train, y_dtype)
   N = len(x_train)
   if N < 2 or len(y_train) != N:
     raise BadInputError(f"policy training needs at least 2 labelled prompts, got {N}")
-  if value and y_train.shape != (N, arch.num_classes):
-    raise BadInputError(f"value policy targets of shape {y_train.shape}, expected "
-                        f"({N}, {arch.num_classes})")
+  if (value or priced) and y_train.shape != (N, arch.num_outputs):
+    raise BadInputError(f"{arch.head} policy targets of shape {y_train.shape}, expected "
+                        f"({N}, {arch.num_outputs})")
+  if priced and (prices_2C is None or np.shape(prices_2C) != (arch.num_outputs,)):
+    raise BadInputError("a priced policy is trained with the labelling machine's prices "
+                        f"({arch.num_outputs} of them, `label_prices`)")
   if steps < 1 or batch < 1 or eval_every < 1 or patience < 1:
     raise BadInputError("--config.blockpilot: steps, batch, eval_every and patience must be >= 1")
   if not 0.0 <= label_smoothing < 1.0:
@@ -141,10 +181,19 @@ def fit_policy(x_train: np.ndarray, y_train: np.ndarray, x_val: np.ndarray | Non
                         "[0, 1)")
   policy = BlockPolicy(arch, rngs=nnx.Rngs(seed))
   policy.set_feature_stats(x_train.mean(axis=0), x_train.std(axis=0))
+  if priced:  # counts start at the training prompts' mean, priced as labelled
+    policy.b_out[...] = jnp.asarray(y_train.mean(axis=0))
+    C = arch.num_classes
+    policy.set_prices(prices_2C[:C], prices_2C[C:])
   graphdef, params, rest = nnx.split(policy, nnx.Param, ...)
   tx, _ = make_optimizer(opt_cfg, steps)
-  loss_fn = _value_loss_fn if value else _loss_fn(float(label_smoothing))
-  val_metrics = _val_value_metrics if value else _val_metrics
+  if priced:
+    w_2C = jnp.asarray(prices_2C, jnp.float32)
+    loss_fn = _priced_loss_fn(prices_2C)
+    val_metrics = lambda p, r, g, x, y: _val_priced_metrics(p, r, g, x, y, w_2C)
+  else:
+    loss_fn = _value_loss_fn if value else _loss_fn(float(label_smoothing))
+    val_metrics = _val_value_metrics if value else _val_metrics
   step_fn = make_train_step(graphdef, loss_fn, tx)
   params = shard_state(jax.tree.map(jnp.array, params), mesh)
   rest = shard_state(rest, mesh)
@@ -282,11 +331,21 @@ def choose_lam(rhat_NK: np.ndarray, prior_K: np.ndarray, static: int, num_NK: np
   to the static size), the best point estimate; ties (within 1e-9) go to the smaller lam. lam = 0
   decides the static size for every prompt (ratio 1, interval [1, 1]), so it always qualifies.
   """
-  rows = np.arange(len(rhat_NK))
+  return choose_lam_by(lambda lam: shrunk_choice(rhat_NK, prior_K, lam, static), static,
+                       num_NK, den_NK, lams, reps=reps, level=level, seed=seed)
+
+
+def choose_lam_by(choice_of, static: int, num_NK: np.ndarray, den_NK: np.ndarray,
+                  lams: Sequence[float], *, reps: int, level: float,
+                  seed: int) -> tuple[float, list[dict]]:
+  """`choose_lam` for any head: `choice_of(lam)` -> [N] its decisions on the held-out prompts
+  (a priced head's lam = 0 picks the static size of its prices, not necessarily `static`: its
+  interval then tells whether that size loses to `static`)."""
+  rows = np.arange(len(num_NK))
   base_num, base_den = num_NK[rows, static], den_NK[rows, static]
   table, best = [], (1.0, 0.0)
   for lam in lams:
-    choice_N = shrunk_choice(rhat_NK, prior_K, lam, static)
+    choice_N = np.asarray(choice_of(lam))
     sp = bootstrap_speedup(num_NK[rows, choice_N], den_NK[rows, choice_N], base_num, base_den,
                            reps=reps, seed=seed, level=level)
     table.append({"lam": float(lam), "vs_static": sp.ratio, "lo": sp.lo, "hi": sp.hi,
@@ -302,17 +361,67 @@ def crossfit_choice(rhat_NK: np.ndarray, prior_K: np.ndarray, static: int, num_N
   """[N] each held-out prompt's decision under the lam `choose_lam` picks on the *other* half of
   the prompts (two folds, alternate prompts): a figure of these decisions is not inflated by
   having chosen lam on the same prompts, as the figure at the lam chosen on all of them is."""
-  N = len(rhat_NK)
+  return crossfit_by(lambda lam, rows: shrunk_choice(rhat_NK[rows], prior_K, lam, static),
+                     static, num_NK, den_NK, lams, reps=reps, level=level, seed=seed)
+
+
+def crossfit_by(choice_of, static: int, num_NK: np.ndarray, den_NK: np.ndarray,
+                lams: Sequence[float], *, reps: int, level: float, seed: int) -> np.ndarray:
+  """`crossfit_choice` for any head: `choice_of(lam, rows)` -> its decisions on those rows."""
+  N = len(num_NK)
   fold_N = np.arange(N) % 2
   out = np.full(N, static, np.int64)
   if N < 4:
     return out
   for f in (0, 1):
-    fit, use = fold_N != f, fold_N == f
-    lam, _ = choose_lam(rhat_NK[fit], prior_K, static, num_NK[fit], den_NK[fit], lams,
-                        reps=reps, level=level, seed=seed)
-    out[use] = shrunk_choice(rhat_NK[use], prior_K, lam, static)
+    fit, use = np.flatnonzero(fold_N != f), np.flatnonzero(fold_N == f)
+    lam, _ = choose_lam_by(lambda l: choice_of(l, fit), static, num_NK[fit], den_NK[fit], lams,
+                           reps=reps, level=level, seed=seed)
+    out[use] = choice_of(lam, use)
   return out
+
+
+# ---- the priced head's targets and prices -----------------------------------------------------
+
+
+def count_targets(records: Sequence[Mapping[str, Any]]) -> np.ndarray:
+  """[N, 2K] each prompt's counts per new token at each size: speculative cycles, then AR
+  fallback steps (target forwards that were no cycle); what a priced head regresses."""
+  cyc = label_sets.stack(records, "cycles").astype(np.float64)
+  steps = label_sets.stack(records, "forwards").astype(np.float64) - cyc
+  new = np.maximum(label_sets.stack(records, "new_tokens").astype(np.float64), 1.0)
+  return np.concatenate([cyc / new, steps / new], axis=1)
+
+
+def count_prior(records: Sequence[Mapping[str, Any]]) -> np.ndarray:
+  """[2K] the prompts' pooled counts per new token (total cycles, steps / total new tokens):
+  priced at any costs, the best static size of those costs for the whole set."""
+  cyc = label_sets.stack(records, "cycles").astype(np.float64)
+  steps = label_sets.stack(records, "forwards").astype(np.float64) - cyc
+  new_K = np.maximum(label_sets.stack(records, "new_tokens").astype(np.float64).sum(0), 1.0)
+  return np.concatenate([cyc.sum(0) / new_K, steps.sum(0) / new_K])
+
+
+def label_prices(table: Any, sizes: Sequence[int]) -> np.ndarray:
+  """[2K] the labelling machine's prices in AR steps (a cycle of each size, then a fallback
+  step in its loop) from the label set's cost table (`label_sets.seconds_per_size`); a label
+  set priced without one is refused."""
+  if not isinstance(table, Mapping):
+    raise BadInputError("a priced policy needs labels priced by a cost table (label sets made "
+                        "since cost tables: rerun train.py --config.stage=labels)")
+  ar = float(table["ar_step_s"])
+  cycle, step = [], []
+  for b in (int(x) for x in sizes):
+    cycle.append(1.0 if b == 1 else float(table["cycle_s"][str(b)]) / ar)
+    step.append(1.0 if b == 1 else float(table.get("fallback_step_s", {}).get(str(b), ar)) / ar)
+  return np.asarray(cycle + step, np.float64)
+
+
+def priced_choice(policy: BlockPolicy, x_NF: np.ndarray, prior_2K: np.ndarray,
+                  lam: float) -> np.ndarray:
+  """[N] a priced head's decisions at shrinkage `lam` and the prices it holds."""
+  policy.set_priced_decision(prior_2K, lam)
+  return predict(policy, x_NF)
 
 
 # ---- the stage -------------------------------------------------------------------------------
@@ -328,17 +437,24 @@ def parse_rules(text: str) -> tuple[str, ...]:
 def parse_heads(text: str) -> tuple[str, ...]:
   heads = tuple(s.strip() for s in str(text or "").split(",") if s.strip())
   if not heads:
-    raise BadInputError("--config.blockpilot.heads is empty; give classify and/or value")
+    raise BadInputError("--config.blockpilot.heads is empty; give classify, value and/or "
+                        "priced")
   return tuple(check_head(h) for h in heads)
 
 
+def trained_kinds(rules: Sequence[str], heads: Sequence[str]) -> list[tuple[str, str]]:
+  """The (label rule, head) pairs the stage trains: every pair but a priced head under a rule
+  other than `PRICED_RULE` (it decides throughput whatever the labels' rule)."""
+  return [(r, h) for r in rules for h in heads if h != "priced" or r == PRICED_RULE]
+
+
 def policy_name(feature: str, rule: str, head: str = "classify") -> str:
-  """The summary's (and `ship`'s) name of a policy: `<feature>:<rule>[:value]`."""
+  """The summary's (and `ship`'s) name of a policy: `<feature>:<rule>[:value|:priced]`."""
   return f"{feature}:{rule}" + ("" if head == "classify" else f":{head}")
 
 
 def policy_dir(cfg: Any, feature: str, rule: str, head: str = "classify") -> str:
-  """`<workdir>/policies/<feature>-<rule>[-value]`."""
+  """`<workdir>/policies/<feature>-<rule>[-value|-priced]`."""
   return os.path.join(wd.run_dir(cfg, POLICIES_DIR),
                       f"{feature}-{rule}" + ("" if head == "classify" else f"-{head}"))
 
@@ -395,7 +511,7 @@ def policy_stage(cfg: Any) -> None:
     r_NK = relative_values(values_NK, static)
     prior_K = value_prior(r_NK[tr], static)
     num_NK, den_NK = rule_totals(records, rule, costs)
-    for head in heads:
+    for head in [h for r, h in trained_kinds((rule,), heads)]:
       for feature in features:
         name = policy_name(feature, rule, head)
         field = f"feat_{feature}"
@@ -405,14 +521,18 @@ def policy_stage(cfg: Any) -> None:
         x = label_sets.stack(records, field).astype(np.float32)
         arch = PolicyArch(feature, x.shape[1], int(bp.hidden_dim), int(bp.depth), len(sizes),
                           bool(bp.residual), float(bp.dropout), head)
-        target = r_NK if head == "value" else y
+        prices = label_prices(costs, sizes) if head == "priced" else None
+        target = {"value": r_NK, "priced": count_targets(records)}.get(head, y)
         fit = fit_policy(x[tr], target[tr], x[va] if len(va) else None,
                          target[va] if len(va) else None,
                          arch, opt_cfg=bp.opt, steps=int(bp.steps), batch=int(bp.batch),
                          label_smoothing=float(bp.label_smoothing),
                          eval_every=int(bp.eval_every), patience=int(bp.patience),
-                         seed=int(cfg.seed), mesh=mesh)
+                         seed=int(cfg.seed), mesh=mesh, prices_2C=prices)
         extra = {}
+        if head == "priced":
+          extra.update(_priced_decision(fit.policy, x, va, rec_tr, static, num_NK, den_NK,
+                                        lams, rec_va, costs, bp, int(cfg.seed)))
         if head == "value":
           lam, grid = 0.0, []
           if len(va):
@@ -457,6 +577,27 @@ def policy_stage(cfg: Any) -> None:
     json.dump(summary, f, indent=2)
   if shipped:
     print(f"[policy] shipped {shipped[0]} to {shipped[1]}")
+
+
+def _priced_decision(policy: BlockPolicy, x_NF: np.ndarray, va: np.ndarray,
+                     rec_tr: Sequence[Mapping[str, Any]], static: int, num_NK: np.ndarray,
+                     den_NK: np.ndarray, lams: Sequence[float],
+                     rec_va: Sequence[Mapping[str, Any]], costs: Any, bp: Any,
+                     seed: int) -> dict:
+  """Sets a priced head's decision (the training prompts' counts as its prior, lam chosen on
+  the validation prompts at the labelling machine's prices, as the value head's) and returns
+  what the summary and checkpoint record of it."""
+  prior = count_prior(rec_tr)
+  lam, grid, extra = 0.0, [], {}
+  if len(va):
+    x_va = x_NF[va]
+    lam_args = dict(reps=int(bp.value_reps), level=float(bp.value_level), seed=seed)
+    choice_of = lambda l, rows=slice(None): priced_choice(policy, x_va[rows], prior, l)
+    lam, grid = choose_lam_by(choice_of, static, num_NK[va], den_NK[va], lams, **lam_args)
+    cf = crossfit_by(choice_of, static, num_NK[va], den_NK[va], lams, **lam_args)
+    extra["val_policy_crossfit"] = choice_metrics(rec_va, cf, costs)
+  policy.set_priced_decision(prior, lam)
+  return {**extra, "lam": lam, "prior": [round(float(p), 6) for p in prior], "lam_grid": grid}
 
 
 def _layer_ids(cfg: Any) -> tuple[int, ...]:

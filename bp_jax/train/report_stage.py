@@ -48,7 +48,7 @@ from bp_jax.data import label_sets
 from bp_jax.train import labels as lab
 from bp_jax.train import workdir as wd
 from bp_jax.train.policy_stage import (best_static, parse_heads, parse_rules, policy_dir,
-                                       policy_name)
+                                       policy_name, trained_kinds)
 
 # Qwen3-4B with a b16 DFlash drafter (docs/design.md §2): vocabulary, hidden size, chosen layers,
 # parameters and the drafter's block size.
@@ -87,12 +87,12 @@ def check_label_settings(cfg: Any, max_new: int, temperature: float) -> None:
 
 def load_policies(cfg: Any, eval_texts: Sequence[str], fingerprint: str,
                   sizes: Sequence[int]) -> dict[str, tuple[Any, Any]]:
-  """{`policy_name` ("feature:rule[:value]"): (policy, info)} for every configured policy, each
+  """{`policy_name` ("feature:rule[:head]"): (policy, info)} for every configured policy, each
   checked: trained on these labels' sizes and target, and never labelled on an evaluation
   prompt."""
   bp = cfg.blockpilot
   out = {}
-  for rule, head in [(r, h) for r in parse_rules(bp.rules) for h in parse_heads(bp.heads)]:
+  for rule, head in trained_kinds(parse_rules(bp.rules), parse_heads(bp.heads)):
     for feature in parse_feature_types(bp.features):
       path = policy_dir(cfg, feature, rule, head)
       wd.require_checkpoint(path, "policy", "report", "policy")
