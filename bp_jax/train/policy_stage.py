@@ -530,22 +530,23 @@ def policy_stage(cfg: Any) -> None:
                          eval_every=int(bp.eval_every), patience=int(bp.patience),
                          seed=int(cfg.seed), mesh=mesh, prices_2C=prices)
         extra = {}
-        if head == "priced":
-          extra.update(_priced_decision(fit.policy, x, va, rec_tr, static, num_NK, den_NK,
-                                        lams, rec_va, costs, bp, int(cfg.seed)))
-        if head == "value":
-          lam, grid = 0.0, []
-          if len(va):
-            rhat_va = np.asarray(fit.policy(jnp.asarray(x[va])))
-            lam_args = dict(reps=int(bp.value_reps), level=float(bp.value_level),
-                            seed=int(cfg.seed))
-            lam, grid = choose_lam(rhat_va, prior_K, static, num_NK[va], den_NK[va], lams,
-                                   **lam_args)
-            cf = crossfit_choice(rhat_va, prior_K, static, num_NK[va], den_NK[va], lams,
-                                 **lam_args)
-            extra["val_policy_crossfit"] = choice_metrics(rec_va, cf, costs)
-          fit.policy.set_decision(prior_K, lam, static)
-          extra.update(lam=lam, prior=[round(float(p), 6) for p in prior_K], lam_grid=grid)
+        if head in ("value", "priced"):
+          x_va = x[va]
+          if head == "value":
+            prior = prior_K
+            rhat_va = np.asarray(fit.policy(jnp.asarray(x_va)))
+            choice_of = lambda l, rows=slice(None): shrunk_choice(rhat_va[rows], prior, l, static)
+          else:
+            prior = count_prior(rec_tr)
+            choice_of = lambda l, rows=slice(None): priced_choice(fit.policy, x_va[rows], prior,
+                                                                  l)
+          lam, grid, extra = _lam_on_validation(choice_of, static, num_NK[va], den_NK[va], lams,
+                                                rec_va, costs, bp, int(cfg.seed))
+          if head == "value":
+            fit.policy.set_decision(prior, lam, static)
+          else:
+            fit.policy.set_priced_decision(prior, lam)
+          extra.update(lam=lam, prior=[round(float(p), 6) for p in prior], lam_grid=grid)
         entry = {"feature": feature, "rule": rule, "head": head,
                  "num_params": arch.num_params(),
                  "best_step": fit.best_step, "steps_run": fit.steps_run,
@@ -579,25 +580,18 @@ def policy_stage(cfg: Any) -> None:
     print(f"[policy] shipped {shipped[0]} to {shipped[1]}")
 
 
-def _priced_decision(policy: BlockPolicy, x_NF: np.ndarray, va: np.ndarray,
-                     rec_tr: Sequence[Mapping[str, Any]], static: int, num_NK: np.ndarray,
-                     den_NK: np.ndarray, lams: Sequence[float],
-                     rec_va: Sequence[Mapping[str, Any]], costs: Any, bp: Any,
-                     seed: int) -> dict:
-  """Sets a priced head's decision (the training prompts' counts as its prior, lam chosen on
-  the validation prompts at the labelling machine's prices, as the value head's) and returns
-  what the summary and checkpoint record of it."""
-  prior = count_prior(rec_tr)
-  lam, grid, extra = 0.0, [], {}
-  if len(va):
-    x_va = x_NF[va]
-    lam_args = dict(reps=int(bp.value_reps), level=float(bp.value_level), seed=seed)
-    choice_of = lambda l, rows=slice(None): priced_choice(policy, x_va[rows], prior, l)
-    lam, grid = choose_lam_by(choice_of, static, num_NK[va], den_NK[va], lams, **lam_args)
-    cf = crossfit_by(choice_of, static, num_NK[va], den_NK[va], lams, **lam_args)
-    extra["val_policy_crossfit"] = choice_metrics(rec_va, cf, costs)
-  policy.set_priced_decision(prior, lam)
-  return {**extra, "lam": lam, "prior": [round(float(p), 6) for p in prior], "lam_grid": grid}
+def _lam_on_validation(choice_of, static: int, num_NK: np.ndarray, den_NK: np.ndarray,
+                       lams: Sequence[float], rec_va: Sequence[Mapping[str, Any]], costs: Any,
+                       bp: Any, seed: int) -> tuple[float, list[dict], dict]:
+  """(lam, its grid, {"val_policy_crossfit": figures}) of a value or priced head from the
+  validation prompts (`choose_lam_by`, `crossfit_by`; `choice_of(lam, rows)` its decisions on
+  them, at the labelling machine's prices); lam 0 without validation prompts."""
+  if not len(rec_va):
+    return 0.0, [], {}
+  lam_args = dict(reps=int(bp.value_reps), level=float(bp.value_level), seed=seed)
+  lam, grid = choose_lam_by(choice_of, static, num_NK, den_NK, lams, **lam_args)
+  cf = crossfit_by(choice_of, static, num_NK, den_NK, lams, **lam_args)
+  return lam, grid, {"val_policy_crossfit": choice_metrics(rec_va, cf, costs)}
 
 
 def _layer_ids(cfg: Any) -> tuple[int, ...]:
