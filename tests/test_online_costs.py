@@ -115,6 +115,28 @@ def test_recovers_known_costs_and_follows_a_step_change():
   assert est.break_even(N, rows=8) == pytest.approx(3.0)
 
 
+def test_size_prices_take_the_start_up_shape_on_the_most_run_lengths_scale():
+  """A policy weighs sizes by `size_prices`: before the fit prices, the prior; then the prior's
+  shape across lengths scaled to the break-even of the length the calls ran most, so a length
+  that ran in two slow calls is not priced by them (its own break-even is)."""
+  prior = lambda n: 1.0 + 0.25 * n  # start-up: a cycle over n tokens, drafter pass included
+  est = OnlineCosts(prior)
+  np.testing.assert_allclose(est.size_prices([5, 8], rows=1), [2.25, 3.0])
+  for n_ar, n_cycle in _calls(12):  # b = 8 cycles really cost 4.5 AR steps (1.5x the prior)
+    counts = [0] * 9
+    counts[0], counts[8] = n_ar, n_cycle
+    est.observe(AR_S * n_ar + 4.5 * AR_S * n_cycle, counts, rows=1)
+  for n_ar, n_cycle in ((3, 2), (4, 2)):  # two calls of b = 5 on a slow moment
+    counts = [0] * 9
+    counts[0], counts[5] = n_ar, n_cycle
+    est.observe(3 * (AR_S * n_ar + 3.4 * AR_S * n_cycle), counts, rows=1)
+  assert est.break_even(5, rows=1) > est.break_even(8, rows=1)  # its own fit: dearer than 8
+  got = est.size_prices([5, 6, 8], rows=1)
+  scale = est.break_even(8, rows=1) / 3.0
+  np.testing.assert_allclose(got, [2.25 * scale, 2.5 * scale, 3.0 * scale], rtol=1e-6)
+  assert got[0] < got[1] < got[2]
+
+
 def test_a_batch_size_prices_by_its_prior_until_its_third_call():
   """Two calls give as many equations as unknowns: a batch tail's first two calls at a new size
   (these, from a batch-16 run at the test shapes on this CPU) fitted an AR step at ~0 and a

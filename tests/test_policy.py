@@ -326,8 +326,9 @@ def test_priced_policy_decides_inside_the_prefill_by_the_engines_prices(engine, 
 
 
 def test_engine_prices_a_policy_by_its_priced_controllers_costs(models):
-  """`Engine.policy_prices`: a size-b cycle at the priced controller's break-even of a b-token
-  verify (drafter pass included) at the engine's batch size, a step at one AR step; a cheap
+  """`Engine.policy_prices`: a size-b cycle at the priced controller's price of a b-token
+  verify (drafter pass included; before any loop call, its break-even) at the engine's batch
+  size, a step at one AR step; a cheap
   verify (an accelerator's costs) makes the longest size the priced choice, a dear one (a
   CPU's) the shortest."""
   from bp_jax.decoding.options import LoopOptions

@@ -431,13 +431,17 @@ class Engine:
 
   def policy_prices(self) -> tuple[np.ndarray, np.ndarray] | None:
     """([C] a cycle of each of the policy's sizes, [C] a plain step in its loop) in AR steps on
-    this machine at the engine's batch size: the priced controller's current break-even per
-    verify length (a size-b cycle verifies b tokens; size 1's "cycle" is never run and its
-    step is the AR step), None where the engine prices nothing (another controller)."""
+    this machine at the engine's batch size: the priced controller's current prices across
+    verify lengths (`OnlineCosts.size_prices`: the start-up shape on the scale its loop calls
+    measure; a size-b cycle verifies b tokens; size 1's forwards are AR steps, priced at
+    one; a fallback step in a speculative loop at one too, the unit the break-even is counted
+    in, though it stages the drafter's context), None where the engine prices nothing (another
+    controller). A priced policy is given them in place (`BlockPolicy.set_prices`)."""
     if self.prices is None or not self.policy_sizes:
       return None
-    be_N = self.prices.break_even_N(max(self.block_sizes), self.batch_size)
-    cycle_C = np.asarray([1.0 if b == 1 else float(be_N[b]) for b in self.policy_sizes])
+    spec = [b for b in self.policy_sizes if b > 1]
+    priced = dict(zip(spec, self.prices.size_prices(spec, self.batch_size)))
+    cycle_C = np.asarray([priced.get(b, 1.0) for b in self.policy_sizes], np.float64)
     return cycle_C, np.ones_like(cycle_C)
 
   def _place_policy_prices(self) -> None:

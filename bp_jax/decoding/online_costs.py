@@ -516,6 +516,24 @@ class OnlineCosts:
     cycle = fit.cycle_seconds_at(int(n), plain, self.ridge)
     return None if cycle is None else (cycle, plain)
 
+  def size_prices(self, lengths: Sequence[int], rows: int) -> np.ndarray:
+    """[len(lengths)] AR steps of a cycle verifying each n in `lengths` at batch size `rows`,
+    for weighing one length against another (a block-size policy's sizes,
+    `Engine.policy_prices`): the start-up costs' shape across lengths (every length measured in
+    one pass, alike) on the scale of the break-even at the length the fit has seen the most
+    forwards of. Not each length's own fitted break-even: a length that ran in a few calls is
+    priced by those few (on the 2-core Xeon, b = 5 and 6 at 3.9-4.1 AR steps against 3.0 for
+    b = 7 and 8, their cycles shorter), and a policy that then avoids it never corrects it."""
+    fit = self._fit(int(rows))
+    seen = [(fit.A[i, i], n) for i, n in enumerate(fit.lengths) if n > 0 and n not in
+            self.by_prior] if fit.pricing else []
+    if not seen:
+      return np.asarray([self.break_even(int(n), rows) for n in lengths], np.float64)
+    ref = max(seen)[1]
+    scale = self.break_even(ref, rows) / float(self.prior(ref))
+    return np.asarray([self.clip(int(n), scale * float(self.prior(int(n))), int(rows))
+                       for n in lengths], np.float64)
+
   def break_even_N(self, max_verify: int, rows: int) -> np.ndarray:
     """[max_verify + 1] float32: entry n the break-even of a cycle verifying n tokens (entry 0,
     an AR step, 1): what `LoopState.break_even_N` holds."""

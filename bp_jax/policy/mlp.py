@@ -5,7 +5,7 @@
   h = h + dropout(relu(h @ w_hid[i] + b_hid[i]))   for i < depth - 1 (no `h +` when not residual)
   out = h @ w_out + b_out                          (one output per candidate block size)
 
-Two heads read `out` (`PolicyArch.head`):
+Three heads read `out` (`PolicyArch.head`):
   classify  `out` are class logits, trained by cross-entropy on argmax labels; the decision is
             argmax softmax(out).
   value     `out` = rhat_k(x), the regressed value of size k relative to the prompt's value at
@@ -15,13 +15,13 @@ Two heads read `out` (`PolicyArch.head`):
             with the weights (`DecisionStat`); prior is maximal at the static class, so lam = 0
             always picks the static size ("a policy that never loses" without evidence).
   priced    `out` = [a_k(x), s_k(x)] (2C outputs), the regressed counts of size k's decode per
-            committed token: speculative cycles a_k and plain (AR fallback) steps s_k, which
+            new token: speculative cycles a_k and plain (AR fallback) steps s_k, which
             depend on the prompt, the drafter and the loop but not on the machine. The decision
             prices them with the costs of the machine it runs on (`size_prices`: a size-k
             cycle p_k and a fallback step q_k, in AR steps, set by the engine from the costs it
-            measures, `Engine.set_policy_prices`; at first those of the labelling machine):
+            measures, `Engine.policy_prices`; until then the labelling machine's):
               cost_k = lam * (a_k p_k + s_k q_k) + (1 - lam) * (abar_k p_k + sbar_k q_k)
-            (abar, sbar: the labelling set's counts per committed token) and picks argmin cost
+            (abar, sbar: the labelling set's counts per new token) and picks argmin cost
             (scores: 1 / cost_k, tokens per AR step's time). lam = 0 picks the best static size
             for those costs; on a machine where a long verify costs about an AR step (an
             accelerator) the choice moves to long verifies without retraining.
@@ -133,7 +133,7 @@ def shrunk_scores(rhat_BC: jax.Array, prior_C: jax.Array, lam: jax.Array) -> jax
 
 
 def priced_costs(counts_B2C: jax.Array, prices_2C: jax.Array) -> jax.Array:
-  """[B, C] AR steps per committed token of each size: cycles x its cycle's price + steps x
+  """[B, C] AR steps per new token of each size: cycles x its cycle's price + steps x
   its step's price (counts and prices laid out [cycles of every size, steps of every size])."""
   C = prices_2C.shape[-1] // 2
   return counts_B2C[:, :C] * prices_2C[None, :C] + counts_B2C[:, C:] * prices_2C[None, C:]
@@ -237,7 +237,7 @@ class BlockPolicy(nnx.Module):
 
   def set_priced_decision(self, prior_2C: np.ndarray, lam: float) -> None:
     """Sets a priced head's decision rule (module docstring): the labelling set's counts per
-    committed token [cycles of every size, steps of every size] and lam in [0, 1]."""
+    new token [cycles of every size, steps of every size] and lam in [0, 1]."""
     if self.arch.head != "priced":
       raise BadInputError(f"set_priced_decision: a {self.arch.head!r} policy has no priced "
                           "decision (only head='priced')")
