@@ -17,7 +17,7 @@ import re
 import numpy as np
 import pytest
 
-from bp_jax.decoding.online_costs import OnlineCosts
+from bp_jax.decoding.online_costs import SIZE_PRICE_CALLS, OnlineCosts
 from bp_jax.errors import BadInputError
 from compile_counting import BackendCompiles
 from toy_models import toy_engine, toy_requests, zeros_drafter_pair
@@ -115,10 +115,12 @@ def test_recovers_known_costs_and_follows_a_step_change():
   assert est.break_even(N, rows=8) == pytest.approx(3.0)
 
 
-def test_size_prices_take_the_start_up_shape_on_the_most_run_lengths_scale():
-  """A policy weighs sizes by `size_prices`: before the fit prices, the prior; then the prior's
-  shape across lengths scaled to the break-even of the length the calls ran most, so a length
-  that ran in two slow calls is not priced by them (its own break-even is)."""
+def test_size_prices_take_a_lengths_own_fit_once_it_ran_in_enough_calls():
+  """A policy weighs sizes by `size_prices`: before the fit prices, the prior; then a length
+  run in `SIZE_PRICE_CALLS` calls at its own fitted break-even, a rarer one at the prior's
+  shape scaled to the break-even of the length run in the most calls: a length that ran in two
+  slow calls is not priced by them (its own break-even is), and once it has run in enough
+  calls its own fit prices it."""
   prior = lambda n: 1.0 + 0.25 * n  # start-up: a cycle over n tokens, drafter pass included
   est = OnlineCosts(prior)
   np.testing.assert_allclose(est.size_prices([5, 8], rows=1), [2.25, 3.0])
@@ -133,8 +135,18 @@ def test_size_prices_take_the_start_up_shape_on_the_most_run_lengths_scale():
   assert est.break_even(5, rows=1) > est.break_even(8, rows=1)  # its own fit: dearer than 8
   got = est.size_prices([5, 6, 8], rows=1)
   scale = est.break_even(8, rows=1) / 3.0
+  assert est.break_even(8, rows=1) == pytest.approx(4.5, rel=0.05)
   np.testing.assert_allclose(got, [2.25 * scale, 2.5 * scale, 3.0 * scale], rtol=1e-6)
   assert got[0] < got[1] < got[2]
+  # b = 5 cycles really cost 4.2 AR steps, more than the shape says (3.4): once they ran in
+  # enough calls, their own fit prices them.
+  for n_ar, n_cycle in _calls(SIZE_PRICE_CALLS, seed=3):
+    counts = [0] * 9
+    counts[0], counts[5] = n_ar, n_cycle
+    est.observe(AR_S * n_ar + 4.2 * AR_S * n_cycle, counts, rows=1)
+  got = est.size_prices([5, 6, 8], rows=1)
+  assert got[0] == est.break_even(5, rows=1) == pytest.approx(4.2, rel=0.1)
+  assert got[2] == est.break_even(8, rows=1)
 
 
 def test_a_batch_size_prices_by_its_prior_until_its_third_call():

@@ -145,6 +145,7 @@ class _Fit:
     # A call off alone, held out of the fit (`update`; module doc), as a `recent` entry; None: none.
     self.held: tuple | None = None
     self.since_restart = 0  # calls fitted since the fit began or last restarted
+    self.calls_with: dict[int, int] = {}  # verify length -> fitted calls that ran it
     self.noise = 0.0  # mean relative misprediction of the calls that were not off (`update`)
 
   @property
@@ -190,6 +191,9 @@ class _Fit:
       self.held = call  # off alone, so far: not fitted until a call like it says (module doc)
       return
     self.recent = (self.recent + [call])[-restart_calls:]
+    for n, c in counts.items():
+      if c > 0:
+        self.calls_with[n] = self.calls_with.get(n, 0) + 1
     self.A = forget * self.A + np.outer(x, x)
     self.b = forget * self.b + x * seconds
     self.since_restart += 1
@@ -290,6 +294,10 @@ NOISE_WEIGHT = 0.2
 # batch-16 run's tail shrank to, 1-3 calls each (benchmarks/controllers `--shape tiny`, this CPU;
 # docs/results/controller.md).
 MIN_CALLS = 3
+
+# A verify length that ran in at least this many of a fit's calls weighs against others at its
+# own fitted price (`OnlineCosts.size_prices`); rarer ones at the start-up costs' shape.
+SIZE_PRICE_CALLS = 8
 
 # The weight older calls keep, beyond `forget`, after a call the estimate mispredicted by more than
 # `restart_error`: the calls before a change of the costs would otherwise pin the directions that
@@ -519,19 +527,26 @@ class OnlineCosts:
   def size_prices(self, lengths: Sequence[int], rows: int) -> np.ndarray:
     """[len(lengths)] AR steps of a cycle verifying each n in `lengths` at batch size `rows`,
     for weighing one length against another (a block-size policy's sizes,
-    `Engine.policy_prices`): the start-up costs' shape across lengths (every length measured in
-    one pass, alike) on the scale of the break-even at the length the fit has seen the most
-    forwards of. Not each length's own fitted break-even: a length that ran in a few calls is
-    priced by those few (on the 2-core Xeon, b = 5 and 6 at 3.9-4.1 AR steps against 3.0 for
-    b = 7 and 8, their cycles shorter), and a policy that then avoids it never corrects it."""
+    `Engine.policy_prices`): a length that ran in at least `SIZE_PRICE_CALLS` of the fit's
+    calls at its own fitted break-even (which keeps its last ratio to the others once it stops
+    running); any other at the start-up costs' shape on the scale of the length run in the most
+    calls (every start-up length measured in one pass, alike).
+
+    Neither alone: a length fitted from a call or two is priced by their noise (on the 2-core
+    Xeon, b = 5 and 6 at 3.9-4.1 AR steps against 3.0 for b = 7 and 8 after two calls), and a
+    policy that then avoids it never corrects it; the start-up shape alone (isolated forwards
+    and one drafter pass at the largest block) priced a b = 11 cycle 8% above a b = 8 one where
+    the loops' own calls then measured 26%, and a policy sent 66 of 82 requests to b = 11
+    (0.97x b = 8's decode speed). A length priced too cheap by the shape is run, and its calls
+    correct it; one priced too dear costs at most the gain it might have had."""
     fit = self._fit(int(rows))
-    seen = [(fit.A[i, i], n) for i, n in enumerate(fit.lengths) if n > 0 and n not in
-            self.by_prior] if fit.pricing else []
-    if not seen:
+    runs = {n: c for n, c in fit.calls_with.items() if n > 0 and n not in self.by_prior}
+    if not fit.pricing or not runs:
       return np.asarray([self.break_even(int(n), rows) for n in lengths], np.float64)
-    ref = max(seen)[1]
+    ref = max(runs, key=lambda n: (runs[n], n))
     scale = self.break_even(ref, rows) / float(self.prior(ref))
-    return np.asarray([self.clip(int(n), scale * float(self.prior(int(n))), int(rows))
+    return np.asarray([self.break_even(int(n), rows) if runs.get(int(n), 0) >= SIZE_PRICE_CALLS
+                       else self.clip(int(n), scale * float(self.prior(int(n))), int(rows))
                        for n in lengths], np.float64)
 
   def break_even_N(self, max_verify: int, rows: int) -> np.ndarray:
