@@ -17,7 +17,7 @@ from flax import nnx
 from bp_jax.decoding import loops as decode_loops
 from bp_jax.models.config import DFlashConfig, Qwen3Config
 from bp_jax.models.dflash import DFlashDrafter
-from bp_jax.decoding.engine import LEARNED, Engine
+from bp_jax.decoding.engine import LABELLING_PRICES, LEARNED, Engine
 from bp_jax.decoding.options import ShapeOptions
 from bp_jax.errors import BadInputError
 from bp_jax.policy.mlp import (BlockPolicy, PolicyArch, load_policy, prompt_hash, random_block_size,
@@ -304,9 +304,9 @@ def test_priced_policy_decides_inside_the_prefill_by_the_engines_prices(engine, 
     policy = _priced_policy(PRICED_COUNTS)
     policy.set_prices(*cpu)
     engine.set_policy(policy, SIZES)
-    assert engine.policy_prices() is None and engine.policy_prices_source == "labelling machine"
+    assert engine.policy_prices() is None and engine.policy_prices_source == LABELLING_PRICES
     g = engine.generate(prompts[0], max_new_tokens=5, block_size=LEARNED)
-    assert g.block_size == 2 and engine.policy_prices_source == "labelling machine"
+    assert g.block_size == 2 and engine.policy_prices_source == LABELLING_PRICES
     n = engine.compiled.counts["prefill"]
     got = []
     for prices, want in ((accelerator, 5), (cpu, 2), (accelerator, 5)):
@@ -318,7 +318,7 @@ def test_priced_policy_decides_inside_the_prefill_by_the_engines_prices(engine, 
         np.testing.assert_allclose(got[-1].policy_probs, 1.0 / cost, rtol=1e-5)
       assert engine.policy.prices()["cycle"] == [round(float(c), 4) for c in prices[0]]
     assert engine.compiled.counts["prefill"] == n
-    assert engine.policy_prices_source == "this machine"
+    assert engine.policy_prices_source.startswith("the engine's costs")
     ar = [engine.generate(p, max_new_tokens=5, block_size=1).output_ids for p in prompts]
     assert [g.output_ids for g in got] == ar * 3
   finally:

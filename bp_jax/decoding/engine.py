@@ -45,6 +45,8 @@ from bp_jax.errors import BadInputError
 from bp_jax.models.qwen3 import Qwen3, with_head_apart
 from bp_jax.parallel.rules import replicated, shard_batch, shard_cache, shard_state
 
+# Where a priced policy's prices come from before its engine places its own.
+LABELLING_PRICES = "the labelling machine's (stored with the policy)"
 LEARNED = "learned"  # `generate(block_size=LEARNED)`: the policy chooses the bucket
 
 
@@ -426,7 +428,7 @@ class Engine:
     self.policy = policy
     # A priced head's costs in effect: the labelling machine's (stored with it) until this
     # engine's own are placed (`_place_policy_prices`).
-    self.policy_prices_source = ("labelling machine" if policy.arch.head == "priced" else None)
+    self.policy_prices_source = (LABELLING_PRICES if policy.arch.head == "priced" else None)
     self._placed_prices: np.ndarray | None = None
 
   def policy_prices(self) -> tuple[np.ndarray, np.ndarray] | None:
@@ -458,7 +460,9 @@ class Engine:
       return
     self.policy.set_prices(*got)
     self.p_state = shard_state(nnx.state(self.policy), self.mesh)
-    self._placed_prices, self.policy_prices_source = key, "this machine"
+    self._placed_prices = key
+    self.policy_prices_source = (f"the engine's costs ({self.costs_source or 'prior'}"
+                                 f"{', kept current by its loop calls' if self.online else ''})")
 
   # -- checks -------------------------------------------------------------------------------
   def check_block_size(self, block_size: int) -> None:
