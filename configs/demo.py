@@ -50,9 +50,10 @@ def get_config() -> ml_collections.ConfigDict:
   # acceptance per p bin was fitted on 48 HumanEval labelling-half prompts (HumanEval/134 on,
   # benchmarks/controller_calibration.py --skip 24 --num_prompts 48) and replaces p in the rule.
   c.controller_calibration = "demo/controller_calibration.json"
-  # BlockPilot: the shipped policy picks each request's block size from its prefill. Without
-  # demo/policy, decode.py says so and decodes with block_size. HumanEval prompts the policy was
-  # labelled on are skipped (never evaluate on them).
+  # BlockPilot: the shipped policy picks each request's block size from its prefill, its
+  # per-size counts priced by the costs this engine measures (the summary's policy.prices_from).
+  # Without demo/policy, decode.py says so and decodes with block_size. HumanEval prompts the
+  # policy was labelled on are skipped (never evaluate on them).
   c.policy = "demo/policy"
   c.block_policy = "learned"
   c.policy_fallback = True
@@ -155,4 +156,9 @@ def get_config() -> ml_collections.ConfigDict:
   # label_seeds for T=1 labels).
   c.blockpilot = qwen3.blockpilot_config(corpus_prompts=512, corpus_prompt_tokens=128,
                                          hidden_dim=256, depth=2)
+  # The shipped policy: a priced head (its counts priced by the decoding machine's costs; the
+  # value heads' validation figures are this labelling machine's prices, which a decode
+  # elsewhere does not pay). Of the four priced heads only last_hidden's validation chose
+  # lam > 0 (docs/cpu_xeon167/priced_policy_2026-11-29).
+  c.blockpilot.ship = "last_hidden:max_throughput:priced"
   return c

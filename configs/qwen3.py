@@ -70,8 +70,9 @@ def blockpilot_config(**overrides: Any) -> ml_collections.ConfigDict:
   c.eval_every = 10              # steps between validation losses
   c.patience = 15                # validations without improvement before stopping
   c.opt = opt_config(lr=1e-3, warmup_frac=0.05, min_lr_frac=0.1, weight_decay=0.05, clip=1.0)
-  # Copied to <export_dir>/policy: auto (best validation est. tokens/s, either head) |
-  # <feature>:<rule> (classify) | <feature>:<rule>:value | "" (none).
+  # Copied to <export_dir>/policy: auto (best validation est. tokens/s, any head) |
+  # <feature>:<rule> (classify) | <feature>:<rule>:value | <feature>:max_throughput:priced |
+  # "" (none).
   c.ship = "auto"
   # Stage report.
   c.report_dir = ""              # "" = <workdir>/report
