@@ -250,7 +250,7 @@ def test_bad_sampling_flags_are_refused_before_decoding(cfg, field, value, flag)
 
 def test_batched_decode_writes_the_same_records_as_one_at_a_time(cfg):
   """--config.batch_size=2 on the demo (learned policy, AR compared in the same run): the same
-  outputs and policy picks per request as batch 1, in fewer buckets, one record per request,
+  outputs and policy picks per request as batch 1, in no more buckets, one record per request,
   and the batch settings in the summary. (Under the default `priced` a batch's choices follow the measured costs of its
   batch size and the calls' timings, and one request's start the requests before it: back-off
   here, whose choices depend on the tokens alone.)"""
@@ -263,11 +263,12 @@ def test_batched_decode_writes_the_same_records_as_one_at_a_time(cfg):
   assert [r["id"] for r in many] == [r["id"] for r in one]
   assert [r["output_ids"] for r in many] == [r["output_ids"] for r in one]
   # The policy's picks are batch 1's sizes; a batch decodes a pick in the bucket holding the
-  # most requests (join_learned_sizes), one bucket here where batch 1 used several. (Its
-  # cycles are not batch 1's: a batch backs off as one, with whichever requests share it.)
+  # most requests (join_learned_sizes): never more buckets than batch 1 used (that picks spread
+  # over sizes share one bucket: tests/test_batched_decode.py). (Its cycles are not batch 1's: a
+  # batch backs off as one, with whichever requests share it.)
   assert [r["policy_block_size"] for r in many] == [r["block_size"] for r in one]
   assert s["block_sizes_picked"] == s_one["block_sizes_used"] and s["join_learned_sizes"]
-  assert len(s_one["block_sizes_used"]) > len(s["block_sizes_used"]), (s_one, s)
+  assert len(s_one["block_sizes_used"]) >= len(s["block_sizes_used"]), (s_one, s)
   assert (s["batch_size"], s["sync_cycles"], s["mesh"]) == (2, 4, "none")
   assert 0 < s["slot_use"] <= 1 and "slot_use" not in s_one  # batched calls only
   assert all(k.endswith("x2") for k in s["loop_calls"]) and "b1x2" in s["loop_calls"]
