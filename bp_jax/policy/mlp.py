@@ -229,10 +229,7 @@ class BlockPolicy(nnx.Module):
     if prior_C.max() > prior_C[int(static_class)]:
       raise BadInputError(f"decision prior {prior_C.tolist()} is not maximal at the static class "
                           f"{static_class}")
-    if not 0.0 <= float(lam) <= 1.0:
-      raise BadInputError(f"decision lam={lam} must lie in [0, 1]")
-    self.value_prior[...] = jnp.asarray(prior_C)
-    self.value_lam[...] = jnp.asarray(float(lam), jnp.float32)
+    self._set_prior_and_lam(prior_C, lam)
     self.static_class[...] = jnp.asarray(int(static_class), jnp.int32)
 
   def set_priced_decision(self, prior_2C: np.ndarray, lam: float) -> None:
@@ -246,9 +243,13 @@ class BlockPolicy(nnx.Module):
     if prior_2C.shape != (2 * C,) or not np.isfinite(prior_2C).all() or (prior_2C < 0).any():
       raise BadInputError(f"priced decision prior of shape {prior_2C.shape} (or negative, or not "
                           f"finite) for a policy with {C} classes: give {2 * C} counts >= 0")
+    self._set_prior_and_lam(prior_2C, lam)
+
+  def _set_prior_and_lam(self, prior: np.ndarray, lam: float) -> None:
+    """The decision's prior (checked by the caller) and lam, refused outside [0, 1]."""
     if not 0.0 <= float(lam) <= 1.0:
       raise BadInputError(f"decision lam={lam} must lie in [0, 1]")
-    self.value_prior[...] = jnp.asarray(prior_2C)
+    self.value_prior[...] = jnp.asarray(prior)
     self.value_lam[...] = jnp.asarray(float(lam), jnp.float32)
 
   def set_prices(self, cycle_C: Sequence[float], step_C: Sequence[float]) -> None:
