@@ -70,6 +70,31 @@ def test_measurement_on_toy_shapes(zeros_models):
   assert c.one_row_s > 0 and c.rows_cost() == c.verify_s[0] / c.one_row_s
   assert costs.ForwardCosts.from_json(json.loads(json.dumps(c.to_json()))) == c
   LoopOptions(controller="confidence", controller_costs=table, controller_draft_cost=draft)
+  # A smaller block's drafter pass, timed beside the rest (what a block-size policy's sizes
+  # pay); the one-row forward still last.
+  c2 = costs.measure_forward_costs(target, drafter, 2, B, MAX_LEN, reps=4, repeats=3,
+                                   draft_blocks=(2, B, 1))
+  assert [b for b, _ in c2.draft_by_block] == [2] and c2.draft_by_block[0][1] > 0
+  assert c2.one_row_s > 0 and len(c2.verify_s) == 3
+  assert costs.ForwardCosts.from_json(json.loads(json.dumps(c2.to_json()))) == c2
+
+
+def test_a_drafter_pass_is_priced_by_its_block():
+  """`draft_steps_at`: linear between the blocks timed, held beyond them, never below a
+  smaller block's; one block timed prices every block alike; the summary line names them."""
+  c = costs.ForwardCosts((1e-3, 1.1e-3, 1.3e-3, 1.6e-3, 2.0e-3), 2.0e-3, 1, 12,
+                         draft_by_block=((4, 1.2e-3),))
+  assert c.draft_steps_at(12) == pytest.approx(2.0) and c.draft_steps_at(4) == pytest.approx(1.2)
+  assert c.draft_steps_at(8) == pytest.approx(1.6) and c.draft_steps_at(2) == pytest.approx(1.2)
+  assert c.draft_steps_at(16) == pytest.approx(2.0)
+  assert "over a block of 4 1.200 ms (1.20)" in c.describe()
+  noisy = costs.ForwardCosts((1e-3,) * 5, 1.0e-3, 1, 12, draft_by_block=((4, 1.5e-3),))
+  assert noisy.draft_steps_at(8) == pytest.approx(1.5)  # the larger block never cheaper
+  alone = costs.ForwardCosts((1e-3,) * 5, 2.0e-3, 1, 12)
+  assert alone.draft_steps_at(5) == alone.draft_steps_at(12) == pytest.approx(2.0)
+  # Older cache entries (no draft_by_block) still read.
+  old = {k: v for k, v in c.to_json().items() if k != "draft_by_block"}
+  assert costs.ForwardCosts.from_json(old).draft_by_block == ()
 
 
 def test_cache_hits_for_equal_keys_and_misses_when_shapes_change(zeros_models, tmp_path,

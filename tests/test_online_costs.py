@@ -147,6 +147,10 @@ def test_size_prices_take_a_lengths_own_fit_once_it_ran_in_enough_calls():
   got = est.size_prices([5, 6, 8], rows=1)
   assert got[0] == est.break_even(5, rows=1) == pytest.approx(4.2, rel=0.1)
   assert got[2] == est.break_even(8, rows=1)
+  # With each size's own drafter pass timed at start-up (`size_shape`), the shape is that one.
+  shaped = OnlineCosts(prior, size_shape=lambda n: 0.5 + 0.3 * n)
+  np.testing.assert_allclose(shaped.size_prices([5, 8], rows=1), [2.0, 2.9])
+  assert shaped.break_even(8, rows=1) == pytest.approx(3.0)  # the controller's prior unchanged
 
 
 def test_a_batch_size_prices_by_its_prior_until_its_third_call():

@@ -121,6 +121,9 @@ class ForwardCosts:
   batch_size: int
   block_size: int
   one_row_s: float | None = None  # a one-token forward over one row (None: not measured)
+  # (block, seconds) of drafter passes over other (smaller) blocks: what sizes below
+  # `block_size` pay for their drafts (`draft_steps_at`); () where none was timed.
+  draft_by_block: tuple[tuple[int, float], ...] = ()
 
   @property
   def lengths(self) -> tuple[int, ...]:
@@ -147,27 +150,41 @@ class ForwardCosts:
       table.append(table[-1] + (float(rel[-1]) - table[-1]) * p / (last - p))
     return tuple(round(c, 4) for c in table), round(self.draft_s / ar, 4)
 
+  def draft_steps_at(self, block: int) -> float:
+    """A drafter pass over a block of `block` positions in AR steps: linear between the blocks
+    timed (`block_size`'s and `draft_by_block`'s), held at the nearest beyond them, never below
+    a smaller block's. With one block timed, its cost for every block."""
+    timed = {int(b): float(t) for b, t in self.draft_by_block}
+    points = sorted({**timed, self.block_size: self.draft_s}.items())
+    blocks = np.asarray([b for b, _ in points], np.float64)
+    secs = np.maximum.accumulate(np.asarray([t for _, t in points], np.float64))
+    return float(np.interp(float(block), blocks, secs)) / self.verify_s[0]
+
   def describe(self) -> str:
     """One line: each forward and the drafter pass in ms and in AR steps."""
     ar = self.verify_s[0]
     lens = "/".join(str(n) for n in self.lengths)
     ms = "/".join(f"{1e3 * s:.3f}" for s in self.verify_s)
     rel = "/".join(f"{s / ar:.2f}" for s in self.verify_s)
+    other = "".join(f", over a block of {b} {1e3 * t:.3f} ms ({t / ar:.2f})"
+                    for b, t in self.draft_by_block)
     return (f"target forward over {lens} tokens {ms} ms ({rel} AR steps), drafter pass "
-            f"{1e3 * self.draft_s:.3f} ms ({self.draft_s / ar:.2f} AR steps); batch "
+            f"{1e3 * self.draft_s:.3f} ms ({self.draft_s / ar:.2f} AR steps){other}; batch "
             f"{self.batch_size}, block {self.block_size}")
 
   def to_json(self) -> dict[str, Any]:
     return {"verify_s": list(self.verify_s), "draft_s": self.draft_s,
             "batch_size": self.batch_size, "block_size": self.block_size,
-            "one_row_s": self.one_row_s}
+            "one_row_s": self.one_row_s,
+            "draft_by_block": [[int(b), float(t)] for b, t in self.draft_by_block]}
 
   @classmethod
   def from_json(cls, d: dict[str, Any]) -> "ForwardCosts":
     one_row = d.get("one_row_s")
     return cls(tuple(float(s) for s in d["verify_s"]), float(d["draft_s"]),
                int(d["batch_size"]), int(d["block_size"]),
-               None if one_row is None else float(one_row))
+               None if one_row is None else float(one_row),
+               tuple((int(b), float(t)) for b, t in d.get("draft_by_block", ())))
 
   def rows_cost(self) -> float | None:
     """A one-token forward over all `batch_size` rows in one-row forwards (None: not measured):
@@ -196,13 +213,16 @@ def _median_seconds(calls: list[tuple], reps: int, repeats: int) -> list[float]:
 
 def measure_forward_costs(target, drafter, batch_size: int, block_size: int, max_len: int, *,
                           scan_layers: bool = False, reps: int = 16, repeats: int = 7,
-                          pos: int | None = None) -> ForwardCosts:
+                          pos: int | None = None, draft_blocks: Sequence[int] = ()
+                          ) -> ForwardCosts:
   """Times the target over each of `verify_lengths(block_size)` tokens and one drafter pass as
   the speculative loop runs them: `batch_size` rows, a cache of `max_len` slots read up to
   `pos` (default: half of it), the drafter's chosen-layer features returned, the layer form of
   `scan_layers`. Each forward runs `reps` times in one jitted `fori_loop` (tokens change per
   iteration so nothing is hoisted; the cache is carried, written in place as in the loops);
-  the forwards take turns over `repeats` rounds and each one's median is kept."""
+  the forwards take turns over `repeats` rounds and each one's median is kept.
+  `draft_blocks`: smaller blocks whose drafter pass is timed too (`draft_by_block`; on the
+  2-core Xeon a pass over 12 positions of the demo's drafter cost 1.25x one over 8)."""
   import jax
   import jax.numpy as jnp
   from flax import nnx
@@ -219,28 +239,32 @@ def measure_forward_costs(target, drafter, batch_size: int, block_size: int, max
 
   verify = _forward_loop(target, t_graph, layer_ids, pos, reps, scan_layers)
 
-  @jax.jit
-  def draft(state, d_state, draft_cache):
-    model, dr = nnx.merge(t_graph, state), nnx.merge(d_graph, d_state)
-    layers = None if scan_layers else dr.loop_layers()  # the form an engine drafts with
+  def draft_over(width: int):
+    @jax.jit
+    def draft(state, d_state, draft_cache):
+      model, dr = nnx.merge(t_graph, state), nnx.merge(d_graph, d_state)
+      layers = None if scan_layers else dr.loop_layers()  # the form an engine drafts with
 
-    def step(i, acc):
-      block = jnp.full((B, b), dr.cfg.mask_token_id, jnp.int32).at[:, 0].set(i % vocab)
-      h = dr.draft(model.embed_tokens(block), draft_cache.with_lengths(pos_B), layers)
-      logits = model.project_to_vocab(h[:, 1:])
-      p = control.drafted_probs(logits, jnp.argmax(logits, -1))
-      return acc + jnp.sum(p)
-    return jax.lax.fori_loop(0, reps, step, jnp.float32(0))
+      def step(i, acc):
+        block = jnp.full((B, width), dr.cfg.mask_token_id, jnp.int32).at[:, 0].set(i % vocab)
+        h = dr.draft(model.embed_tokens(block), draft_cache.with_lengths(pos_B), layers)
+        logits = model.project_to_vocab(h[:, 1:])
+        p = control.drafted_probs(logits, jnp.argmax(logits, -1))
+        return acc + jnp.sum(p)
+      return jax.lax.fori_loop(0, reps, step, jnp.float32(0))
+    return draft
 
+  others = sorted({int(w) for w in draft_blocks if 1 < int(w) < b})
   calls = [(verify, (t_state, cache, jnp.ones((B, n), jnp.int32))) for n in verify_lengths(b)]
-  calls.append((draft, (t_state, d_state, draft_cache)))
+  calls += [(draft_over(w), (t_state, d_state, draft_cache)) for w in [b] + others]
   if B > 1:  # one row's one-token forward: what a batch's tail would save in fewer slots
     calls.append((verify, (t_state, form(target.init_cache(1, max_len)),
                            jnp.ones((1, 1), jnp.int32))))
   seconds = _median_seconds(calls, reps, repeats)
-  n = len(verify_lengths(b))
+  n, k = len(verify_lengths(b)), len(others)
   return ForwardCosts(tuple(seconds[:n]), seconds[n], B, b,
-                      seconds[n + 1] if B > 1 else seconds[0])
+                      seconds[n + 1 + k] if B > 1 else seconds[0],
+                      tuple(zip(others, seconds[n + 1:n + 1 + k])))
 
 
 def _forward_loop(target, t_graph, layer_ids, pos: int, reps: int, scan_layers: bool):
@@ -299,7 +323,8 @@ def default_dir() -> str:
 
 
 def cost_key(target, drafter, batch_size: int, block_size: int, max_len: int,
-             scan_layers: bool = False, fingerprints: Sequence[str] | None = None) -> dict:
+             scan_layers: bool = False, fingerprints: Sequence[str] | None = None,
+             draft_blocks: Sequence[int] = ()) -> dict:
   """The conditions costs were measured under: a cached entry is used only for an equal key."""
   from bp_jax.models.fingerprint import model_fingerprint
 
@@ -308,7 +333,8 @@ def cost_key(target, drafter, batch_size: int, block_size: int, max_len: int,
           "target": str(t_fp), "drafter": str(d_fp), "batch_size": int(batch_size),
           "block_size": int(block_size), "max_len": int(max_len),
           "dtype": str(np.dtype(target.dtype)), "drafter_dtype": str(np.dtype(drafter.dtype)),
-          "scan_layers": bool(scan_layers)}
+          "scan_layers": bool(scan_layers),
+          "draft_blocks": sorted({int(w) for w in draft_blocks if 1 < int(w) < block_size})}
 
 
 def _path(folder: str, key: dict) -> str:
@@ -339,7 +365,7 @@ def _write(path: str, key: dict, costs: ForwardCosts) -> None:
 def forward_costs(target, drafter, batch_size: int, block_size: int, max_len: int, *,
                   scan_layers: bool = False, cache_dir: str | None = None,
                   remeasure: bool = False, fingerprints: Sequence[str] | None = None,
-                  **measure) -> tuple[ForwardCosts, bool]:
+                  draft_blocks: Sequence[int] = (), **measure) -> tuple[ForwardCosts, bool]:
   """(the costs, whether they came from the cache): `measure_forward_costs`, cached per
   `cost_key` in `cache_dir` (None or DEFAULT: `default_dir()`; "": no cache); `remeasure`
   measures and overwrites the entry. `fingerprints`: the (target, drafter) weight
@@ -347,14 +373,15 @@ def forward_costs(target, drafter, batch_size: int, block_size: int, max_len: in
   folder = default_dir() if cache_dir in (None, DEFAULT) else cache_dir
   path = key = None
   if folder:
-    key = cost_key(target, drafter, batch_size, block_size, max_len, scan_layers, fingerprints)
+    key = cost_key(target, drafter, batch_size, block_size, max_len, scan_layers, fingerprints,
+                   draft_blocks)
     path = _path(os.path.abspath(os.path.expanduser(folder)), key)
     if not remeasure:
       hit = _read(path, key)
       if hit is not None:
         return hit, True
   costs = measure_forward_costs(target, drafter, batch_size, block_size, max_len,
-                                scan_layers=scan_layers, **measure)
+                                scan_layers=scan_layers, draft_blocks=draft_blocks, **measure)
   if path is not None:
     _write(path, key, costs)
   return costs, False

@@ -267,8 +267,11 @@ class Engine:
     if drafter is None or not spec_sizes or not loop.needs_costs():
       return loop
     if measured is None:
+      # Several sizes: the smallest one's drafter pass is timed too, so that a block-size
+      # policy weighs each size with its own (`OnlineCosts.size_prices`).
       measured, hit = forward_costs(target, drafter, batch_size, max(spec_sizes), self.max_len,
-                                    scan_layers=loop.scan_layers, cache_dir=cost_cache)
+                                    scan_layers=loop.scan_layers, cache_dir=cost_cache,
+                                    draft_blocks=(min(spec_sizes),))
     elif (measured.batch_size, measured.block_size) != (batch_size, max(spec_sizes)):
       raise BadInputError(f"measured_costs: measured at batch size {measured.batch_size} and "
                           f"block size {measured.block_size}, but the engine runs batch size "
@@ -293,8 +296,12 @@ class Engine:
     costs, draft = opts.controller_costs, opts.controller_draft_cost
     # The decline's cycles (a drafter pass and a one-token forward) are priced by the start-up
     # costs, not fitted (`OnlineCosts.by_prior`).
+    measured = self.measured_costs
+    shape = (None if measured is None or not measured.draft_by_block else
+             lambda n: control.break_even(n - 1, costs, measured.draft_steps_at(n)))
     prices = OnlineCosts(lambda n: control.break_even(n - 1, costs, draft), batch_prior_floor=1.0,
-                         one_prior_floor=0.5, by_prior=(1,) if opts.controller_decline else ())
+                         one_prior_floor=0.5, by_prior=(1,) if opts.controller_decline else (),
+                         size_shape=shape)
     online = (self.measured_costs is not None if opts.online_costs is None
               else opts.online_costs)
     return prices, online

@@ -331,8 +331,12 @@ class OnlineCosts:
                restart_error: float = 0.2, restart_calls: int = 2,
                batch_prior_floor: float = 0.0, one_prior_floor: float = 0.0,
                by_prior: Sequence[int] = (), min_calls: int = MIN_CALLS,
-               hold_outliers: bool = True, one_plain_floor: bool = True):
+               hold_outliers: bool = True, one_plain_floor: bool = True,
+               size_shape: Callable[[int], float] | None = None):
     self.prior = prior
+    # The start-up cost of a cycle over n tokens with its own block's drafter pass, where the
+    # start-up timed the drafter over several blocks (`size_prices`); None: `prior`.
+    self.size_shape = size_shape or prior
     self.one_plain_floor = bool(one_plain_floor)
     self.hold_outliers = bool(hold_outliers)
     self.min_calls = _check_count(min_calls, "min_calls")
@@ -539,14 +543,15 @@ class OnlineCosts:
     the loops' own calls then measured 26%, and a policy sent 66 of 82 requests to b = 11
     (0.97x b = 8's decode speed). A length priced too cheap by the shape is run, and its calls
     correct it; one priced too dear costs at most the gain it might have had."""
-    fit = self._fit(int(rows))
+    fit, shape = self._fit(int(rows)), self.size_shape
     runs = {n: c for n, c in fit.calls_with.items() if n > 0 and n not in self.by_prior}
-    if not fit.pricing or not runs:
-      return np.asarray([self.break_even(int(n), rows) for n in lengths], np.float64)
-    ref = max(runs, key=lambda n: (runs[n], n))
-    scale = self.break_even(ref, rows) / float(self.prior(ref))
+    scale = 1.0
+    if fit.pricing and runs:
+      ref = max(runs, key=lambda n: (runs[n], n))
+      scale = self.break_even(ref, rows) / float(shape(ref))
     return np.asarray([self.break_even(int(n), rows) if runs.get(int(n), 0) >= SIZE_PRICE_CALLS
-                       else self.clip(int(n), scale * float(self.prior(int(n))), int(rows))
+                       and fit.pricing
+                       else self.clip(int(n), scale * float(shape(int(n))), int(rows))
                        for n in lengths], np.float64)
 
   def break_even_N(self, max_verify: int, rows: int) -> np.ndarray:
