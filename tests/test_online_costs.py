@@ -148,9 +148,12 @@ def test_size_prices_take_a_lengths_own_fit_once_it_ran_in_enough_calls():
   assert got[0] == est.break_even(5, rows=1) == pytest.approx(4.2, rel=0.1)
   assert got[2] == est.break_even(8, rows=1)
   # With each size's own drafter pass timed at start-up (`size_shape`), the shape is that one.
-  shaped = OnlineCosts(prior, size_shape=lambda n: 0.5 + 0.3 * n)
+  shaped = OnlineCosts(prior, size_shape=lambda n: 0.5 + 0.3 * n, batch_prior_floor=1.0)
   np.testing.assert_allclose(shaped.size_prices([5, 8], rows=1), [2.0, 2.9])
   assert shaped.break_even(8, rows=1) == pytest.approx(3.0)  # the controller's prior unchanged
+  # A batch's floor (its prior) is the shape's for these prices, not the controller's.
+  np.testing.assert_allclose(shaped.size_prices([5, 8], rows=4), [2.0, 2.9])
+  assert shaped.break_even(5, rows=4) == pytest.approx(2.25)
 
 
 def test_a_batch_size_prices_by_its_prior_until_its_third_call():

@@ -360,11 +360,13 @@ class OnlineCosts:
     # Per batch size: the start-up one-token forward's seconds (`set_ar_step_floor`).
     self._ar_step_floor_s: dict[int, float] = {}
 
-  def clip(self, n: int, break_even: float, rows: int = 1) -> float:
+  def clip(self, n: int, break_even: float, rows: int = 1,
+           prior: Callable[[int], float] | None = None) -> float:
     """`break_even` of a cycle verifying n tokens within [min_break_even (and the floor of
-    `rows`: batch_prior_floor or one_prior_floor times prior(n)), max_break_even_per_token * n]."""
+    `rows`: batch_prior_floor or one_prior_floor times prior(n); `prior`: another start-up
+    price than the controller's), max_break_even_per_token * n]."""
     share = self.batch_prior_floor if rows > 1 else self.one_prior_floor
-    floor = share * float(self.prior(n)) if n else 0.0
+    floor = share * float((prior or self.prior)(n)) if n else 0.0
     lo = max(self.min_break_even, floor)
     hi = max(lo, self.max_break_even_per_token * max(n, 1))
     return float(min(max(break_even, lo), hi))
@@ -551,7 +553,7 @@ class OnlineCosts:
       scale = self.break_even(ref, rows) / float(shape(ref))
     return np.asarray([self.break_even(int(n), rows) if runs.get(int(n), 0) >= SIZE_PRICE_CALLS
                        and fit.pricing
-                       else self.clip(int(n), scale * float(shape(int(n))), int(rows))
+                       else self.clip(int(n), scale * float(shape(int(n))), int(rows), shape)
                        for n in lengths], np.float64)
 
   def break_even_N(self, max_verify: int, rows: int) -> np.ndarray:
