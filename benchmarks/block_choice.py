@@ -54,7 +54,8 @@ from bp_jax.eval.plots import interval_bars
 from bp_jax.policy.mlp import load_policy
 
 common.define_flags("target", "drafter", "num_prompts", "max_new_tokens", "max_len", repeats=3)
-flags.DEFINE_string("policy", "demo/policy", "Classifier block-size policy (size `learned`).")
+flags.DEFINE_string("policy", "demo/policy", "Block-size policy, any head (size `learned`; "
+                    "demo/policy is a priced head).")
 flags.DEFINE_string("value_policy", "", "Value-head block-size policy (size `value`); '' = none.")
 flags.DEFINE_string("methods", "", "Comma-separated controller/size methods; '' = AR, every "
                     "candidate size with backoff, none/8, backoff/learned, backoff/value, "
