@@ -347,15 +347,14 @@ def _run(cfg) -> tuple[list[dict], dict]:
   if choice.name != "fixed":
     summary["candidate_block_sizes"] = list(choice.sizes)
   if choice.name == "learned":
+    decision, source = engine.policy.decision(), engine.policy_prices_source
     summary["policy"] = {"path": cfg.policy, "feature_type": choice.policy.arch.feature_type,
                          "label_rule": choice.info.label_rule,
                          "num_params": choice.policy.arch.num_params(),
                          "head": choice.policy.arch.head,
                          "policy_probs_are": POLICY_SCORES[choice.policy.arch.head],
-                         **({"decision": engine.policy.decision()}
-                            if engine.policy.decision() else {}),
-                         **({"prices_from": engine.policy_prices_source}
-                            if engine.policy_prices_source else {})}
+                         **({"decision": decision} if decision else {}),
+                         **({"prices_from": source} if source else {})}
   if others:
     ar_out = [r["output_ids"] for r in per_method["ar"]] if "ar" in per_method else None
     same_tokens = same_tokens_as_ar(engine.verify, cfg.temperature)

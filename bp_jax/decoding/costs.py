@@ -211,6 +211,12 @@ def _median_seconds(calls: list[tuple], reps: int, repeats: int) -> list[float]:
   return [float(np.median(r)) / reps for r in runs]
 
 
+def other_draft_blocks(draft_blocks: Sequence[int], block_size: int) -> list[int]:
+  """The blocks of `draft_blocks` a measurement at `block_size` times besides its own: each
+  once, ascending, between 2 and block_size - 1."""
+  return sorted({int(w) for w in draft_blocks if 1 < int(w) < int(block_size)})
+
+
 def measure_forward_costs(target, drafter, batch_size: int, block_size: int, max_len: int, *,
                           scan_layers: bool = False, reps: int = 16, repeats: int = 7,
                           pos: int | None = None, draft_blocks: Sequence[int] = ()
@@ -254,7 +260,7 @@ def measure_forward_costs(target, drafter, batch_size: int, block_size: int, max
       return jax.lax.fori_loop(0, reps, step, jnp.float32(0))
     return draft
 
-  others = sorted({int(w) for w in draft_blocks if 1 < int(w) < b})
+  others = other_draft_blocks(draft_blocks, b)
   calls = [(verify, (t_state, cache, jnp.ones((B, n), jnp.int32))) for n in verify_lengths(b)]
   calls += [(draft_over(w), (t_state, d_state, draft_cache)) for w in [b] + others]
   if B > 1:  # one row's one-token forward: what a batch's tail would save in fewer slots
@@ -334,7 +340,7 @@ def cost_key(target, drafter, batch_size: int, block_size: int, max_len: int,
           "block_size": int(block_size), "max_len": int(max_len),
           "dtype": str(np.dtype(target.dtype)), "drafter_dtype": str(np.dtype(drafter.dtype)),
           "scan_layers": bool(scan_layers),
-          "draft_blocks": sorted({int(w) for w in draft_blocks if 1 < int(w) < block_size})}
+          "draft_blocks": other_draft_blocks(draft_blocks, block_size)}
 
 
 def _path(folder: str, key: dict) -> str:

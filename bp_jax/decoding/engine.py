@@ -196,7 +196,7 @@ class Engine:
                            and (opts.controller_decline or opts.controller_persist) else None)
     self.p_graph = self.p_state = self.policy_key = self.policy = None
     self.policy_sizes: tuple[int, ...] = ()
-    self.policy_prices_source: str | None = None
+    self._placed_prices: np.ndarray | None = None  # a priced policy's, as last placed
     self.mesh = mesh
     if mesh is not None:  # weights by the rule table, caches by rows; jit propagates the rest
       self.t_state, self.d_state = (shard_state(s, mesh) for s in (self.t_state, self.d_state))
@@ -435,10 +435,18 @@ class Engine:
     self.p_state = shard_state(self.p_state, self.mesh)
     self.policy_key, self.policy_sizes = policy.arch.signature, sizes
     self.policy = policy
-    # A priced head's costs in effect: the labelling machine's (stored with it) until this
-    # engine's own are placed (`_place_policy_prices`).
-    self.policy_prices_source = (LABELLING_PRICES if policy.arch.head == "priced" else None)
-    self._placed_prices: np.ndarray | None = None
+    self._placed_prices = None
+
+  @property
+  def policy_prices_source(self) -> str | None:
+    """Whose costs a priced policy decides with: the labelling machine's (stored with it) until
+    this engine placed its own (`_place_policy_prices`); None for another head or none."""
+    if self.policy is None or self.policy.arch.head != "priced":
+      return None
+    if self._placed_prices is None:
+      return LABELLING_PRICES
+    return (f"the engine's costs ({self.costs_source or 'prior'}"
+            f"{', kept current by its loop calls' if self.online else ''})")
 
   def policy_prices(self) -> tuple[np.ndarray, np.ndarray] | None:
     """([C] a cycle of each of the policy's sizes, [C] a plain step in its loop) in AR steps on
@@ -472,8 +480,6 @@ class Engine:
     self.policy.set_prices(*got)
     self.p_state = shard_state(nnx.state(self.policy), self.mesh)
     self._placed_prices = key
-    self.policy_prices_source = (f"the engine's costs ({self.costs_source or 'prior'}"
-                                 f"{', kept current by its loop calls' if self.online else ''})")
 
   # -- checks -------------------------------------------------------------------------------
   def check_block_size(self, block_size: int) -> None:

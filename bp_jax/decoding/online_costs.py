@@ -546,13 +546,13 @@ class OnlineCosts:
     (0.97x b = 8's decode speed). A length priced too cheap by the shape is run, and its calls
     correct it; one priced too dear costs at most the gain it might have had."""
     fit, shape = self._fit(int(rows)), self.size_shape
-    runs = {n: c for n, c in fit.calls_with.items() if n > 0 and n not in self.by_prior}
+    runs = ({n: c for n, c in fit.calls_with.items() if n > 0 and n not in self.by_prior}
+            if fit.pricing else {})
     scale = 1.0
-    if fit.pricing and runs:
+    if runs:
       ref = max(runs, key=lambda n: (runs[n], n))
       scale = self.break_even(ref, rows) / float(shape(ref))
     return np.asarray([self.break_even(int(n), rows) if runs.get(int(n), 0) >= SIZE_PRICE_CALLS
-                       and fit.pricing
                        else self.clip(int(n), scale * float(shape(int(n))), int(rows), shape)
                        for n in lengths], np.float64)
 

@@ -188,8 +188,9 @@ class BlockPolicy(nnx.Module):
     if arch.head == "priced":
       # Counts start at one cycle and no step per token; the decision starts at lam = 0 and
       # at every size's cycle and step costing one AR step (the engine or training sets them).
-      self.b_out = nnx.Param(jnp.concatenate([jnp.ones((C,)), jnp.zeros((C,))]))
-      self.value_prior = DecisionStat(jnp.concatenate([jnp.ones((C,)), jnp.zeros((C,))]))
+      one_cycle_2C = jnp.concatenate([jnp.ones((C,)), jnp.zeros((C,))])
+      self.b_out = nnx.Param(one_cycle_2C)
+      self.value_prior = DecisionStat(one_cycle_2C)
       self.value_lam = DecisionStat(jnp.zeros((), jnp.float32))
       self.size_prices = DecisionStat(jnp.ones((2 * C,), jnp.float32))
     elif arch.head == "value":
@@ -349,10 +350,11 @@ def save_policy(out_dir: str, policy: BlockPolicy, *, block_sizes: Sequence[int]
                         f"{policy.arch.num_classes} classes")
   check_label_rule(label_rule, "label_rule")
   state = jax.tree.map(np.asarray, nnx.state(policy).to_pure_dict())
+  decision = policy.decision()
   full_meta = {"kind": POLICY_KIND, **(meta or {}),
                "labelled_prompt_hashes": sorted(set(labelled_hashes)),
                "num_trainable_params": policy.arch.num_params(),
-               **({"decision": policy.decision()} if policy.decision() else {})}
+               **({"decision": decision} if decision else {})}
   return save_checkpoint(out_dir, state, _config_dict(policy, block_sizes, label_rule,
                                                       target_layer_ids), full_meta,
                          overwrite=True)

@@ -384,21 +384,27 @@ def crossfit_by(choice_of, static: int, num_NK: np.ndarray, den_NK: np.ndarray,
 # ---- the priced head's targets and prices -----------------------------------------------------
 
 
-def count_targets(records: Sequence[Mapping[str, Any]]) -> np.ndarray:
-  """[N, 2K] each prompt's counts per new token at each size: speculative cycles, then AR
-  fallback steps (target forwards that were no cycle); what a priced head regresses."""
+def _counts(records: Sequence[Mapping[str, Any]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """[N, K] each prompt's speculative cycles, AR fallback steps (target forwards that were no
+  cycle) and new tokens at each size."""
   cyc = label_sets.stack(records, "cycles").astype(np.float64)
   steps = label_sets.stack(records, "forwards").astype(np.float64) - cyc
-  new = np.maximum(label_sets.stack(records, "new_tokens").astype(np.float64), 1.0)
+  return cyc, steps, label_sets.stack(records, "new_tokens").astype(np.float64)
+
+
+def count_targets(records: Sequence[Mapping[str, Any]]) -> np.ndarray:
+  """[N, 2K] each prompt's counts per new token at each size: speculative cycles, then AR
+  fallback steps; what a priced head regresses."""
+  cyc, steps, new = _counts(records)
+  new = np.maximum(new, 1.0)
   return np.concatenate([cyc / new, steps / new], axis=1)
 
 
 def count_prior(records: Sequence[Mapping[str, Any]]) -> np.ndarray:
   """[2K] the prompts' pooled counts per new token (total cycles, steps / total new tokens):
   priced at any costs, the best static size of those costs for the whole set."""
-  cyc = label_sets.stack(records, "cycles").astype(np.float64)
-  steps = label_sets.stack(records, "forwards").astype(np.float64) - cyc
-  new_K = np.maximum(label_sets.stack(records, "new_tokens").astype(np.float64).sum(0), 1.0)
+  cyc, steps, new = _counts(records)
+  new_K = np.maximum(new.sum(0), 1.0)
   return np.concatenate([cyc.sum(0) / new_K, steps.sum(0) / new_K])
 
 
