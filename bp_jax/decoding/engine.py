@@ -35,13 +35,14 @@ from bp_jax.decoding.start_backoff import StartBackoff, StartChoice
 from bp_jax.decoding.options import (PAD_AR_BELOW, BatchOptions, LoopOptions, ShapeOptions,
                                      declines_by_costs)
 from bp_jax.decoding.policy_binding import check_policy_fits
-from bp_jax.decoding.programs import (WARMUP_TOKENS, LoopPrograms, request_window,
+from bp_jax.decoding.programs import (WARMUP_TOKENS, DraftContext, LoopPrograms, request_window,
                                      window_buckets, window_for)
 from bp_jax.decoding.requests import RequestChecks, check_sampling
 from bp_jax.decoding.sampling import SamplingForm, form_of, sampling_params
 from bp_jax.decoding.scheduler import BatchRequest, Scheduler
 from bp_jax.decoding.state import MAX_ROW_STOP_IDS, LoopState
 from bp_jax.errors import BadInputError
+from bp_jax.policy.features import DRAFT_CONFIDENCE, FEATURE_TYPES
 from bp_jax.models.qwen3 import Qwen3, with_head_apart
 from bp_jax.parallel.rules import replicated, shard_batch, shard_cache, shard_state
 
@@ -490,9 +491,11 @@ class Engine:
 
   # -- compiled pieces ----------------------------------------------------------------------
   def _prefill_args(self, tokens_1P, n, seed_key, sampling, with_policy: bool,
-                    buffers: tuple | None = None, target_only: bool = False) -> tuple:
+                    buffers: tuple | None = None,
+                    context: DraftContext = DraftContext.BUILT) -> tuple:
     cache, draft_cache = buffers or (self.cache, self.draft_cache)
-    d_weights, draft_cache = (None, None) if target_only else (self.d_weights, draft_cache)
+    d_weights, draft_cache = ((self.d_weights, draft_cache) if context == DraftContext.BUILT
+                              else (None, None))
     if with_policy:
       self._place_policy_prices()
     return (self.t_weights, d_weights, tokens_1P, n, cache, draft_cache, seed_key,
@@ -500,14 +503,16 @@ class Engine:
 
   def _prefill(self, tokens_1P, n, seed_key, sampling, form: SamplingForm,
                with_policy: bool = False, buffers: tuple | None = None,
-               target_only: bool = False):
+               context: DraftContext = DraftContext.BUILT, features: tuple[str, ...] = ()):
     """(compiled prefill, its arguments) into `buffers` (donated; default: the engine's own
-    one-sequence caches), sampling the first token in `form` (the request's). `target_only`
-    (`plain_prefill`): without the drafter's context; the drafter's buffer is left as it is."""
-    args = self._prefill_args(tokens_1P, n, seed_key, sampling, with_policy, buffers,
-                              target_only)
+    one-sequence caches), sampling the first token in `form` (the request's). `context`
+    (`DraftContext`): NONE (`plain_prefill`) and LATER (`defers_context`) leave the drafter's
+    buffer as it is. `features`: the feature types it returns besides the policy's decision."""
+    args = self._prefill_args(tokens_1P, n, seed_key, sampling, with_policy, buffers, context)
+    layers = (tuple(self.drafter.cfg.target_layer_ids) if context == DraftContext.LATER
+              else ())
     fn = self.programs.prefill(args, self.p_graph if with_policy else None, self.policy_key,
-                               form, target_only)
+                               form, context, features, layers)
     return fn, args
 
   def plain_prefill(self, block_size: int | str, return_features: bool = False) -> bool:
@@ -516,10 +521,47 @@ class Engine:
     drafter: the target's forward alone, with no drafter context, which only drafting reads
     (a speculative bucket's rows move to the plain one, never back). On the demo's CPU the
     drafter's part was ~19% of a prefill (`benchmarks/plain_prefill.py`, batch 4: prefill
-    seconds 0.813x [0.798, 0.828]). Not for a learned size (the policy reads the drafter's
-    features) nor where the prefill's features are returned (`return_features`: they include
-    the drafter's)."""
+    seconds 0.813x [0.798, 0.828]). A learned size's route is known only after its prefill
+    (`defers_context`). Not where the prefill's features are returned (`return_features`:
+    they include the drafter's)."""
     return (self.drafter is not None and block_size == 1 and not return_features)
+
+  def defers_context(self, return_features: bool = False) -> bool:
+    """Whether a learned size's request is prefilled without the drafter, its drafter context
+    built after the prefill only where the request then drafts (`build_draft_context`): its
+    policy reads no drafter output (every feature type but `draft_confidence`), and the route
+    (drafting, or plain where its start is deep, `starts_plain`) is known only once the policy
+    chose. The prefill keeps the drafter's chosen layers' outputs for it (`DraftContext.LATER`).
+    Only where a learned request may decode plain (the policy has size 1, or priced starts may
+    route it plain): a drafting request's prefill costs a little more in two programs (the
+    demo's CPU, batch 4, every request drafting: prefill seconds 1.019x [1.008, 1.031])."""
+    return (self.drafter is not None and self.policy is not None and not return_features
+            and self.policy.arch.feature_type != DRAFT_CONFIDENCE
+            and (self.may_start_plain or 1 in self.policy_sizes))
+
+  def _prefill_form(self, learned: bool, run_size: int | str,
+                    return_features: bool) -> tuple[DraftContext, tuple[str, ...]]:
+    """(what a prefill does about the drafter's context, the feature types it returns) for a
+    request of a `learned` size or one that runs `run_size`'s loop."""
+    features = FEATURE_TYPES if return_features else ()
+    if learned:
+      return (DraftContext.LATER if self.defers_context(return_features)
+              else DraftContext.BUILT), features
+    return (DraftContext.NONE if self.plain_prefill(run_size, return_features)
+            else DraftContext.BUILT), features
+
+  def build_draft_context(self, pre, n: int) -> tuple:
+    """(`pre` with the drafter's context over its prompt of `n` tokens written into its drafter
+    buffer, donated; the seconds that took, compiling apart): for a LATER prefill's request
+    (`defers_context`) once it is known to draft, what a prefill with the drafter builds
+    (`LoopPrograms.draft_context`). Other prefills' are returned as they are, in 0 s."""
+    if pre.context_hiddens is None:
+      return pre, 0.0
+    args = (self.d_weights, pre.context_hiddens, np.int32(n), pre.draft_cache)
+    fn = self.programs.draft_context(args)
+    t0 = time.perf_counter()
+    draft_cache = jax.block_until_ready(fn(*args))
+    return pre._replace(draft_cache=draft_cache, context_hiddens=None), time.perf_counter() - t0
 
   def _loop_args(self, pre, n, max_new, sampling, seed_key, block_size,
                  forced_seq=None, start: tuple[int, int] = (0, 0)) -> tuple:
@@ -650,12 +692,18 @@ class Engine:
              and self.may_start_plain else ())
     # The plain loop's requests are prefilled without the drafter (`plain_prefill`), the
     # others with it: each that will run compiles here.
-    kinds = dict.fromkeys(self.plain_prefill(b) for b in tuple(block_sizes) + plain) or [False]
+    kinds = dict.fromkeys(self._prefill_form(False, b, False)[0]
+                          for b in tuple(block_sizes) + plain) or [DraftContext.BUILT]
+    learned = self._prefill_form(True, 0, False)[0]
     for P in length_buckets or self.length_buckets:
-      for target_only in kinds if plain_prefill else ():
-        self._prefill(jnp.zeros((1, P), jnp.int32), z, key, sp, form, target_only=target_only)
+      tokens_1P = jnp.zeros((1, P), jnp.int32)
+      for context in kinds if plain_prefill else ():
+        self._prefill(tokens_1P, z, key, sp, form, context=context)
       if policy:
-        self._prefill(jnp.zeros((1, P), jnp.int32), z, key, sp, form, with_policy=True)
+        fn, args = self._prefill(tokens_1P, z, key, sp, form, with_policy=True, context=learned)
+        if learned == DraftContext.LATER:  # and its drafter context, built after it
+          hiddens = fn.out_info.context_hiddens
+          self.programs.draft_context((self.d_weights, hiddens, z, self.draft_cache))
     if self.batch_size > 1:
       for b in tuple(block_sizes) + plain:
         for rows in self.slot_sizes():  # the batch's, then its tail's (`BatchOptions.shrink`)
@@ -769,6 +817,9 @@ class Engine:
     if learned:
       start = self.request_start(block_size)
       plain = self.starts_plain(block_size, start, forced)
+      if not plain:  # its drafter context, where the prefill left it for now
+        pre, context_s = self.build_draft_context(pre, n)
+        self.draft_cache, prefill_s = pre.draft_cache, prefill_s + context_s
     # A plain start runs the AR loop (its drafting is what recent requests lost: no probing
     # cycle); the request keeps its bucket, `Generation.plain_start` says how it ran.
     run_size, start = (1, (0, 0)) if plain else (block_size, start)
@@ -939,19 +990,23 @@ class Engine:
     checks `check_prefill` once it holds the filled buffers. `run_size`: the block size whose
     loop the request will run, where known before its prefill (None: its own); the plain
     loop's requests are prefilled without the drafter (`plain_prefill`: `draft_cache` is then
-    the given buffer, untouched)."""
+    the given buffer, untouched), and so are a learned size's where `defers_context` (its
+    drafter context is built by `build_draft_context` once its route drafts).
+    `return_features`: the prefill returns every feature type (`PrefillOut.features`); none
+    otherwise."""
     learned = isinstance(req.block_size, str)
-    target_only = self.plain_prefill(req.block_size if run_size is None else run_size,
-                                     return_features)
+    context, features = self._prefill_form(
+        learned, req.block_size if run_size is None else run_size, return_features)
     toks, _ = self.encode_padded(req.prompt_ids)
     settings = [req.sampling] if req.sampling else []  # none: greedy (`sampling_params()`)
     fn, args = self._prefill(toks, np.int32(len(req.prompt_ids)), jax.random.key(req.seed),
                              sampling_params(*(req.sampling or ())),
                              form_of(settings) if form is None else form,
-                             with_policy=learned, buffers=buffers, target_only=target_only)
+                             with_policy=learned, buffers=buffers, context=context,
+                             features=features)
     t0 = time.perf_counter()
     pre = fn(*args)
-    if target_only:
+    if context != DraftContext.BUILT and self.drafter is not None:
       pre = pre._replace(draft_cache=buffers[1])
     block_size = self.policy_sizes[int(pre.policy_class)] if learned else req.block_size
     pre.first_tok.block_until_ready()

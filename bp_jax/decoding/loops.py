@@ -11,7 +11,7 @@ the drafter's context and the controller's back-off.
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +25,7 @@ from bp_jax.decoding.sampling import (SamplingForm, as_sampling, in_form, is_gre
                                       position_keys, sample)
 from bp_jax.decoding.state import LoopState
 from bp_jax.models.kv_cache import KVCache
-from bp_jax.policy.features import prefill_features
+from bp_jax.policy.features import DRAFT_CONFIDENCE, FEATURE_TYPES, prefill_features
 
 
 class PrefillOut(NamedTuple):
@@ -42,6 +42,10 @@ class PrefillOut(NamedTuple):
   policy_probs: jax.Array | None = None
   policy_class: jax.Array | None = None  # [] int32 the chosen class = index of the chosen bucket
   bad_logits: jax.Array | None = None    # [] bool: the last prompt position's logits hold NaN/inf
+  # [n, 1, P, D] the drafter's chosen target layers' outputs over the padded prompt, kept for
+  # its context built later (`make_prefill(context_layers=...)`, `make_draft_context`); None
+  # where the prefill built the context itself or none is wanted.
+  context_hiddens: jax.Array | None = None
 
 
 class LoopOut(NamedTuple):
@@ -69,7 +73,9 @@ def _nonfinite(logits: jax.Array) -> jax.Array:
 
 
 def make_prefill(graphdef, draft_graphdef=None, policy_graphdef=None,
-                 form: SamplingForm = SamplingForm.ANY) -> Callable:
+                 form: SamplingForm = SamplingForm.ANY,
+                 features: Sequence[str] = FEATURE_TYPES,
+                 context_layers: Sequence[int] = ()) -> Callable:
   """prefill(state, draft_state, tokens_1P, n, cache, draft_cache, seed_key, sampling,
   policy_state=None) -> PrefillOut. `state`, `draft_state`: `LoopWeights` (the layers run
   unrolled on their per-layer weights) or bare states (scanned).
@@ -78,13 +84,25 @@ def make_prefill(graphdef, draft_graphdef=None, policy_graphdef=None,
   the program's sampling `form` (`sampling.in_form`; the request's, `sampling.form_of`).
 
   Runs the target over the padded prompt, samples the first token, and (with a drafter) writes
-  the prompt's chosen-layer features into the drafter's context cache, all in one jit. The
-  policy features come from that same forward. With `policy_graphdef` (a
+  the prompt's chosen-layer features into the drafter's context cache, all in one jit. Without
+  `draft_graphdef`, `context_layers` (the drafter's `target_layer_ids`) makes it return those
+  layers' outputs over the prompt instead (`PrefillOut.context_hiddens`), for the drafter's
+  context built by `make_draft_context` once the request is known to draft: a request whose
+  block size the policy picks here, and which may then decode plain (`Engine.stage`).
+
+  `features`: the policy feature types the prefill returns (`PrefillOut.features`, those the
+  models given can make; `policy_features.prefill_features`); the policy's own is computed
+  whether or not it is among them. Only `draft_confidence` costs a drafter pass over its first
+  block, run only where it is wanted.
+
+  The policy features come from that same forward. With `policy_graphdef` (a
   `bp_jax.policy.mlp.BlockPolicy`; its parameters arrive as `policy_state`, an argument, so one
   compilation serves every policy of the same architecture), the policy's decision
   (`BlockPolicy.decide`) runs once on its feature and its class is returned: the host then runs
   that bucket's compiled loop.
   """
+  if draft_graphdef is not None and context_layers:
+    raise ValueError("context_layers: only for a prefill without the drafter (its context later)")
 
   def prefill(state, draft_state, tokens_1P, n, cache, draft_cache, seed_key, sampling,
               policy_state=None):
@@ -93,7 +111,9 @@ def make_prefill(graphdef, draft_graphdef=None, policy_graphdef=None,
     model, layers = _merged(graphdef, state, scan_layers=not _sliced(state))
     drafter, draft_layers = (None, None) if draft_graphdef is None else _merged(
         draft_graphdef, draft_state, scan_layers=not _sliced(draft_state))
-    layer_ids = () if drafter is None else drafter.cfg.target_layer_ids
+    layer_ids = tuple(context_layers) if drafter is None else drafter.cfg.target_layer_ids
+    policy = None if policy_graphdef is None else nnx.merge(policy_graphdef, policy_state)
+    wanted = set(features) | ({policy.arch.feature_type} if policy is not None else set())
     zero = jnp.zeros((1,), jnp.int32)
     out = model(tokens_1P, cache.with_lengths(zero), layer_ids, logits_at=(n - 1)[None],
                 layers=layers)
@@ -102,26 +122,48 @@ def make_prefill(graphdef, draft_graphdef=None, policy_graphdef=None,
                    position_keys(seed_key, n[None]))[0]
     draft_logits = None
     if drafter is not None:
-      draft_cache = drafter.add_context(out.layer_hiddens, draft_cache.with_lengths(zero),
-                                        draft_layers)
-      draft_cache = draft_cache.with_lengths(n[None])
-      # The drafter's first block from the prompt's context (the `draft_confidence` feature).
-      b0 = drafter.cfg.block_size
-      block_1b = jnp.full((1, b0), drafter.cfg.mask_token_id, jnp.int32).at[0, 0].set(first)
-      h_1bD = drafter.draft(model.embed_tokens(block_1b), draft_cache, draft_layers)
-      draft_logits = model.project_to_vocab(h_1bD[:, 1:])
-    features = prefill_features(logits_1V, out.final_hidden[:, 0],
-                                out.layer_hiddens if drafter is not None else None, n,
-                                draft_logits)
+      draft_cache = prompt_context(drafter, draft_layers, out.layer_hiddens, draft_cache, n)
+      if DRAFT_CONFIDENCE in wanted:
+        # The drafter's first block from the prompt's context (the `draft_confidence` feature).
+        b0 = drafter.cfg.block_size
+        block_1b = jnp.full((1, b0), drafter.cfg.mask_token_id, jnp.int32).at[0, 0].set(first)
+        h_1bD = drafter.draft(model.embed_tokens(block_1b), draft_cache, draft_layers)
+        draft_logits = model.project_to_vocab(h_1bD[:, 1:])
+    feats = prefill_features(logits_1V, out.final_hidden[:, 0],
+                             out.layer_hiddens if layer_ids else None, n, draft_logits, wanted)
     probs = cls = None
-    if policy_graphdef is not None:
-      policy = nnx.merge(policy_graphdef, policy_state)
-      scores_1C, cls_1 = policy.decide(features[policy.arch.feature_type])
+    if policy is not None:
+      scores_1C, cls_1 = policy.decide(feats[policy.arch.feature_type])
       probs, cls = scores_1C[0], cls_1[0]
+    kept = out.layer_hiddens if drafter is None and layer_ids else None
     return PrefillOut(first, out.cache.with_lengths(n[None]), draft_cache, logits_1V,
-                      out.final_hidden[:, 0], features, probs, cls, _nonfinite(logits_1V))
+                      out.final_hidden[:, 0], {k: v for k, v in feats.items() if k in features},
+                      probs, cls, _nonfinite(logits_1V), kept)
 
   return prefill
+
+
+def prompt_context(drafter, draft_layers, layer_hiddens_nBPD: jax.Array, draft_cache: KVCache,
+                   n: jax.Array) -> KVCache:
+  """The drafter's context cache over a prompt of `n` tokens (pointer n) from its chosen target
+  layers' outputs over the padded prompt (padding entries written past the pointer, unread)."""
+  zero = jnp.zeros((1,), jnp.int32)
+  draft_cache = drafter.add_context(layer_hiddens_nBPD, draft_cache.with_lengths(zero),
+                                    draft_layers)
+  return draft_cache.with_lengths(n[None])
+
+
+def make_draft_context(draft_graphdef) -> Callable:
+  """draft_context(draft_state, layer_hiddens_nBPD, n, draft_cache) -> the drafter's context
+  cache over the prompt: what a prefill with the drafter writes (`prompt_context`), from the
+  hiddens a prefill without it kept (`make_prefill(context_layers=...)`)."""
+
+  def draft_context(draft_state, layer_hiddens_nBPD, n, draft_cache):
+    drafter, draft_layers = _merged(draft_graphdef, draft_state,
+                                    scan_layers=not _sliced(draft_state))
+    return prompt_context(drafter, draft_layers, layer_hiddens_nBPD, draft_cache, n)
+
+  return draft_context
 
 
 class LoopWeights(NamedTuple):

@@ -10,6 +10,7 @@ are measured apart: the warm-up clock starts after its loop is compiled.
 
 from __future__ import annotations
 
+import enum
 import time
 from typing import Callable
 
@@ -21,6 +22,15 @@ from bp_jax.decoding import loops
 from bp_jax.decoding.compiled import CompiledCache
 from bp_jax.decoding.options import LoopOptions, form_key
 from bp_jax.decoding.sampling import SamplingForm
+
+class DraftContext(enum.Enum):
+  """What a prefill does about the drafter's context over the prompt (`LoopPrograms.prefill`)."""
+  BUILT = "built"  # built in the prefill: the request drafts, or its policy reads the drafter
+  NONE = "target_only"  # none: the target's forward alone (it decodes plain, `Engine.plain_prefill`)
+  # Built after it, where the request then drafts: the prefill keeps the drafter's chosen
+  # layers' outputs (`LoopPrograms.draft_context`; a learned size, `Engine.defers_context`).
+  LATER = "context_later"
+
 
 WARMUP_TOKENS = 16  # new tokens of a loop's untimed first run
 # (misses, AR steps) a speculative loop's second untimed run starts with (`LoopState.start_row`;
@@ -153,22 +163,39 @@ class LoopPrograms:
     self.warmup_forwards: dict[tuple, tuple[int, ...]] = {}
 
   def prefill(self, args: tuple, p_graph=None, policy_key=None,
-              form: SamplingForm = SamplingForm.ANY, target_only: bool = False):
+              form: SamplingForm = SamplingForm.ANY, context: DraftContext = DraftContext.BUILT,
+              features: tuple[str, ...] = (), context_layers: tuple[int, ...] = ()):
     """The compiled prefill for `args` (`loops.make_prefill`'s, shapes pick the bucket) for a
     request of sampling `form`: GREEDY's, or one for both drawing forms (ANY's: it samples one
     token, whose truncation costs nothing next to the prompt's forward, and a third program
-    per length bucket took the demo server's start-up ~6 s). `target_only`: the target's
-    forward alone, no drafter context (a request that decodes plain; its `args` carry None
-    for the drafter's state and cache); an engine without a drafter has no other."""
+    per length bucket took the demo server's start-up ~6 s). `context`: what it does about the
+    drafter's context (`DraftContext`; its `args` carry None for the drafter's state and cache
+    unless BUILT; LATER keeps the drafter's `context_layers`' outputs); an engine without a
+    drafter has no other than BUILT's. `features`: the feature types it returns."""
     form = SamplingForm.GREEDY if form == SamplingForm.GREEDY else SamplingForm.ANY
     tokens_1P = args[2]
-    apart = target_only and self.d_graph is not None
-    d_graph = None if target_only else self.d_graph
+    if self.d_graph is None:
+      context = DraftContext.BUILT
+    built = context == DraftContext.BUILT
+    d_graph = self.d_graph if built else None
+    layers = tuple(context_layers) if context == DraftContext.LATER else ()
+    features = tuple(features)
     key = (("prefill", tokens_1P.shape[1]) + ((policy_key,) if p_graph is not None else ())
-           + form_key(form) + (("target_only",) if apart else ()))
-    return self.cache.get(key, lambda: loops.make_prefill(self.t_graph, d_graph, p_graph, form),
-                          args, donate_argnums=(4,) if target_only else (4, 5),
-                          program=("prefill", self.t_graph, d_graph, p_graph, form))
+           + form_key(form) + (() if built else (context.value,))
+           + ((("features",) + features) if features else ()))
+    return self.cache.get(key, lambda: loops.make_prefill(self.t_graph, d_graph, p_graph, form,
+                                                          features, layers),
+                          args, donate_argnums=(4, 5) if built else (4,),
+                          program=("prefill", self.t_graph, d_graph, p_graph, form, features,
+                                   layers))
+
+  def draft_context(self, args: tuple):
+    """The compiled drafter context over a prompt from the hiddens a LATER prefill kept
+    (`loops.make_draft_context`; args: drafter state, hiddens [n, 1, P, D], n, draft cache,
+    donated): one compilation per length bucket."""
+    key = ("draft_context", args[1].shape[2])
+    return self.cache.get(key, lambda: loops.make_draft_context(self.d_graph), args,
+                          donate_argnums=(3,), program=("draft_context", self.d_graph))
 
   def loop_key(self, block_size: int, forced: bool = False, window: int | None = None,
                form: SamplingForm = SamplingForm.ANY) -> tuple:

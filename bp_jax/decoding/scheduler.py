@@ -310,6 +310,10 @@ class Scheduler:
         if not waiting:
           break
         staged = waiting.popleft()
+        if b > 1:  # a learned size's drafter context, where its prefill left it for now
+          staged.pre, context_s = self.engine.build_draft_context(staged.pre,
+                                                                  len(staged.req.prompt_ids))
+          staged.prefill_s += context_s
         fn, args = self.engine.insert_program(bucket.carry, row, staged.req, staged.pre,
                                               start=staged.route.start)
         t0 = time.perf_counter()

@@ -23,7 +23,7 @@ Shape suffixes: n chosen layers, B batch, P padded prompt length, D hidden, V vo
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Collection, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -92,8 +92,9 @@ def pooled_layers(layer_hiddens_nBPD: jax.Array, n: jax.Array) -> jax.Array:
 
 def prefill_features(logits_BV: jax.Array, final_hidden_BD: jax.Array,
                      layer_hiddens_nBPD: jax.Array | None, n: jax.Array,
-                     draft_logits_BKV: jax.Array | None = None) -> dict[str, jax.Array]:
-  """Every available feature, float32 [B, F], from one prefill's outputs.
+                     draft_logits_BKV: jax.Array | None = None,
+                     wanted: Collection[str] = FEATURE_TYPES) -> dict[str, jax.Array]:
+  """The `wanted` features among those available, float32 [B, F], from one prefill's outputs.
 
   Args:
     logits_BV: logits at the last prompt position (the forward's `logits_at=n-1` output).
@@ -102,14 +103,16 @@ def prefill_features(logits_BV: jax.Array, final_hidden_BD: jax.Array,
     n: the true prompt length (positions >= n are padding).
     draft_logits_BKV: the drafter's logits at the b-1 draft positions of its first block, or
       None (no drafter).
+    wanted: the feature types to compute (default: every one).
   """
   out = {LAST_LOGITS: logits_BV.astype(jnp.float32),
          LAST_HIDDEN: final_hidden_BD.astype(jnp.float32)}
-  if layer_hiddens_nBPD is not None and layer_hiddens_nBPD.shape[0] > 0:
+  if (POOLED_LAYERS in wanted and layer_hiddens_nBPD is not None
+      and layer_hiddens_nBPD.shape[0] > 0):
     out[POOLED_LAYERS] = pooled_layers(layer_hiddens_nBPD, n)
-  if draft_logits_BKV is not None:
+  if DRAFT_CONFIDENCE in wanted and draft_logits_BKV is not None:
     out[DRAFT_CONFIDENCE] = draft_confidence(draft_logits_BKV, logits_BV)
-  return out
+  return {k: v for k, v in out.items() if k in wanted}
 
 
 def mlp_param_count(input_dim: int, hidden_dim: int, depth: int, num_classes: int) -> int:
