@@ -95,6 +95,11 @@ Methods (`--methods`, comma-separated):
                     (`OnlineCosts.hold_outliers` = False); the default's hold a call off alone
                     out of the fit until a call like it confirms or refutes a change
                     (`bp_jax.decoding.online_costs`);
+  learned_default   priced_default whose requests' block sizes a policy picks from their
+                    prefill (--policy, the shipped demo/policy by default; `block_size =
+                    LEARNED`, the policy priced by this engine's costs where it has a priced
+                    head): what decode.py's demo config decodes with; --block_size is then
+                    only the other methods' size;
   ar_twin           a second engine identical to ar, interleaved like any method: its ratio
                     to ar and that ratio's interval are what two identical programs read on
                     this machine in this run (the noise floor of every other row's interval);
@@ -216,7 +221,7 @@ from bp_jax.decoding import controller as control
 from bp_jax.decode_job.compare import check_repeats_agree
 from bp_jax.decoding.call_tally import calls_line, first_call_against_peers, tally_json
 from bp_jax.decoding.costs import ForwardCosts, forward_costs
-from bp_jax.decoding.engine import Engine, decode_form
+from bp_jax.decoding.engine import LEARNED, Engine, decode_form
 from bp_jax.decoding.generation import Generation, forward_cost_units
 from bp_jax.decoding.options import BatchOptions, LoopOptions, ShapeOptions
 from bp_jax.eval.bootstrap import speedup_entry as bootstrap_entry
@@ -230,7 +235,8 @@ METHODS = ("ar", "none", "backoff", "confidence_1step", "confidence", "confidenc
            "priced_default_draftfirst", "ar_full",
            "priced_default_full", "ar_twin", "priced_default_nomove",
            "priced_default_nodecline", "priced_default_decline", "priced_default_nogate",
-           "priced_default_nohold", "priced_default_twin", "ar_padded", "ar_tied", "none_tied")
+           "priced_default_nohold", "priced_default_twin", "ar_padded", "ar_tied", "none_tied",
+           "learned_default")
 
 common.define_flags("target", "drafter", "dtype", "max_len", "max_new_tokens", "block_size",
                     num_prompts=24, repeats=3,
@@ -251,6 +257,8 @@ flags.DEFINE_integer("ar_fallback_accept", 1, "a cycle accepting <= this many dr
 flags.DEFINE_string("methods", ",".join(METHODS[:6]), f"comma-separated, of {list(METHODS)}")
 flags.DEFINE_string("calibration", "", "confidence_cal*: calibration JSON "
                     "(python -m benchmarks.controller_calibration --out)")
+flags.DEFINE_string("policy", "demo/policy", "learned_default: the block-size policy "
+                    "checkpoint (train.py's policy stage; its classes are the sizes it picks)")
 flags.DEFINE_integer("batch_size", 1, "requests decoded at once (> 1: groups of --group_size "
                      "prompts streamed through generate_batch)")
 flags.DEFINE_integer("group_size", 0, "with --batch_size > 1: prompts per interleaved group, "
@@ -328,7 +336,7 @@ def loop_method(method: str) -> str:
   """The method whose loop form `method` decodes with (a `_full` method: its base's;
   `START_RULES`' variants: priced_default's, their start rules set in `main`)."""
   if method in START_RULES or method in ("priced_default_nomove", "priced_default_nohold",
-                                          "priced_default_twin"):
+                                          "priced_default_twin", "learned_default"):
     return "priced_default"
   if method in ("ar_twin", "ar_padded", "ar_tied"):
     return "ar"
@@ -376,6 +384,20 @@ def engine_options(method: str, costs: dict, default_costs: dict) -> dict:
           "priced_default_decline": dict(default, controller_decline=True),
           "priced_default_nogate": dict(default, controller_persist=False),
           }[method]}
+
+
+def learned_policy(methods: list[str]) -> tuple:
+  """(the --policy checkpoint's policy, its block sizes) where learned_default runs, else (None,
+  ()). Its requests pick sizes from the drafter's own drafts, so not with --shape (forced
+  drafts need a fixed size)."""
+  if "learned_default" not in methods:
+    return None, ()
+  if FLAGS.shape:
+    raise BadInputError("--methods: learned_default decodes with the drafter's own drafts; "
+                        "not with --shape (simulated drafts need a fixed --block_size)")
+  from bp_jax.policy.mlp import load_policy
+  policy, info = load_policy(FLAGS.policy)
+  return policy, tuple(int(b) for b in info.block_sizes)
 
 
 def move_plain_after(method: str) -> int:
@@ -601,7 +623,7 @@ PAIRS = (("priced", "backoff"), ("priced_online", "priced"), ("priced_long", "pr
          ("priced_default", "priced_default_nohold"),
          ("priced_default", "ar_padded"), ("ar", "ar_tied"), ("none", "none_tied"),
          ("priced_default", "ar_twin"), ("priced_default", "backoff"),
-         ("priced_default_twin", "priced_default"))
+         ("priced_default_twin", "priced_default"), ("learned_default", "priced_default"))
 
 
 def method_pairs(methods: list[str]) -> list[tuple[str, str]]:
@@ -661,12 +683,19 @@ def main(_):
         flush=True)
   default_costs = costs if source == "given" else {}
   tied = lambda m: m.endswith("_tied")
+  learned = learned_policy(methods)
+  policy_of = lambda m: learned if m == "learned_default" else (None, ())
   engines = {m: Engine(setup.target if tied(m) else target, stop_ids=setup.stop_ids,
                        drafter=drafter, head_apart=False if tied(m) else None,
-                       measured_costs=measured,
+                       # learned_default's sizes reach past --block_size: it measures its
+                       # own start-up costs, as decode.py's engine does (cached likewise).
+                       measured_costs=None if m == "learned_default" else measured,
+                       cost_cache=FLAGS.cost_cache,
+                       policy=policy_of(m)[0], policy_sizes=policy_of(m)[1],
                        shapes=ShapeOptions(max_len=setup.max_len,
                                            length_buckets=setup.length_buckets,
-                                           block_sizes=(1, FLAGS.block_size)),
+                                           block_sizes=tuple(sorted(
+                                               {1, FLAGS.block_size, *policy_of(m)[1]}))),
                        loop=LoopOptions(**engine_options(m, costs, default_costs)),
                        batching=BatchOptions(batch_size=FLAGS.batch_size,
                                              shrink=not (m.endswith("_full")
@@ -696,7 +725,8 @@ def main(_):
                                   FLAGS.sim_clock_stall_every)
       if engines[m].prices is not None:  # as an engine that measured its one-token forward
         engines[m].prices.set_ar_step_floor(FLAGS.sim_clock_ms * 1e-3, FLAGS.batch_size)
-  size = {m: 1 if loop_method(m) == "ar" else FLAGS.block_size for m in methods}
+  size = {m: 1 if loop_method(m) == "ar" else LEARNED if m == "learned_default"
+          else FLAGS.block_size for m in methods}
   forced = {m: None if size[m] == 1 else sim for m in methods}
   # Outputs that do not depend on the path decoding takes (greedy, or `exact` at T > 0): every
   # repeat must give the same tokens. Under `rejection` at T > 0 a method whose choices follow
@@ -791,6 +821,15 @@ def main(_):
   if drafted:
     print("  requests that drafted (not a plain start), every repeat: "
           + ", ".join(f"{m} {n}/{len(prompts) * FLAGS.repeats}" for m, n in drafted.items()))
+  # learned_default's fastest decodes by the block size each request decoded with (1: the
+  # policy's plain pick) and by the policy's own pick.
+  learned_sizes = ({key: dict(sorted(collections.Counter(
+      str(getattr(g, attr)) for grp in best["learned_default"] for g in grp).items()))
+      for key, attr in (("used", "block_size"), ("picked", "policy_block_size"))}
+      if "learned_default" in methods else {})
+  if learned_sizes:
+    print(f"  learned_default block sizes (fastest decodes): used {learned_sizes['used']}, "
+          f"the policy's picks {learned_sizes['picked']}")
   slot_use = {m: engines[m].slot_use for m in methods if engines[m].slot_use is not None}
   if slot_use:  # batches: the idle slots (e.g. each group's tail) cost as much as busy ones
     print("  slot use (share of batched slot time holding a decoding request, every repeat): "
@@ -804,7 +843,7 @@ def main(_):
         + ", ".join(f"{m} {c['compilations']}, {c['compile_s']:.1f} s"
                     + (f" ({c['shared_programs']} shared)" if c["shared_programs"] else "")
                     for m, c in compiles.items()))
-  shrinks = {m: engines[m].shrink for m in methods if B > 1 and size[m] > 1}
+  shrinks = {m: engines[m].shrink for m in methods if B > 1 and size[m] != 1}
   if shrinks:  # the engine's rule (`Engine.shrink`): where rows cost, a tail runs fewer slots
     print("  batch tails shrink: " + ", ".join(f"{m} {'yes' if v else 'no'}"
                                                for m, v in shrinks.items()))
@@ -813,7 +852,8 @@ def main(_):
     print("  the batches' target forwards, every repeat (cost in AR steps of the table): "
           + "; ".join(f"{m} " + ", ".join(f"{k} {c}" for k, c in b["by_verify_length"].items())
                       + f" ({b['cost']:,.1f})" for m, b in batched.items()))
-  online = {m: engines[m].cost_estimate for m in methods if m.startswith("priced")}
+  online = {m: engines[m].cost_estimate for m in methods
+            if m.startswith("priced") or m == "learned_default"}
   for m, est in online.items():
     for rows_, e in est["by_batch_size"].items():
       print(f"  {m} cost estimate (batch {rows_}, {e['calls']} calls): break-even "
@@ -867,6 +907,8 @@ def main(_):
               "ar_fallback_accept": FLAGS.ar_fallback_accept, "methods": rows,
               "controller_costs": {**costs, "source": source}, "cost_estimates": online,
               "slot_use": slot_use, "drafted_every_repeat": drafted, "compiles": compiles,
+              "learned_block_sizes": learned_sizes,
+              "policy": FLAGS.policy if learned_sizes else None,
               "loop_calls": calls,
               "tails_shrink": shrinks, "batch_forwards": batched,
               "profile": {m: {k: v for k, v in p.items() if k != "device_lines"}

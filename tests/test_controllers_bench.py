@@ -198,3 +198,26 @@ def test_a_first_call_is_weighed_against_later_calls_of_the_same_forwards():
                                            "peers": 2}
   assert first_call_against_peers([call(0.1, full), call(0.05, tail)]) is None
   assert first_call_against_peers([]) is None
+
+
+def test_the_learned_default_decodes_with_the_shipped_policy(tmp_path):
+  """learned_default: the default's engine with demo/policy picking each request's block size
+  (what decode.py's demo config runs): AR's tokens, and the sizes used and picked reported;
+  with --shape (forced drafts need a fixed size) it is refused, naming the flag."""
+  out = tmp_path / "bench"
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
+  run = lambda *args: subprocess.run(
+      [sys.executable, "-m", "benchmarks.controllers", "--repeats=1", "--max_new_tokens=12",
+       "--methods=learned_default", "--controller_costs=1,1.1,1.3,1.6,2.0",
+       "--controller_draft_cost=0.8", "--bootstrap_reps=50", *args],
+      cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+  proc = run("--num_prompts=2", "--half=eval", f"--out={out}")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  report = json.loads((out / "controllers.json").read_text())
+  assert report["methods"]["learned_default"]["identical_to_ar"] == 2
+  assert report["policy"] == "demo/policy"
+  sizes = report["learned_block_sizes"]
+  assert sum(sizes["used"].values()) == sum(sizes["picked"].values()) == 2, sizes
+  assert "learned_default block sizes (fastest decodes)" in proc.stdout
+  refused = run("--shape=tiny", "--num_prompts=1")
+  assert refused.returncode != 0 and "--methods: learned_default" in refused.stderr
