@@ -17,6 +17,7 @@ from bp_jax.decoding import loops
 from bp_jax.decoding.engine import LEARNED, Engine
 from bp_jax.decoding.options import BatchOptions, ShapeOptions
 from bp_jax.decoding.programs import DraftContext
+from bp_jax.decoding.start_backoff import StartChoice
 from bp_jax.models.config import DFlashConfig, Qwen3Config
 from bp_jax.models.dflash import DFlashDrafter
 from bp_jax.models.qwen3 import Qwen3
@@ -217,3 +218,29 @@ def test_precompiled_learned_prefills_leave_nothing_to_compile(models):
     engine.generate(p, max_new_tokens=4, block_size=LEARNED)
   after = dict(engine.compiled.counts)
   assert after["prefill"] == before["prefill"] and after["draft_context"] == 2
+
+
+def test_with_priced_starts_the_prefill_follows_the_start_rule(models, monkeypatch):
+  """Where priced starts may route a learned request plain, its prefill leaves the drafter's
+  context for later only while the start rule would route a request plain now
+  (`Engine.start_choice`): a request that is likely to draft is prefilled with the drafter, in
+  one program. Both forms are precompiled; the tokens are the same either way."""
+  engine = _engine(models)
+  monkeypatch.setattr(Engine, "may_start_plain", property(lambda self: True))
+  plain_now = {"plain": False}
+  monkeypatch.setattr(engine, "start_choice",
+                      lambda b: StartChoice(4.0, 3.0, plain_now["plain"]))
+  engine.precompile(SIZES, policy=True)
+  compiled = {k for k in engine.compiled.seconds if k[0] == "prefill"}
+  assert {("prefill", L, engine.policy_key) + tail for L in engine.length_buckets
+          for tail in ((), (DraftContext.LATER.value,))} <= compiled
+  prompt, got = _prompts(1, seed=8)[0], {}
+  for plain in (False, True):
+    plain_now["plain"] = plain
+    assert engine.defers_context() == plain
+    assert engine._prefill_form(True, 0, False)[0] == (DraftContext.LATER if plain
+                                                       else DraftContext.BUILT)
+    got[plain] = engine.generate(prompt, max_new_tokens=8, block_size=LEARNED).output_ids
+  assert got[False] == got[True]
+  assert {k for k in engine.compiled.seconds if k[0] == "prefill"} == compiled
+  assert not engine.defers_context(return_features=True)

@@ -532,10 +532,22 @@ class Engine:
     policy reads no drafter output (every feature type but `draft_confidence`), and the route
     (drafting, or plain where its start is deep, `starts_plain`) is known only once the policy
     chose. The prefill keeps the drafter's chosen layers' outputs for it (`DraftContext.LATER`).
-    Only where a learned request may decode plain (the policy has size 1, or priced starts may
-    route it plain): a drafting request's prefill costs a little more in two programs (the
-    demo's CPU, batch 4, every request drafting: prefill seconds 1.019x [1.008, 1.031])."""
-    return (self.drafter is not None and self.policy is not None and not return_features
+    Only where the request is likely to decode plain: with priced starts, where the start rule
+    would route a request of one of the policy's sizes plain now (`start_choice`; an explorer
+    still drafts); without, where the policy has size 1. A drafting request's prefill costs a
+    little more in two programs (the demo's CPU, batch 4, every request drafting: prefill
+    seconds 1.019x [1.008, 1.031]); one that decodes plain after a prefill with the drafter
+    paid for a context it never reads (~10% of its prefill there)."""
+    if return_features or not self._may_defer_context():
+      return False
+    if self.may_start_plain:
+      return any(self.start_choice(b).plain for b in self.policy_sizes if b > 1)
+    return True
+
+  def _may_defer_context(self) -> bool:
+    """Whether a learned request's prefill may leave the drafter's context for later
+    (`defers_context`, whatever the start rule says now): precompiled alike."""
+    return (self.drafter is not None and self.policy is not None
             and self.policy.arch.feature_type != DRAFT_CONFIDENCE
             and (self.may_start_plain or 1 in self.policy_sizes))
 
@@ -694,14 +706,17 @@ class Engine:
     # others with it: each that will run compiles here.
     kinds = dict.fromkeys(self._prefill_form(False, b, False)[0]
                           for b in tuple(block_sizes) + plain) or [DraftContext.BUILT]
-    learned = self._prefill_form(True, 0, False)[0]
+    # A learned request's: with the drafter, and without it where it may come after
+    # (`defers_context`, which follows the start rule from request to request).
+    learned = (DraftContext.BUILT,) + ((DraftContext.LATER,) if self._may_defer_context()
+                                       else ())
     for P in length_buckets or self.length_buckets:
       tokens_1P = jnp.zeros((1, P), jnp.int32)
       for context in kinds if plain_prefill else ():
         self._prefill(tokens_1P, z, key, sp, form, context=context)
-      if policy:
-        fn, args = self._prefill(tokens_1P, z, key, sp, form, with_policy=True, context=learned)
-        if learned == DraftContext.LATER:  # and its drafter context, built after it
+      for context in learned if policy else ():
+        fn, args = self._prefill(tokens_1P, z, key, sp, form, with_policy=True, context=context)
+        if context == DraftContext.LATER:  # and its drafter context, built after it
           hiddens = fn.out_info.context_hiddens
           self.programs.draft_context((self.d_weights, hiddens, z, self.draft_cache))
     if self.batch_size > 1:
