@@ -105,6 +105,33 @@ def decode_all(target, drafter, mesh, spec_decode: bool) -> dict:
   return out
 
 
+def check_priced_policy(target, drafter) -> dict:
+  """A priced policy choosing between sizes 1 and 4 on a data:4,model:2 mesh: the prices the
+  engine places move its picks from request to request (its price leaf placed anew, nothing
+  compiled), and every request's tokens are AR's."""
+  from bp_jax.decoding.engine import LEARNED
+  from bp_jax.policy.mlp import BlockPolicy, PolicyArch
+  mesh = pmesh.make_mesh("data:4,model:2")
+  policy = BlockPolicy(PolicyArch("last_hidden", CFG.hidden_size, 16, 2, 2, head="priced"),
+                       rngs=nnx.Rngs(5))
+  counts = np.r_[1.0, 0.3, 0.0, 0.0]  # per new token: size 1's steps, size 4's cycles (τ 3.3)
+  policy.w_out[...] = jnp.zeros_like(policy.w_out[...])
+  policy.b_out[...] = jnp.asarray(counts, jnp.float32)
+  policy.set_priced_decision(counts, 1.0)
+  eng = Engine(target, drafter=drafter, mesh=mesh, policy=policy, policy_sizes=(1, 4),
+               shapes=ShapeOptions(max_len=64, length_buckets=(32,), block_sizes=(1, 4)))
+  out = {"picks": [], "same_as_ar": True}
+  for cycle in (1.5, 6.0, 1.5):  # a cycle of 4 tokens in AR steps: cheap, dear, cheap
+    eng.policy_prices = lambda c=cycle: (np.r_[1.0, c], np.ones(2))
+    for p in PROMPTS:
+      g = eng.generate(p, max_new_tokens=MAX_NEW, block_size=LEARNED)
+      out["picks"].append(g.block_size)
+      out["same_as_ar"] &= g.output_ids == eng.generate(p, max_new_tokens=MAX_NEW).output_ids
+  out["prices_spec"] = spec_of(eng.p_state["size_prices"][...])
+  out["prefills"] = eng.compiled.summary()["by_function"]["prefill"]
+  return out
+
+
 def forward_logits(target, mesh):
   """Logits of one prefill-sized forward (stacked cache, lax.scan), under jit."""
   graph, state = nnx.split(target)
@@ -228,6 +255,7 @@ def main(path: str) -> None:
              "restore": check_restore(target, drafter),
              "draft_train": check_draft_train(target, "data:4,model:2"),
              "policy_train": check_policy_train("data:8"),
+             "priced_policy": check_priced_policy(target, drafter),
              "bad_mesh": check_bad_mesh()}
   with open(path, "w", encoding="utf-8") as f:
     json.dump(results, f, indent=1)

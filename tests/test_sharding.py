@@ -240,3 +240,14 @@ def test_scripts_refuse_a_bad_mesh_before_doing_anything(run_cli, tmp_path):
   err = run_cli("train.py", "--config.stage=policy", "--config.mesh=data:2",
                 f"--config.workdir={tmp_path}").error_line("train.py")
   assert "--config.mesh=data:2,model:1 needs 2 devices but 1 are available" in err
+
+
+def test_a_priced_policys_prices_are_placed_on_the_mesh(checks):
+  """On data:4,model:2 a priced policy's picks follow the prices the engine places (its price
+  leaf replicated, no prefill compiled for a change of prices), with AR's tokens."""
+  got = checks["priced_policy"]
+  n = len(got["picks"]) // 3
+  assert got["picks"] == [4] * n + [1] * n + [4] * n, got["picks"]
+  assert got["same_as_ar"] and got["prices_spec"] == [None]
+  # the AR requests' plain prefill, and the learned one with its policy
+  assert got["prefills"] == 2, got

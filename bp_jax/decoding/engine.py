@@ -198,6 +198,7 @@ class Engine:
     self.p_graph = self.p_state = self.policy_key = self.policy = None
     self.policy_sizes: tuple[int, ...] = ()
     self._placed_prices: np.ndarray | None = None  # a priced policy's, as last placed
+    self._last_pick = 0  # the block size the last learned request's policy picked (0: none)
     self.mesh = mesh
     if mesh is not None:  # weights by the rule table, caches by rows; jit propagates the rest
       self.t_state, self.d_state = (shard_state(s, mesh) for s in (self.t_state, self.d_state))
@@ -436,7 +437,7 @@ class Engine:
     self.p_state = shard_state(self.p_state, self.mesh)
     self.policy_key, self.policy_sizes = policy.arch.signature, sizes
     self.policy = policy
-    self._placed_prices = None
+    self._placed_prices, self._last_pick = None, 0
 
   @property
   def policy_prices_source(self) -> str | None:
@@ -466,9 +467,10 @@ class Engine:
 
   def _place_policy_prices(self) -> None:
     """A priced policy's state with this machine's current costs (`policy_prices`), placed
-    when one moved by more than `PRICE_PLACE_RTOL` since they were last placed (placing costs
-    ~0.5 ms of host time on the 2-core Xeon; the online prices move a little after every loop
-    call): the prefill that runs it takes them as an argument and compiles nothing new."""
+    when one moved by more than `PRICE_PLACE_RTOL` since they were last placed (the online
+    prices move a little after every loop call): the prefill that runs it takes them as an
+    argument and compiles nothing new. Only the prices' leaf is placed anew (the whole state,
+    flattened and placed again, cost ~0.5-1 ms of host time per request on the 2-core Xeon)."""
     if self.p_state is None or self.policy.arch.head != "priced":
       return
     got = self.policy_prices()
@@ -478,8 +480,10 @@ class Engine:
     if self._placed_prices is not None and np.allclose(key, self._placed_prices,
                                                        rtol=PRICE_PLACE_RTOL, atol=0.0):
       return
-    self.policy.set_prices(*got)
-    self.p_state = shard_state(nnx.state(self.policy), self.mesh)
+    self.policy.set_prices(*got)  # the caller's policy keeps them too (`policy_prices`)
+    prices = self.policy.size_prices[...]
+    self.p_state["size_prices"][...] = (prices if self.mesh is None else
+                                        jax.device_put(prices, replicated(self.mesh)))
     self._placed_prices = key
 
   # -- checks -------------------------------------------------------------------------------
@@ -532,16 +536,20 @@ class Engine:
     policy reads no drafter output (every feature type but `draft_confidence`), and the route
     (drafting, or plain where its start is deep, `starts_plain`) is known only once the policy
     chose. The prefill keeps the drafter's chosen layers' outputs for it (`DraftContext.LATER`).
-    Only where the request is likely to decode plain: with priced starts, where the start rule
-    would route a request of one of the policy's sizes plain now (`start_choice`; an explorer
-    still drafts); without, where the policy has size 1. A drafting request's prefill costs a
-    little more in two programs (the demo's CPU, batch 4, every request drafting: prefill
-    seconds 1.019x [1.008, 1.031]); one that decodes plain after a prefill with the drafter
-    paid for a context it never reads (~10% of its prefill there)."""
+
+    Only where the request is likely to decode plain: with priced starts, where the last
+    learned request's pick was size 1 or the start rule would route a request of that size
+    plain now (`start_choice` at one size: at every size of the policy it cost ~1 ms of host
+    time per request on the demo's CPU; an explorer still drafts); without, where the policy
+    has size 1. A drafting request's prefill costs a little more in two programs (the demo's
+    CPU, batch 4, every request drafting: prefill seconds 1.019x [1.008, 1.031]); one that
+    decodes plain after a prefill with the drafter paid for a context it never reads (~10% of
+    its prefill there)."""
     if return_features or not self._may_defer_context():
       return False
     if self.may_start_plain:
-      return any(self.start_choice(b).plain for b in self.policy_sizes if b > 1)
+      likely = self._last_pick if self._last_pick in self.policy_sizes else max(self.policy_sizes)
+      return likely == 1 or self.start_choice(likely).plain
     return True
 
   def _may_defer_context(self) -> bool:
@@ -1024,6 +1032,8 @@ class Engine:
     if context != DraftContext.BUILT and self.drafter is not None:
       pre = pre._replace(draft_cache=buffers[1])
     block_size = self.policy_sizes[int(pre.policy_class)] if learned else req.block_size
+    if learned:
+      self._last_pick = block_size
     pre.first_tok.block_until_ready()
     secs = time.perf_counter() - t0
     probs = ([round(float(p), 6) for p in np.asarray(pre.policy_probs)] if learned else None)

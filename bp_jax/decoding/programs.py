@@ -23,10 +23,12 @@ from bp_jax.decoding.compiled import CompiledCache
 from bp_jax.decoding.options import LoopOptions, form_key
 from bp_jax.decoding.sampling import SamplingForm
 
+
 class DraftContext(enum.Enum):
   """What a prefill does about the drafter's context over the prompt (`LoopPrograms.prefill`)."""
   BUILT = "built"  # built in the prefill: the request drafts, or its policy reads the drafter
-  NONE = "target_only"  # none: the target's forward alone (it decodes plain, `Engine.plain_prefill`)
+  # None: the target's forward alone (the request decodes plain, `Engine.plain_prefill`).
+  NONE = "target_only"
   # Built after it, where the request then drafts: the prefill keeps the drafter's chosen
   # layers' outputs (`LoopPrograms.draft_context`; a learned size, `Engine.defers_context`).
   LATER = "context_later"

@@ -53,8 +53,10 @@ PARAM_AXES: dict[str, tuple[str, ...]] = {
     "w_hid": ("policy_depth", "policy_hidden", "policy_hidden"),
     "b_hid": ("policy_depth", "policy_hidden"),
     "w_out": ("policy_hidden", "policy_classes"), "b_out": ("policy_classes",),
-    # The value head's decision rule: prior [C], lam [], static class [].
+    # The value head's decision rule: prior [C], lam [], static class []; the priced head's
+    # prior counts [2C] (in value_prior) and the prices it decides with [2C].
     "value_prior": ("policy_classes",), "value_lam": (), "static_class": (),
+    "size_prices": ("policy_prices",),
     **{name: ("layers", *axes) for name, axes in LAYER_AXES.items()},
 }
 
@@ -68,6 +70,7 @@ RULES: dict[str, str | tuple[str, ...] | None] = {
     "mlp": "model",
     "embed": None, "layers": None, "head_dim": None, "features": None,
     "policy_in": None, "policy_hidden": None, "policy_depth": None, "policy_classes": None,
+    "policy_prices": None,
 }
 
 HEAD_AXES = ("q_heads", "kv_heads")  # stored as N*H: split only at multiples of head_dim
