@@ -738,7 +738,8 @@ def main(_):
   best: dict[str, list[list[Generation]]] = {m: [] for m in methods}
   # Per group: (new tokens, mean decode seconds over the repeats) of each method.
   means: dict[str, list[tuple[int, float]]] = {m: [] for m in methods}
-  # Requests that took the speculative loop (not a plain start), over every repeat.
+  # Requests that took the speculative loop (not a plain start, nor a learned pick of size 1),
+  # over every repeat.
   drafted = {m: 0 for m in methods if loop_method(m) != "ar"}
   # Per method and group, each repeat's (new tokens, decode seconds, requests that drafted,
   # requests moved to the plain bucket, wall seconds end to end), in the order run: one
@@ -762,7 +763,8 @@ def main(_):
           check_repeats_agree([r[j] for r in runs[m]])
       best[m].append(min(runs[m], key=seconds_per_token))
       if m in drafted:
-        drafted[m] += sum(not g.plain_start for run in runs[m] for g in run)
+        drafted[m] += sum(g.block_size > 1 and not g.plain_start for run in runs[m]
+                          for g in run)
       means[m].append(mean_of_repeats(runs[m]))
       per_repeat[m].append([[sum(g.new_tokens for g in r), round(sum(g.decode_s for g in r), 5),
                              sum(not g.plain_start and g.drafter_passes > 0 for g in r),
@@ -819,8 +821,9 @@ def main(_):
       ci = "(one unit: no interval)" if c["lo"] is None else f"[{c['lo']:.3f}, {c['hi']:.3f}]"
       print(f"    {pair:<{width}}{c['ratio']:.3f}x {ci}")
   if drafted:
-    print("  requests that drafted (not a plain start), every repeat: "
-          + ", ".join(f"{m} {n}/{len(prompts) * FLAGS.repeats}" for m, n in drafted.items()))
+    print("  requests that took the speculative loop (not a plain start nor size 1), every "
+          "repeat: " + ", ".join(f"{m} {n}/{len(prompts) * FLAGS.repeats}"
+                                 for m, n in drafted.items()))
   # learned_default's fastest decodes by the block size each request decoded with (1: the
   # policy's plain pick) and by the policy's own pick.
   learned_sizes = ({key: dict(sorted(collections.Counter(

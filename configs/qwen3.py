@@ -59,6 +59,12 @@ def blockpilot_config(**overrides: Any) -> ml_collections.ConfigDict:
   # prompts) of its gain over the static size is >= 1x; the best qualifying lam is kept.
   c.value_level = 0.9
   c.value_reps = 2000            # bootstrap resamples of the validation prompts per lam
+  # A priced head's loss: its counts' error (in AR steps per token at the labelling prices)
+  # plus this x the error of the sizes' priced costs relative to their prompt's mean, what its
+  # decision compares. 0 (the counts alone) made the shipped demo/policy; 30 scored higher on
+  # the demo's validation prompts (est. tokens/s 1,443 against 1,423) but decoded no faster
+  # (docs/cpu_xeon167/priced_fit_2026-11-29).
+  c.priced_relative_weight = 0.0
   c.hidden_dim = 256
   c.depth = 2                    # hidden layers; layers after the first are residual
   c.residual = True

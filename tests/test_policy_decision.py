@@ -417,3 +417,24 @@ def test_count_targets_prior_and_label_prices():
   np.testing.assert_allclose(label_prices(table, sizes), [1.0, 2.0, 4.0, 1.0, 1.2, 1.0])
   with pytest.raises(BadInputError, match="priced by a cost table"):
     label_prices(np.ones(3), sizes)
+
+
+def test_the_priced_loss_weighs_the_sizes_priced_costs_relative_to_each_other():
+  """`_priced_metrics`' relative term: an error that moves every size's priced cost of a
+  prompt alike costs nothing there (the decision does not change), one that reorders the
+  sizes does; the counts' own error counts both. A negative weight is refused."""
+  from bp_jax.train.policy_stage import _priced_metrics
+  prices = jnp.asarray([2.0, 3.0, 4.0, 1.0, 1.0, 1.0])  # [cycles of sizes, their steps]
+  y = jnp.asarray([[0.5, 0.4, 0.35, 0.1, 0.1, 0.1]])
+  alike = y + jnp.asarray([[0.1 / 2.0, 0.1 / 3.0, 0.1 / 4.0, 0.0, 0.0, 0.0]])  # +0.1 each size
+  reorder = y + jnp.asarray([[0.1, 0.0, -0.15, 0.0, 0.0, 0.0]])  # size 3 cheapest now
+  loss = lambda pred, rel: float(_priced_metrics(pred, y, prices, rel)[0])
+  assert loss(alike, 0.0) > 0 and loss(alike, 30.0) == pytest.approx(loss(alike, 0.0), rel=1e-5)
+  assert loss(reorder, 30.0) > loss(reorder, 0.0) + 1.0
+  assert float(_priced_metrics(reorder, y, prices, 30.0)[1]["accuracy"]) == 0.0
+  x = np.zeros((4, 3), np.float32)
+  arch = PolicyArch("last_hidden", 3, 8, 1, 3, head="priced")
+  with pytest.raises(BadInputError, match="priced_relative_weight"):
+    fit_policy(x, np.ones((4, 6), np.float32), None, None, arch, opt_cfg=opt_config(),
+               steps=1, batch=2, label_smoothing=0.0, eval_every=1, patience=1, seed=0,
+               prices_2C=np.asarray(prices), priced_relative_weight=-1.0)
