@@ -559,6 +559,15 @@ class Engine:
             and self.policy.arch.feature_type != DRAFT_CONFIDENCE
             and (self.may_start_plain or 1 in self.policy_sizes))
 
+  def _learned_contexts(self) -> tuple[DraftContext, ...]:
+    """The forms a learned request's prefill (without returned features) may take: with the
+    drafter's context, without it (`defers_context`), or either as the start rule moves."""
+    if not self._may_defer_context():
+      return (DraftContext.BUILT,)
+    if self.may_start_plain:
+      return (DraftContext.BUILT, DraftContext.LATER)
+    return (DraftContext.LATER,)
+
   def _prefill_form(self, learned: bool, run_size: int | str,
                     return_features: bool) -> tuple[DraftContext, tuple[str, ...]]:
     """(what a prefill does about the drafter's context, the feature types it returns) for a
@@ -714,10 +723,7 @@ class Engine:
     # others with it: each that will run compiles here.
     kinds = dict.fromkeys(self._prefill_form(False, b, False)[0]
                           for b in tuple(block_sizes) + plain) or [DraftContext.BUILT]
-    # A learned request's: with the drafter, and without it where it may come after
-    # (`defers_context`, which follows the start rule from request to request).
-    learned = (DraftContext.BUILT,) + ((DraftContext.LATER,) if self._may_defer_context()
-                                       else ())
+    learned = self._learned_contexts()
     for P in length_buckets or self.length_buckets:
       tokens_1P = jnp.zeros((1, P), jnp.int32)
       for context in kinds if plain_prefill else ():
