@@ -322,7 +322,8 @@ class Scheduler:
         staged.prefill_s += time.perf_counter() - t0
         bucket.rows[row] = staged
         self.pool.append((staged.pre.cache, staged.pre.draft_cache))
-        staged.pre = staged.pre._replace(cache=None, draft_cache=None)
+        # (a plain route's kept hiddens too: [n, 1, P, D] per request, held to its end else)
+        staged.pre = staged.pre._replace(cache=None, draft_cache=None, context_hiddens=None)
 
   def _run_one(self) -> None:
     b, bucket = max(((b, k) for b, k in self.buckets.items() if k.live()),
