@@ -1035,7 +1035,7 @@ class Engine:
                              features=features)
     t0 = time.perf_counter()
     pre = fn(*args)
-    if context != DraftContext.BUILT and self.drafter is not None:
+    if context != DraftContext.BUILT:  # (only with a drafter: `_prefill_form`)
       pre = pre._replace(draft_cache=buffers[1])
     block_size = self.policy_sizes[int(pre.policy_class)] if learned else req.block_size
     if learned:

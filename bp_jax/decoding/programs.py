@@ -180,7 +180,7 @@ class LoopPrograms:
       context = DraftContext.BUILT
     built = context == DraftContext.BUILT
     d_graph = self.d_graph if built else None
-    layers = tuple(context_layers) if context == DraftContext.LATER else ()
+    layers = tuple(context_layers)  # LATER's (`loops.make_prefill` refuses them with a drafter)
     features = tuple(features)
     key = (("prefill", tokens_1P.shape[1]) + ((policy_key,) if p_graph is not None else ())
            + form_key(form) + (() if built else (context.value,))

@@ -122,12 +122,12 @@ def _priced_metrics(pred_B2C: jax.Array, y_B2C: jax.Array, w_2C: jax.Array,
   last_hidden head agreed with the cheapest size on 0.31 of its training prompts at weight 0,
   0.60 at 30 (docs/cpu_xeon167/priced_fit_2026-11-29)."""
   loss = jnp.square((pred_B2C - y_B2C) * w_2C[None, :]).sum(-1).mean()
+  pred_BC, y_BC = priced_costs(pred_B2C, w_2C), priced_costs(y_B2C, w_2C)
   if relative_weight:
     centred = lambda c_BC: c_BC - c_BC.mean(-1, keepdims=True)
-    gap_BC = centred(priced_costs(pred_B2C, w_2C)) - centred(priced_costs(y_B2C, w_2C))
+    gap_BC = centred(pred_BC) - centred(y_BC)
     loss = loss + relative_weight * jnp.square(gap_BC).sum(-1).mean()
-  agree = (jnp.argmin(priced_costs(pred_B2C, w_2C), -1)
-           == jnp.argmin(priced_costs(y_B2C, w_2C), -1)).astype(jnp.float32).mean()
+  agree = (jnp.argmin(pred_BC, -1) == jnp.argmin(y_BC, -1)).astype(jnp.float32).mean()
   return loss, {"accuracy": agree}
 
 
