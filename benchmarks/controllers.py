@@ -100,6 +100,11 @@ Methods (`--methods`, comma-separated):
                     LEARNED`, the policy priced by this engine's costs where it has a priced
                     head): what decode.py's demo config decodes with; --block_size is then
                     only the other methods' size;
+  learned_fixed     learned_default's own engine decoding every request at --block_size:
+                    the learned sizes against a fixed size inside one engine (the same
+                    prices and start rule's history, as decode.py's comparison), where two
+                    engines of their own part as each follows its own timed calls; its loop
+                    calls, compiles and prices are reported under learned_default's engine;
   ar_twin           a second engine identical to ar, interleaved like any method: its ratio
                     to ar and that ratio's interval are what two identical programs read on
                     this machine in this run (the noise floor of every other row's interval);
@@ -158,6 +163,9 @@ included (a method's host work between calls leaves an accelerator idle). --warm
 decodes the first N groups with every method before the timed runs, untimed (a warm engine:
 its programs' first uses done, its prices and recent requests learned), and the report counts
 Python's garbage collections inside each method's timed loop calls (`gc_in_calls`).
+--precompile compiles every engine's programs first, as a server's start-up does (a learned
+engine has the most: its policy's sizes and prefill forms), so that no timed request compiles
+or collects what compiling left behind.
 
 The confidence methods and priced price their choices with the costs given (--controller_costs with
 --controller_draft_cost), or else with costs measured once here on this machine (one target
@@ -224,6 +232,7 @@ from bp_jax.decoding.costs import ForwardCosts, forward_costs
 from bp_jax.decoding.engine import LEARNED, Engine, decode_form
 from bp_jax.decoding.generation import Generation, forward_cost_units
 from bp_jax.decoding.options import BatchOptions, LoopOptions, ShapeOptions
+from bp_jax.decoding.sampling import form_of
 from bp_jax.eval.bootstrap import speedup_entry as bootstrap_entry
 from bp_jax.errors import BadInputError
 
@@ -236,7 +245,9 @@ METHODS = ("ar", "none", "backoff", "confidence_1step", "confidence", "confidenc
            "priced_default_full", "ar_twin", "priced_default_nomove",
            "priced_default_nodecline", "priced_default_decline", "priced_default_nogate",
            "priced_default_nohold", "priced_default_twin", "ar_padded", "ar_tied", "none_tied",
-           "learned_default")
+           "learned_default", "learned_fixed")
+# Methods that decode in another method's engine: method -> that method (which must run too).
+SHARED = {"learned_fixed": "learned_default"}
 
 common.define_flags("target", "drafter", "dtype", "max_len", "max_new_tokens", "block_size",
                     num_prompts=24, repeats=3,
@@ -247,6 +258,13 @@ flags.DEFINE_enum("half", "label", ["label", "eval"], "HumanEval half of configs
 flags.DEFINE_integer("warmup_groups", 0, "Groups of prompts every method decodes once, untimed, "
                      "before the timed ones (the first groups; 0: none): a warm engine's first "
                      "uses and online prices, and no tally of these calls")
+flags.DEFINE_bool("precompile", False, "before the timed runs every engine compiles the programs "
+                  "its requests may take (`Engine.precompile`: its sizes and the plain loop, a "
+                  "learned engine's policy prefills, at the run's request lengths and sampling "
+                  "form; batches: every attention window, each loop run once), as a server's "
+                  "start-up does, timed per method (`precompile_s`); then start-up's objects "
+                  "are kept out of garbage collections. Not with --shape (its forced drafts "
+                  "run loops of their own)")
 flags.DEFINE_integer("ar_fallback", 16, "most AR steps in a row of backoff and confidence*")
 flags.DEFINE_integer("long_ar_fallback", 64, "most AR steps in a row of priced_long")
 flags.DEFINE_integer("priced_cap", 64, "most AR steps in a row of priced_default (configs/"
@@ -336,7 +354,8 @@ def loop_method(method: str) -> str:
   """The method whose loop form `method` decodes with (a `_full` method: its base's;
   `START_RULES`' variants: priced_default's, their start rules set in `main`)."""
   if method in START_RULES or method in ("priced_default_nomove", "priced_default_nohold",
-                                          "priced_default_twin", "learned_default"):
+                                          "priced_default_twin", "learned_default",
+                                          "learned_fixed"):
     return "priced_default"
   if method in ("ar_twin", "ar_padded", "ar_tied"):
     return "ar"
@@ -529,6 +548,35 @@ def controller_costs(target, drafter, max_len: int
           "cached" if hit else "measured", measured)
 
 
+def precompile(engines: dict[str, Engine], methods: list[str], size: dict, prompts: list
+               ) -> dict[str, float]:
+  """Seconds each method's engine took to compile what its requests may take (`--precompile`):
+  its block size (a learned engine: its policy's sizes and policy prefills; an engine another
+  method shares, `SHARED`: that method's too), at every prompt's
+  length + --max_new_tokens, in the run's sampling form; then start-up's objects are frozen out
+  of garbage collections (`bp_jax.gc_freeze`), as a server's are."""
+  form = form_of([(FLAGS.temperature, FLAGS.top_k, 1.0, 0.0)])
+  lengths = [len(ids) + FLAGS.max_new_tokens for _, ids in prompts]
+  secs = {}
+  for m in methods:
+    if m in SHARED:  # its sizes compile in its owner's engine
+      continue
+    users = [m] + [u for u, owner in SHARED.items() if owner == m and u in methods]
+    sizes = {b for u in users
+             for b in (engines[m].policy_sizes if size[u] == LEARNED else (size[u],))}
+    learned = any(size[u] == LEARNED for u in users)
+    t0 = time.perf_counter()
+    engines[m].precompile(sorted(sizes), policy=learned,
+                          plain_prefill=any(size[u] != LEARNED for u in users),
+                          request_lengths=lengths, all_windows=FLAGS.batch_size > 1,
+                          forms=(form,))
+    secs[m] = round(time.perf_counter() - t0, 2)
+  frozen = freeze_after_startup()
+  print("  precompiled (s): " + ", ".join(f"{m} {s:.1f}" for m, s in secs.items())
+        + f"; {frozen:,} objects kept out of garbage collections", flush=True)
+  return secs
+
+
 def warm_up(engines: dict[str, Engine], methods: list[str], groups: list, size: dict,
             forced: dict, group_size: int) -> None:
   """Every method decodes `groups` once, untimed, in the timed runs' order (`--warmup_groups`):
@@ -623,7 +671,8 @@ PAIRS = (("priced", "backoff"), ("priced_online", "priced"), ("priced_long", "pr
          ("priced_default", "priced_default_nohold"),
          ("priced_default", "ar_padded"), ("ar", "ar_tied"), ("none", "none_tied"),
          ("priced_default", "ar_twin"), ("priced_default", "backoff"),
-         ("priced_default_twin", "priced_default"), ("learned_default", "priced_default"))
+         ("priced_default_twin", "priced_default"), ("learned_default", "priced_default"),
+         ("learned_default", "learned_fixed"), ("learned_fixed", "priced_default"))
 
 
 def method_pairs(methods: list[str]) -> list[tuple[str, str]]:
@@ -668,6 +717,12 @@ def main(_):
   methods = parse_methods(FLAGS.methods)
   if FLAGS.repeats < 1 or FLAGS.max_new_tokens < 1 or FLAGS.block_size < 2:
     raise BadInputError("--repeats and --max_new_tokens must be >= 1, --block_size >= 2")
+  for m, owner in SHARED.items():
+    if m in methods and owner not in methods:
+      raise BadInputError(f"--methods: {m} decodes in {owner}'s engine; add {owner}")
+  if FLAGS.precompile and FLAGS.shape:
+    raise BadInputError("--precompile with --shape: the forced drafts' loops are programs of "
+                        "their own that precompile does not build; give one or the other")
   if FLAGS.warmup_groups < 0:
     raise BadInputError(f"--warmup_groups must be >= 0, got {FLAGS.warmup_groups}")
   if FLAGS.group_size and FLAGS.group_size < FLAGS.batch_size:
@@ -701,7 +756,9 @@ def main(_):
                                              shrink=not (m.endswith("_full")
                                                          or FLAGS.sim_clock_ms),
                                              move_plain_after=move_plain_after(m)))
-             for m in methods}
+             for m in methods if m not in SHARED}
+  engines.update({m: engines[owner] for m, owner in SHARED.items() if m in methods})
+  own = [m for m in methods if m not in SHARED]  # one name per engine, for its own tallies
   for variant, (field, value) in START_RULES.items():
     if variant in engines:
       starts = engines[variant].starts
@@ -747,7 +804,9 @@ def main(_):
   per_repeat: dict[str, list[list[list]]] = {m: [] for m in methods}
   # Per group: (new tokens, wall seconds end to end) of each method's fastest repeat by them.
   walled: dict[str, list[tuple[int, float]]] = {m: [] for m in methods}
+  precompile_s = precompile(engines, methods, size, prompts) if FLAGS.precompile else {}
   warm_up(engines, methods, groups[:FLAGS.warmup_groups], size, forced, G)
+  compiled_before = {m: engines[m].compiled.total for m in own}  # what the timed runs compile
   pauses = GcPauses().start()  # Python's collections during the timed runs
   for i, group in enumerate(groups):
     runs: dict[str, list[list[Generation]]] = {m: [] for m in methods}
@@ -833,29 +892,33 @@ def main(_):
   if learned_sizes:
     print(f"  learned_default block sizes (fastest decodes): used {learned_sizes['used']}, "
           f"the policy's picks {learned_sizes['picked']}")
-  slot_use = {m: engines[m].slot_use for m in methods if engines[m].slot_use is not None}
+  slot_use = {m: engines[m].slot_use for m in own if engines[m].slot_use is not None}
   if slot_use:  # batches: the idle slots (e.g. each group's tail) cost as much as busy ones
     print("  slot use (share of batched slot time holding a decoding request, every repeat): "
           + ", ".join(f"{m} {u:.3f}" for m, u in slot_use.items()))
-  calls = {m: tally_json(engines[m].loop_calls) for m in methods}
+  calls = {m: tally_json(engines[m].loop_calls) for m in own}
   print("  loop calls by block size x slots, every repeat (a batched forward counts once):")
   for m, c in calls.items():
     print(f"    {m}: {calls_line(c)}")
-  compiles = {m: engines[m].compiled.summary() for m in methods}
+  compiles = {m: engines[m].compiled.summary() for m in own}
+  timed_compiles = {m: engines[m].compiled.total - compiled_before[m] for m in own}
   print("  compiled programs (count, seconds; programs taken from an engine built before): "
         + ", ".join(f"{m} {c['compilations']}, {c['compile_s']:.1f} s"
                     + (f" ({c['shared_programs']} shared)" if c["shared_programs"] else "")
                     for m, c in compiles.items()))
+  print("  programs compiled during the timed runs (a first use there: its compile and first "
+        "run in that repeat's wall time): "
+        + ", ".join(f"{m} {n}" for m, n in timed_compiles.items()))
   shrinks = {m: engines[m].shrink for m in methods if B > 1 and size[m] != 1}
   if shrinks:  # the engine's rule (`Engine.shrink`): where rows cost, a tail runs fewer slots
     print("  batch tails shrink: " + ", ".join(f"{m} {'yes' if v else 'no'}"
                                                for m, v in shrinks.items()))
-  batched = {m: batch_forwards(engines[m], costs) for m in methods} if B > 1 else {}
+  batched = {m: batch_forwards(engines[m], costs) for m in own} if B > 1 else {}
   if batched:
     print("  the batches' target forwards, every repeat (cost in AR steps of the table): "
           + "; ".join(f"{m} " + ", ".join(f"{k} {c}" for k, c in b["by_verify_length"].items())
                       + f" ({b['cost']:,.1f})" for m, b in batched.items()))
-  online = {m: engines[m].cost_estimate for m in methods
+  online = {m: engines[m].cost_estimate for m in own
             if m.startswith("priced") or m == "learned_default"}
   for m, est in online.items():
     for rows_, e in est["by_batch_size"].items():
@@ -863,12 +926,12 @@ def main(_):
             f"{e['break_even']} AR steps, AR step {e['ar_step_s']} s")
   # Collections inside timed calls, by the calls' wall clock (a simulated clock has none).
   gc_in_calls = ({} if FLAGS.sim_clock_ms else
-                 {m: pauses.inside(engines[m].call_log) for m in methods})
+                 {m: pauses.inside(engines[m].call_log) for m in own})
   if gc_in_calls:
     print("  Python GC collections inside timed loop calls (count, ms, longest; of the oldest "
           "generation): " + ", ".join(f"{m} {g['count']}, {g['ms']:.1f}, {g['max_ms']:.1f}; "
                                       f"{g['oldest']}" for m, g in gc_in_calls.items()))
-  call_logs = {m: [c.to_json() for c in engines[m].call_log] for m in methods
+  call_logs = {m: [c.to_json() for c in engines[m].call_log] for m in own
                if engines[m].call_log}
   first_calls = {m: first_call_against_peers(engines[m].call_log) for m in call_logs}
   first_calls = {m: f for m, f in first_calls.items() if f}
@@ -910,6 +973,7 @@ def main(_):
               "ar_fallback_accept": FLAGS.ar_fallback_accept, "methods": rows,
               "controller_costs": {**costs, "source": source}, "cost_estimates": online,
               "slot_use": slot_use, "drafted_every_repeat": drafted, "compiles": compiles,
+              "precompile_s": precompile_s, "timed_compiles": timed_compiles,
               "learned_block_sizes": learned_sizes,
               "policy": FLAGS.policy if learned_sizes else None,
               "loop_calls": calls,

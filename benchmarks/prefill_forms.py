@@ -34,6 +34,8 @@ flags.DEFINE_string("lengths", "128,256", "Length buckets (padded prompt lengths
 flags.DEFINE_integer("pad", 20, "Padding positions at the end of each bucket's prompt.")
 flags.DEFINE_integer("repeats", 40, "Prefills per form and length.")
 flags.DEFINE_integer("skip", 5, "First repeats not counted (compiles, first runs).")
+flags.DEFINE_float("temperature", 0.0, "Temperature of the first token each prefill samples "
+                   "(its sampling form: `sampling.form_of`); 0: greedy.")
 flags.DEFINE_string("out", "", "Optional JSON output path.")
 FLAGS = flags.FLAGS
 
@@ -44,13 +46,17 @@ def main(argv):
   from bp_jax.decoding.engine import Engine
   from bp_jax.decoding.options import ShapeOptions
   from bp_jax.decoding.programs import DraftContext
-  from bp_jax.decoding.sampling import SamplingForm, sampling_params
+  from bp_jax.decoding.sampling import form_of, sampling_params
+  from bp_jax.decoding.requests import check_sampling
   from bp_jax.errors import BadInputError
   from bp_jax.policy.features import FEATURE_TYPES
   from bp_jax.policy.mlp import load_policy
   lengths = [int(x) for x in FLAGS.lengths.split(",") if x.strip()]
   if FLAGS.repeats <= FLAGS.skip or FLAGS.skip < 0 or not lengths or FLAGS.pad < 0:
     raise BadInputError("--repeats must exceed --skip >= 0; --lengths non-empty; --pad >= 0")
+  check_sampling(FLAGS.temperature, 0, 1.0, 0.0)
+  settings = (FLAGS.temperature, 0, 1.0, 0.0)
+  sp, form = sampling_params(*settings), form_of([settings])
   models = common.load_models(FLAGS, tokenizer=False)
   policy, info = load_policy(FLAGS.policy)
   sizes = tuple(int(b) for b in info.block_sizes)
@@ -73,8 +79,8 @@ def main(argv):
     for rep in range(FLAGS.repeats):
       for name, kw in forms.items():
         buffers = engine.staging_buffers()
-        fn, args = engine._prefill(tokens, np.int32(n), jax.random.key(0), sampling_params(),
-                                   SamplingForm.GREEDY, buffers=buffers, **kw)
+        fn, args = engine._prefill(tokens, np.int32(n), jax.random.key(0), sp, form,
+                                   buffers=buffers, **kw)
         t0 = time.perf_counter()
         out = jax.block_until_ready(fn(*args))
         secs = time.perf_counter() - t0
@@ -89,7 +95,8 @@ def main(argv):
                                                                  for k, v in rows[P].items()),
           flush=True)
   result = {"date": time.strftime("%Y-%m-%d"), "command": common.command_line(),
-            "repeats_counted": FLAGS.repeats - FLAGS.skip, "median_ms_by_bucket": rows}
+            "repeats_counted": FLAGS.repeats - FLAGS.skip,
+            "temperature": FLAGS.temperature, "sampling_form": form.name, "median_ms_by_bucket": rows}
   print(json.dumps(result, indent=1))
   if FLAGS.out:
     common.write_json(FLAGS.out, result, indent=1)

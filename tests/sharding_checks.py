@@ -127,7 +127,9 @@ def check_priced_policy(target, drafter) -> dict:
       g = eng.generate(p, max_new_tokens=MAX_NEW, block_size=LEARNED)
       out["picks"].append(g.block_size)
       out["same_as_ar"] &= g.output_ids == eng.generate(p, max_new_tokens=MAX_NEW).output_ids
-  out["prices_spec"] = spec_of(eng.p_state["size_prices"][...])
+  placed = eng.p_state["size_prices"].get_value()
+  out["prices_replicated"] = (placed.sharding.is_fully_replicated
+                              and len(placed.sharding.device_set) == 8)
   out["prefills"] = eng.compiled.summary()["by_function"]["prefill"]
   return out
 

@@ -203,7 +203,10 @@ def test_a_first_call_is_weighed_against_later_calls_of_the_same_forwards():
 def test_the_learned_default_decodes_with_the_shipped_policy(tmp_path):
   """learned_default: the default's engine with demo/policy picking each request's block size
   (what decode.py's demo config runs): AR's tokens, and the sizes used and picked reported;
-  with --shape (forced drafts need a fixed size) it is refused, naming the flag."""
+  learned_fixed decodes at the fixed size in that same engine, its tallies under
+  learned_default's. --precompile leaves nothing to compile in the timed runs. With --shape
+  (forced drafts need a fixed size) learned_default is refused, naming the flag, and
+  learned_fixed without learned_default too."""
   out = tmp_path / "bench"
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
   run = lambda *args: subprocess.run(
@@ -211,13 +214,28 @@ def test_the_learned_default_decodes_with_the_shipped_policy(tmp_path):
        "--methods=learned_default", "--controller_costs=1,1.1,1.3,1.6,2.0",
        "--controller_draft_cost=0.8", "--bootstrap_reps=50", *args],
       cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-  proc = run("--num_prompts=2", "--half=eval", f"--out={out}")
+  proc = run("--num_prompts=2", "--half=eval", f"--out={out}",
+             "--methods=learned_default,learned_fixed")
   assert proc.returncode == 0, proc.stderr[-3000:]
   report = json.loads((out / "controllers.json").read_text())
   assert report["methods"]["learned_default"]["identical_to_ar"] == 2
+  assert report["methods"]["learned_fixed"]["identical_to_ar"] == 2
+  assert "learned_default/learned_fixed" in report["intervals"]
+  # one engine for both: compiled and tallied once, under the owner's name
+  assert set(report["compiles"]) == set(report["timed_compiles"]) == {"ar", "learned_default"}
+  assert report["precompile_s"] == {} and report["timed_compiles"]["learned_default"] > 0
   assert report["policy"] == "demo/policy"
   sizes = report["learned_block_sizes"]
   assert sum(sizes["used"].values()) == sum(sizes["picked"].values()) == 2, sizes
   assert "learned_default block sizes (fastest decodes)" in proc.stdout
   refused = run("--shape=tiny", "--num_prompts=1")
   assert refused.returncode != 0 and "--methods: learned_default" in refused.stderr
+  alone = run("--methods=learned_fixed", "--num_prompts=1")
+  assert alone.returncode != 0 and "learned_fixed decodes in learned_default's" in alone.stderr
+  ready = run("--num_prompts=1", "--half=eval", f"--out={tmp_path / 'ready'}", "--methods=ar",
+              "--precompile")
+  assert ready.returncode == 0, ready.stderr[-3000:]
+  report = json.loads((tmp_path / "ready" / "controllers.json").read_text())
+  assert set(report["precompile_s"]) == {"ar"} and report["timed_compiles"] == {"ar": 0}
+  assert "precompiled (s): ar " in ready.stdout
+

@@ -248,6 +248,6 @@ def test_a_priced_policys_prices_are_placed_on_the_mesh(checks):
   got = checks["priced_policy"]
   n = len(got["picks"]) // 3
   assert got["picks"] == [4] * n + [1] * n + [4] * n, got["picks"]
-  assert got["same_as_ar"] and got["prices_spec"] == [None]
+  assert got["same_as_ar"] and got["prices_replicated"]
   # the AR requests' plain prefill, and the learned one with its policy
   assert got["prefills"] == 2, got

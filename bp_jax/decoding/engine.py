@@ -481,9 +481,9 @@ class Engine:
                                                        rtol=PRICE_PLACE_RTOL, atol=0.0):
       return
     self.policy.set_prices(*got)  # the caller's policy keeps them too (`policy_prices`)
-    prices = self.policy.size_prices[...]
-    self.p_state["size_prices"][...] = (prices if self.mesh is None else
-                                        jax.device_put(prices, replicated(self.mesh)))
+    prices = self.policy.size_prices.get_value()  # (indexing it, `[...]`, runs a program)
+    self.p_state["size_prices"].set_value(prices if self.mesh is None else
+                                          jax.device_put(prices, replicated(self.mesh)))
     self._placed_prices = key
 
   # -- checks -------------------------------------------------------------------------------
@@ -618,7 +618,8 @@ class Engine:
     break-even at `rows` slots)."""
     if rows > 1 and self.may_start_plain:
       return self.prices.start_break_even(block_size, rows), True
-    return float(self.break_even_N(block_size, rows)[block_size]), False
+    # `break_even_N`'s entry (float32) without pricing every other length
+    return float(np.float32(self.prices.break_even(block_size, rows))), False
 
   def _plain_priced(self, rows: int) -> bool:
     """Whether the plain loop's step at batch size `rows` has been timed (a batch's start then

@@ -266,6 +266,17 @@ class _Fit:
     return float(self.theta[self.lengths.index(n)])
 
 
+def _memo(fn: Callable[[int], float]) -> Callable[[int], float]:
+  """`fn` (a fixed function of a verify length) with each value kept once computed."""
+  values: dict[int, float] = {}
+
+  def cached(n: int) -> float:
+    if n not in values:
+      values[n] = fn(n)
+    return values[n]
+  return cached
+
+
 def _ridge(A: np.ndarray, ridge: float) -> np.ndarray:
   """The fit's pull toward its previous estimate for the sums `A`: `ridge` times each
   parameter's own weight, and a tiny multiple of the mean weight (a parameter no call ran)."""
@@ -333,10 +344,12 @@ class OnlineCosts:
                by_prior: Sequence[int] = (), min_calls: int = MIN_CALLS,
                hold_outliers: bool = True, one_plain_floor: bool = True,
                size_shape: Callable[[int], float] | None = None):
-    self.prior = prior
+    # Both are fixed functions of n, read for every length priced (a block-size policy's sizes
+    # and the start rule's price: ~40 reads per request): each value is computed once.
+    self.prior = _memo(prior)
     # The start-up cost of a cycle over n tokens with its own block's drafter pass, where the
     # start-up timed the drafter over several blocks (`size_prices`); None: `prior`.
-    self.size_shape = size_shape or prior
+    self.size_shape = self.prior if size_shape is None else _memo(size_shape)
     self.one_plain_floor = bool(one_plain_floor)
     self.hold_outliers = bool(hold_outliers)
     self.min_calls = _check_count(min_calls, "min_calls")
@@ -366,7 +379,7 @@ class OnlineCosts:
     `rows`: batch_prior_floor or one_prior_floor times prior(n); `prior`: another start-up
     price than the controller's), max_break_even_per_token * n]."""
     share = self.batch_prior_floor if rows > 1 else self.one_prior_floor
-    floor = share * float((prior or self.prior)(n)) if n else 0.0
+    floor = share * float((prior or self.prior)(n)) if n and share else 0.0
     lo = max(self.min_break_even, floor)
     hi = max(lo, self.max_break_even_per_token * max(n, 1))
     return float(min(max(break_even, lo), hi))
