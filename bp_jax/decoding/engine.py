@@ -1038,17 +1038,23 @@ class Engine:
     pre = fn(*args)
     if context != DraftContext.BUILT:  # (only with a drafter: `_prefill_form`)
       pre = pre._replace(draft_cache=buffers[1])
-    block_size = self.policy_sizes[int(pre.policy_class)] if learned else req.block_size
-    if learned:
-      self._last_pick = block_size
+    # What the host reads, in one read-back (each array read alone is a transfer of its own):
+    # the policy's choice and scores, and the check of the prompt's logits (`check_prefill`).
+    bad, cls, scores_C = jax.device_get((pre.bad_logits, pre.policy_class, pre.policy_probs)
+                                        if learned else (pre.bad_logits, None, None))
     pre.first_tok.block_until_ready()
     secs = time.perf_counter() - t0
-    probs = ([round(float(p), 6) for p in np.asarray(pre.policy_probs)] if learned else None)
+    pre = pre._replace(bad_logits=bool(bad))
+    block_size = self.policy_sizes[int(cls)] if learned else req.block_size
+    if learned:
+      self._last_pick = block_size
+    probs = [round(float(p), 6) for p in scores_C] if learned else None
     return pre, block_size, secs, probs
 
   def check_prefill(self, pre, n: int) -> None:
-    """Raises the clear error of NaN/inf logits at the prompt's last position."""
-    if bool(pre.bad_logits):
+    """Raises the clear error of NaN/inf logits at the prompt's last position (`stage` read
+    the check back with the policy's choice)."""
+    if pre.bad_logits:
       self.raise_nonfinite(n, "the prefill")
 
   def insert_program(self, carry: LoopState, row: int, req: BatchRequest, pre,
