@@ -649,3 +649,23 @@ def test_the_summary_shows_the_online_estimate(models, requests):
   assert rec.online_line(plain) == (
       "; online (3 calls, batch 8): a cycle over 8 tokens costs 4.00 AR steps (4.000 ms per AR "
       "step), plain AR loop 3.600 ms per step (a cycle: 5.50 of them)")
+
+
+def test_start_up_prices_are_computed_once_per_verify_length():
+  """The start-up price functions are fixed functions of a verify length, read ~40 times per
+  learned request (its policy's sizes, the start check, the start): each value is computed
+  once, and the prices read are the functions' own."""
+  calls: dict[int, int] = {}
+
+  def counted(scale):
+    def price(n):
+      calls[(scale, n)] = calls.get((scale, n), 0) + 1
+      return scale * (1.0 + 0.25 * n)
+    return price
+
+  est = OnlineCosts(counted(1.0), size_shape=counted(2.0), one_prior_floor=0.5)
+  for _ in range(3):
+    sizes = est.size_prices([2, 4, 8], 1)
+    be = est.break_even_N(8, 1)
+  assert calls and set(calls.values()) == {1}, calls
+  assert be[4] == pytest.approx(2.0) and sizes[1] == pytest.approx(4.0)
