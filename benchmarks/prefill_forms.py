@@ -54,8 +54,8 @@ def main(argv):
   lengths = [int(x) for x in FLAGS.lengths.split(",") if x.strip()]
   if FLAGS.repeats <= FLAGS.skip or FLAGS.skip < 0 or not lengths or FLAGS.pad < 0:
     raise BadInputError("--repeats must exceed --skip >= 0; --lengths non-empty; --pad >= 0")
-  check_sampling(FLAGS.temperature, 0, 1.0, 0.0)
-  settings = (FLAGS.temperature, 0, 1.0, 0.0)
+  settings = (FLAGS.temperature, 0, 1.0, 0.0)  # (temperature, top_k, top_p, min_p)
+  check_sampling(*settings)
   sp, form = sampling_params(*settings), form_of([settings])
   models = common.load_models(FLAGS, tokenizer=False)
   policy, info = load_policy(FLAGS.policy)
@@ -96,7 +96,8 @@ def main(argv):
           flush=True)
   result = {"date": time.strftime("%Y-%m-%d"), "command": common.command_line(),
             "repeats_counted": FLAGS.repeats - FLAGS.skip,
-            "temperature": FLAGS.temperature, "sampling_form": form.name, "median_ms_by_bucket": rows}
+            "temperature": FLAGS.temperature, "sampling_form": form.name,
+            "median_ms_by_bucket": rows}
   print(json.dumps(result, indent=1))
   if FLAGS.out:
     common.write_json(FLAGS.out, result, indent=1)

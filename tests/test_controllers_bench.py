@@ -238,4 +238,3 @@ def test_the_learned_default_decodes_with_the_shipped_policy(tmp_path):
   report = json.loads((tmp_path / "ready" / "controllers.json").read_text())
   assert set(report["precompile_s"]) == {"ar"} and report["timed_compiles"] == {"ar": 0}
   assert "precompiled (s): ar " in ready.stdout
-

@@ -655,7 +655,7 @@ def test_start_up_prices_are_computed_once_per_verify_length():
   """The start-up price functions are fixed functions of a verify length, read ~40 times per
   learned request (its policy's sizes, the start check, the start): each value is computed
   once, and the prices read are the functions' own."""
-  calls: dict[int, int] = {}
+  calls: dict[tuple[float, int], int] = {}
 
   def counted(scale):
     def price(n):

@@ -41,7 +41,9 @@ class PrefillOut(NamedTuple):
   # classify head, shrunk expected value ratios (not probabilities) for a value head.
   policy_probs: jax.Array | None = None
   policy_class: jax.Array | None = None  # [] int32 the chosen class = index of the chosen bucket
-  bad_logits: jax.Array | None = None    # [] bool: the last prompt position's logits hold NaN/inf
+  # [] bool: the last prompt position's logits hold NaN/inf (a host bool once `Engine.stage`
+  # read it back with the policy's choice)
+  bad_logits: jax.Array | bool | None = None
   # [n, 1, P, D] the drafter's chosen target layers' outputs over the padded prompt, kept for
   # its context built later (`make_prefill(context_layers=...)`, `make_draft_context`); None
   # where the prefill built the context itself or none is wanted.

@@ -66,6 +66,7 @@ forward or reports a non-positive or non-finite time is not an observation.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Callable, Mapping, Sequence
 
@@ -266,17 +267,6 @@ class _Fit:
     return float(self.theta[self.lengths.index(n)])
 
 
-def _memo(fn: Callable[[int], float]) -> Callable[[int], float]:
-  """`fn` (a fixed function of a verify length) with each value kept once computed."""
-  values: dict[int, float] = {}
-
-  def cached(n: int) -> float:
-    if n not in values:
-      values[n] = fn(n)
-    return values[n]
-  return cached
-
-
 def _ridge(A: np.ndarray, ridge: float) -> np.ndarray:
   """The fit's pull toward its previous estimate for the sums `A`: `ridge` times each
   parameter's own weight, and a tiny multiple of the mean weight (a parameter no call ran)."""
@@ -346,10 +336,10 @@ class OnlineCosts:
                size_shape: Callable[[int], float] | None = None):
     # Both are fixed functions of n, read for every length priced (a block-size policy's sizes
     # and the start rule's price: ~40 reads per request): each value is computed once.
-    self.prior = _memo(prior)
+    self.prior = functools.cache(prior)
     # The start-up cost of a cycle over n tokens with its own block's drafter pass, where the
     # start-up timed the drafter over several blocks (`size_prices`); None: `prior`.
-    self.size_shape = self.prior if size_shape is None else _memo(size_shape)
+    self.size_shape = self.prior if size_shape is None else functools.cache(size_shape)
     self.one_plain_floor = bool(one_plain_floor)
     self.hold_outliers = bool(hold_outliers)
     self.min_calls = _check_count(min_calls, "min_calls")
