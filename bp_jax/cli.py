@@ -111,9 +111,18 @@ def check_config_fields(config_default: str) -> None:
 
 def run(main: Callable, doc: str | None = None, config_default: str | None = None) -> None:
   """`absl.app.run(main)`, except that `--help` prints the usage, the flags and the config
-  fields and exits 0."""
+  fields and exits 0, and that a `BadInputError` out of `main` (a file, flag or limit at
+  fault) exits 1 with its message, not a traceback."""
   from absl import app
+  from bp_jax.errors import BadInputError
+  prog = os.path.basename(sys.argv[0])
   if any(a in HELP_ARGS for a in sys.argv[1:]):
-    sys.stdout.write(_help(os.path.basename(sys.argv[0]), doc, config_default, sys.argv[1:]))
+    sys.stdout.write(_help(prog, doc, config_default, sys.argv[1:]))
     sys.exit(0)
-  app.run(main)
+
+  def main_or_error(argv):
+    try:
+      return main(argv)
+    except BadInputError as e:
+      sys.exit(f"{prog}: error: {e}")
+  app.run(main_or_error)

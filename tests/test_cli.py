@@ -36,6 +36,15 @@ def test_a_missing_config_file_is_named(run_cli):
   assert res.rc == 2 and "configs/no_such.py" in res.stderr.strip().splitlines()[-1]
 
 
+def test_a_benchmarks_bad_flag_is_one_line_not_a_traceback(run_cli):
+  """Every script started by `cli.run` turns a `BadInputError` (a flag, file or the machine's
+  memory-map limit at fault) into one line naming it and exit status 1."""
+  res = run_cli("benchmarks/controllers.py", "--repeats=0")
+  assert res.rc == 1 and "Traceback" not in res.stderr, res.stderr
+  assert res.stderr.strip().splitlines()[-1] == (
+      "controllers.py: error: --repeats and --max_new_tokens must be >= 1, --block_size >= 2")
+
+
 def test_prompts_are_shown_whole_or_from_a_line_start():
   assert prompt_tail("def f():\n  return 1\n") == "def f():\n  return 1\n"
   text = "".join(f"line {i:02d} " + "x" * 30 + "\n" for i in range(30))

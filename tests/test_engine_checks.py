@@ -237,6 +237,23 @@ def test_shared_programs_yield_where_the_process_maps_too_much(models, monkeypat
   assert len(compiled_lib._shared) == 3  # AR loop join the newest
 
 
+def test_a_compilation_that_would_pass_the_map_limit_is_refused(models, monkeypatch):
+  """Past `vm.max_map_count` XLA:CPU's JIT aborts the process: a compilation whose kind has
+  mapped more regions than the process has left is refused with an error that says so and
+  what to change, after the shared programs yield; the engine serves again once there is
+  room."""
+  target, drafter = models
+  eng = _engine(target, drafter)
+  monkeypatch.setattr(compiled_lib, "_added", {"prefill": 900})
+  monkeypatch.setattr(compiled_lib, "maps_in_use", lambda: (61_500, 65_530))
+  with pytest.raises(compiled_lib.MapLimitError, match=r"compiling \('prefill'.*needs about "
+                     r"900 more memory regions.*61,500 memory regions.*vm.max_map_count=65,530"):
+    eng.generate(PROMPT, max_new_tokens=6, block_size=1)
+  assert eng.compiled.total == 0 and not compiled_lib._shared
+  monkeypatch.setattr(compiled_lib, "maps_in_use", lambda: (1_000, 65_530))
+  assert eng.generate(PROMPT, max_new_tokens=6, block_size=1).output_ids
+
+
 def test_forced_drafts_are_a_separate_program(models):
   """The perfect drafter of tests compiles its own loop; the production loop takes no forced
   tokens (one [1, S] int32 buffer, the sequence, instead of two) and is what requests run."""

@@ -96,6 +96,19 @@ def test_per_row_stop_ids_and_no_compilation_for_new_values(models):
     assert h.output_ids == g.output_ids[:cut]
 
 
+def test_a_full_precompile_leaves_a_fresh_engine_nothing_to_compile(models):
+  """A server's start-up (`precompile(all_windows=True)`) compiles every program its batches
+  take, a request's insertion into a slot included: its first requests compile nothing."""
+  eng = _engine(models, 2, shrink=True)
+  eng.precompile([4], all_windows=True, forms=tuple(SamplingForm))
+  compiled = dict(eng.compiled.counts)
+  assert compiled["insert"] == 1  # into its bucket (this engine starts no request plain)
+  prompts, max_news = _requests(len(SETTINGS), seed=5)
+  eng.generate_batch(prompts, max_new_tokens=max_news, block_size=4, seeds=1,
+                     **_columns(SETTINGS))
+  assert dict(eng.compiled.counts) == compiled
+
+
 def test_bad_per_request_settings_name_the_field(models):
   eng = _engine(models, 2)
   with pytest.raises(BadInputError, match="top_p"):

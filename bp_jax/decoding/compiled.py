@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import gc
 import threading
 import time
 from typing import Any, Callable, Hashable
@@ -21,6 +22,7 @@ import jax
 import numpy as np
 
 from bp_jax import compile_cache
+from bp_jax.errors import BadInputError
 
 SHARED_PROGRAMS = 64  # executables kept for the process's engines (least recently used out)
 # XLA:CPU maps each executable's code into many memory regions (~420 per decoding loop of the
@@ -29,6 +31,13 @@ SHARED_PROGRAMS = 64  # executables kept for the process's engines (least recent
 # write segfaults (seen in full test runs with 256 kept). The shared programs also yield, least
 # recently used first, while the process holds more than this share of that limit.
 MAP_SHARE = 0.5
+# Past the limit XLA:CPU's JIT aborts the whole process ("Unable to allocate section memory"):
+# a compilation whose program may take the process past this share of it is refused instead
+# (`MapLimitError`), after the shared programs yield. A decoding loop of the demo's models
+# maps ~650 regions (a batch-16 learned engine's full precompile, 7 sizes x 5 slot counts x 4
+# windows, passed 65,530; docs/results/controller.md).
+MAP_LIMIT_SHARE = 0.95
+_added: dict[str, int] = {}  # function name -> the most regions one compilation of it mapped
 _shared: collections.OrderedDict = collections.OrderedDict()
 _shared_lock = threading.Lock()
 
@@ -65,6 +74,45 @@ def maps_in_use() -> tuple[int, int] | None:
 def _over_budget() -> bool:
   use = maps_in_use()
   return use is not None and use[0] > MAP_SHARE * use[1]
+
+
+class MapLimitError(BadInputError):
+  """A compilation would take the process past the kernel's limit on its memory maps
+  (`vm.max_map_count`), where XLA:CPU's JIT aborts the process: the engine holds more programs
+  than this machine's limit allows; the message says how many it holds and what to change."""
+
+
+def map_limit_advice(in_use: int, limit: int) -> str:
+  """What to do when the programs a process needs pass its memory-map limit."""
+  return (f"this process maps {in_use:,} memory regions of the kernel's limit "
+          f"vm.max_map_count={limit:,} (XLA:CPU maps each compiled program's code into "
+          f"hundreds; past the limit its compiler aborts the process). Raise the limit "
+          f"(`sudo sysctl -w vm.max_map_count=262144`), or run fewer programs: fewer block "
+          f"sizes (--config.block_sizes), no shrinking batch tails (--config.shrink_batches=False), a "
+          f"smaller --config.max_len (fewer attention windows)")
+
+
+def expected_maps(name: str) -> int:
+  """The regions a compilation of function `name` is expected to map: the most one of it
+  mapped in this process, else the most any compilation did (0 before the first)."""
+  return _added.get(name, max(_added.values(), default=0))
+
+
+def check_map_room(name: str, need: int | None = None, what: str = "") -> None:
+  """Refuses (`MapLimitError`) to go on where compiling `need` more regions (default: one
+  program of `name`, `expected_maps`) would take the process past `MAP_LIMIT_SHARE` of its
+  limit, after the shared programs yield (those that no engine holds free their maps)."""
+  need = expected_maps(name) if need is None else need
+  use = maps_in_use()
+  if use is None or use[0] + need <= MAP_LIMIT_SHARE * use[1]:
+    return
+  with _shared_lock:
+    _shared.clear()
+  gc.collect()  # executables held by reference cycles only
+  use = maps_in_use()
+  if use is not None and use[0] + need > MAP_LIMIT_SHARE * use[1]:
+    raise MapLimitError(f"{what or 'compiling ' + name}: it needs about {need:,} more memory "
+                        f"regions, and {map_limit_advice(*use)}")
 
 
 def _trace_context() -> tuple:
@@ -129,8 +177,13 @@ class CompiledCache:
       if fn is not None:
         self.shared += 1
       else:
+        check_map_room(key[0], what=f"compiling {key!r}")
+        maps0 = maps_in_use()
         kw = {} if out_shardings is None else {"out_shardings": out_shardings}
         fn = jax.jit(make(), donate_argnums=donate_argnums, **kw).lower(*args).compile()
+        maps1 = maps_in_use()
+        if maps0 is not None and maps1 is not None:
+          _added[key[0]] = max(_added.get(key[0], 0), maps1[0] - maps0[0])
         self.cache_hits += compile_cache.hits() > hits0
         if shared_key is not None:
           with _shared_lock:

@@ -14,6 +14,7 @@ once per (length bucket, policy architecture); no request compiles anything new.
 from __future__ import annotations
 
 import collections
+import functools
 import time
 from typing import Callable, Sequence
 
@@ -35,6 +36,7 @@ from bp_jax.decoding.start_backoff import StartBackoff, StartChoice
 from bp_jax.decoding.options import (PAD_AR_BELOW, BatchOptions, LoopOptions, ShapeOptions,
                                      declines_by_costs)
 from bp_jax.decoding.policy_binding import check_policy_fits
+from bp_jax.decoding.precompiling import PrecompileStep, run_steps
 from bp_jax.decoding.programs import (WARMUP_TOKENS, DraftContext, LoopPrograms, request_window,
                                      window_buckets, window_for)
 from bp_jax.decoding.requests import RequestChecks, check_sampling
@@ -691,14 +693,16 @@ class Engine:
   def precompile(self, block_sizes: Sequence[int], length_buckets: Sequence[int] | None = None,
                  policy: bool = False, plain_prefill: bool = True,
                  request_lengths: Sequence[int] = (), all_windows: bool = False,
-                 forms: Sequence[SamplingForm] = (SamplingForm.GREEDY,)) -> dict:
+                 forms: Sequence[SamplingForm] = (SamplingForm.GREEDY,),
+                 progress: bool | None = None) -> dict:
     """Compiles prefill for each length bucket and the loop of each block size ahead of time
     (`policy`: also the prefill that runs the policy; `plain_prefill`: the one without); with
     batch_size > 1, the batched loops instead of the one-request loops, which are compiled for
     the attention windows that requests of these lengths (prompt + max_new_tokens) take
     (`request_window`; none given: the loops over all slots). `all_windows` (batched): the
     batched loops for every attention window a call may pick (`programs.window_buckets`), each
-    also run once (its warm-up), and every change of a bucket's size (`resize_program`), so
+    also run once (its warm-up), a request's insertion into a slot (`insert_program`) and
+    every change of a bucket's size (`resize_program`), so
     that no request compiles anything: a server's start-up (with the moves of a speculative
     bucket's rows to the plain one, `BatchOptions.move_plain_after`). With
     `BatchOptions.shrink` the batched loops are compiled for every size of `slot_sizes`.
@@ -708,15 +712,21 @@ class Engine:
       raise BadInputError("precompile(policy=True) on an engine without a policy")
     for b in block_sizes:
       self.check_block_size(b)
-    for form in forms:
-      self._precompile(block_sizes, length_buckets, policy, plain_prefill, request_lengths,
-                       all_windows, SamplingForm(form))
+    steps = [step for form in forms for step in self._precompile_steps(
+        block_sizes, length_buckets, policy, plain_prefill, request_lengths, all_windows,
+        SamplingForm(form))]
+    run_steps(steps, progress)
     return self.compiled.summary()
 
-  def _precompile(self, block_sizes, length_buckets, policy, plain_prefill, request_lengths,
-                  all_windows, form: SamplingForm) -> None:
-    """`precompile` for one sampling form (its arguments checked)."""
-    key, z, sp = jax.random.key(0), jnp.int32(1), sampling_params()
+  def _precompile_steps(self, block_sizes, length_buckets, policy, plain_prefill,
+                        request_lengths, all_windows, form: SamplingForm
+                        ) -> list[PrecompileStep]:
+    """`precompile`'s steps for one sampling form (its arguments checked), in order."""
+    seed_key, z, sp = jax.random.key(0), jnp.int32(1), sampling_params()
+    steps: list[PrecompileStep] = []
+    add = lambda kind, program, done, build: steps.append(
+        PrecompileStep(kind, build, program, done))
+    never = lambda: False
     # A request that would start deep may run the plain AR loop (`starts_plain`), a bucket or not.
     plain = ((1,) if 1 not in block_sizes and any(b > 1 for b in block_sizes)
              and self.may_start_plain else ())
@@ -725,44 +735,71 @@ class Engine:
     kinds = dict.fromkeys(self._prefill_form(False, b, False)[0]
                           for b in tuple(block_sizes) + plain) or [DraftContext.BUILT]
     learned = self._learned_contexts()
+
+    def policy_prefill(tokens_1P, context):
+      fn, _ = self._prefill(tokens_1P, z, seed_key, sp, form, with_policy=True,
+                            context=context)
+      if context == DraftContext.LATER:  # and its drafter context, built after it
+        hiddens = fn.out_info.context_hiddens
+        self.programs.draft_context((self.d_weights, hiddens, z, self.draft_cache))
+
     for P in length_buckets or self.length_buckets:
       tokens_1P = jnp.zeros((1, P), jnp.int32)
       for context in kinds if plain_prefill else ():
-        self._prefill(tokens_1P, z, key, sp, form, context=context)
+        add("prefill", None, never, functools.partial(self._prefill, tokens_1P, z, seed_key,
+                                                      sp, form, context=context))
       for context in learned if policy else ():
-        fn, args = self._prefill(tokens_1P, z, key, sp, form, with_policy=True, context=context)
-        if context == DraftContext.LATER:  # and its drafter context, built after it
-          hiddens = fn.out_info.context_hiddens
-          self.programs.draft_context((self.d_weights, hiddens, z, self.draft_cache))
+        add("policy prefill", None, never, functools.partial(policy_prefill, tokens_1P, context))
     if self.batch_size > 1:
+      # Shapes suffice on one device; on a mesh the placements count too (a carry is then
+      # made when its step runs, not held by the list). Keys read shapes alone.
+      shape_of = functools.cache(
+          lambda b, rows: jax.eval_shape(functools.partial(self.slot_carry, b, rows=rows)))
+      carry_of = lambda b, rows: (self.slot_carry(b, rows=rows) if self.mesh is not None
+                                  else shape_of(b, rows))
+      loop_args = lambda b, rows: (
+          ((self.t_weights,) if b == 1 else (self.t_weights, self.d_weights))
+          + (carry_of(b, rows), self._stop_arr, self._sync_arr))
+      compiled_key = lambda pkey: lambda: pkey in self.compiled
       for b in tuple(block_sizes) + plain:
+        loop = "ar loop" if b == 1 else "spec loop"
         for rows in self.slot_sizes():  # the batch's, then its tail's (`BatchOptions.shrink`)
-          # Shapes suffice on one device; on a mesh the placements count too.
-          carry = (self.slot_carry(b, rows=rows) if self.mesh is not None else
-                   jax.eval_shape(lambda: self.slot_carry(b, rows=rows)))
-          args = ((self.t_weights,) if b == 1 else (self.t_weights, self.d_weights)) + (
-              carry, self._stop_arr, self._sync_arr)
-          self.programs.batched_loop(b, rows, None, args, form=form)
+          for w in window_buckets(self.max_len) if all_windows and self.sync_cycles > 0 else ():
+            max_pos = max(0, w - b * (1 + self.sync_cycles // 2))
+            pkey = self.programs.batched_loop_key(
+                b, rows, window_for(max_pos, b, self.sync_cycles, self.max_len), False, form)
+            add(loop, pkey, lambda pkey=pkey: (pkey in self.compiled
+                                            and pkey in self.programs.warmup_seconds),
+                lambda b=b, rows=rows, max_pos=max_pos: self.slots_program(
+                    b, self.slot_carry(b, rows=rows), max_pos=max_pos, form=form))
+          pkey = self.programs.batched_loop_key(b, rows, None, False, form)  # one warmed above
+          add(loop, pkey, compiled_key(pkey), lambda b=b, rows=rows: self.programs.batched_loop(
+              b, rows, None, loop_args(b, rows), form=form))
           if not all_windows:
             continue
-          if self.sync_cycles > 0:
-            for w in window_buckets(self.max_len):
-              idle = self.slot_carry(b, rows=rows)
-              self.slots_program(b, idle, max_pos=max(0, w - b * (1 + self.sync_cycles // 2)),
-                                 form=form)
+          if rows == self.batch_size:  # a request's insertion into a free slot
+            pkey = self.programs.insert_key(shape_of(b, rows))
+            add("insert", pkey, compiled_key(pkey), lambda b=b: self.insert_program(
+                carry_of(b, self.batch_size), 0, BatchRequest(0, [0], 1, 0, b),
+                decode_loops.PrefillOut(z, *self.staging_buffers(), None, None)))
           for size in self.slot_sizes():  # shrinking to any smaller size, growing back to B
             if size < rows or (size == self.batch_size and rows < size):
-              self.resize_program(carry, [], size)
+              pkey = self.programs.resize_key(shape_of(b, rows), size)
+              add("resize", pkey, compiled_key(pkey), lambda b=b, rows=rows, size=size:
+                  self.resize_program(carry_of(b, rows), [], size))
           if b > 1 and self.may_start_plain and self.move_plain_after:  # its rows moving to
-            dst = (self.slot_carry(1) if self.mesh is not None else  # the plain bucket
-                   jax.eval_shape(lambda: self.slot_carry(1)))
-            self.move_program(dst, 0, carry, 0)
-      return
+            pkey = self.programs.move_key(shape_of(1, self.batch_size), shape_of(b, rows))
+            add("move", pkey, compiled_key(pkey), lambda b=b, rows=rows: self.move_program(
+                carry_of(1, self.batch_size), 0, carry_of(b, rows), 0))  # the plain bucket
+      return steps
     pre = decode_loops.PrefillOut(z, self.cache, self.draft_cache, None, None)
     for b in tuple(block_sizes) + plain:
       windows = [request_window(n + b, self.max_len) for n in request_lengths] or [None]
       for window in dict.fromkeys(windows):
-        self.programs.loop(b, self._loop_args(pre, z, z, sp, key, b), window=window, form=form)
+        add("ar loop" if b == 1 else "spec loop", None, never,
+            lambda b=b, window=window: self.programs.loop(
+                b, self._loop_args(pre, z, z, sp, seed_key, b), window=window, form=form))
+    return steps
 
   # -- public -------------------------------------------------------------------------------
   def encode_padded(self, prompt_ids: Sequence[int]) -> tuple[np.ndarray, int]:

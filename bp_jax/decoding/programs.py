@@ -242,30 +242,44 @@ class LoopPrograms:
                        forced: bool = False, form: SamplingForm = SamplingForm.ANY) -> tuple:
     return self.options.for_loop(block_size, forced, window, form).key(batch)
 
+  @staticmethod
+  def insert_key(state) -> tuple:
+    """The key of `insert`'s program into `state` (concrete or abstract)."""
+    return ("insert", state.seq_BS.shape[0], state.draft_cache is not None,
+            state.forced_BS is not None)
+
   def insert(self, args: tuple):
     """The compiled slot insertion (`loops.make_insert`) for a state's shapes."""
     s = args[0]
-    key = ("insert", s.seq_BS.shape[0], s.draft_cache is not None, s.forced_BS is not None)
-    return self.cache.get(key, loops.make_insert, args, donate_argnums=(0,),
+    return self.cache.get(self.insert_key(s), loops.make_insert, args, donate_argnums=(0,),
                           out_shardings=_placements_of(s), program=("insert",))
+
+  @staticmethod
+  def resize_key(state, size: int) -> tuple:
+    """The key of `resize`'s program for `state` (concrete or abstract) to `size` rows."""
+    return ("resize", state.seq_BS.shape[0], size, state.draft_cache is not None,
+            state.forced_BS is not None)
+
+  @staticmethod
+  def move_key(state, src) -> tuple:
+    """The key of `move`'s program from a slot of `src` into one of `state`."""
+    return ("move", state.seq_BS.shape[0], src.seq_BS.shape[0], state.draft_cache is not None,
+            src.draft_cache is not None, state.forced_BS is not None, src.forced_BS is not None)
 
   def resize(self, args: tuple):
     """The compiled change of a batched state's row count (`LoopState.take_rows`), for
     (state, rows_R, keep_R): one compilation per (rows before, rows after) and state form."""
-    s, rows_R = args[0], args[1]
-    key = ("resize", s.seq_BS.shape[0], rows_R.shape[0], s.draft_cache is not None,
-           s.forced_BS is not None)
-    return self.cache.get(key, lambda: lambda state, rows, keep: state.take_rows(rows, keep),
+    return self.cache.get(self.resize_key(args[0], args[1].shape[0]),
+                          lambda: lambda state, rows, keep: state.take_rows(rows, keep),
                           args, program=("resize",))
 
   def move(self, args: tuple):
     """The compiled move of one request between batched states (`LoopState.with_row_from`),
     for (state, row, source state, source row), the state donated: one compilation per
     (rows, source rows) and state forms."""
-    s, src = args[0], args[2]
-    key = ("move", s.seq_BS.shape[0], src.seq_BS.shape[0], s.draft_cache is not None,
-           src.draft_cache is not None, s.forced_BS is not None, src.forced_BS is not None)
-    return self.cache.get(key, lambda: lambda state, row, source, source_row:
+    s = args[0]
+    return self.cache.get(self.move_key(s, args[2]),
+                          lambda: lambda state, row, source, source_row:
                           state.with_row_from(row, source, source_row),
                           args, donate_argnums=(0,), out_shardings=_placements_of(s),
                           program=("move",))
