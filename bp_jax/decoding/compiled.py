@@ -35,7 +35,7 @@ MAP_SHARE = 0.5
 # a compilation whose program may take the process past this share of it is refused instead
 # (`MapLimitError`), after the shared programs yield. A decoding loop of the demo's models
 # maps ~650 regions (a batch-16 learned engine's full precompile, 7 sizes x 5 slot counts x 4
-# windows, passed 65,530; docs/results/controller.md).
+# windows, passed 65,530; docs/cpu_xeon167/map_limit_2026-12-05).
 MAP_LIMIT_SHARE = 0.95
 _added: dict[str, int] = {}  # function name -> the most regions one compilation of it mapped
 _shared: collections.OrderedDict = collections.OrderedDict()
@@ -78,8 +78,9 @@ def _over_budget() -> bool:
 
 class MapLimitError(BadInputError):
   """A compilation would take the process past the kernel's limit on its memory maps
-  (`vm.max_map_count`), where XLA:CPU's JIT aborts the process: the engine holds more programs
-  than this machine's limit allows; the message says how many it holds and what to change."""
+  (`vm.max_map_count`), where XLA:CPU's JIT aborts the process: the process holds more
+  programs than this machine's limit allows; the message says how many regions it maps, how
+  many the compilation needs, and what to change."""
 
 
 def map_limit_advice(in_use: int, limit: int) -> str:
@@ -88,8 +89,9 @@ def map_limit_advice(in_use: int, limit: int) -> str:
           f"vm.max_map_count={limit:,} (XLA:CPU maps each compiled program's code into "
           f"hundreds; past the limit its compiler aborts the process). Raise the limit "
           f"(`sudo sysctl -w vm.max_map_count=262144`), or run fewer programs: fewer block "
-          f"sizes (--config.block_sizes), no shrinking batch tails (--config.shrink_batches=False), a "
-          f"smaller --config.max_len (fewer attention windows)")
+          f"sizes (--config.block_sizes), no shrinking batch tails "
+          f"(--config.shrink_batches=False), a smaller --config.max_len (fewer attention "
+          f"windows)")
 
 
 def expected_maps(name: str) -> int:

@@ -4,11 +4,12 @@ its memory maps (`compiled.MapLimitError`) instead of minutes later, when XLA:CP
 
 `Engine.precompile` lists the steps (`PrecompileStep`: what it compiles and how); `run_steps`
 compiles them, each program once (a step whose program an earlier step compiles, or one done
-already, is left out: the count and the estimate are of what will compile). After the first step of each kind it knows what one program of that kind maps
-(the mean over its steps so far: a program another engine compiled maps nothing), and it
-refuses as soon as the steps left would pass `compiled.MAP_LIMIT_SHARE` of the limit (a
-batch-16 learned engine's 120 loops of 7 sizes needed ~95,000 regions of a 65,530 limit here;
-docs/results/controller.md).
+already, is left out: the count and the estimate are of what will compile). After the first
+step of each kind it knows what one program of that kind maps (the mean over its steps so far:
+a program another engine compiled maps nothing), and it refuses as soon as the steps left would
+pass `compiled.MAP_LIMIT_SHARE` of the limit (a batch-16 learned engine's full precompile,
+207 programs, needed ~105,000 regions of a 65,530 limit here;
+docs/cpu_xeon167/map_limit_2026-12-05).
 """
 
 from __future__ import annotations
