@@ -206,8 +206,8 @@ def warm_up(engine, block_size: int) -> float:
   """Compiles (or loads) everything a request can run before the server takes requests: the
   prefills of every length bucket, the batched loop of `block_size` for every attention window
   (`Engine.precompile(all_windows=True)`) in each sampling form (`sampling.SamplingForm`: a
-  request may ask for any settings), and the slot insertion (one short request). Returns
-  the seconds it took."""
+  request may ask for any settings) with the slot insertions; then one short request runs
+  through the scheduler (its host-side first uses). Returns the seconds it took."""
   t0 = time.perf_counter()
   engine.precompile([block_size], all_windows=True, forms=tuple(SamplingForm))
   sched = engine.scheduler(track_progress=False)
