@@ -71,8 +71,10 @@ def maps_in_use() -> tuple[int, int] | None:
     return None
 
 
-def _over_budget() -> bool:
-  use = maps_in_use()
+def _over_budget(use: tuple[int, int] | None = None) -> bool:
+  """Whether the process maps more than `MAP_SHARE` of its limit (`use`: `maps_in_use` read
+  already; None: read now)."""
+  use = maps_in_use() if use is None else use
   return use is not None and use[0] > MAP_SHARE * use[1]
 
 
@@ -100,14 +102,17 @@ def expected_maps(name: str) -> int:
   return _added.get(name, max(_added.values(), default=0))
 
 
-def check_map_room(name: str, need: int | None = None, what: str = "") -> None:
+def check_map_room(name: str, need: int | None = None, what: str = "",
+                   use: tuple[int, int] | None = None) -> tuple[int, int] | None:
   """Refuses (`MapLimitError`) to go on where compiling `need` more regions (default: one
   program of `name`, `expected_maps`) would take the process past `MAP_LIMIT_SHARE` of its
-  limit, after the shared programs yield (those that no engine holds free their maps)."""
+  limit, after the shared programs yield (those that no engine holds free their maps). `use`:
+  `maps_in_use` read already (None: read now; a read costs ~20 ms at 30,000 regions).
+  Returns the process's maps as it goes on (`maps_in_use`)."""
   need = expected_maps(name) if need is None else need
-  use = maps_in_use()
+  use = maps_in_use() if use is None else use
   if use is None or use[0] + need <= MAP_LIMIT_SHARE * use[1]:
-    return
+    return use
   with _shared_lock:
     _shared.clear()
   gc.collect()  # executables held by reference cycles only
@@ -115,6 +120,7 @@ def check_map_room(name: str, need: int | None = None, what: str = "") -> None:
   if use is not None and use[0] + need > MAP_LIMIT_SHARE * use[1]:
     raise MapLimitError(f"{what or 'compiling ' + name}: it needs about {need:,} more memory "
                         f"regions, and {map_limit_advice(*use)}")
+  return use
 
 
 def _trace_context() -> tuple:
@@ -179,8 +185,7 @@ class CompiledCache:
       if fn is not None:
         self.shared += 1
       else:
-        check_map_room(key[0], what=f"compiling {key!r}")
-        maps0 = maps_in_use()
+        maps0 = check_map_room(key[0], what=f"compiling {key!r}")
         kw = {} if out_shardings is None else {"out_shardings": out_shardings}
         fn = jax.jit(make(), donate_argnums=donate_argnums, **kw).lower(*args).compile()
         maps1 = maps_in_use()
@@ -190,8 +195,10 @@ class CompiledCache:
         if shared_key is not None:
           with _shared_lock:
             _shared[shared_key] = fn
-            while len(_shared) > SHARED_PROGRAMS or (len(_shared) > 1 and _over_budget()):
+            use = maps1  # read again after each program let go
+            while len(_shared) > SHARED_PROGRAMS or (len(_shared) > 1 and _over_budget(use)):
               _shared.popitem(last=False)
+              use = None
       self.seconds[key] = time.perf_counter() - t0
       self.counts[key[0]] += 1
       self._fns[key] = fn

@@ -66,15 +66,16 @@ def run_steps(steps: Sequence[PrecompileStep], progress: bool | None = None) -> 
   process's share of its limit."""
   order = kinds_first(to_run(steps))
   added: dict[str, list[int]] = {}
+  use = compiled.maps_in_use()  # each step's reading after it is the next one's before it
   for i, step in enumerate(tqdm(order, desc="precompiling", unit="program",
                                 disable=None if progress is None else not progress)):
     mean = {k: sum(v) / len(v) for k, v in added.items()}
     need = int(sum(mean.get(s.kind, 0.0) for s in order[i:]))
-    compiled.check_map_room(step.kind, need,
-                            what=f"precompile ({i} of {len(order)} programs compiled, "
-                                 f"{len(order) - i} left)")
-    before = compiled.maps_in_use()
+    use = compiled.check_map_room(step.kind, need, use=use,
+                                  what=f"precompile ({i} of {len(order)} programs compiled, "
+                                       f"{len(order) - i} left)")
     step.build()
     after = compiled.maps_in_use()
-    if before is not None and after is not None:
-      added.setdefault(step.kind, []).append(max(0, after[0] - before[0]))
+    if use is not None and after is not None:
+      added.setdefault(step.kind, []).append(max(0, after[0] - use[0]))
+    use = after
