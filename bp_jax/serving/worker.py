@@ -7,7 +7,9 @@ Handlers live on the asyncio loop; a `Job` carries a thread-safe `emit` back to 
   Done(finish_reason, usage)       the request ended ("stop": a stop token or string;
                                    "length": max_tokens)
   Failed(ApiError)                 the request alone failed (400: refused by the engine, 500: its
-                                   logits turned NaN/inf); the others go on
+                                   logits turned NaN/inf); the others go on. A loop call that
+                                   raises fails every request in flight (503: a program would
+                                   pass the machine's memory-map limit; 500: a bug)
 A cancelled request (client gone, `cancel`) leaves its slot at the next loop return.
 """
 
@@ -21,6 +23,7 @@ import threading
 import time
 from typing import Any, Callable
 
+from bp_jax.decoding.compiled import MapLimitError
 from bp_jax.decoding.sampling import SamplingForm
 from bp_jax.errors import BadInputError
 from bp_jax.serving.metrics import Metrics
@@ -112,11 +115,8 @@ class EngineWorker:
         continue
       try:
         report = self.sched.step()
-      except Exception as e:  # a bug: fail what is in flight, start over with a fresh scheduler
-        log.exception("engine step failed")
-        for job in list(self.jobs.values()):
-          self._fail(job, ApiError(500, f"the engine failed: {type(e).__name__}: {e}",
-                                   type="server_error", code="engine_error"))
+      except Exception as e:  # fail what is in flight, start over with a fresh scheduler
+        self._fail_in_flight(e)
         self.sched = self.engine.scheduler(track_progress=True)
         continue
       self._dispatch(report)
@@ -186,6 +186,20 @@ class EngineWorker:
     n = len(job.params.prompt_ids)
     job.emit(Done(reason, {"prompt_tokens": n, "completion_tokens": job.tokens,
                            "total_tokens": n + job.tokens}))
+
+  def _fail_in_flight(self, e: Exception) -> None:
+    """Fails every request in flight after a loop call raised `e`: 503 where a program would
+    pass the machine's memory-map limit (`compiled.MapLimitError`: the machine's, no bug;
+    its message says what to change), 500 otherwise (a bug, logged with its traceback)."""
+    if isinstance(e, MapLimitError):
+      log.error("engine step refused: %s", e)
+      error = lambda: ApiError(503, str(e), type="server_error", code="map_limit")
+    else:
+      log.exception("engine step failed")
+      error = lambda: ApiError(500, f"the engine failed: {type(e).__name__}: {e}",
+                               type="server_error", code="engine_error")
+    for job in list(self.jobs.values()):
+      self._fail(job, error())
 
   def _fail(self, job: Job, error: ApiError) -> None:
     self.jobs.pop(job.id, None)
