@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import queue
 
-import pytest
-
 from bp_jax.decoding import compiled
 from bp_jax.decoding.engine import Engine
 from bp_jax.decoding.options import BatchOptions, ShapeOptions
