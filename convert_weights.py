@@ -35,29 +35,27 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)  # no absl INFO lines (backend probing, orbax)
   F = flags.FLAGS
   from bp_jax.weights import convert
-  try:
-    if not F.out_dir:
-      raise BadInputError("--out_dir is required")
-    if F.to_hf:
-      if not F.ckpt_dir:
-        raise BadInputError("--to_hf needs --ckpt_dir (the bp_jax checkpoint to export)")
-      for name in ("hf_dir", "tokenizer", "target_dir"):
-        if getattr(F, name):
-          raise BadInputError(f"--{name} applies to converting from Hugging Face, not to "
-                              "--to_hf (which exports --ckpt_dir with its own tokenizer)")
-      kind = convert.export_to_hf(F.ckpt_dir, F.out_dir, overwrite=F.overwrite, dtype=F.dtype)
-      print(f"exported {kind} checkpoint {F.ckpt_dir} -> {F.out_dir} (Hugging Face layout)")
-    else:
-      if not F.hf_dir:
-        raise BadInputError("--hf_dir is required (or --to_hf with --ckpt_dir)")
-      if F.ckpt_dir:
-        raise BadInputError("--ckpt_dir is the checkpoint --to_hf exports; to convert from "
-                            "Hugging Face give --hf_dir")
-      kind = convert.convert_from_hf(F.hf_dir, F.out_dir, dtype=F.dtype, overwrite=F.overwrite,
-                                     tokenizer=F.tokenizer, target_dir=F.target_dir)
-      print(f"converted {kind} checkpoint {F.hf_dir} -> {F.out_dir}")
-  except BadInputError as e:
-    raise SystemExit(f"convert_weights.py: error: {e}")
+  # a BadInputError: one line (`cli.run`)
+  if not F.out_dir:
+    raise BadInputError("--out_dir is required")
+  if F.to_hf:
+    if not F.ckpt_dir:
+      raise BadInputError("--to_hf needs --ckpt_dir (the bp_jax checkpoint to export)")
+    for name in ("hf_dir", "tokenizer", "target_dir"):
+      if getattr(F, name):
+        raise BadInputError(f"--{name} applies to converting from Hugging Face, not to "
+                            "--to_hf (which exports --ckpt_dir with its own tokenizer)")
+    kind = convert.export_to_hf(F.ckpt_dir, F.out_dir, overwrite=F.overwrite, dtype=F.dtype)
+    print(f"exported {kind} checkpoint {F.ckpt_dir} -> {F.out_dir} (Hugging Face layout)")
+  else:
+    if not F.hf_dir:
+      raise BadInputError("--hf_dir is required (or --to_hf with --ckpt_dir)")
+    if F.ckpt_dir:
+      raise BadInputError("--ckpt_dir is the checkpoint --to_hf exports; to convert from "
+                          "Hugging Face give --hf_dir")
+    kind = convert.convert_from_hf(F.hf_dir, F.out_dir, dtype=F.dtype, overwrite=F.overwrite,
+                                   tokenizer=F.tokenizer, target_dir=F.target_dir)
+    print(f"converted {kind} checkpoint {F.hf_dir} -> {F.out_dir}")
 
 
 if __name__ == "__main__":

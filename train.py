@@ -16,7 +16,6 @@ from absl import app, logging
 from ml_collections import config_flags
 
 from bp_jax import cli
-from bp_jax.errors import BadInputError
 
 cli.check_config_fields("configs/demo.py")
 _CONFIG = config_flags.DEFINE_config_file(
@@ -32,11 +31,8 @@ def main(argv):
   from bp_jax import compile_cache
   from bp_jax.train import stages
   cfg = _CONFIG.value
-  try:
-    compile_cache.enable(cfg.get("compile_cache", compile_cache.DEFAULT))
-    stages.run_stages(cfg, " ".join(sys.argv))
-  except BadInputError as e:
-    sys.exit(f"train.py: error: {e}")
+  compile_cache.enable(cfg.get("compile_cache", compile_cache.DEFAULT))
+  stages.run_stages(cfg, " ".join(sys.argv))  # a BadInputError: one line (`cli.run`)
 
 
 if __name__ == "__main__":

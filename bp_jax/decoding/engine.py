@@ -757,24 +757,21 @@ class Engine:
           lambda b, rows: jax.eval_shape(functools.partial(self.slot_carry, b, rows=rows)))
       carry_of = lambda b, rows: (self.slot_carry(b, rows=rows) if self.mesh is not None
                                   else shape_of(b, rows))
-      loop_args = lambda b, rows: (
-          ((self.t_weights,) if b == 1 else (self.t_weights, self.d_weights))
-          + (carry_of(b, rows), self._stop_arr, self._sync_arr))
       compiled_key = lambda pkey: lambda: pkey in self.compiled
       for b in tuple(block_sizes) + plain:
         loop = "ar loop" if b == 1 else "spec loop"
         for rows in self.slot_sizes():  # the batch's, then its tail's (`BatchOptions.shrink`)
           for w in window_buckets(self.max_len) if all_windows and self.sync_cycles > 0 else ():
             max_pos = max(0, w - b * (1 + self.sync_cycles // 2))
-            pkey = self.programs.batched_loop_key(
-                b, rows, window_for(max_pos, b, self.sync_cycles, self.max_len), False, form)
+            pkey = self.programs.batched_loop_key(b, rows, self._slots_window(b, max_pos),
+                                                  False, form)
             add(loop, pkey, lambda pkey=pkey: (pkey in self.compiled
                                             and pkey in self.programs.warmup_seconds),
                 lambda b=b, rows=rows, max_pos=max_pos: self.slots_program(
                     b, self.slot_carry(b, rows=rows), max_pos=max_pos, form=form))
           pkey = self.programs.batched_loop_key(b, rows, None, False, form)  # one warmed above
           add(loop, pkey, compiled_key(pkey), lambda b=b, rows=rows: self.programs.batched_loop(
-              b, rows, None, loop_args(b, rows), form=form))
+              b, rows, None, self._slots_args(b, carry_of(b, rows)), form=form))
           if not all_windows:
             continue
           if rows == self.batch_size:  # a request's insertion into a free slot
@@ -1125,15 +1122,24 @@ class Engine:
     need one slot each). Compiles the loop and runs
     it once on a copy of the carry (its first run's fixed cost) on first use, before any clock
     starts."""
-    states = (self.t_weights,) if block_size == 1 else (self.t_weights, self.d_weights)
-    args = states + (carry, self._stop_arr, self._sync_arr)
-    window = (None if max_pos is None else
-              window_for(max_pos, block_size, self.sync_cycles, self.max_len, ar_steps))
+    args = self._slots_args(block_size, carry)
+    window = self._slots_window(block_size, max_pos, ar_steps)
     rows = int(carry.pos_B.shape[0])
     fn = self.programs.batched_loop(block_size, rows, window, args, forced, form)
     key = self.programs.batched_loop_key(block_size, rows, window, forced, form)
     self.programs.warm_batched(key, fn, args, block_size)
     return fn, args
+
+  def _slots_args(self, block_size: int, carry: LoopState) -> tuple:
+    """A batched loop's arguments around `carry` (concrete or abstract)."""
+    states = (self.t_weights,) if block_size == 1 else (self.t_weights, self.d_weights)
+    return states + (carry, self._stop_arr, self._sync_arr)
+
+  def _slots_window(self, block_size: int, max_pos: int | None, ar_steps: int = 0
+                    ) -> int | None:
+    """The attention window of `slots_program`'s loop (`programs.window_for`; None: all)."""
+    return (None if max_pos is None else
+            window_for(max_pos, block_size, self.sync_cycles, self.max_len, ar_steps))
 
   @staticmethod
   def raise_nonfinite(pos: int, where: str) -> None:
