@@ -217,7 +217,8 @@ def main(_):
       "throughput_ratio": round((server_tokens / wall) / (engine_tokens / engine_wall), 3),
       "server_metrics": {k: v for k, v in __import__(
           "bp_jax.serving.metrics", fromlist=["parse"]).parse(metrics_text).items()
-          if "tau" in k or "per_forward" in k or "compilations" in k or "cancelled" in k},
+          if "tau" in k or "per_forward" in k or "compilations" in k or "cancelled" in k
+          or "let_go" in k},
   }
   common.write_json(os.path.join(FLAGS.out, "serve_load.json"), result)
   print(json.dumps(result, indent=2))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -240,9 +241,10 @@ def test_shared_programs_yield_where_the_process_maps_too_much(models, monkeypat
 def test_a_compilation_that_would_pass_the_map_limit_is_refused(models, monkeypatch):
   """Past `vm.max_map_count` XLA:CPU's JIT aborts the process: a compilation whose kind has
   mapped more regions than the process has left is refused with an error that says so and
-  what to change, after the shared programs yield; the engine serves again once there is
-  room."""
+  what to change, after the shared programs and the engines' (none here) yield; the engine
+  serves again once there is room."""
   target, drafter = models
+  monkeypatch.setattr(compiled_lib, "_caches", weakref.WeakSet())  # this engine's alone
   eng = _engine(target, drafter)
   monkeypatch.setattr(compiled_lib, "_added", {"prefill": 900})
   monkeypatch.setattr(compiled_lib, "maps_in_use", lambda: (61_500, 65_530))

@@ -26,6 +26,7 @@ class FakeMaps:
 def fake(monkeypatch):
   maps = FakeMaps(1_000, 10_000)
   monkeypatch.setattr(compiled, "maps_in_use", lambda: (maps.in_use, maps.limit))
+  monkeypatch.setattr(compiled, "_added", {})
   return maps
 
 
@@ -76,3 +77,14 @@ def test_each_program_compiles_once_and_done_work_is_left_out(fake):
   assert to_run(steps) == [steps[0]]
   run_steps(steps, progress=False)
   assert fake.built == ["loop"] and fake.in_use == 1_600
+
+
+def test_a_start_up_compiles_what_fits_and_leaves_the_rest(fake, monkeypatch):
+  """With `fit` (a server's start-up) the steps run in order until the next one's program may
+  not fit (the most one of its kind mapped): 14 loops of 600 regions and a resize fit from
+  1,000 under 95% of 10,000; the 8 steps left are counted, none refused, none let go."""
+  steps = [fake.step("loop", 600) for _ in range(20)] + [fake.step("resize", 30)] * 3
+  assert run_steps(steps, progress=False, fit=True) == 8
+  assert fake.built == ["loop", "resize"] + ["loop"] * 13 and fake.in_use == 9_430
+  monkeypatch.setattr(compiled, "_added", {"spec loop": 600})  # what compilations mapped
+  assert run_steps([fake.step("loop", 600)], progress=False, fit=True) == 1  # no room

@@ -5,13 +5,17 @@ to change, and the thread goes on serving once there is room."""
 from __future__ import annotations
 
 import queue
+import weakref
+
+import pytest
 
 from bp_jax.decoding import compiled
 from bp_jax.decoding.engine import Engine
 from bp_jax.decoding.options import BatchOptions, ShapeOptions
 from bp_jax.serving.metrics import Metrics
 from bp_jax.serving.protocol import GenParams
-from bp_jax.serving.worker import Done, EngineWorker, Failed, Job
+from bp_jax.serving.worker import Done, EngineWorker, Failed, Job, warm_up
+from live_maps import live_maps
 from toy_models import zeros_drafter_pair
 
 V = 48
@@ -34,6 +38,7 @@ def _ask(worker: EngineWorker, prompt_ids: list[int]):
 
 def test_a_loop_past_the_map_limit_is_answered_503_and_the_server_goes_on(monkeypatch):
   target, _ = zeros_drafter_pair(V)
+  monkeypatch.setattr(compiled, "_caches", weakref.WeakSet())  # this engine's programs alone
   engine = Engine(target, stop_ids=[V - 1], shapes=ShapeOptions(max_len=64, length_buckets=(16,)),
                   batching=BatchOptions(batch_size=2, sync_cycles=2))
   worker = EngineWorker(engine, DigitTokenizer(), Metrics(), block_size=1)
@@ -50,3 +55,31 @@ def test_a_loop_past_the_map_limit_is_answered_503_and_the_server_goes_on(monkey
   finally:
     worker.stop(timeout=60)
   assert not worker.thread.is_alive()
+
+
+@pytest.fixture
+def room_for_four(monkeypatch):
+  yield from live_maps(monkeypatch, 4)
+
+
+def test_a_start_up_past_the_map_limit_serves_compiling_the_rest_on_first_use(room_for_four):
+  """Where the server's programs (prefill, plain and speculative loops in every window, form
+  and slot count, insertions, resizes) pass the memory-map limit, its start-up compiles what
+  fits and says how many are left; requests are then served, the least recently used
+  programs making room for those they need."""
+  target, drafter = zeros_drafter_pair(V)
+  engine = Engine(target, drafter=drafter, stop_ids=[V - 1],
+                  shapes=ShapeOptions(max_len=64, length_buckets=(16,)),
+                  batching=BatchOptions(batch_size=2, sync_cycles=2))
+  secs, left = warm_up(engine, 4)
+  assert left > 0 and secs > 0 and len(engine.compiled.keys()) <= 4
+  metrics = Metrics()
+  worker = EngineWorker(engine, DigitTokenizer(), metrics, block_size=4)
+  worker.start()
+  try:
+    for prompt in ([3, 4, 5], [9, 8, 7, 6, 5, 4, 3, 2, 1, 9, 8, 7]):
+      done = _ask(worker, prompt)
+      assert isinstance(done, Done) and done.usage["completion_tokens"] >= 1
+  finally:
+    worker.stop(timeout=60)
+  assert engine.compiled.evicted >= 1 and metrics.programs_let_go == engine.compiled.evicted

@@ -14,8 +14,11 @@ from __future__ import annotations
 import collections
 import contextlib
 import gc
+import itertools
+import logging
 import threading
 import time
+import weakref
 from typing import Any, Callable, Hashable
 
 import jax
@@ -32,14 +35,20 @@ SHARED_PROGRAMS = 64  # executables kept for the process's engines (least recent
 # recently used first, while the process holds more than this share of that limit.
 MAP_SHARE = 0.5
 # Past the limit XLA:CPU's JIT aborts the whole process ("Unable to allocate section memory"):
-# a compilation whose program may take the process past this share of it is refused instead
-# (`MapLimitError`), after the shared programs yield. A decoding loop of the demo's models
-# maps ~650 regions (a batch-16 learned engine's full precompile, 7 sizes x 5 slot counts x 4
-# windows, passed 65,530; docs/cpu_xeon167/map_limit_2026-12-05).
+# a compilation whose program may take the process past this share of it first makes room,
+# the shared programs and then the engines' least recently used ones yielding (a program let
+# go compiles again on its next use), and is refused (`MapLimitError`) only where nothing is
+# left to let go. A decoding loop of the demo's models maps ~650 regions (a batch-16 learned
+# engine's full precompile, 7 sizes x 5 slot counts x 4 windows, passed 65,530;
+# docs/cpu_xeon167/map_limit_2026-12-05).
 MAP_LIMIT_SHARE = 0.95
 _added: dict[str, int] = {}  # function name -> the most regions one compilation of it mapped
 _shared: collections.OrderedDict = collections.OrderedDict()
 _shared_lock = threading.Lock()
+_caches: "weakref.WeakSet[CompiledCache]" = weakref.WeakSet()  # every engine's cache
+_clock = itertools.count(1)  # programs' last uses, in order across the caches
+_room_lock = threading.RLock()  # one process-wide making of room at a time
+log = logging.getLogger("bp_jax.compiled")
 
 
 @contextlib.contextmanager
@@ -102,21 +111,65 @@ def expected_maps(name: str) -> int:
   return _added.get(name, max(_added.values(), default=0))
 
 
+def _let_shared_go() -> tuple[int, int] | None:
+  """Drops the shared programs (those that no engine holds free their maps) and returns the
+  process's maps after."""
+  with _shared_lock:
+    _shared.clear()
+  gc.collect()  # executables held by reference cycles only
+  return maps_in_use()
+
+
+def _held_programs() -> list[tuple[int, "CompiledCache", tuple]]:
+  """(last use, cache, key) of every program the process's engines hold, least recently used
+  first."""
+  held = [(cache.last_use(key), cache, key) for cache in list(_caches) for key in cache.keys()]
+  held.sort(key=lambda h: h[0])
+  return held
+
+
+def _let_engines_go(need: int, use: tuple[int, int]) -> tuple[tuple[int, int] | None, int]:
+  """Lets the engines' least recently used programs go until `need` more regions fit under
+  `MAP_LIMIT_SHARE` of the limit, or none is left. Returns (maps after, programs let go)."""
+  gone = 0
+  while use is not None and use[0] + need > MAP_LIMIT_SHARE * use[1]:
+    held = _held_programs()
+    if not held:
+      break
+    short, freed = use[0] + need - MAP_LIMIT_SHARE * use[1], 0
+    for _, cache, key in held:  # about what the reading says is missing, then read again
+      freed += cache.evict(key)
+      gone += 1
+      if freed >= short:
+        break
+    gc.collect()
+    use = maps_in_use()
+  return use, gone
+
+
 def check_map_room(name: str, need: int | None = None, what: str = "",
-                   use: tuple[int, int] | None = None) -> tuple[int, int] | None:
-  """Refuses (`MapLimitError`) to go on where compiling `need` more regions (default: one
-  program of `name`, `expected_maps`) would take the process past `MAP_LIMIT_SHARE` of its
-  limit, after the shared programs yield (those that no engine holds free their maps). `use`:
-  `maps_in_use` read already (None: read now; a read costs ~20 ms at 30,000 regions).
-  Returns the process's maps as it goes on (`maps_in_use`)."""
+                   use: tuple[int, int] | None = None, evict: bool = True
+                   ) -> tuple[int, int] | None:
+  """Makes room for compiling `need` more regions (default: one program of `name`,
+  `expected_maps`) under `MAP_LIMIT_SHARE` of the process's limit: the shared programs yield
+  (those that no engine holds free their maps), then, with `evict`, the engines' least
+  recently used programs (`CompiledCache.evict`: each compiles again on its next use). Refuses
+  (`MapLimitError`) where that is not enough. `use`: `maps_in_use` read already (None: read
+  now; a read costs ~20 ms at 30,000 regions). Returns the process's maps as it goes on."""
   need = expected_maps(name) if need is None else need
   use = maps_in_use() if use is None else use
   if use is None or use[0] + need <= MAP_LIMIT_SHARE * use[1]:
     return use
-  with _shared_lock:
-    _shared.clear()
-  gc.collect()  # executables held by reference cycles only
-  use = maps_in_use()
+  with _room_lock:
+    use = _let_shared_go()
+    if evict and use is not None and use[0] + need > MAP_LIMIT_SHARE * use[1]:
+      before = use[0]
+      use, gone = _let_engines_go(need, use)
+      if gone:
+        log.warning("%s: let %d compiled programs go (%s memory regions mapped before, %s "
+                    "after, of vm.max_map_count=%s); each compiles again on its next use",
+                    what or "compiling " + name, gone, f"{before:,}",
+                    f"{use[0]:,}" if use else "?", f"{use[1]:,}" if use else "?")
   if use is not None and use[0] + need > MAP_LIMIT_SHARE * use[1]:
     raise MapLimitError(f"{what or 'compiling ' + name}: it needs about {need:,} more memory "
                         f"regions, and {map_limit_advice(*use)}")
@@ -156,14 +209,22 @@ def _shared_key(program: Hashable, args: tuple, donate_argnums: tuple[int, ...])
 
 
 class CompiledCache:
-  """Compiles `jax.jit(fn)` once per key (a bucket) and reuses it; counts every compilation."""
+  """Compiles `jax.jit(fn)` once per key (a bucket) and reuses it; counts every compilation.
+  Near the process's memory-map limit its least recently used programs may be let go
+  (`check_map_room`, `evict`): such a program compiles again on its next use."""
 
   def __init__(self):
     self._fns: dict[Hashable, Any] = {}
+    self._used: dict[Hashable, int] = {}   # key -> its last use (`_clock`)
+    self._maps: dict[Hashable, int] = {}   # key -> regions its compilation mapped
     self.counts: collections.Counter = collections.Counter()  # name -> compilations
     self.seconds: dict[Hashable, float] = {}                   # key -> compile seconds
     self.cache_hits = 0  # compilations served by the persistent compilation cache
     self.shared = 0      # programs taken from another engine of this process
+    self.evicted = 0     # programs let go near the map limit (each compiles again when used)
+    # Called with a key let go: what was kept about the program (its warm-up) goes with it.
+    self.on_evict: list[Callable[[Hashable], None]] = []
+    _caches.add(self)
 
   def get(self, key: tuple, make: Callable[[], Callable], args: tuple,
           donate_argnums: tuple[int, ...] = (), out_shardings: Any = None,
@@ -174,6 +235,7 @@ class CompiledCache:
     function): the process's other engines then share the executable for equal arguments'
     signatures; None: this cache's own (also with `out_shardings`)."""
     fn = self._fns.get(key)
+    self._used[key] = next(_clock)
     if fn is None:
       t0, hits0 = time.perf_counter(), compile_cache.hits()
       shared_key = (None if program is None or out_shardings is not None
@@ -188,9 +250,11 @@ class CompiledCache:
         maps0 = check_map_room(key[0], what=f"compiling {key!r}")
         kw = {} if out_shardings is None else {"out_shardings": out_shardings}
         fn = jax.jit(make(), donate_argnums=donate_argnums, **kw).lower(*args).compile()
+        self._fns[key] = fn  # held before the reading (what tests' fake maps count)
         maps1 = maps_in_use()
         if maps0 is not None and maps1 is not None:
-          _added[key[0]] = max(_added.get(key[0], 0), maps1[0] - maps0[0])
+          self._maps[key] = maps1[0] - maps0[0]
+          _added[key[0]] = max(_added.get(key[0], 0), self._maps[key])
         self.cache_hits += compile_cache.hits() > hits0
         if shared_key is not None:
           with _shared_lock:
@@ -207,6 +271,25 @@ class CompiledCache:
   def __contains__(self, key) -> bool:
     return key in self._fns
 
+  def keys(self) -> list:
+    return list(self._fns)
+
+  def last_use(self, key) -> int:
+    return self._used.get(key, 0)
+
+  def evict(self, key) -> int:
+    """Lets the program of `key` go (it compiles again on its next use; `on_evict` is told).
+    Returns the regions it is expected to free: what its compilation mapped, else what one of
+    its function does (`expected_maps`; a program shared with another engine frees them only
+    when that one lets it go too)."""
+    if self._fns.pop(key, None) is None:
+      return 0
+    self._used.pop(key, None)
+    self.evicted += 1
+    for hook in self.on_evict:
+      hook(key)
+    return self._maps.pop(key, 0) or expected_maps(key[0])
+
   def program_text(self, key) -> str:
     """The compiled program of `key` as XLA's optimised HLO text (what tests and benchmarks
     read instructions from: its `conditional`s, its cache-sized copies)."""
@@ -222,5 +305,6 @@ class CompiledCache:
   def summary(self) -> dict:
     return {"compilations": self.total, "by_function": dict(self.counts),
             "compile_cache_hits": self.cache_hits, "shared_programs": self.shared,
+            "programs_let_go": self.evicted,
             "compile_s": round(self.compile_seconds(), 3),
             "per_key_s": {"/".join(map(str, k)): round(s, 3) for k, s in self.seconds.items()}}

@@ -694,7 +694,7 @@ class Engine:
                  policy: bool = False, plain_prefill: bool = True,
                  request_lengths: Sequence[int] = (), all_windows: bool = False,
                  forms: Sequence[SamplingForm] = (SamplingForm.GREEDY,),
-                 progress: bool | None = None) -> dict:
+                 progress: bool | None = None, fit: bool = False) -> dict:
     """Compiles prefill for each length bucket and the loop of each block size ahead of time
     (`policy`: also the prefill that runs the policy; `plain_prefill`: the one without); with
     batch_size > 1, the batched loops instead of the one-request loops, which are compiled for
@@ -707,7 +707,10 @@ class Engine:
     bucket's rows to the plain one, `BatchOptions.move_plain_after`). With
     `BatchOptions.shrink` the batched loops are compiled for every size of `slot_sizes`.
     `forms`: the sampling forms requests will need (`sampling.form_of` of their settings; each
-    program is compiled once per form: greedy requests alone, the default, need GREEDY)."""
+    program is compiled once per form: greedy requests alone, the default, need GREEDY).
+    Refuses (`compiled.MapLimitError`) where the programs would pass the process's memory-map
+    limit, or with `fit` compiles those that fit, in order, and leaves the rest to compile on
+    first use (a server's start-up). The summary's `precompile_left` counts those left."""
     if policy and self.p_graph is None:
       raise BadInputError("precompile(policy=True) on an engine without a policy")
     for b in block_sizes:
@@ -715,8 +718,8 @@ class Engine:
     steps = [step for form in forms for step in self._precompile_steps(
         block_sizes, length_buckets, policy, plain_prefill, request_lengths, all_windows,
         SamplingForm(form))]
-    run_steps(steps, progress)
-    return self.compiled.summary()
+    left = run_steps(steps, progress, fit)
+    return {**self.compiled.summary(), "precompile_left": left}
 
   def _precompile_steps(self, block_sizes, length_buckets, policy, plain_prefill,
                         request_lengths, all_windows, form: SamplingForm

@@ -11,6 +11,8 @@ when scraped. Figures, one meaning each (as `decoding.generation`):
                       drafts declined)
   requests_finished   finished requests by the loop they ran in: "speculative", "plain" (the
                       plain AR loop from the start: drafting was losing) or "moved_plain"
+  programs_let_go     compiled programs let go near the process's memory-map limit to make room
+                      for others (`compiled.check_map_room`); each compiles again when next used
   start_*             the priced start rule now, for the server's bucket (`StartChoice`): the
                       recent τ (NaN until enough cycles), the price it is weighed against, and
                       whether a new request would start plain
@@ -49,6 +51,7 @@ class Metrics:
     self.slots = 0
     self.queue_length = 0
     self.compilations = 0
+    self.programs_let_go = 0
     self.in_flight = 0
     self.start_choice = None                # the server bucket's `StartChoice` (None: unpriced)
 
@@ -133,6 +136,8 @@ class Metrics:
              [({}, self.in_flight)])
       metric("compilations", "gauge", "Programs the engine compiled since start-up.",
              [({}, self.compilations)])
+      metric("programs_let_go", "gauge", "Compiled programs let go near the memory-map limit "
+             "(each compiles again when next used).", [({}, self.programs_let_go)])
       metric("cancelled_total", "counter", "Requests dropped (client gone, stop string).",
              [({}, self.cancelled)])
       metric("failed_total", "counter", "Requests that failed in the engine (e.g. NaN logits).",

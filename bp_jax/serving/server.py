@@ -42,7 +42,7 @@ def build_service(cfg, *, batch_size: int, api_key: str | None = None,
   block_size = int(cfg.block_size) if cfg.mode == "spec" else 1
   engine.check_block_size(block_size)
   load_s = time.perf_counter() - t0
-  warm_s = warm_up(engine, block_size)
+  warm_s, left = warm_up(engine, block_size)
   frozen = freeze_after_startup()  # later collections skip what start-up made
   name = model_name or os.path.basename(os.path.normpath(str(cfg.target)))
   limits = Limits(model=name, max_len=engine.max_len, block_size=block_size,
@@ -56,6 +56,7 @@ def build_service(cfg, *, batch_size: int, api_key: str | None = None,
   info = {"model": name, "block_size": block_size, "batch_size": engine.batch_size,
           "max_len": engine.max_len, "load_s": round(load_s, 2),
           "compile_s": round(warm_s, 2), "compilations": engine.compiled.total,
+          "left_to_compile": left,
           "compile_cache": cache_dir, "gc_frozen_objects": frozen}
   return svc, info
 
@@ -74,9 +75,11 @@ def serve(cfg, *, host: str, port: int, batch_size: int, api_key: str | None = N
                     "(--api_key or $%s)", host, API_KEY_ENV)
   svc, info = build_service(cfg, batch_size=batch_size, api_key=api_key,
                             max_body_bytes=max_body_bytes, model_name=model_name)
+  left = (f"; {info['left_to_compile']} left to compile on first use"
+          if info["left_to_compile"] else "")
   print(f"serve.py: model {info['model']!r}, block_size {info['block_size']}, "
         f"{info['batch_size']} slots, max_len {info['max_len']}; loaded in {info['load_s']} s, "
-        f"compiled in {info['compile_s']} s ({info['compilations']} programs); "
+        f"compiled in {info['compile_s']} s ({info['compilations']} programs{left}); "
         f"{info['gc_frozen_objects']:,} start-up objects kept out of garbage collections",
         flush=True)
   print(f"serve.py: listening on http://{host}:{port}"

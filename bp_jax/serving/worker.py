@@ -213,19 +213,29 @@ class EngineWorker:
       m.occupancy = self.sched.occupancy()
       m.queue_length = self.sched.waiting()
       m.compilations = self.engine.compiled.total
+      m.programs_let_go = self.engine.compiled.evicted
       m.start_choice = self.engine.start_choice(self.block_size)
 
 
-def warm_up(engine, block_size: int) -> float:
+def warm_up(engine, block_size: int) -> tuple[float, int]:
   """Compiles (or loads) everything a request can run before the server takes requests: the
   prefills of every length bucket, the batched loop of `block_size` for every attention window
   (`Engine.precompile(all_windows=True)`) in each sampling form (`sampling.SamplingForm`: a
-  request may ask for any settings) with the slot insertions; then one short request runs
-  through the scheduler (its host-side first uses). Returns the seconds it took."""
+  request may ask for any settings) with the slot insertions, as many as fit under the
+  process's memory-map limit (`fit`: the rest compile when first used, the least recently used
+  programs then making room); then one short request runs through the scheduler (its host-side
+  first uses). Returns (the seconds it took, programs left to compile on first use)."""
   t0 = time.perf_counter()
-  engine.precompile([block_size], all_windows=True, forms=tuple(SamplingForm))
+  left = engine.precompile([block_size], all_windows=True, forms=tuple(SamplingForm),
+                           fit=True)["precompile_left"]
+  if left:
+    log.warning("start-up compiled what fits under the memory-map limit; %d programs are left "
+                "to compile when first used (the least recently used then make room). To "
+                "compile all at start-up, raise the limit (`sudo sysctl -w "
+                "vm.max_map_count=262144`) or run fewer slot sizes "
+                "(--config.shrink_batches=False)", left)
   sched = engine.scheduler(track_progress=False)
   sched.submit(engine.batch_request(0, [1, 2, 3], 2, 0, block_size))
   while sched.busy():
     sched.step()
-  return time.perf_counter() - t0
+  return time.perf_counter() - t0, left
