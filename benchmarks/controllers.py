@@ -551,7 +551,8 @@ def controller_costs(target, drafter, max_len: int
 def precompile(engines: dict[str, Engine], methods: list[str], size: dict, prompts: list
                ) -> dict[str, float]:
   """Seconds each method's engine took to compile what its requests may take (`--precompile`):
-  its block size (a learned engine: its policy's sizes and policy prefills; an engine another
+  its block size (a learned engine: the sizes its requests decode at, `Engine.learned_sizes`,
+  and policy prefills; an engine another
   method shares, `SHARED`: that method's too), at every prompt's
   length + --max_new_tokens, in the run's sampling form; then start-up's objects are frozen out
   of garbage collections (`bp_jax.gc_freeze`), as a server's are."""
@@ -563,7 +564,7 @@ def precompile(engines: dict[str, Engine], methods: list[str], size: dict, promp
       continue
     users = [m] + [u for u, owner in SHARED.items() if owner == m and u in methods]
     sizes = {b for u in users
-             for b in (engines[m].policy_sizes if size[u] == LEARNED else (size[u],))}
+             for b in (engines[m].learned_sizes if size[u] == LEARNED else (size[u],))}
     learned = any(size[u] == LEARNED for u in users)
     t0 = time.perf_counter()
     engines[m].precompile(sorted(sizes), policy=learned,

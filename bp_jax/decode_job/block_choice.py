@@ -215,8 +215,8 @@ def batch_options(cfg) -> dict[str, Any]:
   """How many requests decode at once, as `Engine` keyword arguments (checked):
   `batch_size` slots per block-size bucket, `sync_cycles`, the cycles between the host's
   refills of finished slots, `shrink` (--config.shrink_batches: a batch's tail runs in
-  fewer slots), `join_learned` (--config.join_learned_sizes: a batch's learned sizes share
-  the busiest bucket) and `move_plain_after` (--config.move_plain_after: a batch whose cycles
+  fewer slots), `join_learned` (--config.join_learned_sizes: a batch's learned requests
+  decode at one size) and `move_plain_after` (--config.move_plain_after: a batch whose cycles
   keep missing moves its requests to the plain bucket; configs/qwen3.py)."""
   from bp_jax.decoding.requests import check_batching
   out = {"batch_size": cfg.get("batch_size", 1), "sync_cycles": cfg.get("sync_cycles", 16)}

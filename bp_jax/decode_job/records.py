@@ -18,7 +18,7 @@ from bp_jax.text.tokenizer import tokenizer_size
 
 def record_of(i: int, prompt, g: Generation, tok, block_policy: str = "fixed") -> dict:
   """One output line. `block_size`: the bucket it decoded in; `policy_block_size`: a learned
-  policy's pick (a batch may decode it in the bucket holding the most requests,
+  policy's pick (a batch decodes it at the engine's joint size,
   `BatchOptions.join_learned`); `acceptance_lengths`: committed tokens per speculative cycle
   (τ's terms);
   `forward_lengths` / `forward_is_cycle` / `forward_verified`: every target forward of the loop
@@ -263,7 +263,7 @@ def print_summary(s: dict) -> None:
           *([("block policy", s["block_policy"]), ("block sizes used", s["block_sizes_used"])]
             if spec else []),
           *([("block sizes the policy picked", f"{s['block_sizes_picked']} (a batch decodes "
-              "them in the busiest bucket of the policy's sizes)")]
+              "them at one size, the middle of the policy's)")]
             if spec and s.get("block_sizes_picked")
             and s["block_sizes_picked"] != s["block_sizes_used"] else []),
           *([("verify-length controller", s.get("controller", "-"))] if spec else []),

@@ -215,7 +215,9 @@ def _precompile(engine: Engine, choices: Sequence["BlockChoice"],
                 request_lengths: Sequence[int], form: SamplingForm) -> None:
   """Compiles the programs the run's requests (prompt + max_new_tokens each, sampling in
   `form`) will use."""
-  sizes = sorted({b for c in choices for b in ((c.fixed,) if c.name == "fixed" else c.sizes)})
+  sizes = sorted({b for c in choices for b in ((c.fixed,) if c.name == "fixed" else
+                                              engine.learned_sizes if c.name == "learned"
+                                              else c.sizes)})
   learned = any(c.name == "learned" for c in choices)
   comp = engine.precompile(sizes, policy=learned,
                            plain_prefill=any(c.name != "learned" for c in choices),

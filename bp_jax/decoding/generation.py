@@ -65,7 +65,7 @@ class Generation:
   # Decoded in the plain AR loop because the priced back-off would start it deep (its forwards
   # are AR steps, `Engine.starts_plain`); `block_size` stays the bucket it was given.
   plain_start: bool = False
-  # The size a learned request's policy picked, where its batch decoded it in another bucket
+  # The size a learned request's policy picked, where its batch decoded it at the joint size
   # (`BatchOptions.join_learned`) or not (then `block_size`); None for a fixed size.
   policy_block_size: int | None = None
   # Moved to the plain AR bucket mid-decode after its batch's cycles kept missing

@@ -74,12 +74,13 @@ class BatchOptions:
   measured its costs and a one-token forward over all rows costs under
   `engine.SHRINK_ROWS_COST` one-row ones (bandwidth-bound: fewer slots save little, and each
   tail size compiles a loop);
-  join_learned: a request whose block size the policy picks (`LEARNED`) decodes in the
-  bucket of the policy's sizes that holds or awaits the most requests, its policy's own size
-  only when no such bucket does (`Scheduler._learned_bucket`): each bucket's calls compute
-  all its slots, so requests spread over 3 sizes ran 3 half-empty loops by turns (`python
-  decode.py --config.batch_size=4`: 0.44x plain decoding); the per-cycle controller still
-  chooses how many drafts each cycle verifies. The policy's pick stays in
+  join_learned: every request whose block size the policy picks (`LEARNED`) decodes at one
+  size, the middle of the policy's speculative sizes (`Engine.joint_size`): each bucket's calls
+  compute all its slots, so requests spread over 3 sizes ran 3 half-empty loops by turns
+  (`python decode.py --config.batch_size=4`: 0.44x plain decoding), and the picks, chosen for
+  one request's costs, never beat one size in a batch (docs/design.md); one size also compiles
+  one speculative loop per shape instead of one per policy size. The per-cycle controller
+  still chooses how many drafts each cycle verifies; the policy's pick stays in
   `Generation.policy_block_size`. No effect at batch_size 1;
   move_plain_after: a speculative bucket's decoding requests move to the plain AR bucket
   (block size 1) mid-decode once their batch's cycles missed this many times in a row (the

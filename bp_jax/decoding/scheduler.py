@@ -224,21 +224,10 @@ class Scheduler:
 
   def _learned_bucket(self, picked: int) -> int:
     """The block size a request whose policy `picked` a size decodes with: in a batch
-    (`Engine.join_learned`) the speculative bucket of one of the policy's sizes (the sizes its
-    room was checked for, `Engine._check_one`) that holds or awaits the most requests (its pick
-    on a tie, else the larger), its pick where none does or alone. Its route then applies the
-    start rule to that size (`_route`: drafting, or the plain bucket)."""
-    if not self.engine.join_learned:
-      return picked
-    sizes = {b for b in self.engine.policy_sizes if b > 1}
-    load = {b: len(q) for b, q in self.ready.items() if b in sizes}
-    for b, bucket in self.buckets.items():
-      if b in sizes:
-        load[b] = load.get(b, 0) + bucket.live()
-    most = max(load.values(), default=0)
-    if most == 0 or load.get(picked, 0) == most:
-      return picked
-    return max(b for b, n in load.items() if n == most)
+    (`Engine.join_learned`) the engine's one joint size (`Engine.joint_size`), its pick
+    otherwise. Its route then applies the start rule to that size (`_route`: drafting, or the
+    plain bucket)."""
+    return self.engine.joint_size or picked
 
   def _may_take(self, req: BatchRequest, block_size: int) -> bool:
     """Whether queued `req` may take a slot of this bucket: its route's (once decided), else
