@@ -138,11 +138,12 @@ def get_config() -> ml_collections.ConfigDict:
   # batch_size, batch_size/2, ..., 1 that hold its requests (one copy of their caches; one more
   # compiled loop per size used); false = every call computes all batch_size slots.
   c.shrink_batches = True
-  # In a batch, every request whose block size the policy picks (block_policy=learned) decodes
-  # at one size, the middle of the policy's speculative sizes: every bucket's calls compute all
-  # its slots, so picks spread over several sizes ran several half-empty loops by turns, and
-  # the picks (chosen for one request's costs) never beat one size in a batch; one size also
-  # compiles one loop per shape, not one per size. false = each request in its pick's bucket.
+  # In a batch, every request whose policy (block_policy=learned) picks a speculative size
+  # decodes at one size, the middle of the policy's speculative sizes (a pick of 1 stays
+  # plain): every bucket's calls compute all its slots, so picks spread over several sizes ran
+  # several half-empty loops by turns, and the picks (chosen for one request's costs) never
+  # beat one size in a batch; one size also compiles one loop per shape, not one per size.
+  # false = each request in its pick's bucket.
   c.join_learned_sizes = True
   # In a batch with the priced start's plain starts (controller_start_plain), a speculative
   # bucket's requests move to the plain AR bucket mid-decode once their batch's cycles missed

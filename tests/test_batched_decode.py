@@ -150,8 +150,9 @@ def test_static_batching_gives_the_same_outputs(models, stop_id, single):
 def test_learned_policy_in_batches(models, stop_id, single, join):
   """Learned block sizes in a batch: each request's output and policy scores are its own
   alone. Without `join_learned` each decodes in its pick's bucket; with it (the default) every
-  request decodes at the middle of the policy's speculative sizes (4, 6: the upper, 6), one
-  bucket for all, and `policy_block_size` keeps each pick."""
+  request whose pick is speculative decodes at the middle of the policy's speculative sizes
+  (4, 6: the upper, 6), one bucket for all, a pick of 1 plainly; `policy_block_size` keeps
+  each pick."""
   target, drafter = models
   dims = feature_dims(V, D, 2, draft_block_size=drafter.cfg.block_size)
   policy = BlockPolicy(PolicyArch("last_hidden", dims["last_hidden"], 16, 2, 3),
@@ -172,12 +173,14 @@ def test_learned_policy_in_batches(models, stop_id, single, join):
   if not join:
     assert used == picks
   else:
-    assert many.joint_size == 6 and many.learned_sizes == (6,) and set(used) == {6}, used
+    assert many.joint_size == 6 and many.learned_sizes == (1, 6)
+    assert used == [1 if b == 1 else 6 for b in picks] and {4, 6} & set(picks), (used, picks)
     assert one.joint_size is None and one.learned_sizes == (1, 4, 6)  # batch 1: the picks
     # Fixed sizes beside them keep their own buckets (2: busier than the joint size's).
     mixed = [2, 2, LEARNED, 2, LEARNED, LEARNED]
     outs = many.generate_batch(prompts[:6], max_new_tokens=max_news[:6], block_size=mixed)
-    assert [g.block_size for g in outs] == [2, 2, 6, 2, 6, 6]
+    assert [g.block_size for g in outs] == [
+        b if b == 2 else 1 if p == 1 else 6 for b, p in zip(mixed, picks)]
     assert [g.output_ids for g in outs] == [g.output_ids for g in alone[:6]]
 
 

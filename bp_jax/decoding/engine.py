@@ -443,18 +443,23 @@ class Engine:
 
   @property
   def joint_size(self) -> int | None:
-    """The block size every request whose size the policy picks decodes at in a batch
-    (`BatchOptions.join_learned`): the middle of the policy's speculative sizes (the upper one
-    of two; the drafter's training size for sizes around it). None: each at its pick (no
-    join, batch 1, or no speculative size)."""
+    """The block size every request whose policy picks a speculative size decodes at in a
+    batch (`BatchOptions.join_learned`): the middle of the policy's speculative sizes (the
+    upper one of two; the drafter's training size for sizes around it). None: each at its pick
+    (no join, batch 1, or no speculative size)."""
     spec = sorted(b for b in self.policy_sizes if b > 1)
     return spec[len(spec) // 2] if self.join_learned and spec else None
 
+  def decode_size(self, picked: int) -> int:
+    """The block size a request whose policy picked `picked` decodes at: the joint size for a
+    speculative pick in a joined batch, else its pick (1, plain decoding, stays 1)."""
+    joint = self.joint_size
+    return picked if joint is None or picked == 1 else joint
+
   @property
   def learned_sizes(self) -> tuple[int, ...]:
-    """The block sizes requests whose size the policy picks decode at (what to precompile):
-    the joint size in a joined batch, else the policy's sizes."""
-    return self.policy_sizes if self.joint_size is None else (self.joint_size,)
+    """The block sizes requests whose size the policy picks decode at (what to precompile)."""
+    return tuple(sorted({self.decode_size(b) for b in self.policy_sizes}))
 
   @property
   def policy_prices_source(self) -> str | None:
@@ -555,8 +560,8 @@ class Engine:
     chose. The prefill keeps the drafter's chosen layers' outputs for it (`DraftContext.LATER`).
 
     Only where the request is likely to decode plain: with priced starts, where the last
-    learned request's pick (in a joined batch: the joint size) was size 1 or the start rule
-    would route a request of that size plain now (`start_choice` at one size: at every size of the policy it cost ~1 ms of host
+    learned request's pick was size 1 or the start rule would route a request of the size it
+    decodes at (`decode_size`) plain now (`start_choice` at one size: at every size of the policy it cost ~1 ms of host
     time per request on the demo's CPU; an explorer still drafts); without, where the policy
     has size 1. A drafting request's prefill costs a little more in two programs (the demo's
     CPU, batch 4, every request drafting: prefill seconds 1.019x [1.008, 1.031]); one that
@@ -565,9 +570,8 @@ class Engine:
     if return_features or not self._may_defer_context():
       return False
     if self.may_start_plain:
-      likely = (self.joint_size or
-                (self._last_pick if self._last_pick in self.policy_sizes
-                 else max(self.policy_sizes)))
+      likely = self.decode_size(self._last_pick if self._last_pick in self.policy_sizes
+                                else max(self.policy_sizes))
       return likely == 1 or self.start_choice(likely).plain
     return True
 

@@ -224,10 +224,10 @@ class Scheduler:
 
   def _learned_bucket(self, picked: int) -> int:
     """The block size a request whose policy `picked` a size decodes with: in a batch
-    (`Engine.join_learned`) the engine's one joint size (`Engine.joint_size`), its pick
-    otherwise. Its route then applies the start rule to that size (`_route`: drafting, or the
-    plain bucket)."""
-    return self.engine.joint_size or picked
+    (`Engine.join_learned`) the engine's one joint size for a speculative pick
+    (`Engine.decode_size`), its pick otherwise. Its route then applies the start rule to that
+    size (`_route`: drafting, or the plain bucket)."""
+    return self.engine.decode_size(picked)
 
   def _may_take(self, req: BatchRequest, block_size: int) -> bool:
     """Whether queued `req` may take a slot of this bucket: its route's (once decided), else
