@@ -6,7 +6,6 @@ drafter (mode=spec). With no flags it runs the shipped demo (configs/demo.py).
       --config.drafter ckpt/dflash-4b --config.prompts humaneval --config.num_prompts 20
 """
 
-
 from absl import app, logging
 from ml_collections import config_flags
 

@@ -9,7 +9,6 @@ Same --config files as decode.py; with no flags it serves the shipped demo on 12
 See docs/serving/README.md.
 """
 
-
 from absl import app, flags, logging
 from ml_collections import config_flags
 

@@ -561,9 +561,9 @@ class Engine:
 
     Only where the request is likely to decode plain: with priced starts, where the last
     learned request's pick was size 1 or the start rule would route a request of the size it
-    decodes at (`decode_size`) plain now (`start_choice` at one size: at every size of the policy it cost ~1 ms of host
-    time per request on the demo's CPU; an explorer still drafts); without, where the policy
-    has size 1. A drafting request's prefill costs a little more in two programs (the demo's
+    decodes at (`decode_size`) plain now (`start_choice` at one size: at every size of the
+    policy it cost ~1 ms of host time per request on the demo's CPU; an explorer still
+    drafts); without, where the policy has size 1. A drafting request's prefill costs a little more in two programs (the demo's
     CPU, batch 4, every request drafting: prefill seconds 1.019x [1.008, 1.031]); one that
     decodes plain after a prefill with the drafter paid for a context it never reads (~10% of
     its prefill there)."""

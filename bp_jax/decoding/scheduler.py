@@ -119,7 +119,7 @@ class _Staged:
   probs: list[float] | None
   decode_s: float = 0.0
   route: _Route | None = None  # set once its block size is known (`Scheduler._route`)
-  policy_block_size: int | None = None  # a learned size's pick (`Scheduler._learned_bucket`)
+  policy_block_size: int | None = None  # a learned size's pick (`Engine.decode_size`)
   moved_plain: bool = False  # moved to the plain bucket mid-decode (`Scheduler._move_losing`)
 
 
@@ -222,13 +222,6 @@ class Scheduler:
                                else _Route(block_size, start, explorer))
     return self._routes[id(req)]
 
-  def _learned_bucket(self, picked: int) -> int:
-    """The block size a request whose policy `picked` a size decodes with: in a batch
-    (`Engine.join_learned`) the engine's one joint size for a speculative pick
-    (`Engine.decode_size`), its pick otherwise. Its route then applies the start rule to that
-    size (`_route`: drafting, or the plain bucket)."""
-    return self.engine.decode_size(picked)
-
   def _may_take(self, req: BatchRequest, block_size: int) -> bool:
     """Whether queued `req` may take a slot of this bucket: its route's (once decided), else
     its own block size's or, where plain starts may route it, the plain bucket's; any for a
@@ -282,7 +275,9 @@ class Scheduler:
       staged = _Staged(req, *self.engine.stage(req, buffers, run_size=run_size))
       if isinstance(req.block_size, str):
         staged.policy_block_size = staged.block_size
-        staged.block_size = self._learned_bucket(staged.block_size)
+        # In a batch a speculative pick decodes at the engine's joint size (`decode_size`);
+        # its route then applies the start rule to that size (drafting, or the plain bucket).
+        staged.block_size = self.engine.decode_size(staged.block_size)
       staged.route = self._route(req, staged.block_size)
       self._routes.pop(id(req), None)
       try:
