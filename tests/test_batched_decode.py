@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import re
 
+import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
@@ -246,8 +248,29 @@ def test_batched_loops_compile_once_per_bucket_and_batch(models, stop_id):
     assert sizes == (3 if shrink else 1)
     assert 1 <= counts["batch_ar_loop"] <= sizes and 1 <= counts["batch_spec_loop"] <= sizes
     assert counts["insert"] == 2  # carries with and without a drafter cache
+    # Each batch's fresh buffers: one program per bucket kind's full state, one for staging.
+    assert counts["slot_carry"] == 2 and counts["staging_buffers"] == 1
   # Per bucket one prefill with the drafter, one without for the plain rows (`plain_prefill`).
   assert counts["prefill"] <= 2 * len(BUCKETS)
+
+
+def test_fresh_buffers_made_by_one_call_equal_those_made_op_by_op(models, stop_id):
+  """A bucket's empty state and the staging caches come from one compiled call each
+  (`LoopPrograms.fresh`): the same values, dtypes and shapes as built op by op; the plain
+  bucket's without a drafter cache."""
+  eng = _engine(models, stop_id, 3)
+  for b in (1, 4):
+    made, built = eng.slot_carry(b), eng.slot_carry(b, compiled=False)
+    assert jax.tree.structure(made) == jax.tree.structure(built)
+    for x, y in zip(jax.tree.leaves(made), jax.tree.leaves(built)):
+      if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x, y = jax.random.key_data(x), jax.random.key_data(y)
+      assert x.dtype == y.dtype and x.shape == y.shape and np.array_equal(x, y)
+    assert (made.draft_cache is None) == (b == 1)
+  cache, draft_cache = eng.staging_buffers()
+  assert not any(np.any(np.asarray(x)) for x in jax.tree.leaves((cache, draft_cache)))
+  assert cache.lengths.shape == (1,) and draft_cache is not None
+  assert eng.compiled.counts["slot_carry"] == 2 and eng.compiled.counts["staging_buffers"] == 1
 
 
 def test_plain_rows_are_prefilled_without_the_drafter(models, stop_id, single):

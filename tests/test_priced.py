@@ -407,8 +407,10 @@ def test_precompile_includes_the_plain_loop_a_start_may_take(zeros_models):
     by_function = eng.precompile([B], length_buckets=(16,))["by_function"]
     assert {k: v for k, v in by_function.items() if k != "prefill"} == want, by_function
   # A batch's plain starts take the plain AR bucket: its batched loop too.
-  for plain, want in ((True, {"batch_spec_loop": 1, "batch_ar_loop": 1}),
-                      (False, {"batch_spec_loop": 1})):
+  # (and each bucket's fresh state of batch_size slots, and the staging buffers)
+  for plain, want in ((True, {"batch_spec_loop": 1, "batch_ar_loop": 1, "slot_carry": 2,
+                              "staging_buffers": 1}),
+                      (False, {"batch_spec_loop": 1, "slot_carry": 1, "staging_buffers": 1})):
     eng = _engine(zeros_models, batch_size=3, start_plain=plain, **DEAREST)
     by_function = eng.precompile([B], length_buckets=(16,))["by_function"]
     assert {k: v for k, v in by_function.items() if k != "prefill"} == want, by_function

@@ -180,7 +180,8 @@ def test_sharded_batched_decoding_equals_each_request_alone(checks):
     assert dec[spec]["batch_ar"] == alone, spec
     assert dec[spec]["batch_spec"] == alone, spec
     assert dec[spec]["batch_compiled"] == {"prefill": 2, "insert": 2, "batch_ar_loop": 1,
-                                           "batch_spec_loop": 1}, spec
+                                           "batch_spec_loop": 1, "slot_carry": 2,
+                                           "staging_buffers": 1}, spec
   # A batch whose tail ran in 2 and 1 slots (rows a size of data:4 does not divide are
   # replicated): each request's own tokens on the mixed mesh, each size and resize compiled
   # once, as on one device (tests/test_batched_decode.py).

@@ -46,7 +46,8 @@ from bp_jax.decoding.state import MAX_ROW_STOP_IDS, LoopState
 from bp_jax.errors import BadInputError
 from bp_jax.policy.features import DRAFT_CONFIDENCE, FEATURE_TYPES
 from bp_jax.models.qwen3 import Qwen3, with_head_apart
-from bp_jax.parallel.rules import replicated, shard_batch, shard_cache, shard_state
+from bp_jax.parallel.rules import (batch_sharding, cache_sharding, replicated, shard_batch,
+                                   shard_cache, shard_state)
 
 # A priced policy's prices are placed again once one moved by more than this (relative).
 PRICE_PLACE_RTOL = 0.01
@@ -147,9 +148,9 @@ class Engine:
     # copied both caches into per-layer buffers and back (on the demo 0.41 ms per request of
     # the AR loop, 0.74 ms of the speculative one).
     form = lambda c: decode_loops.loop_cache(c, loop.scan_layers)
-    self._new_caches = lambda batch: (
+    self._new_caches = lambda batch, with_drafter=True: (
         form(target.init_cache(batch, max_len)),
-        None if drafter is None else form(drafter.init_cache(batch, max_len)))
+        None if drafter is None or not with_drafter else form(drafter.init_cache(batch, max_len)))
     self.block_sizes = shapes.block_sizes
     self.drafter = drafter
     if drafter is not None:
@@ -777,11 +778,17 @@ class Engine:
     if self.batch_size > 1:
       # Shapes suffice on one device; on a mesh the placements count too (a carry is then
       # made when its step runs, not held by the list). Keys read shapes alone.
-      shape_of = functools.cache(
-          lambda b, rows: jax.eval_shape(functools.partial(self.slot_carry, b, rows=rows)))
-      carry_of = lambda b, rows: (self.slot_carry(b, rows=rows) if self.mesh is not None
-                                  else shape_of(b, rows))
+      shape_of = functools.cache(self.carry_shape)
+      carry_of = lambda b, rows: (self.slot_carry(b, rows=rows, compiled=False)
+                                  if self.mesh is not None else shape_of(b, rows))
       compiled_key = lambda pkey: lambda: pkey in self.compiled
+      # The fresh buffers each batch call makes (`LoopPrograms.fresh`): staging, and each
+      # bucket's state of batch_size slots.
+      pkey = ("staging_buffers",)
+      add("buffers", pkey, compiled_key(pkey), self.staging_buffers)
+      for b in tuple(block_sizes) + plain:
+        pkey = ("slot_carry", b > 1, self.batch_size, False)
+        add("buffers", pkey, compiled_key(pkey), functools.partial(self.slot_carry, b))
       for b in tuple(block_sizes) + plain:
         loop = "ar loop" if b == 1 else "spec loop"
         for rows in self.slot_sizes():  # the batch's, then its tail's (`BatchOptions.shrink`)
@@ -792,7 +799,8 @@ class Engine:
             add(loop, pkey, lambda pkey=pkey: (pkey in self.compiled
                                             and pkey in self.programs.warmup_seconds),
                 lambda b=b, rows=rows, max_pos=max_pos: self.slots_program(
-                    b, self.slot_carry(b, rows=rows), max_pos=max_pos, form=form))
+                    b, self.slot_carry(b, rows=rows, compiled=False), max_pos=max_pos,
+                    form=form))
           pkey = self.programs.batched_loop_key(b, rows, None, False, form)  # one warmed above
           add(loop, pkey, compiled_key(pkey), lambda b=b, rows=rows: self.programs.batched_loop(
               b, rows, None, self._slots_args(b, carry_of(b, rows)), form=form))
@@ -1012,20 +1020,45 @@ class Engine:
     (`Scheduler.submit` / `step` / `cancel`; a server's engine thread)."""
     return Scheduler(self, track_progress=track_progress)
 
-  def slot_carry(self, block_size: int, forced: bool = False,
-                 rows: int | None = None) -> LoopState:
+  def slot_carry(self, block_size: int, forced: bool = False, rows: int | None = None,
+                 compiled: bool = True) -> LoopState:
     """A batched loop state of `rows` (None: `batch_size`) empty slots for a bucket (fresh
-    buffers)."""
+    buffers), made by one compiled call (`LoopPrograms.fresh`: one program per (plain or
+    speculative, rows, forced)); `compiled=False`: op by op (a state made once, e.g.
+    precompile's of each shrunk size, needs no program of its own)."""
     rows = self.batch_size if rows is None else rows
-    cache, draft_cache = self._new_caches(rows)  # in the form the loops carry
-    if block_size == 1:
-      draft_cache = None
+    build = functools.partial(self._empty_state, block_size > 1, rows, forced)
+    args = (self.break_even_N(block_size, rows), self.evidence_state if block_size > 1 else None)
+    if not compiled:
+      return self._placed(build(*args))
+    return self.programs.fresh(("slot_carry", block_size > 1, rows, forced), build, args,
+                               None if self.mesh is None else self._placements)(*args)
+
+  def carry_shape(self, block_size: int, rows: int | None = None) -> LoopState:
+    """The abstract `slot_carry` (shapes and dtypes, nothing made)."""
+    rows = self.batch_size if rows is None else rows
+    return jax.eval_shape(functools.partial(self._empty_state, block_size > 1, rows, False),
+                          self.break_even_N(block_size, rows),
+                          self.evidence_state if block_size > 1 else None)
+
+  def _empty_state(self, speculative: bool, rows: int, forced: bool, break_even_N,
+                   evidence_7) -> LoopState:
+    """A batched state of `rows` empty slots around zero buffers (pure: run op by op, traced
+    by `LoopPrograms.fresh` or by `jax.eval_shape`); the plain loop's carries no drafter
+    cache."""
+    cache, draft_cache = self._new_caches(rows, speculative)  # in the form the loops carry
     seq = jnp.zeros((rows, self.max_len), jnp.int32)
     forced_seq = jnp.full_like(seq, -1) if forced else None
-    return self._placed(LoopState.empty(
-        seq, cache, draft_cache, forced_seq, max(self.block_sizes),
-        self.break_even_N(block_size, rows),
-        self.evidence_state if block_size > 1 else None))
+    return LoopState.empty(seq, cache, draft_cache, forced_seq, max(self.block_sizes),
+                           break_even_N, evidence_7)
+
+  def _placements(self, state: LoopState) -> LoopState:
+    """The shardings `_placed` gives a batched state (concrete or abstract) on the mesh."""
+    return state.replace(
+        cache=cache_sharding(state.cache, self.mesh),
+        draft_cache=(None if state.draft_cache is None
+                     else cache_sharding(state.draft_cache, self.mesh))).map_rows(
+                         lambda x: batch_sharding(x, self.mesh))
 
   def _placed(self, state: LoopState) -> LoopState:
     """A batched state's rows on the mesh's `data` axis (when the batch divides it), its caches
@@ -1065,8 +1098,12 @@ class Engine:
 
   def staging_buffers(self) -> tuple:
     """Fresh one-sequence caches a request is prefilled into before it takes a slot (the
-    scheduler reuses them once the request is in its slot), placed on the mesh."""
-    return tuple(shard_cache(c, self.mesh) for c in self._new_caches(1))
+    scheduler reuses them once the request is in its slot), placed on the mesh; made by one
+    compiled call (`LoopPrograms.fresh`)."""
+    build = lambda: self._new_caches(1)
+    placements = None if self.mesh is None else (lambda caches: tuple(
+        None if c is None else cache_sharding(c, self.mesh) for c in caches))
+    return self.programs.fresh(("staging_buffers",), build, (), placements)()
 
   def stage(self, req: BatchRequest, buffers: tuple, form: SamplingForm | None = None,
             run_size: int | str | None = None, return_features: bool = False) -> tuple:
