@@ -42,6 +42,19 @@ def _counts(n_ar: int, n_cycle: int) -> list[int]:
 
 
 # -- the estimator ------------------------------------------------------------------------------
+def test_the_version_counts_what_reached_the_prices():
+  """`OnlineCosts.version` moves with every call taken and floor set, not with a call that
+  taught nothing (no forwards, or no positive time)."""
+  costs = OnlineCosts(lambda n: 1.0 + 0.1 * n)
+  assert costs.version == 0
+  assert costs.observe(0.01, [3, 0, 1], 2) and costs.version == 1
+  assert not costs.observe(0.01, [0, 0, 0], 2) and not costs.observe(0.0, [3, 0, 1], 2)
+  assert costs.observe_plain(0.01, 4, 2) and costs.version == 2
+  assert not costs.observe_plain(0.01, 0, 2) and costs.version == 2
+  costs.set_ar_step_floor(1e-3, 2)
+  assert costs.version == 3
+
+
 def test_the_plain_loops_steps_price_a_batchs_start():
   """A batch's start weighs a cycle against the plain AR loop's step (`start_break_even`): the
   speculative loop's own break-even until plain calls are seen at that batch size, then the

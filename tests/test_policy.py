@@ -347,6 +347,22 @@ def test_engine_prices_a_policy_by_its_priced_controllers_costs(models):
     assert step.tolist() == [1.0] * 3
     picks.append(SIZES[int(np.argmin(PRICED_COUNTS[:3] * cycle))])
   assert picks == [2, 5]
+  # Priced once per state of the prices (`OnlineCosts.version`): again only once a call (or a
+  # floor) reached them, and then as the prices say.
+  priced = []
+  size_prices = eng.prices.size_prices
+  eng.prices.size_prices = lambda *a: priced.append(a) or size_prices(*a)
+  again = eng.policy_prices()
+  assert not priced and again[0].tolist() == cycle.tolist()
+  again[0][:] = 0.0  # the caller's copy
+  assert eng.policy_prices()[0].tolist() == cycle.tolist() and not priced
+  assert eng.prices.observe(0.02, [4, 0, 0, 0, 2], 1)  # a loop call: 4 AR steps, 2 cycles
+  moved = eng.policy_prices()
+  assert len(priced) == 1
+  np.testing.assert_allclose(moved[0], size_prices([2, 3, 5], 1), rtol=1e-6)
+  eng.prices.set_ar_step_floor(1e-3, 1)
+  eng.policy_prices()
+  assert len(priced) == 2
 
 
 def test_policy_misuse_is_refused(models, engine):

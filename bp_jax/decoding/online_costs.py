@@ -354,6 +354,10 @@ class OnlineCosts:
     self.restart_error = _check_positive(restart_error, "restart_error")
     self.restart_calls = _check_count(restart_calls, "restart_calls")
     self._fits: dict[int, _Fit] = {}
+    # Calls taken and floors set so far: what the prices were read at (a reader that saw this
+    # version has them all; `Engine._place_policy_prices` prices a policy's sizes once per
+    # version rather than once per request).
+    self.version = 0
     # Per batch size: the plain AR loop's seconds and steps, each older call forgotten as in
     # the fits (`observe_plain`).
     self._plain: dict[int, tuple[float, float]] = {}
@@ -403,6 +407,7 @@ class OnlineCosts:
     self._fit(int(rows)).update(seconds, used, self.forget, self.ridge, self._clip_of(rows),
                                 self.restart_error, self.restart_calls)
     self._plain_at_fit[int(rows)] = self.plain_step_s(rows)
+    self.version += 1
     return True
 
   def observe_plain(self, seconds: float, steps: int, rows: int) -> bool:
@@ -416,6 +421,7 @@ class OnlineCosts:
       return False
     secs, n = self._plain.get(int(rows), (0.0, 0.0))
     self._plain[int(rows)] = (self.forget * secs + seconds, self.forget * n + int(steps))
+    self.version += 1
     return True
 
   def plain_step_s(self, rows: int) -> float | None:
@@ -452,6 +458,7 @@ class OnlineCosts:
     """The start-up one-token forward's `seconds` at batch size `rows`: what the speculative
     loop's AR step costs at least there (`break_even`'s bound, for a batch: rows > 1)."""
     self._ar_step_floor_s[int(rows)] = _check_positive(seconds, "seconds")
+    self.version += 1
 
   def ar_step_floor_s(self, rows: int) -> float | None:
     """The least seconds of the speculative loop's AR step at batch size `rows`: the start-up
