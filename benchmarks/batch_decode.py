@@ -43,7 +43,7 @@ flags.DEFINE_string("policy", "demo/policy", "Block-size policy folder (method '
 flags.DEFINE_string("batch_sizes", "1,4,16", "Comma-separated batch sizes B.")
 flags.DEFINE_string("methods", "ar,spec,learned", "Methods: ar, spec (fixed --block_size), "
                     "learned (the policy's size per request; in a batch, one size for all: "
-                    "the middle of the policy's sizes), learned_split (each pick in its own "
+                    "Engine.joint_size), learned_split (each pick in its own "
                     "bucket: BatchOptions.join_learned=False).")
 flags.DEFINE_integer("sync_cycles", 16, "Cycles between the host's slot refills (B > 1).")
 flags.DEFINE_string("out", "out/batch_decode", "Output folder (JSON, Markdown, PNG).")

@@ -139,8 +139,9 @@ def get_config() -> ml_collections.ConfigDict:
   # compiled loop per size used); false = every call computes all batch_size slots.
   c.shrink_batches = True
   # In a batch, every request whose policy (block_policy=learned) picks a speculative size
-  # decodes at one size, the middle of the policy's speculative sizes (a pick of 1 stays
-  # plain): every bucket's calls compute all its slots, so picks spread over several sizes ran
+  # decodes at one size (a pick of 1 stays plain): a priced policy's prior's cheapest size per
+  # new token at the engine's start-up costs where it beats the middle by 3%, else the middle
+  # of the policy's speculative sizes (`Engine.joint_size`; the demo: 8): every bucket's calls compute all its slots, so picks spread over several sizes ran
   # several half-empty loops by turns, and the picks (chosen for one request's costs) never
   # beat one size in a batch; one size also compiles one loop per shape, not one per size.
   # false = each request in its pick's bucket.

@@ -262,8 +262,8 @@ def test_batched_decode_writes_the_same_records_as_one_at_a_time(cfg):
   many, s = run_decode.run(cfg)
   assert [r["id"] for r in many] == [r["id"] for r in one]
   assert [r["output_ids"] for r in many] == [r["output_ids"] for r in one]
-  # The policy's picks are batch 1's sizes; a batch decodes them all at one size, the middle of
-  # the policy's (join_learned_sizes): never more buckets than batch 1 used
+  # The policy's picks are batch 1's sizes; a batch decodes them all at one size
+  # (join_learned_sizes, `Engine.joint_size`): never more buckets than batch 1 used
   # (tests/test_batched_decode.py). (Its cycles are not batch 1's: a
   # batch backs off as one, with whichever requests share it.)
   assert [r["policy_block_size"] for r in many] == [r["block_size"] for r in one]

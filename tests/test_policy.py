@@ -17,7 +17,7 @@ from flax import nnx
 from bp_jax.decoding import loops as decode_loops
 from bp_jax.models.config import DFlashConfig, Qwen3Config
 from bp_jax.models.dflash import DFlashDrafter
-from bp_jax.decoding.engine import LABELLING_PRICES, LEARNED, Engine
+from bp_jax.decoding.engine import JOINT_MARGIN, LABELLING_PRICES, LEARNED, Engine
 from bp_jax.decoding.options import ShapeOptions
 from bp_jax.errors import BadInputError
 from bp_jax.policy.mlp import (BlockPolicy, PolicyArch, load_policy, prompt_hash, random_block_size,
@@ -363,6 +363,42 @@ def test_engine_prices_a_policy_by_its_priced_controllers_costs(models):
   eng.prices.set_ar_step_floor(1e-3, 1)
   eng.policy_prices()
   assert len(priced) == 2
+
+
+def test_a_batchs_joint_size_is_the_cheapest_by_the_priors_counts_at_the_engines_prices(models):
+  """`Engine.joint_size` with a priced policy: the speculative size its prior expects cheapest
+  per new token at the engine's prices (a CPU's dear long verifies: the shortest; an
+  accelerator's: the longest), chosen once and kept as the prices move; the middle size where
+  none is cheaper by `JOINT_MARGIN`, and with a policy of another head."""
+  from bp_jax.decoding.options import BatchOptions, LoopOptions
+
+  target, drafter = models
+  batched = lambda policy, costs, draft: Engine(
+      target, drafter=drafter, policy=policy, policy_sizes=SIZES,
+      shapes=ShapeOptions(max_len=MAX_LEN, length_buckets=BUCKETS, block_sizes=(2, 3, 4, 5)),
+      loop=LoopOptions(controller="priced", ar_fallback=16, controller_costs=costs,
+                       controller_draft_cost=draft),
+      batching=BatchOptions(batch_size=2))
+  cpu, accelerator = ("1,4,8,16", 2.0), ("1,1.02,1.05,1.1", 0.05)
+  joints = []
+  for costs in (cpu, accelerator):
+    eng = batched(_priced_policy(PRICED_COUNTS), *costs)
+    cycle, _ = eng.policy_prices()
+    per_token = PRICED_COUNTS[:3] * cycle
+    joints.append(eng.joint_size)
+    assert per_token[SIZES.index(joints[-1])] == per_token.min()
+    assert eng.learned_sizes == (joints[-1],)
+    for _ in range(3):  # prices that move after it was chosen leave it as it is
+      eng.prices.observe(0.05, [0, 0, 0, 0, 0, 4], 2)
+    assert eng.joint_size == joints[-1]
+  assert joints == [2, 5]
+  # Size 3 within the margin of size 5, the cheapest: the middle, 3.
+  cycle, _ = eng.policy_prices()
+  near = PRICED_COUNTS.copy()
+  near[1] = near[2] * cycle[2] / cycle[1] * (1.0 + JOINT_MARGIN / 2)
+  eng.set_policy(_priced_policy(near), SIZES)
+  assert eng.joint_size == 3
+  assert batched(_policy(), *accelerator).joint_size == 3  # a classify head: the middle
 
 
 def test_policy_misuse_is_refused(models, engine):

@@ -263,7 +263,7 @@ def print_summary(s: dict) -> None:
           *([("block policy", s["block_policy"]), ("block sizes used", s["block_sizes_used"])]
             if spec else []),
           *([("block sizes the policy picked", f"{s['block_sizes_picked']} (a batch decodes "
-              "them at one size, the middle of the policy's)")]
+              "them at one size, Engine.joint_size)")]
             if spec and s.get("block_sizes_picked")
             and s["block_sizes_picked"] != s["block_sizes_used"] else []),
           *([("verify-length controller", s.get("controller", "-"))] if spec else []),

@@ -51,6 +51,11 @@ from bp_jax.parallel.rules import (batch_sharding, cache_sharding, replicated, s
 
 # A priced policy's prices are placed again once one moved by more than this (relative).
 PRICE_PLACE_RTOL = 0.01
+# A batch's joint size (`Engine.joint_size`) leaves the middle of the policy's speculative sizes
+# only for a size its prior expects this much cheaper per new token (relative) at the engine's
+# prices: near the middle the demo's prior priced sizes 7-9 within 1% on this CPU, where the
+# start-up prices' own noise is a few percent.
+JOINT_MARGIN = 0.03
 # Where a priced policy's prices come from before its engine places its own.
 LABELLING_PRICES = "the labelling machine's (stored with the policy)"
 LEARNED = "learned"  # `generate(block_size=LEARNED)`: the policy chooses the bucket
@@ -204,6 +209,7 @@ class Engine:
     # ((`OnlineCosts.version`, policy sizes), [C] cycle prices) `policy_prices` last computed
     self._policy_prices_at: tuple | None = None
     self._last_pick = 0  # the block size the last learned request's policy picked (0: none)
+    self._joint: int | None = None  # `joint_size`, once chosen
     self.mesh = mesh
     if mesh is not None:  # weights by the rule table, caches by rows; jit propagates the rest
       self.t_state, self.d_state = (shard_state(s, mesh) for s in (self.t_state, self.d_state))
@@ -442,16 +448,40 @@ class Engine:
     self.p_state = shard_state(self.p_state, self.mesh)
     self.policy_key, self.policy_sizes = policy.arch.signature, sizes
     self.policy = policy
-    self._placed_prices, self._last_pick = None, 0
+    self._placed_prices, self._last_pick, self._joint = None, 0, None
 
   @property
   def joint_size(self) -> int | None:
     """The block size every request whose policy picks a speculative size decodes at in a
-    batch (`BatchOptions.join_learned`): the middle of the policy's speculative sizes (the
-    upper one of two; the drafter's training size for sizes around it). None: each at its pick
-    (no join, batch 1, or no speculative size)."""
+    batch (`BatchOptions.join_learned`), chosen at its first use and kept (a size that moved
+    with the prices would spread a batch's requests over buckets again): with a priced policy
+    and this engine's prices (`policy_prices`: at start-up, those it measured at its batch
+    size), the speculative size its prior (the labelled prompts' mean cycles and fallback
+    steps per new token at each size) expects cheapest per new token, where it beats the
+    middle size by more than `JOINT_MARGIN`; else the middle of the policy's speculative sizes
+    (the upper one of two; the drafter's training size for sizes around it). Where a long
+    verify costs about what a short one does (an accelerator), that is the longest size the
+    prior still gains from. None: each at its pick (no join, batch 1, or no speculative
+    size)."""
     spec = sorted(b for b in self.policy_sizes if b > 1)
-    return spec[len(spec) // 2] if self.join_learned and spec else None
+    if not (self.join_learned and spec):
+      return None
+    if self._joint is None:
+      self._joint = self._cheapest_size(spec)
+    return self._joint
+
+  def _cheapest_size(self, spec: list[int]) -> int:
+    """`joint_size`'s choice among the policy's speculative sizes `spec` (sorted)."""
+    middle = spec[len(spec) // 2]
+    prices = self.policy_prices() if self.policy.arch.head == "priced" else None
+    if prices is None:
+      return middle
+    C = len(self.policy_sizes)
+    prior = np.asarray(self.policy.value_prior[...], np.float64)
+    cost = {b: prior[i] * prices[0][i] + prior[C + i] * prices[1][i]
+            for i, b in enumerate(self.policy_sizes) if b > 1}
+    best = min(spec, key=lambda b: cost[b])
+    return middle if cost[middle] <= (1.0 + JOINT_MARGIN) * cost[best] else best
 
   def decode_size(self, picked: int) -> int:
     """The block size a request whose policy picked `picked` decodes at: the joint size for a

@@ -75,7 +75,8 @@ class BatchOptions:
   `engine.SHRINK_ROWS_COST` one-row ones (bandwidth-bound: fewer slots save little, and each
   tail size compiles a loop);
   join_learned: every request whose policy (`LEARNED`) picks a speculative size decodes at one
-  size, the middle of the policy's speculative sizes (`Engine.joint_size`; a pick of 1 stays
+  size (`Engine.joint_size`: a priced policy's prior's cheapest at the engine's costs, else
+  the middle of the policy's speculative sizes; a pick of 1 stays
   plain, `Engine.decode_size`): each bucket's calls
   compute all its slots, so requests spread over 3 sizes ran 3 half-empty loops by turns
   (`python decode.py --config.batch_size=4`: 0.44x plain decoding), and the picks, chosen for
