@@ -26,8 +26,8 @@ def room_for_two(monkeypatch):
 
 
 @pytest.fixture
-def room_for_three(monkeypatch):
-  yield from live_maps(monkeypatch, 3)
+def room_for_five(monkeypatch):
+  yield from live_maps(monkeypatch, 5)
 
 
 def _times(cache: compiled.CompiledCache, name: str, k: float):
@@ -57,9 +57,10 @@ def test_a_compilation_is_refused_only_where_nothing_is_left_to_let_go(monkeypat
   assert cache.total == 0
 
 
-def test_an_engines_programs_let_go_compile_and_warm_again_and_decode_the_same(room_for_three):
-  """A batched engine that needs more programs than the limit holds (prefill, plain loop,
-  speculative loop, slot insertion, ...) decodes every request, lets its least recently used
+def test_an_engines_programs_let_go_compile_and_warm_again_and_decode_the_same(room_for_five):
+  """A batched engine that needs more programs than the limit holds (a plain batch's five:
+  staging buffers, its bucket's state, prefill, slot insertion, plain loop; a speculative
+  batch's four others) decodes every request, lets its least recently used
   programs go, compiles each again on its next use, and warms each loop again: its warm-ups
   are always of programs it holds, and its tokens are plain decoding's."""
   target, drafter = zeros_drafter_pair(V)
@@ -72,7 +73,7 @@ def test_an_engines_programs_let_go_compile_and_warm_again_and_decode_the_same(r
   assert set(eng.programs.warmup_seconds) <= held()
   spec = [g.output_ids for g in eng.generate_batch(prompts, max_new_tokens=8, block_size=4)]
   assert spec == plain
-  assert eng.compiled.evicted >= 1 and len(held()) <= 3  # the room's
+  assert eng.compiled.evicted >= 1 and len(held()) <= 5  # the room's
   assert set(eng.programs.warmup_seconds) <= held()
   before = eng.compiled.total
   again = [g.output_ids for g in eng.generate_batch(prompts, max_new_tokens=8, block_size=1)]
