@@ -460,9 +460,9 @@ class Engine:
     steps per new token at each size) expects cheapest per new token, where it beats the
     middle size by more than `JOINT_MARGIN`; else the middle of the policy's speculative sizes
     (the upper one of two; the drafter's training size for sizes around it). Where a long
-    verify costs about what a short one does (an accelerator), that is the longest size the
-    prior still gains from. None: each at its pick (no join, batch 1, or no speculative
-    size)."""
+    verify costs about what a short one does (an accelerator), the prior's cheapest is the
+    longest size whose acceptance it expects to keep rising. None: each at its pick (no join,
+    batch 1, or no speculative size)."""
     spec = sorted(b for b in self.policy_sizes if b > 1)
     if not (self.join_learned and spec):
       return None

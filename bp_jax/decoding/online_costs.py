@@ -355,8 +355,8 @@ class OnlineCosts:
     self.restart_calls = _check_count(restart_calls, "restart_calls")
     self._fits: dict[int, _Fit] = {}
     # Calls taken and floors set so far: what the prices were read at (a reader that saw this
-    # version has them all; `Engine._place_policy_prices` prices a policy's sizes once per
-    # version rather than once per request).
+    # version has them all; `Engine.policy_prices` prices a policy's sizes once per version
+    # rather than once per request).
     self.version = 0
     # Per batch size: the plain AR loop's seconds and steps, each older call forgotten as in
     # the fits (`observe_plain`).
