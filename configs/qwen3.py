@@ -141,10 +141,11 @@ def get_config() -> ml_collections.ConfigDict:
   # In a batch, every request whose policy (block_policy=learned) picks a speculative size
   # decodes at one size (a pick of 1 stays plain): a priced policy's prior's cheapest size per
   # new token at the engine's start-up costs where it beats the middle by 3%, else the middle
-  # of the policy's speculative sizes (`Engine.joint_size`; the demo: 8): every bucket's calls compute all its slots, so picks spread over several sizes ran
-  # several half-empty loops by turns, and the picks (chosen for one request's costs) never
-  # beat one size in a batch; one size also compiles one loop per shape, not one per size.
-  # false = each request in its pick's bucket.
+  # of the policy's speculative sizes (`Engine.joint_size`; the demo: 8). Every bucket's calls
+  # compute all its slots, so picks spread over several sizes ran several half-empty loops by
+  # turns, and the picks (chosen for one request's costs) never beat one size in a batch; one
+  # size also compiles one loop per shape, not one per size. false = each request in its
+  # pick's bucket.
   c.join_learned_sizes = True
   # In a batch with the priced start's plain starts (controller_start_plain), a speculative
   # bucket's requests move to the plain AR bucket mid-decode once their batch's cycles missed

@@ -46,8 +46,8 @@ from bp_jax.decoding.state import MAX_ROW_STOP_IDS, LoopState
 from bp_jax.errors import BadInputError
 from bp_jax.policy.features import DRAFT_CONFIDENCE, FEATURE_TYPES
 from bp_jax.models.qwen3 import Qwen3, with_head_apart
-from bp_jax.parallel.rules import (batch_sharding, cache_sharding, replicated, shard_batch,
-                                   shard_cache, shard_state)
+from bp_jax.parallel.rules import (batch_sharding, cache_sharding, replicated, shard_cache,
+                                   shard_state)
 
 # A priced policy's prices are placed again once one moved by more than this (relative).
 PRICE_PLACE_RTOL = 0.01
@@ -603,8 +603,9 @@ class Engine:
     learned request's pick was size 1 or the start rule would route a request of the size it
     decodes at (`decode_size`) plain now (`start_choice` at one size: at every size of the
     policy it cost ~1 ms of host time per request on the demo's CPU; an explorer still
-    drafts); without, where the policy has size 1. A drafting request's prefill costs a little more in two programs (the demo's
-    CPU, batch 4, every request drafting: prefill seconds 1.019x [1.008, 1.031]); one that
+    drafts); without, where the policy has size 1. A drafting request's prefill costs a little
+    more in two programs (the demo's CPU, batch 4, every request drafting: prefill seconds
+    1.019x [1.008, 1.031]); one that
     decodes plain after a prefill with the drafter paid for a context it never reads (~10% of
     its prefill there)."""
     if return_features or not self._may_defer_context():
@@ -1066,8 +1067,7 @@ class Engine:
     speculative, rows, forced)); `compiled=False`: op by op (a state made once, e.g.
     precompile's of each shrunk size, needs no program of its own)."""
     rows = self.batch_size if rows is None else rows
-    build = functools.partial(self._empty_state, block_size > 1, rows, forced)
-    args = (self.break_even_N(block_size, rows), self.evidence_state if block_size > 1 else None)
+    build, args = self._carry_build(block_size, rows, forced)
     if not compiled:
       return self._placed(build(*args))
     return self.programs.fresh(("slot_carry", block_size > 1, rows, forced), build, args,
@@ -1075,10 +1075,15 @@ class Engine:
 
   def carry_shape(self, block_size: int, rows: int | None = None) -> LoopState:
     """The abstract `slot_carry` (shapes and dtypes, nothing made)."""
-    rows = self.batch_size if rows is None else rows
-    return jax.eval_shape(functools.partial(self._empty_state, block_size > 1, rows, False),
-                          self.break_even_N(block_size, rows),
-                          self.evidence_state if block_size > 1 else None)
+    build, args = self._carry_build(block_size, self.batch_size if rows is None else rows)
+    return jax.eval_shape(build, *args)
+
+  def _carry_build(self, block_size: int, rows: int, forced: bool = False) -> tuple:
+    """(`_empty_state` for a bucket of `block_size` and `rows` slots, its arguments: the
+    priced controller's current break-even and the engine's evidence, both runtime values)."""
+    build = functools.partial(self._empty_state, block_size > 1, rows, forced)
+    return build, (self.break_even_N(block_size, rows),
+                   self.evidence_state if block_size > 1 else None)
 
   def _empty_state(self, speculative: bool, rows: int, forced: bool, break_even_N,
                    evidence_7) -> LoopState:
@@ -1102,11 +1107,7 @@ class Engine:
   def _placed(self, state: LoopState) -> LoopState:
     """A batched state's rows on the mesh's `data` axis (when the batch divides it), its caches
     by `cache_sharding` (no mesh: as it is)."""
-    if self.mesh is None:
-      return state
-    state = state.replace(cache=shard_cache(state.cache, self.mesh),
-                          draft_cache=shard_cache(state.draft_cache, self.mesh))
-    return state.map_rows(lambda x: shard_batch(x, self.mesh))
+    return state if self.mesh is None else jax.device_put(state, self._placements(state))
 
   def slot_sizes(self) -> tuple[int, ...]:
     """The row counts a bucket's state may have: `batch_size`, then halving (rounded up) to 1

@@ -293,12 +293,12 @@ class LoopPrograms:
   def fresh(self, key: tuple, build: Callable, args: tuple = (),
             placements: Callable | None = None):
     """The compiled `build` (pure: zero-filled buffers, or a state around them) for `key`,
-    which names everything it depends on besides `args`' shapes: fresh buffers in one call. Built
-    op by op (a dispatch per buffer), a speculative bucket's state of 4 slots cost ~8.5 ms of
-    host time and a staging pair ~1.9 ms on the demo's CPU (1.0 and 0.4 ms by one call), on
-    every `generate_batch` call. `placements`: abstract output
-    -> its shardings on a mesh (None: one device); the output's signature names the program,
-    so engines of equal shapes share it."""
+    which names everything it depends on besides `args`' shapes: fresh buffers in one call.
+    Built op by op (a dispatch per buffer), a speculative bucket's state of 4 slots cost ~8.5
+    ms of host time and a staging pair ~1.9 ms on the demo's CPU (1.0 and 0.4 ms by one call),
+    on every `generate_batch` call. `placements`: abstract output -> its shardings on a mesh
+    (None: one device); the output's signature names the program, so engines of equal shapes
+    share it."""
     if key not in self._fresh_out:
       out = jax.eval_shape(build, *args)
       leaves, tree = jax.tree.flatten(out)
