@@ -401,6 +401,31 @@ def test_a_batchs_joint_size_is_the_cheapest_by_the_priors_counts_at_the_engines
   assert batched(_policy(), *accelerator).joint_size == 3  # a classify head: the middle
 
 
+def test_a_batchs_prior_tau_is_the_priced_priors_at_the_joint_size(models):
+  """`Engine.batch_prior_tau`: (1 - fallback steps) / cycles per new token of a priced policy's
+  prior at the joint size, which a batch's start rule weighs before it has seen cycles
+  (`StartBackoff.batch_prior_tau`; the start choice reports it); None at batch 1 and with a
+  policy of another head."""
+  from bp_jax.decoding.options import BatchOptions, LoopOptions
+
+  target, drafter = models
+  counts = np.r_[0.5, 0.4, 0.3, 0.1, 0.2, 0.4]  # cycles, then fallback steps, per new token
+  engine_at = lambda policy, batch: Engine(
+      target, drafter=drafter, policy=policy, policy_sizes=SIZES,
+      shapes=ShapeOptions(max_len=MAX_LEN, length_buckets=BUCKETS, block_sizes=(2, 3, 4, 5)),
+      loop=LoopOptions(controller="priced", ar_fallback=16, controller_costs="1,1.02,1.05,1.1",
+                       controller_draft_cost=0.05, start_backoff=True, start_plain=True),
+      batching=BatchOptions(batch_size=batch))
+  eng = engine_at(_priced_policy(counts), 2)
+  i = SIZES.index(eng.joint_size)
+  assert eng.batch_prior_tau == pytest.approx((1.0 - counts[3 + i]) / counts[i])
+  choice = eng.start_choice(eng.joint_size)
+  assert choice.tau == pytest.approx(eng.batch_prior_tau)
+  assert eng.starts.tau() is None  # nothing seen: the prior stands in for the batch alone
+  assert engine_at(_priced_policy(counts), 1).batch_prior_tau is None  # batch 1: no joint size
+  assert engine_at(_policy(), 2).batch_prior_tau is None  # a classify head: no counts
+
+
 def test_policy_misuse_is_refused(models, engine):
   target, drafter = models
   plain = Engine(target, drafter=drafter,

@@ -253,6 +253,28 @@ def test_a_batch_starts_plain_until_the_plain_loop_is_timed():
   assert starts.start(5.0, 16, plain_priced=False) == draft  # alone: its own rule (4.5 >= 0.8 x 5)
 
 
+def test_a_batch_weighs_its_prior_tau_until_it_has_seen_cycles():
+  """`batch_prior_tau` (a learned policy's expectation, `Engine.batch_prior_tau`): a batch's
+  rule weighs it before `min_cycles` cycles were seen (so a cold batch starts plain where the
+  prices say drafting is not decisive, rather than drafting first), the recent cycles' τ once
+  they were; `batch_tau` and `batch_plain_now` say the same; one request alone ignores it and
+  drafts first, as before any τ."""
+  from bp_jax.decoding.start_backoff import StartBackoff
+  deep, draft = (4, 16), (0, 0)
+  starts = StartBackoff(batch_plain=True, batch_prior_tau=4.3)
+  assert starts.tau() is None and starts.batch_tau() == 4.3
+  # 4.3 < 2 x 3 (the plain loop not timed yet): plain; timed, 4.3 >= 1.2 x 3: drafting.
+  assert starts.start(3.0, 16, rows=2, plain_priced=False) == deep
+  assert starts.batch_plain_now(3.0, plain_priced=False) and not starts.batch_plain_now(3.0)
+  assert starts.start(3.0, 16, rows=2) == draft
+  assert starts.start(6.0, 16) == draft  # alone: no τ yet, it drafts first
+  assert StartBackoff(batch_plain=True).start(3.0, 16, rows=2, plain_priced=False) == draft
+  for _ in range(4):
+    starts.observe([8, 8])  # τ 8 seen: it replaces the prior
+  assert starts.batch_tau() == 8.0
+  assert starts.start(3.0, 16, rows=2, plain_priced=False) == draft  # 8 >= 2 x 3: decisive
+
+
 def test_a_batchs_recent_requests_span_the_batch(zeros_models):
   """A batch's rows finish in the order of their τ (those committing least per cycle decode
   longest), so after a batch that started together the last half to finish are its slowest:

@@ -285,7 +285,8 @@ def print_summary(s: dict) -> None:
               "controller_online_costs=off, repeat them)")]
             if not s.get("outputs_repeat_for_seed", True) else []),
           *([("decoded plain by the priced start", f"{s['plain_starts']} of {s['prompts']} "
-              "requests (recent requests' drafting lost)")] if s.get("plain_starts") else []),
+              "requests (the recent requests' drafting lost, or a batch's policy expected it "
+              "to before any had drafted)")] if s.get("plain_starts") else []),
           *([("moved to plain decoding mid-request", f"{s['moved_plain']} of {s['prompts']} "
               "requests (their batch's cycles kept missing)")] if s.get("moved_plain") else []),
           *([(f"verify length per cycle (batch {s['verify_lengths_chosen']['batch_size']})",

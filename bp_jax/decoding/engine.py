@@ -210,6 +210,7 @@ class Engine:
     self._policy_prices_at: tuple | None = None
     self._last_pick = 0  # the block size the last learned request's policy picked (0: none)
     self._joint: int | None = None  # `joint_size`, once chosen
+    self._batch_prior: float | None = None  # `batch_prior_tau` at it (0.0: none), once computed
     self.mesh = mesh
     if mesh is not None:  # weights by the rule table, caches by rows; jit propagates the rest
       self.t_state, self.d_state = (shard_state(s, mesh) for s in (self.t_state, self.d_state))
@@ -448,7 +449,7 @@ class Engine:
     self.p_state = shard_state(self.p_state, self.mesh)
     self.policy_key, self.policy_sizes = policy.arch.signature, sizes
     self.policy = policy
-    self._placed_prices, self._last_pick, self._joint = None, 0, None
+    self._placed_prices, self._last_pick, self._joint, self._batch_prior = None, 0, None, None
 
   @property
   def joint_size(self) -> int | None:
@@ -482,6 +483,30 @@ class Engine:
             for i, b in enumerate(self.policy_sizes) if b > 1}
     best = min(spec, key=lambda b: cost[b])
     return middle if cost[middle] <= (1.0 + JOINT_MARGIN) * cost[best] else best
+
+  @property
+  def batch_prior_tau(self) -> float | None:
+    """The committed tokens per cycle a batch's start rule weighs before it has seen
+    `StartBackoff.min_cycles` cycles (`StartBackoff.batch_prior_tau`): a priced policy's prior
+    at the joint size, τ = (1 - s) / c from its mean cycles c and fallback steps s per new token
+    (`value_prior`: the demo's, at 8, 4.27 against 4.5-5.0 measured on its evaluation prompts).
+    So a cold engine's first batches start where the prices say (on the demo's CPU, plain at
+    batch 4: a cycle there costs ~3.7 of its AR steps, drafting is not decisive) rather than
+    drafting first. None (drafting first, as before any τ): no priced policy or no joint size."""
+    joint = self.joint_size
+    if joint is None or self.policy.arch.head != "priced":
+      return None
+    if self._batch_prior is None:
+      C, i = len(self.policy_sizes), self.policy_sizes.index(joint)
+      prior = np.asarray(self.policy.value_prior[...], np.float64)
+      cycles, steps = prior[i], prior[C + i]
+      self._batch_prior = (max(1.0, (1.0 - steps) / cycles) if cycles > 0 else 0.0)
+    return self._batch_prior or None
+
+  def _batch_starts(self) -> StartBackoff:
+    """The start rule, with a batch's prior τ set (`batch_prior_tau`)."""
+    self.starts.batch_prior_tau = self.batch_prior_tau
+    return self.starts
 
   def decode_size(self, picked: int) -> int:
     """The block size a request whose policy picked `picked` decodes at: the joint size for a
@@ -672,7 +697,7 @@ class Engine:
       return 0, 0
     price, batch_rule = self._start_price(block_size, rows)
     if batch_rule:  # drafting or the plain bucket (`starts_plain`)
-      return self.starts.start(price, self.ar_fallback, rows, self._plain_priced(rows))
+      return self._batch_starts().start(price, self.ar_fallback, rows, self._plain_priced(rows))
     return self.starts.start(price, self.ar_fallback, rows)
 
   def _start_price(self, block_size: int, rows: int) -> tuple[float, bool]:
@@ -698,9 +723,9 @@ class Engine:
     (`Scheduler._move_losing`)."""
     if block_size == 1 or self.batch_size == 1 or not self.may_start_plain:
       return False
-    return self.starts.batch_plain_now(self.prices.start_break_even(block_size,
-                                                                    self.batch_size),
-                                       self._plain_priced(self.batch_size))
+    return self._batch_starts().batch_plain_now(
+        self.prices.start_break_even(block_size, self.batch_size),
+        self._plain_priced(self.batch_size))
 
   def start_choice(self, block_size: int) -> StartChoice | None:
     """Where a request of `block_size` that is no explorer would start now, at the engine's
@@ -709,9 +734,11 @@ class Engine:
     if self.starts is None or block_size == 1:
       return None
     price, batch_rule = self._start_price(block_size, self.batch_size)
-    plain = (self.starts.batch_plain_now(price, self._plain_priced(self.batch_size))
-             if batch_rule else self.starts.alone_plain_now(price))
-    return StartChoice(self.starts.tau(), price, plain)
+    if batch_rule:
+      starts = self._batch_starts()
+      plain = starts.batch_plain_now(price, self._plain_priced(self.batch_size))
+      return StartChoice(starts.batch_tau(), price, plain)
+    return StartChoice(self.starts.tau(), price, self.starts.alone_plain_now(price))
 
   @property
   def last_start_explored(self) -> bool:

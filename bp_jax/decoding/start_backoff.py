@@ -100,7 +100,10 @@ class StartBackoff:
   batch_margin: a batch's request drafts when the recent committed tokens per cycle reach
   `batch_margin` x the cycle's price in plain-loop steps; batch_plain_first: until the plain
   loop has been timed at the batch size, a batch's request starts plain unless drafting is
-  decisive (False: the rule weighs the speculative loop's own price as if in plain steps)."""
+  decisive (False: the rule weighs the speculative loop's own price as if in plain steps);
+  batch_prior_tau: the committed tokens per cycle a batch's rule weighs until `min_cycles`
+  cycles were seen (None: it drafts first; the engine sets a learned policy's expectation at
+  the size its batches decode, `Engine.batch_prior_tau`)."""
   window: int = 8
   min_cycles: int = 8
   explore_every: int = 4
@@ -113,6 +116,7 @@ class StartBackoff:
   batch_clear: float = 0.25
   batch_margin: float = 1.2
   batch_plain_first: bool = True
+  batch_prior_tau: float | None = None
   _recent: collections.deque = dataclasses.field(init=False)
   _deep: int = dataclasses.field(default=0, init=False)   # deep starts since the last explorer
   # The single rule's choice when its last explorer started (None: drafting since).
@@ -136,6 +140,15 @@ class StartBackoff:
     cycles = sum(c for _, c in self._recent)
     return None if cycles < self.min_cycles else sum(t for t, _ in self._recent) / cycles
 
+  def batch_tau(self) -> float | None:
+    """The τ a batch's rule weighs: the recent cycles' (`tau`), or before enough were seen
+    `batch_prior_tau`. A batch's first run drafting where drafting loses costs every row of
+    it (`python decode.py --config.batch_size=4` on the demo's CPU, 8 prompts, every request
+    drafting first: 0.88x AR); alone, a first request's misses back it off after its own first
+    cycles, so one request still drafts first before any τ."""
+    tau = self.tau()
+    return self.batch_prior_tau if tau is None else tau
+
   def start(self, break_even: float, cap: int, rows: int = 1,
             plain_priced: bool = True) -> tuple[int, int]:
     """(misses, AR steps) the next request (in a loop of `rows` slots) starts with: (0, 0) to
@@ -152,9 +165,9 @@ class StartBackoff:
     explorers that probe once and then back off the cap feed the online prices calls of one
     cycle among ~35 AR steps, which cannot tell a cheaper cycle from a cheaper AR step (in
     that test the break-even rose, 4.2 to 4.6, where the cycle's price had fallen to 1.2)."""
-    tau = self.tau()
     if rows > 1 and self.batch_plain:
-      return self._batch_start(tau, break_even, cap, rows, plain_priced)
+      return self._batch_start(self.batch_tau(), break_even, cap, rows, plain_priced)
+    tau = self.tau()
     if not self._deep_alone(tau, break_even):
       self._deep, self._explored = 0, None
       return 0, 0
@@ -172,7 +185,7 @@ class StartBackoff:
     """Whether a batch's request that is no explorer would start plain now (`_batch_start`'s
     rule, without counting a start): the recent cycles committed fewer tokens than
     `batch_margin` x `break_even`."""
-    return self._plain(self.tau(), break_even, plain_priced)
+    return self._plain(self.batch_tau(), break_even, plain_priced)
 
   def alone_plain_now(self, break_even: float) -> bool:
     """Whether a request decoded alone that is no explorer would start deep now (`start`'s
@@ -202,7 +215,8 @@ class StartBackoff:
                    plain_priced: bool = True) -> tuple[int, int]:
     """A batch's start under `batch_plain`: deep (the scheduler then decodes the request in
     the plain AR bucket) when the recent cycles committed fewer tokens than `batch_margin` x
-    `break_even`, drafting first otherwise (also before enough cycles were seen); explorer runs
+    `break_even`, drafting first otherwise (also before enough cycles were seen and with no
+    `batch_prior_tau`); explorer runs
     of `rows` requests (`_BatchExplorers`) take the other side (drafting where the rule says
     plain; plain where it says draft, unless drafting is `DECISIVE`)."""
     deep = self._plain(tau, break_even, plain_priced)
@@ -223,7 +237,8 @@ class StartChoice:
   """Where the next request of a bucket would start now, and what that rests on
   (`Engine.start_choice`; a server's /metrics shows it).
 
-  tau: committed tokens per cycle over the recent requests' cycles (None: too few yet);
+  tau: committed tokens per cycle over the recent requests' cycles (None: too few yet; a
+    batch's, `StartBackoff.batch_tau`: its prior until then, where it has one);
   price: a cycle's price the rule weighs tau against (a batch: in steps of the plain loop at
     the batch size once both loops' calls have timed them, `OnlineCosts.start_break_even`;
     alone: in AR steps of the speculative loop's fit, `OnlineCosts.break_even`);
