@@ -121,7 +121,8 @@ class Metrics:
       choice = self.start_choice
       if choice is not None:
         metric("start_tau", "gauge",
-               "Committed tokens per cycle of the recent requests (NaN: too few cycles yet).",
+               "Committed tokens per cycle of the recent requests (a batch's policy's prior "
+               "before enough cycles; NaN: too few cycles yet and no prior).",
                [({}, "NaN" if choice.tau is None else round(choice.tau, 4))])
         metric("start_price", "gauge",
                "A cycle's price the start rule weighs that tau against, in AR steps.",
