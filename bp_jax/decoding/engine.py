@@ -45,6 +45,7 @@ from bp_jax.decoding.scheduler import BatchRequest, Scheduler
 from bp_jax.decoding.state import MAX_ROW_STOP_IDS, LoopState
 from bp_jax.errors import BadInputError
 from bp_jax.policy.features import DRAFT_CONFIDENCE, FEATURE_TYPES
+from bp_jax.policy.mlp import priced_costs
 from bp_jax.models.qwen3 import Qwen3, with_head_apart
 from bp_jax.parallel.rules import (batch_sharding, cache_sharding, replicated, shard_cache,
                                    shard_state)
@@ -477,10 +478,9 @@ class Engine:
     prices = self.policy_prices() if self.policy.arch.head == "priced" else None
     if prices is None:
       return middle
-    C = len(self.policy_sizes)
-    prior = np.asarray(self.policy.value_prior[...], np.float64)
-    cost = {b: prior[i] * prices[0][i] + prior[C + i] * prices[1][i]
-            for i, b in enumerate(self.policy_sizes) if b > 1}
+    # Per new token at these prices, as the policy's own decision prices its prior.
+    per_token_C = priced_costs(self._prior_counts()[None, :], np.concatenate(prices))[0]
+    cost = dict(zip(self.policy_sizes, per_token_C))
     best = min(spec, key=lambda b: cost[b])
     return middle if cost[middle] <= (1.0 + JOINT_MARGIN) * cost[best] else best
 
@@ -498,10 +498,15 @@ class Engine:
       return None
     if self._batch_prior is None:
       C, i = len(self.policy_sizes), self.policy_sizes.index(joint)
-      prior = np.asarray(self.policy.value_prior[...], np.float64)
+      prior = self._prior_counts()
       cycles, steps = prior[i], prior[C + i]
       self._batch_prior = (max(1.0, (1.0 - steps) / cycles) if cycles > 0 else 0.0)
     return self._batch_prior or None
+
+  def _prior_counts(self) -> np.ndarray:
+    """A priced policy's prior counts per new token ([2C]: cycles at each of `policy_sizes`,
+    then fallback steps), read from the device."""
+    return np.asarray(self.policy.value_prior[...], np.float64)
 
   def _batch_starts(self) -> StartBackoff:
     """The start rule, with a batch's prior τ set (`batch_prior_tau`)."""
