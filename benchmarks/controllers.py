@@ -73,6 +73,11 @@ Methods (`--methods`, comma-separated):
                     priced_default whose batched requests stay in their speculative bucket
                     when its cycles keep missing (`BatchOptions.move_plain_after` = 0); the
                     default's move to the plain AR bucket after 3 misses in a row;
+  priced_default_movemiss
+                    priced_default whose batched requests move to the plain bucket only after
+                    missed cycles (`StartBackoff.batch_move` = False); the default's also move
+                    once their own cycles so far say plain under the batch's start rule
+                    (`Engine.cycles_lose`), where they draft at a loss without missing;
   priced_default_nodecline
                     priced_default whose cycles always verify their drafts
                     (`controller_decline=False`); the default's decline a cycle's drafts after
@@ -242,7 +247,7 @@ METHODS = ("ar", "none", "backoff", "confidence_1step", "confidence", "confidenc
            "priced_default_every4", "priced_default_margin1", "priced_default_bmargin1",
            "priced_default_bmargin0", "priced_default_bmargin0_move1",
            "priced_default_draftfirst", "ar_full",
-           "priced_default_full", "ar_twin", "priced_default_nomove",
+           "priced_default_full", "ar_twin", "priced_default_nomove", "priced_default_movemiss",
            "priced_default_nodecline", "priced_default_decline", "priced_default_nogate",
            "priced_default_nohold", "priced_default_twin", "ar_padded", "ar_tied", "none_tied",
            "learned_default", "learned_fixed")
@@ -347,7 +352,8 @@ START_RULES = {"priced_default_every8": ("batch_explore_max", "batch_explore_eve
                "priced_default_bmargin1": ("batch_margin", 1.0),
                "priced_default_bmargin0": ("batch_margin", 0.01),
                "priced_default_bmargin0_move1": ("batch_margin", 0.01),
-               "priced_default_draftfirst": ("batch_plain_first", False)}
+               "priced_default_draftfirst": ("batch_plain_first", False),
+               "priced_default_movemiss": ("batch_move", False)}
 
 
 def loop_method(method: str) -> str:
@@ -666,6 +672,7 @@ PAIRS = (("priced", "backoff"), ("priced_online", "priced"), ("priced_long", "pr
          ("priced_default_bmargin0_move1", "backoff"),
          ("priced_default", "priced_default_draftfirst"),
          ("priced_default", "priced_default_nomove"),
+         ("priced_default", "priced_default_movemiss"),
          ("priced_default", "priced_default_nodecline"),
          ("priced_default", "priced_default_decline"),
          ("priced_default", "priced_default_nogate"), ("priced_default", "none"),

@@ -126,12 +126,15 @@ def test_greedy_outputs_are_ar_and_batched_rows_equal_their_request_alone(zeros_
 @pytest.mark.parametrize("batch_size", [1, 3])
 def test_dearer_costs_take_more_ar_steps(zeros_models, zeros_ar_outputs, batch_size):
   """The same requests under dearer given costs count more cycles as misses: more AR steps and
-  fewer drafter passes, the same tokens; in a batch too (the rows back off together). (Where a
-  cycle costs less than an AR step, no cycle is a miss: test_ar_step_tokens.)"""
+  fewer drafter passes, the same tokens; in a batch too (the rows back off together; there
+  without the moves of rows whose own cycles lose to the plain loop, which move the dear and
+  the dearest batch's rows alike after their second call: test_a_batchs_rows_move_plain_...).
+  (Where a cycle costs less than an AR step, no cycle is a miss: test_ar_step_tokens.)"""
   prompts, max_news = _requests(6)
   steps, passes = {}, {}
   for name, kw in (("cheap", CHEAP), ("dear", DEAR), ("dearest", DEAREST)):
     eng = _engine(zeros_models, batch_size=batch_size, **kw)
+    eng.starts.batch_move = False
     outs = ([eng.generate(p, max_new_tokens=m, block_size=B) for p, m in zip(prompts, max_news)]
             if batch_size == 1 else
             eng.generate_batch(prompts, max_new_tokens=max_news, block_size=B))
@@ -273,6 +276,25 @@ def test_a_batch_weighs_its_prior_tau_until_it_has_seen_cycles():
     starts.observe([8, 8])  # τ 8 seen: it replaces the prior
   assert starts.batch_tau() == 8.0
   assert starts.start(3.0, 16, rows=2, plain_priced=False) == draft  # 8 >= 2 x 3: decisive
+
+
+def test_a_batchs_own_cycles_say_whether_its_drafting_rows_move_plain():
+  """`StartBackoff.batch_cycles_lose`: a speculative bucket's rows' own cycles, weighed by the
+  batch's rule (plain below `batch_margin` x the price; before the plain loop is timed, below
+  `DECISIVE` x the speculative loop's own), never on fewer than `min_cycles` cycles, nor without
+  `batch_move`; the recent requests' τ and the prior do not enter."""
+  from bp_jax.decoding.start_backoff import StartBackoff
+  starts = StartBackoff(batch_plain=True, batch_prior_tau=9.0)
+  for _ in range(4):
+    starts.observe([8, 8])  # recent τ 8: a new request would draft at a price of 5
+  assert not starts.batch_plain_now(5.0)
+  assert starts.batch_cycles_lose([5] * 8, 5.0)        # 5 < 1.2 x 5
+  assert not starts.batch_cycles_lose([6] * 8, 5.0)    # 6 >= 1.2 x 5
+  assert not starts.batch_cycles_lose([1] * 7, 5.0)    # too few cycles to tell
+  assert starts.batch_cycles_lose([5] * 8, 3.0, plain_priced=False)  # 5 < 2 x 3
+  assert not starts.batch_cycles_lose([7] * 8, 3.0, plain_priced=False)
+  starts.batch_move = False
+  assert not starts.batch_cycles_lose([1] * 64, 5.0)
 
 
 def test_a_batchs_recent_requests_span_the_batch(zeros_models):
@@ -536,3 +558,37 @@ def test_a_batchs_requests_move_to_the_plain_bucket_where_its_cycles_keep_missin
   outs = eng.generate_batch(prompts, max_new_tokens=max_news, block_size=B)
   assert any(g.moved_plain for g in outs) and eng.compiled.counts["move"] == moves
   assert [g.output_ids for g in outs] == ar_outputs(0.0)  # greedy: AR's tokens, moved or not
+
+
+@pytest.mark.parametrize("move", [True, False])
+def test_a_batchs_rows_move_plain_where_their_own_cycles_lose_to_the_plain_loop(zeros_models,
+                                                                                 move):
+  """Cheap costs, so no cycle misses against the speculative loop's own AR steps, but a cycle
+  priced at 100 steps of the plain loop (`OnlineCosts.start_break_even`, as where the plain
+  loop is far cheaper than the speculative loop's AR steps): the first batch of 3 drafts (no τ
+  yet) and, once its rows' own cycles reach `StartBackoff.min_cycles` (the second call of 2
+  forwards), they move to the plain bucket (`Engine.cycles_lose`) with AR's very tokens; their
+  cycles reach the start rule at once, so the next 3 requests start plain, the 4th routed to
+  draft before the moves among them. Without `StartBackoff.batch_move` nothing misses, so
+  nothing moves: the first batch and the 4th draft to their ends, with more drafter passes."""
+  prompts, _ = _requests(6)
+  max_news = [40] * 6
+  ar = Engine(zeros_models[0], shapes=ShapeOptions(max_len=MAX_LEN, length_buckets=BUCKETS))
+  want = [ar.generate(p, max_new_tokens=m).output_ids for p, m in zip(prompts, max_news)]
+  eng = _engine(zeros_models, batch_size=3, **CHEAP)
+  eng.starts.batch_move = move
+  eng.prices.start_break_even = lambda n, rows: 100.0
+  outs = eng.generate_batch(prompts, max_new_tokens=max_news, block_size=B)
+  assert [g.output_ids for g in outs] == want
+  # Without moves the 4th request, routed before any τ, drafts too.
+  assert [g.plain_start for g in outs] == [False] * (3 if move else 4) + [True] * (
+      3 if move else 2)
+  first = outs[:3]
+  if move:
+    assert all(g.moved_plain and not g.plain_start for g in first)
+    assert [g.cycles for g in first] == [4, 4, 4]  # two calls of 2 drafted forwards each
+    assert all(g.drafter_passes == 4 and g.ar_steps > 0 for g in first)
+    assert len(eng.starts._recent) == 3 and eng.compiled.counts["move"] == 1
+  else:
+    assert not any(g.moved_plain for g in first) and "move" not in eng.compiled.counts
+    assert all(g.drafter_passes > 4 for g in first)

@@ -732,6 +732,17 @@ class Engine:
         self.prices.start_break_even(block_size, self.batch_size),
         self._plain_priced(self.batch_size))
 
+  def cycles_lose(self, block_size: int, acceptance_lengths: Sequence[int]) -> bool:
+    """Whether a batch's rows drafting at `block_size`, whose cycles so far committed
+    `acceptance_lengths`, would start plain by their own τ
+    (`StartBackoff.batch_cycles_lose`, at the price `plain_now` weighs): the scheduler then
+    moves them to the plain bucket (`Scheduler._move_losing`)."""
+    if block_size == 1 or self.batch_size == 1 or not self.may_start_plain:
+      return False
+    return self._batch_starts().batch_cycles_lose(
+        acceptance_lengths, self.prices.start_break_even(block_size, self.batch_size),
+        self._plain_priced(self.batch_size))
+
   def start_choice(self, block_size: int) -> StartChoice | None:
     """Where a request of `block_size` that is no explorer would start now, at the engine's
     batch size, and the recent τ and price that choice rests on (`StartChoice`); None where

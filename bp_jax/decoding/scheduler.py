@@ -353,8 +353,11 @@ class Scheduler:
   def _move_losing(self, b: int, bucket: _Bucket) -> None:
     """Moves a speculative bucket's decoding requests into free slots of the plain AR bucket
     once their batch's cycles missed `Engine.move_plain_after` times in a row
-    (`LoopState.misses_B`: the priced back-off's shared level), oldest slots first, as many as
-    that bucket has room for at full size besides the requests waiting for it (it grows back
+    (`LoopState.misses_B`: the priced back-off's shared level), or once their cycles so far
+    say, by the batch's start rule, that they would start plain (`Engine.cycles_lose`: all of
+    them then; a miss weighs a cycle against the speculative loop's own, dearer AR steps, so
+    where drafting loses only to the plain loop nothing misses), oldest slots first, as many
+    as that bucket has room for at full size besides the requests waiting for it (it grows back
     if shrunk). Each move copies one request's row (`Engine.move_program`); its seconds are
     split among the moved requests as a loop call's are. The requests keep their tokens, cache
     position, records and keys, so they decode the tokens they would have; their cycles so
@@ -363,11 +366,21 @@ class Scheduler:
     after = self.engine.move_plain_after
     if b == 1 or not after or self.forced or not self.engine.may_start_plain:
       return
-    c = bucket.carry
-    misses, n_gen, done, max_new = jax.device_get((c.misses_B, c.n_gen_B, c.done_B,
-                                                   c.max_new_B))
-    losing = [i for i, r in enumerate(bucket.rows) if r is not None and not done[i]
-              and n_gen[i] < max_new[i] and misses[i] >= after]
+    c, r = bucket.carry, bucket.carry.records
+    misses, n_gen, done, max_new, accept, is_cycle, verified, forwards = jax.device_get(
+        (c.misses_B, c.n_gen_B, c.done_B, c.max_new_B, r.accept_BS, r.is_cycle_BS,
+         r.verified_BS, r.forwards_B))
+    decoding = [i for i, s in enumerate(bucket.rows) if s is not None and not done[i]
+                and n_gen[i] < max_new[i]]
+    cycles = {}  # row -> its cycles' committed tokens so far: all it runs if it moves
+    for i in decoding:
+      f = int(forwards[i])
+      flags = cycle_flags(is_cycle[i, :f], verified[i, :f], b)
+      cycles[i] = [int(a) for a, on in zip(accept[i, :f], flags) if on]
+    losing = [i for i in decoding if misses[i] >= after]
+    if len(losing) < len(decoding) and self.engine.cycles_lose(
+        b, [a for i in decoding for a in cycles[i]]):
+      losing = decoding
     plain = self._bucket(1) if losing else None
     room = 0 if plain is None else (self.engine.batch_size - plain.live()
                                     - len(self.ready[1]))
@@ -376,13 +389,8 @@ class Scheduler:
       return
     if len(plain.rows) < self.engine.batch_size:  # moves go into a full-size state only
       plain.resize(self.engine, self.engine.batch_size)
-    r = c.records  # their cycles so far: all they will run
-    accept, is_cycle, verified, forwards = jax.device_get((r.accept_BS, r.is_cycle_BS,
-                                                           r.verified_BS, r.forwards_B))
     for i in losing:
-      f = int(forwards[i])
-      cycles = cycle_flags(is_cycle[i, :f], verified[i, :f], b)
-      self.engine.request_moved([int(a) for a, c in zip(accept[i, :f], cycles) if c])
+      self.engine.request_moved(cycles[i])
     moved, seconds = [bucket.rows[i] for i in losing], 0.0
     for i, j, staged in zip(losing, plain.free_rows(), moved):
       fn, args = self.engine.move_program(plain.carry, j, bucket.carry, i)  # compiles once

@@ -40,8 +40,12 @@ speculative loop's own stands in, in that loop's dearer AR steps (a batch of 8: 
 them against 4.7 plain steps): a request then starts plain unless drafting is decisive, so the
 plain loop is timed before the rule weighs it. Both sides stay measured by explorer runs: a
 run of `rows` consecutive requests takes the other side, so that explorers share their
-bucket's calls rather than each costing a call of its own. Every `batch_explore_every`-th run (8) is a check: it explores unless the choice is
-clearly plain, i.e. plain as when the last explorer run began and by more than `batch_clear`
+bucket's calls rather than each costing a call of its own. A drafting run, an explorer's or
+not, moves to the plain bucket mid-decode once its rows' own cycles say plain by this rule
+(`batch_cycles_lose`, after a loop call: `Scheduler._move_losing`), so an explorer run where
+drafting loses pays about one call of cycles, not its whole decode.
+Every `batch_explore_every`-th run (8) is a check: it explores unless the choice is clearly
+plain, i.e. plain as when the last explorer run began and by more than `batch_clear`
 (25%) below the flip point (τ below 0.8 x `batch_margin` x the price); then it explores only
 once `batch_explore_max` runs (32) have passed since that run. A server whose batches decode
 plain because drafting clearly loses thus pays for one drafting run in 32 rather than in 8 (at
@@ -103,7 +107,9 @@ class StartBackoff:
   decisive (False: the rule weighs the speculative loop's own price as if in plain steps);
   batch_prior_tau: the committed tokens per cycle a batch's rule weighs until `min_cycles`
   cycles were seen (None: it drafts first; the engine sets a learned policy's expectation at
-  the size its batches decode, `Engine.batch_prior_tau`)."""
+  the size its batches decode, `Engine.batch_prior_tau`); batch_move: a speculative bucket's
+  rows move to the plain bucket once their own cycles so far say plain under the batch's rule
+  (`batch_cycles_lose`; False: only after missed cycles, `BatchOptions.move_plain_after`)."""
   window: int = 8
   min_cycles: int = 8
   explore_every: int = 4
@@ -117,6 +123,7 @@ class StartBackoff:
   batch_margin: float = 1.2
   batch_plain_first: bool = True
   batch_prior_tau: float | None = None
+  batch_move: bool = True
   _recent: collections.deque = dataclasses.field(init=False)
   _deep: int = dataclasses.field(default=0, init=False)   # deep starts since the last explorer
   # The single rule's choice when its last explorer started (None: drafting since).
@@ -186,6 +193,21 @@ class StartBackoff:
     rule, without counting a start): the recent cycles committed fewer tokens than
     `batch_margin` x `break_even`."""
     return self._plain(self.batch_tau(), break_even, plain_priced)
+
+  def batch_cycles_lose(self, acceptance_lengths: Sequence[int], break_even: float,
+                        plain_priced: bool = True) -> bool:
+    """Whether a speculative bucket's rows, by their own cycles so far (committed tokens per
+    cycle, at least `min_cycles` of them), would start plain under the batch's rule (`_plain`
+    with their τ): they then move to the plain bucket (`Scheduler._move_losing`). Their misses
+    alone do not tell: a miss weighs a cycle against the speculative loop's own AR steps, which
+    stage the drafter's context and cost more than the plain loop's (batch 8, T = 0 on the
+    demo's CPU, at the runs' ends: a cycle's price 2.8-3.0 of those against 3.9-10 plain steps,
+    at τ ~4.5-5), so an explorer run there missed nothing and drafted to its end at ~0.85x the
+    plain loop. False without `batch_move`."""
+    if not self.batch_move or len(acceptance_lengths) < max(int(self.min_cycles), 1):
+      return False
+    tau = sum(acceptance_lengths) / len(acceptance_lengths)
+    return self._plain(tau, break_even, plain_priced)
 
   def alone_plain_now(self, break_even: float) -> bool:
     """Whether a request decoded alone that is no explorer would start deep now (`start`'s
