@@ -21,6 +21,7 @@ from bp_jax.decoding.controllers import Priced, controller_of
 from bp_jax.decoding.engine import Engine
 from bp_jax.decoding.options import LoopOptions, ShapeOptions
 from bp_jax.errors import BadInputError
+from compile_counting import BackendCompiles
 from toy_models import toy_engine
 from toy_models import toy_requests as _requests
 from toy_models import assert_one_spec_loop, assert_sampled_like_ar
@@ -555,8 +556,10 @@ def test_a_batchs_requests_move_to_the_plain_bucket_where_its_cycles_keep_missin
   eng = _engine(zeros_models, batch_size=3, shrink=True, **DEAREST)
   moves = eng.precompile([B], length_buckets=BUCKETS, all_windows=True)["by_function"]["move"]
   assert moves == len(eng.slot_sizes())  # from each size of the speculative state
-  outs = eng.generate_batch(prompts, max_new_tokens=max_news, block_size=B)
+  with BackendCompiles() as compiles:  # nor anything else: the emptied slots included
+    outs = eng.generate_batch(prompts, max_new_tokens=max_news, block_size=B)
   assert any(g.moved_plain for g in outs) and eng.compiled.counts["move"] == moves
+  assert compiles.n == 0, compiles
   assert [g.output_ids for g in outs] == ar_outputs(0.0)  # greedy: AR's tokens, moved or not
 
 

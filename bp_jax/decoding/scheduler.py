@@ -400,8 +400,7 @@ class Scheduler:
       seconds += time.perf_counter() - t0
       plain.rows[j], bucket.rows[i] = staged, None
       staged.moved_plain = True
-    bucket.carry = bucket.carry.replace(  # the slots it left are empty: max_new 0
-        max_new_B=bucket.carry.max_new_B.at[np.asarray(losing)].set(0))
+    bucket.carry = _with_empty_rows(bucket.carry, losing)  # the slots it left
     for staged in moved:
       staged.decode_s += seconds / len(moved)
     self._reroute(b)
@@ -501,9 +500,8 @@ class Scheduler:
     for bucket in self.buckets.values():
       for i, staged in enumerate(bucket.rows):
         if staged is not None and staged.req.index == index:
-          bucket.rows[i] = None  # an empty slot: max_new 0, the row decodes no more
-          bucket.carry = bucket.carry.replace(
-              max_new_B=bucket.carry.max_new_B.at[i].set(0))
+          bucket.rows[i] = None  # an empty slot: the row decodes no more
+          bucket.carry = _with_empty_rows(bucket.carry, [i])
           return True
     return False
 
@@ -537,6 +535,17 @@ class Scheduler:
       if not self.busy() and len(self.results) < total:
         raise RuntimeError("scheduler: requests left but none queued, waiting or in flight")
     return [self.results[i] for i in sorted(self.results)]
+
+
+def _with_empty_rows(carry: LoopState, rows: Sequence[int]) -> LoopState:
+  """`carry` with slots `rows` empty (max_new 0: they decode no more), written from the host
+  in the carry's placement. An eager `max_new_B.at[rows].set(0)` compiled a scatter for each
+  count of rows the first time it came (0.2-0.9 s on the demo's CPU, outside every program a
+  server's warm-up compiles: a batch of 8 whose one row moved to the plain bucket took ~3x
+  its group's time)."""
+  max_new_B = np.array(jax.device_get(carry.max_new_B))
+  max_new_B[np.asarray(list(rows), np.int64)] = 0
+  return carry.replace(max_new_B=jax.device_put(max_new_B, carry.max_new_B.sharding))
 
 
 def empty_buffers_like(cache, draft_cache) -> tuple:
