@@ -228,7 +228,7 @@ from absl import flags
 from benchmarks import accelerator, common
 from benchmarks.gc_pauses import GcPauses
 from benchmarks.sim_clock import SimClock
-from bp_jax import cli
+from bp_jax import cli, compile_cache
 from bp_jax.gc_freeze import freeze_after_startup
 from bp_jax.decoding import controller as control
 from bp_jax.decode_job.compare import check_repeats_agree
@@ -815,15 +815,17 @@ def main(_):
   precompile_s = precompile(engines, methods, size, prompts) if FLAGS.precompile else {}
   warm_up(engines, methods, groups[:FLAGS.warmup_groups], size, forced, G)
   compiled_before = {m: engines[m].compiled.total for m in own}  # what the timed runs compile
+  xla_built = {m: 0 for m in methods}  # and any XLA program, eager ops' included
   pauses = GcPauses().start()  # Python's collections during the timed runs
   for i, group in enumerate(groups):
     runs: dict[str, list[list[Generation]]] = {m: [] for m in methods}
     walls: dict[str, list[float]] = {m: [] for m in methods}
     for _ in range(FLAGS.repeats):
       for m in method_order(methods, i):
-        t0 = time.perf_counter()
+        built, t0 = compile_cache.programs_built(), time.perf_counter()
         runs[m].append(decode_group(engines[m], group, size[m], i * G, forced[m]))
         walls[m].append(time.perf_counter() - t0)
+        xla_built[m] += compile_cache.programs_built() - built
     for m in methods:
       if path_free:
         for j in range(len(group)):
@@ -917,6 +919,8 @@ def main(_):
   print("  programs compiled during the timed runs (a first use there: its compile and first "
         "run in that repeat's wall time): "
         + ", ".join(f"{m} {n}" for m, n in timed_compiles.items()))
+  print("  XLA programs built during the timed runs (any jit or eager op's first use, the "
+        "engine's programs included): " + ", ".join(f"{m} {n}" for m, n in xla_built.items()))
   shrinks = {m: engines[m].shrink for m in methods if B > 1 and size[m] != 1}
   if shrinks:  # the engine's rule (`Engine.shrink`): where rows cost, a tail runs fewer slots
     print("  batch tails shrink: " + ", ".join(f"{m} {'yes' if v else 'no'}"
@@ -982,6 +986,7 @@ def main(_):
               "controller_costs": {**costs, "source": source}, "cost_estimates": online,
               "slot_use": slot_use, "drafted_every_repeat": drafted, "compiles": compiles,
               "precompile_s": precompile_s, "timed_compiles": timed_compiles,
+              "timed_xla_programs": xla_built,
               "learned_block_sizes": learned_sizes,
               "policy": FLAGS.policy if learned_sizes else None,
               "loop_calls": calls,

@@ -15,7 +15,9 @@ from bp_jax.errors import BadInputError
 
 DEFAULT = "default"  # --config.compile_cache value meaning default_dir()
 _HIT_EVENT = "/jax/compilation_cache/cache_hits"
+_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 _hits = 0
+_compiles = 0
 
 
 def _count(event: str, **_) -> None:
@@ -24,12 +26,26 @@ def _count(event: str, **_) -> None:
     _hits += 1
 
 
+def _count_compile(event: str, duration: float, **_) -> None:
+  global _compiles
+  if event == _COMPILE_EVENT:
+    _compiles += 1
+
+
 jax.monitoring.register_event_listener(_count)
+jax.monitoring.register_event_duration_secs_listener(_count_compile)
 
 
 def hits() -> int:
   """Programs loaded from the persistent cache so far in this process."""
   return _hits
+
+
+def programs_built() -> int:
+  """XLA programs compiled or loaded from the persistent cache so far in this process: every
+  jit and every eager op's first use at its shapes, not only the engine's own programs (a
+  benchmark's timed runs should add none)."""
+  return _compiles + _hits
 
 
 def default_dir() -> str:

@@ -279,6 +279,38 @@ def test_a_batch_weighs_its_prior_tau_until_it_has_seen_cycles():
   assert starts.start(3.0, 16, rows=2, plain_priced=False) == draft  # 8 >= 2 x 3: decisive
 
 
+def test_an_explorer_runs_first_call_is_short_so_that_its_rows_move_early(zeros_models,
+                                                                        monkeypatch):
+  """Where the start rule says plain (a cycle priced at 100 plain steps, cheap costs: no
+  misses), a batch explorer run's first call runs `scheduler.VERDICT_FORWARDS` (4) forwards,
+  not the engine's 16, and its rows then move to the plain bucket on their own cycles: 4
+  cycles each, against the whole first call's 15 when that budget is the engine's (where
+  these 60-token requests end). The batch's first requests (routed before any τ, no
+  explorers) run whole calls. AR's very tokens either way."""
+  from bp_jax.decoding import scheduler
+  prompts, _ = _requests(12)
+  max_news = [60] * 12
+  ar = Engine(zeros_models[0], shapes=ShapeOptions(max_len=MAX_LEN, length_buckets=BUCKETS))
+  want = [ar.generate(p, max_new_tokens=m).output_ids for p, m in zip(prompts, max_news)]
+  runs = {}
+  for verdict in (scheduler.VERDICT_FORWARDS, 16):
+    monkeypatch.setattr(scheduler, "VERDICT_FORWARDS", verdict)
+    eng = toy_engine(zeros_models, "priced", batch_size=3, sync_cycles=16, **CHEAP)
+    eng.prices.start_break_even = lambda n, rows: 100.0
+    eng.starts.batch_explore_every = 2  # the 4th start after the first batch: an explorer run
+    outs = eng.generate_batch(prompts, max_new_tokens=max_news, block_size=B)
+    assert [g.output_ids for g in outs] == want
+    assert all(g.plain_start for g in outs[3:9]) and not any(g.plain_start for g in outs[9:])
+    assert all(g.moved_plain and g.cycles > 4 for g in outs[:3])
+    runs[verdict] = outs[9:]
+  short, whole = runs[4], runs[16]
+  moved = [g for g in short if g.moved_plain]
+  assert len(moved) >= 2 and all(1 <= g.cycles <= 4 for g in moved), [
+      (g.moved_plain, g.cycles) for g in short]
+  assert not any(g.moved_plain for g in whole) and all(g.cycles > 4 for g in whole)
+  assert sum(g.drafter_passes for g in short) < sum(g.drafter_passes for g in whole)
+
+
 def test_a_batchs_own_cycles_say_whether_its_drafting_rows_move_plain():
   """`StartBackoff.batch_cycles_lose`: a speculative bucket's rows' own cycles, weighed by the
   batch's rule (plain below `batch_margin` x the price; before the plain loop is timed, below

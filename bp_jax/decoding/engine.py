@@ -146,8 +146,10 @@ class Engine:
     self.length_buckets = shapes.length_buckets or default_length_buckets(max_len)
     self.stop_ids = list(stop_ids)
     self._stop_arr = jnp.asarray(self.stop_ids or [-1], jnp.int32)
-    # The batched loops' budget of target forwards per call, an argument of each call.
+    # The batched loops' budget of target forwards per call, an argument of each call, and
+    # shorter budgets asked for (`slots_program`'s `forwards`), each made once.
     self._sync_arr = jnp.asarray(self.sync_cycles, jnp.int32)
+    self._budgets = {self.sync_cycles: self._sync_arr}
     self.t_graph, self.t_state = nnx.split(target)
     # Caches in the form the loops carry (`loops.loop_cache`: per layer, unless the layers run
     # scanned), so that no call converts them: a one-request loop call that got stacked caches
@@ -1257,9 +1259,11 @@ class Engine:
 
   def slots_program(self, block_size: int, carry: LoopState, forced: bool = False,
                     max_pos: int | None = None, ar_steps: int = 0,
-                    form: SamplingForm = SamplingForm.ANY) -> tuple:
+                    form: SamplingForm = SamplingForm.ANY, forwards: int | None = None
+                    ) -> tuple:
     """(compiled batched loop of a bucket, its arguments with `carry` donated): one call runs
-    `sync_cycles` cycles, or until no row decodes (0), each row with its own sampling settings
+    `sync_cycles` cycles (at most `forwards` where given: a runtime budget, the same program),
+    or until no row decodes (0), each row with its own sampling settings
     (`LoopState.sp_B`) read in `form` (`sampling.form_of` the decoding rows' settings),
     attending over the window that the furthest decoding row (`max_pos`) needs
     (`programs.window_for`; `ar_steps`: the AR steps every decoding row asks for first, which
@@ -1267,6 +1271,9 @@ class Engine:
     it once on a copy of the carry (its first run's fixed cost) on first use, before any clock
     starts."""
     args = self._slots_args(block_size, carry)
+    if forwards is not None and 0 < int(forwards) < self.sync_cycles:
+      budget = self._budgets.setdefault(int(forwards), jnp.asarray(int(forwards), jnp.int32))
+      args = args[:-1] + (budget,)
     window = self._slots_window(block_size, max_pos, ar_steps)
     rows = int(carry.pos_B.shape[0])
     fn = self.programs.batched_loop(block_size, rows, window, args, forced, form)

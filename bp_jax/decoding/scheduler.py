@@ -26,7 +26,10 @@ plain loop at this batch size, `Engine.request_start`) takes a slot of the plain
 `plain_start`. Where drafting loses, a batch's requests then decode at the plain loop's speed,
 not in the speculative loop's AR steps (which stage the drafter's context: ~1.2x the plain
 loop's step on the demo's CPU); runs of explorers keep both sides measured
-(`start_backoff.StartBackoff`).
+(`start_backoff.StartBackoff`). A speculative bucket's rows move to the plain bucket
+mid-decode where their cycles keep missing or commit too few tokens for the start rule
+(`_move_losing`); an explorer run's first call is short (`VERDICT_FORWARDS`), so where drafting
+loses it pays a few cycles.
 
 A bucket that no request waits for (a batch's tail) moves its requests into a state of fewer
 slots before its call (`BatchOptions.shrink`: the fewest of `Engine.slot_sizes`, batch_size
@@ -68,6 +71,12 @@ from bp_jax.decoding.generation import Generation, cycle_flags, generation_of, t
 from bp_jax.decoding.sampling import form_of
 from bp_jax.decoding.state import LoopState
 from bp_jax.errors import BadInputError
+
+
+# The forwards of an explorer run's first call (`Scheduler._verdict_budget`): cycles enough for
+# its rows' own τ (at least `StartBackoff.min_cycles` of them over 2 rows and more) before
+# they draft much further where drafting loses.
+VERDICT_FORWARDS = 4
 
 
 @dataclasses.dataclass
@@ -121,6 +130,7 @@ class _Staged:
   route: _Route | None = None  # set once its block size is known (`Scheduler._route`)
   policy_block_size: int | None = None  # a learned size's pick (`Engine.decode_size`)
   moved_plain: bool = False  # moved to the plain bucket mid-decode (`Scheduler._move_losing`)
+  calls: int = 0           # loop calls it decoded in
 
 
 class _Bucket:
@@ -329,7 +339,8 @@ class Scheduler:
       fn, args = self.engine.slots_program(
           b, bucket.carry, self.forced, max_pos=int(max(pos[i] for i in decoding)),
           ar_steps=int(min(wait[i] for i in decoding)),
-          form=form_of(bucket.rows[i].req.sampling for i in decoding))
+          form=form_of(bucket.rows[i].req.sampling for i in decoding),
+          forwards=self._verdict_budget(b, [bucket.rows[i] for i in decoding]))
       t0 = self.engine.clock()
       bucket.carry = fn(*args)
       jax.block_until_ready(bucket.carry.pos_B)
@@ -344,11 +355,25 @@ class Scheduler:
       share = secs / len(decoding)
       for i in decoding:
         bucket.rows[i].decode_s += share
+        bucket.rows[i].calls += 1
       self._report.ran, self._report.rows, self._report.seconds = b, len(decoding), secs
     if self.track_progress:
       self._progress(bucket)
     self._collect(bucket)
     self._move_losing(b, bucket)
+
+  def _verdict_budget(self, b: int, rows: Sequence[_Staged]) -> int | None:
+    """The forwards of a speculative bucket's next call where a row of it is an explorer
+    (drafting where the start rule says plain) that has not decoded yet: `VERDICT_FORWARDS`,
+    or more where its rows are too few to run the start rule's `min_cycles` cycles in them,
+    after which their own cycles say whether they stay (`_move_losing`); None (the engine's
+    `sync_cycles`) otherwise. With a call's whole budget an explorer run drafted 16 cycles
+    (~80 of its 128 tokens at τ 5) before the first verdict."""
+    starts = self.engine.starts
+    if (b == 1 or self.forced or not self.engine.move_plain_after or starts is None
+        or not any(s.route.explorer and not s.calls for s in rows)):
+      return None
+    return max(VERDICT_FORWARDS, -(-int(starts.min_cycles) // max(len(rows), 1)))
 
   def _move_losing(self, b: int, bucket: _Bucket) -> None:
     """Moves a speculative bucket's decoding requests into free slots of the plain AR bucket
