@@ -244,3 +244,45 @@ def test_with_priced_starts_the_prefill_follows_the_start_rule(models, monkeypat
   assert got[False] == got[True]
   assert {k for k in engine.compiled.seconds if k[0] == "prefill"} == compiled
   assert not engine.defers_context(return_features=True)
+
+
+def test_a_batchs_learned_request_routed_plain_is_prefilled_without_its_policy(models,
+                                                                              monkeypatch):
+  """In a batch whose learned picks decode at one size that may start plain
+  (`Engine.routes_learned_early`), the start rule routes a learned request before its
+  prefill. One it routes plain is prefilled by the target alone, as a plain request of the
+  joint size: its policy does not run (no pick: `policy_block_size` and `policy_probs` None),
+  no drafter context, AR's tokens. A server's warm-up (`precompile(policy=True)`) compiles that
+  prefill, so such a batch builds no XLA program. One routed to draft is picked for as
+  before."""
+  from compile_counting import BackendCompiles
+  from bp_jax.decoding.options import LoopOptions
+  target, drafter = models
+  engine = Engine(target, drafter=drafter, policy=_policy("last_hidden"), policy_sizes=SIZES,
+                  shapes=ShapeOptions(max_len=MAX_LEN, length_buckets=(16, P),
+                                      block_sizes=SIZES),
+                  loop=LoopOptions(controller="priced", start_backoff=True, start_plain=True,
+                                   controller_costs="1,3,6", controller_draft_cost=3.0),
+                  batching=BatchOptions(batch_size=2, sync_cycles=2))
+  assert engine.routes_learned_early and engine.joint_size == 5
+  prompts = _prompts(5, seed=9)
+  ar = Engine(target, shapes=ShapeOptions(max_len=MAX_LEN, length_buckets=(16, P)))
+  want = [ar.generate(p, max_new_tokens=8).output_ids for p in prompts]
+  route_plain = {"plain": True}
+  original = engine.starts_plain
+  monkeypatch.setattr(engine, "starts_plain", lambda b, start, forced=False: (
+      b > 1 and route_plain["plain"]) or original(b, start, forced))
+  engine.precompile(engine.learned_sizes, policy=True, plain_prefill=False, all_windows=True)
+  with BackendCompiles() as compiles:
+    gens = engine.generate_batch(prompts, max_new_tokens=8, block_size=LEARNED)
+  assert compiles.n == 0
+  assert [g.output_ids for g in gens] == want
+  for g in gens:
+    assert (g.block_size, g.plain_start, g.policy_block_size, g.policy_probs) == (
+        5, True, None, None)
+    assert g.drafter_passes == 0
+  route_plain["plain"] = False  # drafting where the rule lets it: the policy picks
+  engine.starts.batch_prior_tau = None
+  gens = engine.generate_batch(prompts, max_new_tokens=8, block_size=LEARNED)
+  assert [g.output_ids for g in gens] == want
+  assert all(g.policy_block_size in SIZES and len(g.policy_probs) == len(SIZES) for g in gens)

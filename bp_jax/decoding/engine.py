@@ -515,6 +515,19 @@ class Engine:
     self.starts.batch_prior_tau = self.batch_prior_tau
     return self.starts
 
+  @property
+  def routes_learned_early(self) -> bool:
+    """Whether a batch's learned request is routed before its prefill (`Scheduler`): its
+    speculative picks decode at one size (`joint_size`) whose requests may start plain, so the
+    start rule can route it as a request of that size before its policy runs. One routed plain
+    is prefilled as a plain request of that size (the target alone, `plain_prefill`), without
+    its policy (its `Generation.policy_block_size` is None): its pick could not change its
+    route. At batch 8 on the demo's CPU, where nearly every request decodes plain, the policy's
+    prefill (its features and the drafter's kept layer outputs) cost the learned default ~1% of
+    its end-to-end time against a fixed size."""
+    return (self.batch_size > 1 and self.may_start_plain and self.drafter is not None
+            and self.joint_size is not None)
+
   def decode_size(self, picked: int) -> int:
     """The block size a request whose policy picked `picked` decodes at: the joint size for a
     speculative pick in a joined batch, else its pick (1, plain decoding, stays 1)."""
@@ -620,8 +633,9 @@ class Engine:
     (a speculative bucket's rows move to the plain one, never back). On the demo's CPU the
     drafter's part was ~19% of a prefill (`benchmarks/plain_prefill.py`, batch 4: prefill
     seconds 0.813x [0.798, 0.828]). A learned size's route is known only after its prefill
-    (`defers_context`). Not where the prefill's features are returned (`return_features`:
-    they include the drafter's)."""
+    (`defers_context`), except in a batch that routes it before (`routes_learned_early`).
+    Not where the prefill's features are returned (`return_features`: they include the
+    drafter's)."""
     return (self.drafter is not None and block_size == 1 and not return_features)
 
   def defers_context(self, return_features: bool = False) -> bool:
@@ -629,7 +643,9 @@ class Engine:
     built after the prefill only where the request then drafts (`build_draft_context`): its
     policy reads no drafter output (every feature type but `draft_confidence`), and the route
     (drafting, or plain where its start is deep, `starts_plain`) is known only once the policy
-    chose. The prefill keeps the drafter's chosen layers' outputs for it (`DraftContext.LATER`).
+    chose (in a batch that routes it before its prefill, `routes_learned_early`, one routed
+    plain is prefilled plain, without its policy; one routed to draft may still pick size 1).
+    The prefill keeps the drafter's chosen layers' outputs for it (`DraftContext.LATER`).
 
     Only where the request is likely to decode plain: with priced starts, where the last
     learned request's pick was size 1 or the start rule would route a request of the size it
@@ -853,9 +869,11 @@ class Engine:
         hiddens = fn.out_info.context_hiddens
         self.programs.draft_context((self.d_weights, hiddens, z, self.draft_cache))
 
+    if not plain_prefill:  # a learned request routed plain before its prefill: the target's
+      kinds = ({DraftContext.NONE: None} if policy and self.routes_learned_early else {})
     for P in length_buckets or self.length_buckets:
       tokens_1P = jnp.zeros((1, P), jnp.int32)
-      for context in kinds if plain_prefill else ():
+      for context in kinds:
         add("prefill", None, never, functools.partial(self._prefill, tokens_1P, z, seed_key,
                                                       sp, form, context=context))
       for context in learned if policy else ():

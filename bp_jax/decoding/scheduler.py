@@ -279,15 +279,28 @@ class Scheduler:
       req = self.queue.popleft()
       buffers = self.pool.pop() if self.pool else self.engine.staging_buffers()
       # A fixed size's route is known before its prefill (`_may_prefill`): the plain bucket's
-      # requests are prefilled without the drafter (`Engine.plain_prefill`).
-      run_size = (None if isinstance(req.block_size, str)
-                  else self._route(req, req.block_size).bucket)
-      staged = _Staged(req, *self.engine.stage(req, buffers, run_size=run_size))
-      if isinstance(req.block_size, str):
-        staged.policy_block_size = staged.block_size
-        # In a batch a speculative pick decodes at the engine's joint size (`decode_size`);
-        # its route then applies the start rule to that size (drafting, or the plain bucket).
-        staged.block_size = self.engine.decode_size(staged.block_size)
+      # requests are prefilled without the drafter (`Engine.plain_prefill`). So is a learned
+      # size's where a batch decodes its speculative picks at one size that may start plain
+      # (`Engine.routes_learned_early`): one routed plain is prefilled as a request of that
+      # size decoding plain, its policy not run (its pick could not change its route).
+      learned = isinstance(req.block_size, str)
+      early = learned and not self.forced and self.engine.routes_learned_early
+      size = self.engine.joint_size if early else req.block_size
+      run_size = None if learned and not early else self._route(req, size).bucket
+      if early and run_size == 1:
+        req_as = dataclasses.replace(req, block_size=size)
+        staged = _Staged(req, *self.engine.stage(req_as, buffers, run_size=1))
+      else:
+        staged = _Staged(req, *self.engine.stage(req, buffers, run_size=None if learned
+                                                 else run_size))
+        if learned:
+          staged.policy_block_size = staged.block_size
+          # In a batch a speculative pick decodes at the engine's joint size (`decode_size`);
+          # its route then applies the start rule to that size (drafting, or the plain
+          # bucket), a pick of 1 the plain bucket.
+          staged.block_size = self.engine.decode_size(staged.block_size)
+          if staged.block_size == 1:
+            self._routes.pop(id(req), None)
       staged.route = self._route(req, staged.block_size)
       self._routes.pop(id(req), None)
       try:
