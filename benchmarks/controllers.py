@@ -894,14 +894,18 @@ def main(_):
           "repeat: " + ", ".join(f"{m} {n}/{len(prompts) * FLAGS.repeats}"
                                  for m, n in drafted.items()))
   # learned_default's fastest decodes by the block size each request decoded with (1: the
-  # policy's plain pick) and by the policy's own pick.
+  # policy's plain pick) and by the policy's own pick (none where a batch routed the request
+  # plain before its prefill, `Engine.routes_learned_early`).
   learned_sizes = ({key: dict(sorted(collections.Counter(
-      str(getattr(g, attr)) for grp in best["learned_default"] for g in grp).items()))
+      str(getattr(g, attr)) for grp in best["learned_default"] for g in grp
+      if getattr(g, attr) is not None).items()))
       for key, attr in (("used", "block_size"), ("picked", "policy_block_size"))}
       if "learned_default" in methods else {})
   if learned_sizes:
+    unpicked = sum(g.policy_block_size is None for grp in best["learned_default"] for g in grp)
     print(f"  learned_default block sizes (fastest decodes): used {learned_sizes['used']}, "
-          f"the policy's picks {learned_sizes['picked']}")
+          f"the policy's picks {learned_sizes['picked']}"
+          + (f" ({unpicked} routed plain before their policy ran)" if unpicked else ""))
   slot_use = {m: engines[m].slot_use for m in own if engines[m].slot_use is not None}
   if slot_use:  # batches: the idle slots (e.g. each group's tail) cost as much as busy ones
     print("  slot use (share of batched slot time holding a decoding request, every repeat): "

@@ -149,9 +149,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.join_learned_sizes = True
   # In a batch with the priced start's plain starts (controller_start_plain), a speculative
   # bucket's requests move to the plain AR bucket mid-decode once their batch's cycles missed
-  # this many times in a row, or once their own cycles commit fewer tokens than the start rule
-  # asks of a batch (where it has room; 0 = never): where drafting loses, a batch's explorers
-  # and first requests pay a few cycles, not a whole decode in a second bucket.
+  # this many times in a row, an explorer run's also once its own cycles commit fewer tokens
+  # than the start rule asks of a batch (where it has room; 0 = never): where drafting loses, a
+  # batch's explorers and first requests pay a few cycles, not a whole decode in a second bucket.
   c.move_plain_after = 3
   c.seed = 0
   c.max_new_tokens = 128

@@ -127,15 +127,12 @@ def test_greedy_outputs_are_ar_and_batched_rows_equal_their_request_alone(zeros_
 @pytest.mark.parametrize("batch_size", [1, 3])
 def test_dearer_costs_take_more_ar_steps(zeros_models, zeros_ar_outputs, batch_size):
   """The same requests under dearer given costs count more cycles as misses: more AR steps and
-  fewer drafter passes, the same tokens; in a batch too (the rows back off together; there
-  without the moves of rows whose own cycles lose to the plain loop, which move the dear and
-  the dearest batch's rows alike after their second call: test_a_batchs_rows_move_plain_...).
+  fewer drafter passes, the same tokens; in a batch too (the rows back off together).
   (Where a cycle costs less than an AR step, no cycle is a miss: test_ar_step_tokens.)"""
   prompts, max_news = _requests(6)
   steps, passes = {}, {}
   for name, kw in (("cheap", CHEAP), ("dear", DEAR), ("dearest", DEAREST)):
     eng = _engine(zeros_models, batch_size=batch_size, **kw)
-    eng.starts.batch_move = False
     outs = ([eng.generate(p, max_new_tokens=m, block_size=B) for p, m in zip(prompts, max_news)]
             if batch_size == 1 else
             eng.generate_batch(prompts, max_new_tokens=max_news, block_size=B))
@@ -279,36 +276,42 @@ def test_a_batch_weighs_its_prior_tau_until_it_has_seen_cycles():
   assert starts.start(3.0, 16, rows=2, plain_priced=False) == draft  # 8 >= 2 x 3: decisive
 
 
-def test_an_explorer_runs_first_call_is_short_so_that_its_rows_move_early(zeros_models,
-                                                                        monkeypatch):
-  """Where the start rule says plain (a cycle priced at 100 plain steps, cheap costs: no
-  misses), a batch explorer run's first call runs `scheduler.VERDICT_FORWARDS` (4) forwards,
-  not the engine's 16, and its rows then move to the plain bucket on their own cycles: 4
-  cycles each, against the whole first call's 15 when that budget is the engine's (where
-  these 60-token requests end). The batch's first requests (routed before any τ, no
-  explorers) run whole calls. AR's very tokens either way."""
+def test_an_explorer_run_moves_plain_after_a_short_first_call(zeros_models, monkeypatch):
+  """Where the start rule says plain (recent τ 3 against a cycle priced at 100 plain steps,
+  `OnlineCosts.start_break_even`: the plain loop far cheaper than the speculative loop's AR
+  steps; cheap costs, so no cycle misses against those), requests start plain and the
+  4th-6th are an explorer run (`StartBackoff.batch_explore_every` 2 runs of 3). Its first call
+  runs `scheduler.VERDICT_FORWARDS` (4) forwards, not the engine's 16, after which its rows,
+  whose own cycles say plain (`Engine.cycles_lose`), move to the plain bucket: 4 cycles each,
+  their cycles reaching the start rule at once. With the engine's whole budget they draft
+  15-16 cycles first (where these 60-token requests end or move); without
+  `StartBackoff.batch_move` nothing misses, so they draft to their end. AR's very tokens every
+  way."""
   from bp_jax.decoding import scheduler
-  prompts, _ = _requests(12)
-  max_news = [60] * 12
+  prompts, _ = _requests(6)
+  max_news = [60] * 6
   ar = Engine(zeros_models[0], shapes=ShapeOptions(max_len=MAX_LEN, length_buckets=BUCKETS))
   want = [ar.generate(p, max_new_tokens=m).output_ids for p, m in zip(prompts, max_news)]
   runs = {}
-  for verdict in (scheduler.VERDICT_FORWARDS, 16):
+  for verdict, move in ((scheduler.VERDICT_FORWARDS, True), (16, True),
+                        (scheduler.VERDICT_FORWARDS, False)):
     monkeypatch.setattr(scheduler, "VERDICT_FORWARDS", verdict)
     eng = toy_engine(zeros_models, "priced", batch_size=3, sync_cycles=16, **CHEAP)
     eng.prices.start_break_even = lambda n, rows: 100.0
-    eng.starts.batch_explore_every = 2  # the 4th start after the first batch: an explorer run
+    eng.starts.batch_explore_every, eng.starts.batch_move = 2, move
+    for _ in range(4):
+      eng.starts.observe([3, 3])
     outs = eng.generate_batch(prompts, max_new_tokens=max_news, block_size=B)
     assert [g.output_ids for g in outs] == want
-    assert all(g.plain_start for g in outs[3:9]) and not any(g.plain_start for g in outs[9:])
-    assert all(g.moved_plain and g.cycles > 4 for g in outs[:3])
-    runs[verdict] = outs[9:]
-  short, whole = runs[4], runs[16]
-  moved = [g for g in short if g.moved_plain]
-  assert len(moved) >= 2 and all(1 <= g.cycles <= 4 for g in moved), [
-      (g.moved_plain, g.cycles) for g in short]
-  assert not any(g.moved_plain for g in whole) and all(g.cycles > 4 for g in whole)
-  assert sum(g.drafter_passes for g in short) < sum(g.drafter_passes for g in whole)
+    assert [g.plain_start for g in outs] == [True] * 3 + [False] * 3
+    runs[verdict, move] = outs[3:]
+    if (verdict, move) == (4, True):
+      assert len(eng.starts._recent) == 4 + 3  # the moved rows' cycles, once each
+  short, whole, stay = runs[4, True], runs[16, True], runs[4, False]
+  assert all(g.moved_plain and g.cycles == g.drafter_passes == 4 and g.ar_steps > 0
+             for g in short), [(g.moved_plain, g.cycles) for g in short]
+  assert all(g.cycles >= 15 for g in whole)
+  assert not any(g.moved_plain for g in stay) and all(g.cycles >= 15 for g in stay)
 
 
 def test_a_batchs_own_cycles_say_whether_its_drafting_rows_move_plain():
@@ -593,37 +596,3 @@ def test_a_batchs_requests_move_to_the_plain_bucket_where_its_cycles_keep_missin
   assert any(g.moved_plain for g in outs) and eng.compiled.counts["move"] == moves
   assert compiles.n == 0, compiles
   assert [g.output_ids for g in outs] == ar_outputs(0.0)  # greedy: AR's tokens, moved or not
-
-
-@pytest.mark.parametrize("move", [True, False])
-def test_a_batchs_rows_move_plain_where_their_own_cycles_lose_to_the_plain_loop(zeros_models,
-                                                                                 move):
-  """Cheap costs, so no cycle misses against the speculative loop's own AR steps, but a cycle
-  priced at 100 steps of the plain loop (`OnlineCosts.start_break_even`, as where the plain
-  loop is far cheaper than the speculative loop's AR steps): the first batch of 3 drafts (no τ
-  yet) and, once its rows' own cycles reach `StartBackoff.min_cycles` (the second call of 2
-  forwards), they move to the plain bucket (`Engine.cycles_lose`) with AR's very tokens; their
-  cycles reach the start rule at once, so the next 3 requests start plain, the 4th routed to
-  draft before the moves among them. Without `StartBackoff.batch_move` nothing misses, so
-  nothing moves: the first batch and the 4th draft to their ends, with more drafter passes."""
-  prompts, _ = _requests(6)
-  max_news = [40] * 6
-  ar = Engine(zeros_models[0], shapes=ShapeOptions(max_len=MAX_LEN, length_buckets=BUCKETS))
-  want = [ar.generate(p, max_new_tokens=m).output_ids for p, m in zip(prompts, max_news)]
-  eng = _engine(zeros_models, batch_size=3, **CHEAP)
-  eng.starts.batch_move = move
-  eng.prices.start_break_even = lambda n, rows: 100.0
-  outs = eng.generate_batch(prompts, max_new_tokens=max_news, block_size=B)
-  assert [g.output_ids for g in outs] == want
-  # Without moves the 4th request, routed before any τ, drafts too.
-  assert [g.plain_start for g in outs] == [False] * (3 if move else 4) + [True] * (
-      3 if move else 2)
-  first = outs[:3]
-  if move:
-    assert all(g.moved_plain and not g.plain_start for g in first)
-    assert [g.cycles for g in first] == [4, 4, 4]  # two calls of 2 drafted forwards each
-    assert all(g.drafter_passes == 4 and g.ar_steps > 0 for g in first)
-    assert len(eng.starts._recent) == 3 and eng.compiled.counts["move"] == 1
-  else:
-    assert not any(g.moved_plain for g in first) and "move" not in eng.compiled.counts
-    assert all(g.drafter_passes > 4 for g in first)

@@ -751,7 +751,7 @@ class Engine:
         self._plain_priced(self.batch_size))
 
   def cycles_lose(self, block_size: int, acceptance_lengths: Sequence[int]) -> bool:
-    """Whether a batch's rows drafting at `block_size`, whose cycles so far committed
+    """Whether a batch's explorer rows drafting at `block_size`, whose cycles so far committed
     `acceptance_lengths`, would start plain by their own τ
     (`StartBackoff.batch_cycles_lose`, at the price `plain_now` weighs): the scheduler then
     moves them to the plain bucket (`Scheduler._move_losing`)."""

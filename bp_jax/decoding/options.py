@@ -86,9 +86,10 @@ class BatchOptions:
   `Generation.policy_block_size`. No effect at batch_size 1;
   move_plain_after: a speculative bucket's decoding requests move to the plain AR bucket
   (block size 1) mid-decode once their batch's cycles missed this many times in a row (the
-  priced back-off's shared level; 0: never, nor the next), or once their own cycles so far
-  commit too few tokens for the batch's start rule (`Engine.cycles_lose`: a miss weighs a
-  cycle against the speculative loop's dearer AR steps), where that bucket has room: where
+  priced back-off's shared level; 0: never, nor the next), an explorer run's also once its
+  own cycles commit too few tokens for the batch's start rule (`Engine.cycles_lose`: a miss
+  weighs a cycle against the speculative loop's dearer AR steps), where that bucket has room:
+  where
   drafting loses, a batch's explorers and its first requests (which draft before any τ is
   known) then pay a few cycles, not their whole decode in a second, half-empty bucket that
   runs by turns with the plain one (`Scheduler._move_losing`). Only with the priced start's

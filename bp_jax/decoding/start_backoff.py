@@ -40,10 +40,10 @@ speculative loop's own stands in, in that loop's dearer AR steps (a batch of 8: 
 them against 4.7 plain steps): a request then starts plain unless drafting is decisive, so the
 plain loop is timed before the rule weighs it. Both sides stay measured by explorer runs: a
 run of `rows` consecutive requests takes the other side, so that explorers share their
-bucket's calls rather than each costing a call of its own. A drafting run, an explorer's or
-not, moves to the plain bucket mid-decode once its rows' own cycles say plain by this rule
-(`batch_cycles_lose`, after a loop call: `Scheduler._move_losing`), so an explorer run where
-drafting loses pays about one call of cycles, not its whole decode.
+bucket's calls rather than each costing a call of its own. A drafting explorer run moves to
+the plain bucket mid-decode once its rows' own cycles say plain by this rule
+(`batch_cycles_lose`, after its first, short call: `Scheduler._move_losing`), so where
+drafting loses it pays about 4 cycles, not its whole decode.
 Every `batch_explore_every`-th run (8) is a check: it explores unless the choice is clearly
 plain, i.e. plain as when the last explorer run began and by more than `batch_clear`
 (25%) below the flip point (τ below 0.8 x `batch_margin` x the price); then it explores only
@@ -109,7 +109,8 @@ class StartBackoff:
   cycles were seen (None: it drafts first; the engine sets a learned policy's expectation at
   the size its batches decode, `Engine.batch_prior_tau`); batch_move: a speculative bucket's
   rows move to the plain bucket once their own cycles so far say plain under the batch's rule
-  (`batch_cycles_lose`; False: only after missed cycles, `BatchOptions.move_plain_after`)."""
+  (`batch_cycles_lose`: an explorer run's; False: only after missed cycles,
+  `BatchOptions.move_plain_after`)."""
   window: int = 8
   min_cycles: int = 8
   explore_every: int = 4
@@ -196,14 +197,14 @@ class StartBackoff:
 
   def batch_cycles_lose(self, acceptance_lengths: Sequence[int], break_even: float,
                         plain_priced: bool = True) -> bool:
-    """Whether a speculative bucket's rows, by their own cycles so far (committed tokens per
-    cycle, at least `min_cycles` of them), would start plain under the batch's rule (`_plain`
-    with their τ): they then move to the plain bucket (`Scheduler._move_losing`). Their misses
-    alone do not tell: a miss weighs a cycle against the speculative loop's own AR steps, which
-    stage the drafter's context and cost more than the plain loop's (batch 8, T = 0 on the
-    demo's CPU, at the runs' ends: a cycle's price 2.8-3.0 of those against 3.9-10 plain steps,
-    at τ ~4.5-5), so an explorer run there missed nothing and drafted to its end at ~0.85x the
-    plain loop. False without `batch_move`."""
+    """Whether a speculative bucket's explorer rows, by their own cycles so far (committed
+    tokens per cycle, at least `min_cycles` of them), would start plain under the batch's rule
+    (`_plain` with their τ): they then move to the plain bucket (`Scheduler._move_losing`).
+    Their misses alone do not tell: a miss weighs a cycle against the speculative loop's own AR
+    steps, which stage the drafter's context and cost more than the plain loop's (batch 8,
+    T = 0 on the demo's CPU, at the runs' ends: a cycle's price 2.8-3.0 of those against
+    3.9-10 plain steps, at τ ~4.5-5), so an explorer run there missed nothing and drafted to
+    its end. False without `batch_move`."""
     if not self.batch_move or len(acceptance_lengths) < max(int(self.min_cycles), 1):
       return False
     tau = sum(acceptance_lengths) / len(acceptance_lengths)
