@@ -411,18 +411,21 @@ class Scheduler:
     if b == 1 or not after or self.forced or not self.engine.may_start_plain:
       return
     c, r = bucket.carry, bucket.carry.records
-    misses, n_gen, done, max_new, accept, is_cycle, verified, forwards = jax.device_get(
-        (c.misses_B, c.n_gen_B, c.done_B, c.max_new_B, r.accept_BS, r.is_cycle_BS,
-         r.verified_BS, r.forwards_B))
+    misses, n_gen, done, max_new = jax.device_get((c.misses_B, c.n_gen_B, c.done_B,
+                                                   c.max_new_B))
     decoding = [i for i, s in enumerate(bucket.rows) if s is not None and not done[i]
                 and n_gen[i] < max_new[i]]
+    losing = [i for i in decoding if misses[i] >= after]
+    judged = [i for i in decoding if bucket.rows[i].route.explorer]
+    if not losing and not judged:  # (the records are read back only where they may count)
+      return
+    accept, is_cycle, verified, forwards = jax.device_get((r.accept_BS, r.is_cycle_BS,
+                                                           r.verified_BS, r.forwards_B))
     cycles = {}  # row -> its cycles' committed tokens so far: all it runs if it moves
-    for i in decoding:
+    for i in losing + judged:
       f = int(forwards[i])
       flags = cycle_flags(is_cycle[i, :f], verified[i, :f], b)
       cycles[i] = [int(a) for a, on in zip(accept[i, :f], flags) if on]
-    losing = [i for i in decoding if misses[i] >= after]
-    judged = [i for i in decoding if bucket.rows[i].route.explorer]
     if (judged and not set(judged) <= set(losing)
         and self.engine.cycles_lose(b, [a for i in judged for a in cycles[i]])):
       losing = sorted(set(losing) | set(judged))
