@@ -1,29 +1,29 @@
 """Counting XLA backend compilations in tests (any jit, not only the engine's)."""
 
-import jax
+from bp_jax.compile_cache import programs_built
 
 
 class BackendCompiles:
-  """Context manager: `n` is the number of XLA backend compilations while it was active."""
+  """Context manager: `n` is the number of XLA programs built while it was active (compiled,
+  or loaded from the persistent compilation cache the suite shares, conftest.py: a program
+  another test compiled first still counts as the compilation it replaces), as
+  `bp_jax.compile_cache.programs_built` counts them."""
 
   def __init__(self):
-    self.n = 0
+    self._start = self._end = None
 
-  def _listener(self, event, duration, **kw):
-    if event == "/jax/core/compile/backend_compile_duration":
-      self.n += 1
-
-  def _hit_listener(self, event, **kw):
-    # The suite shares a persistent compilation cache (conftest.py): a program another test
-    # compiled first is loaded, not compiled, and still counts as the compilation it replaces.
-    if event == "/jax/compilation_cache/cache_hits":
-      self.n += 1
+  @property
+  def n(self) -> int:
+    if self._start is None:
+      return 0
+    return (programs_built() if self._end is None else self._end) - self._start
 
   def __enter__(self):
-    jax.monitoring.register_event_duration_secs_listener(self._listener)
-    jax.monitoring.register_event_listener(self._hit_listener)
+    self._start, self._end = programs_built(), None
     return self
 
   def __exit__(self, *exc):
-    jax.monitoring.unregister_event_duration_listener(self._listener)
-    jax.monitoring.unregister_event_listener(self._hit_listener)
+    self._end = programs_built()
+
+  def __repr__(self) -> str:
+    return f"BackendCompiles(n={self.n})"

@@ -745,22 +745,26 @@ class Engine:
     bucket if routed now (`StartBackoff.batch_plain_now`): how the scheduler reconsiders the
     routes of requests still waiting for a slot once a bucket's drafting lost
     (`Scheduler._move_losing`)."""
-    if block_size == 1 or self.batch_size == 1 or not self.may_start_plain:
-      return False
-    return self._batch_starts().batch_plain_now(
-        self.prices.start_break_even(block_size, self.batch_size),
-        self._plain_priced(self.batch_size))
+    price = self._batch_price(block_size)
+    return price is not None and self._batch_starts().batch_plain_now(*price)
 
   def cycles_lose(self, block_size: int, acceptance_lengths: Sequence[int]) -> bool:
     """Whether a batch's explorer rows drafting at `block_size`, whose cycles so far committed
     `acceptance_lengths`, would start plain by their own τ
     (`StartBackoff.batch_cycles_lose`, at the price `plain_now` weighs): the scheduler then
     moves them to the plain bucket (`Scheduler._move_losing`)."""
+    price = self._batch_price(block_size)
+    return price is not None and self._batch_starts().batch_cycles_lose(acceptance_lengths,
+                                                                        *price)
+
+  def _batch_price(self, block_size: int) -> tuple[float, bool] | None:
+    """(a cycle's price in plain-loop steps at the engine's batch size, whether the plain loop
+    has been timed there): what a batch's start rule weighs a request of `block_size` by, for
+    `plain_now` and `cycles_lose`; None where no batch request of it may start plain."""
     if block_size == 1 or self.batch_size == 1 or not self.may_start_plain:
-      return False
-    return self._batch_starts().batch_cycles_lose(
-        acceptance_lengths, self.prices.start_break_even(block_size, self.batch_size),
-        self._plain_priced(self.batch_size))
+      return None
+    return (self.prices.start_break_even(block_size, self.batch_size),
+            self._plain_priced(self.batch_size))
 
   def start_choice(self, block_size: int) -> StartChoice | None:
     """Where a request of `block_size` that is no explorer would start now, at the engine's
@@ -1253,12 +1257,13 @@ class Engine:
 
   def _warm_prefill(self, fn, prefill) -> None:
     """Runs a batch's prefill program (batch_size > 1) once, untimed, into fresh staging
-    buffers the first time it is used (`prefill(buffers=...)`: its arguments): a program's first run has a fixed cost
-    of its own (~40-50 ms on the demo's CPU, against ~10-15 ms after), which the first request
-    to use it paid in its `prefill_s`. A program two methods share (the target-only prefill of
-    AR's requests and of learned ones routed plain) then charged it to whichever ran first:
-    `python decode.py --config.batch_size=4` read the learned default at 0.82-0.85x AR end to
-    end against 0.98-1.01x when each had a prefill of its own."""
+    buffers the first time it is used (`prefill(buffers=...)`: its arguments): a program's
+    first run has a fixed cost of its own (~40-50 ms on the demo's CPU, against ~10-15 ms
+    after), which the first request to use it paid in its `prefill_s`. A program two methods
+    share (the target-only prefill of AR's requests and of learned ones routed plain) then
+    charged it to whichever ran first: `python decode.py --config.batch_size=4` read the
+    learned default at 0.82-0.85x AR end to end against 0.98-1.01x when each had a prefill of
+    its own."""
     if self.batch_size == 1 or fn in self._warmed_prefills:
       return
     warm_fn, warm_args = prefill(buffers=self.staging_buffers())
@@ -1306,8 +1311,9 @@ class Engine:
     starts."""
     args = self._slots_args(block_size, carry)
     if forwards is not None and 0 < int(forwards) < self.sync_cycles:
-      budget = self._budgets.setdefault(int(forwards), jnp.asarray(int(forwards), jnp.int32))
-      args = args[:-1] + (budget,)
+      if int(forwards) not in self._budgets:  # placed once, not on every call
+        self._budgets[int(forwards)] = jnp.asarray(int(forwards), jnp.int32)
+      args = args[:-1] + (self._budgets[int(forwards)],)
     window = self._slots_window(block_size, max_pos, ar_steps)
     rows = int(carry.pos_B.shape[0])
     fn = self.programs.batched_loop(block_size, rows, window, args, forced, form)

@@ -382,11 +382,15 @@ class Scheduler:
     after which their own cycles say whether they stay (`_move_losing`); None (the engine's
     `sync_cycles`) otherwise. With a call's whole budget an explorer run drafted 16 cycles
     (~80 of its 128 tokens at τ 5) before the first verdict."""
-    starts = self.engine.starts
-    if (b == 1 or self.forced or not self.engine.move_plain_after or starts is None
-        or not any(s.route.explorer and not s.calls for s in rows)):
+    if not self._moves(b) or not any(s.route.explorer and not s.calls for s in rows):
       return None
-    return max(VERDICT_FORWARDS, -(-int(starts.min_cycles) // max(len(rows), 1)))
+    return max(VERDICT_FORWARDS, -(-int(self.engine.starts.min_cycles) // max(len(rows), 1)))
+
+  def _moves(self, b: int) -> bool:
+    """Whether bucket `b`'s rows may move to the plain bucket (`_move_losing`): a speculative
+    bucket, moves on (`Engine.move_plain_after`), plain starts on, no forced drafts."""
+    return (b > 1 and bool(self.engine.move_plain_after) and not self.forced
+            and self.engine.may_start_plain)
 
   def _move_losing(self, b: int, bucket: _Bucket) -> None:
     """Moves a speculative bucket's decoding requests into free slots of the plain AR bucket
@@ -407,9 +411,9 @@ class Scheduler:
     tokens, cache position, records and keys, so they decode the tokens they would have; their
     cycles so far inform the start rule at once (`Engine.request_moved`): the requests routed
     next see that drafting lost here."""
-    after = self.engine.move_plain_after
-    if b == 1 or not after or self.forced or not self.engine.may_start_plain:
+    if not self._moves(b):
       return
+    after = self.engine.move_plain_after
     c, r = bucket.carry, bucket.carry.records
     misses, n_gen, done, max_new = jax.device_get((c.misses_B, c.n_gen_B, c.done_B,
                                                    c.max_new_B))
@@ -422,7 +426,7 @@ class Scheduler:
     accept, is_cycle, verified, forwards = jax.device_get((r.accept_BS, r.is_cycle_BS,
                                                            r.verified_BS, r.forwards_B))
     cycles = {}  # row -> its cycles' committed tokens so far: all it runs if it moves
-    for i in losing + judged:
+    for i in dict.fromkeys(losing + judged):
       f = int(forwards[i])
       flags = cycle_flags(is_cycle[i, :f], verified[i, :f], b)
       cycles[i] = [int(a) for a, on in zip(accept[i, :f], flags) if on]
