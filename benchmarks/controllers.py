@@ -78,6 +78,11 @@ Methods (`--methods`, comma-separated):
                     missed cycles (`StartBackoff.batch_move` = False); the default's also move
                     once their own cycles so far say plain under the batch's start rule
                     (`Engine.cycles_lose`), where they draft at a loss without missing;
+  priced_default_notail
+                    priced_default whose batch's tail (no request waiting) stays in its
+                    speculative bucket (`StartBackoff.tail_move` = False); the default's tail
+                    moves, all its rows, to the plain bucket once its slowest row would end
+                    sooner there (`StartBackoff.tail_loses`);
   priced_default_nodecline
                     priced_default whose cycles always verify their drafts
                     (`controller_decline=False`); the default's decline a cycle's drafts after
@@ -248,6 +253,7 @@ METHODS = ("ar", "none", "backoff", "confidence_1step", "confidence", "confidenc
            "priced_default_bmargin0", "priced_default_bmargin0_move1",
            "priced_default_draftfirst", "ar_full",
            "priced_default_full", "ar_twin", "priced_default_nomove", "priced_default_movemiss",
+           "priced_default_notail", "priced_default_tail11",
            "priced_default_nodecline", "priced_default_decline", "priced_default_nogate",
            "priced_default_nohold", "priced_default_twin", "ar_padded", "ar_tied", "none_tied",
            "learned_default", "learned_fixed")
@@ -353,7 +359,9 @@ START_RULES = {"priced_default_every8": ("batch_explore_max", "batch_explore_eve
                "priced_default_bmargin0": ("batch_margin", 0.01),
                "priced_default_bmargin0_move1": ("batch_margin", 0.01),
                "priced_default_draftfirst": ("batch_plain_first", False),
-               "priced_default_movemiss": ("batch_move", False)}
+               "priced_default_movemiss": ("batch_move", False),
+               "priced_default_notail": ("tail_move", False),
+               "priced_default_tail11": ("tail_margin", 1.1)}
 
 
 def loop_method(method: str) -> str:
@@ -673,6 +681,7 @@ PAIRS = (("priced", "backoff"), ("priced_online", "priced"), ("priced_long", "pr
          ("priced_default", "priced_default_draftfirst"),
          ("priced_default", "priced_default_nomove"),
          ("priced_default", "priced_default_movemiss"),
+         ("priced_default", "priced_default_notail"),
          ("priced_default", "priced_default_nodecline"),
          ("priced_default", "priced_default_decline"),
          ("priced_default", "priced_default_nogate"), ("priced_default", "none"),

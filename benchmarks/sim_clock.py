@@ -8,7 +8,9 @@ An engine books each loop call as the clock's reading after the call less its re
 run since the last one: `ar_ms` per AR step and, per forward verifying n tokens after a drafter
 pass, `ar_ms` x (the table's cost of a forward over n tokens + the drafter's), times a lognormal
 factor of sigma `noise`, plus `stall_s` on every `stall_every`-th charged call (0: none). A reading
-with nothing new to charge (a call's start) does not move the clock. Prices do not depend on
+with nothing new to charge (a call's start; a resize or a row's move between buckets, which the
+scheduler times on the engine's clock too) does not move the clock: a row's copy runs no
+forward, only one row's caches copied at the device's memory bandwidth. Prices do not depend on
 the rows a forward computes (an accelerator's batch forwards, at a batch size's own table).
 """
 

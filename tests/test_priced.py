@@ -314,6 +314,38 @@ def test_an_explorer_run_moves_plain_after_a_short_first_call(zeros_models, monk
   assert not any(g.moved_plain for g in stay) and all(g.cycles >= 15 for g in stay)
 
 
+def test_a_static_batchs_tail_moves_plain_all_together(zeros_models):
+  """A static batch (as many requests as slots: no request waits, a tail from its start)
+  whose slowest row would end sooner in the plain loop (`Engine.tail_loses`; here a cycle
+  priced at 100 plain steps, `Engine.tail_price`) moves all its decoding rows to the plain
+  bucket after its first call, though none is an explorer and no cycle misses (cheap costs);
+  with `StartBackoff.tail_move` off, or with requests still waiting, they draft to their end.
+  AR's very tokens every way."""
+  prompts, _ = _requests(6)
+  ar = Engine(zeros_models[0], shapes=ShapeOptions(max_len=MAX_LEN, length_buckets=BUCKETS))
+  want = [ar.generate(p, max_new_tokens=60).output_ids for p in prompts]
+  for tail_move, n in ((True, 3), (False, 3), (True, 6)):
+    eng = toy_engine(zeros_models, "priced", batch_size=3, sync_cycles=16, **CHEAP)
+    eng.prices.start_break_even = lambda n, rows: 1.0  # every request drafts
+    assert eng.tail_price(B, 3) is None  # the plain loop not timed at 3 rows yet
+    priced_at = []
+    eng.starts.tail_move = tail_move  # (the stub as `tail_price`: None with it off)
+    eng.tail_price = lambda b, slots: (priced_at.append(slots) or 100.0) if tail_move else None
+    for _ in range(4):
+      eng.starts.observe([3, 3])
+    outs = eng.generate_batch(prompts[:n], max_new_tokens=60, block_size=B)
+    assert [g.output_ids for g in outs] == want[:n]
+    assert not any(g.plain_start for g in outs)
+    moved = [g.moved_plain for g in outs]
+    if tail_move and n == 3:
+      assert moved == [True] * 3 and priced_at == [3], (moved, priced_at)
+      # moved after the first call's 16 forwards
+      assert all(g.cycles <= 16 and g.ar_steps > 0 for g in outs), [g.cycles for g in outs]
+    else:  # off; or the first 3 while the last 3 waited, which end in the call they join
+      assert not any(moved) and priced_at == [] and all(g.cycles >= 15 for g in outs), (
+          moved, priced_at)
+
+
 def test_a_batchs_own_cycles_say_whether_its_drafting_rows_move_plain():
   """`StartBackoff.batch_cycles_lose`: a speculative bucket's rows' own cycles, weighed by the
   batch's rule (plain below `batch_margin` x the price; before the plain loop is timed, below
@@ -331,6 +363,32 @@ def test_a_batchs_own_cycles_say_whether_its_drafting_rows_move_plain():
   assert not starts.batch_cycles_lose([7] * 8, 3.0, plain_priced=False)
   starts.batch_move = False
   assert not starts.batch_cycles_lose([1] * 64, 5.0)
+
+
+def test_a_batchs_tail_moves_plain_where_its_slowest_row_ends_sooner_there():
+  """`StartBackoff.tail_loses`: a tail's time is its slowest row's. It weighs the most tokens
+  any row has left (plain steps) against the longest row drafting (tokens left / its τ, shrunk
+  toward the pooled τ by 4 cycles, x a cycle's price in plain steps) at `tail_margin` (1.0);
+  the mean τ does not decide it; never on fewer than `min_cycles` cycles in all, nor without
+  `tail_move`."""
+  from bp_jax.decoding.start_backoff import StartBackoff
+  starts = StartBackoff(batch_plain=True)
+  fast, slow = [6] * 16, [2] * 16
+  # A fast row with 40 tokens left and a slow one with 100, a cycle at 2.5 plain steps: the
+  # slow row's τ (2 x 16 + 4 x 4) / 20 = 2.4 -> 100 / 2.4 x 2.5 = 104 > 100 plain steps: plain,
+  # though the mean τ (4) is well above the price.
+  assert starts.tail_loses([(fast, 40), (slow, 100)], 2.5)
+  assert not starts.tail_loses([(fast, 40), (slow, 100)], 2.3)   # 100 / 2.4 x 2.3 = 96
+  # The slow row nearly done: the fast row's 100 tokens left decide (100 / 5.6 x 2.5 = 45).
+  assert not starts.tail_loses([(fast, 100), (slow, 10)], 2.5)
+  # One row's few cycles lean on the pooled τ: a single cycle of 1 among 16 of 6 is not a
+  # slow row (τ (1 + 4 x 5.7) / 5 = 4.8: 100 / 4.8 x 2.5 = 52).
+  assert not starts.tail_loses([(fast, 100), ([1], 100)], 2.5)
+  assert not starts.tail_loses([([1] * 7, 100)], 9.0)            # too few cycles to tell
+  starts.tail_margin = 1.1  # plain must win by 10%: 100 x 1.1 > 104
+  assert not starts.tail_loses([(fast, 40), (slow, 100)], 2.5)
+  starts.tail_margin, starts.tail_move = 1.0, False
+  assert not starts.tail_loses([(slow, 100)], 9.0)
 
 
 def test_a_batchs_recent_requests_span_the_batch(zeros_models):

@@ -50,7 +50,9 @@ that request alone fails) and, with `track_progress`, the tokens of every reques
 that just ran; `cancel` frees a request's slot at once.
 
 Time attribution (a request's `decode_s`): the wall time of each loop call (the engine's
-`clock`) is split equally among the rows that were decoding when the call started; `prefill_s`
+`clock`) is split equally among the rows that were decoding when the call started, and that of
+a resize or a move (`_Bucket.resize`, `_move_losing`, on the same clock) among the rows it
+moved; `prefill_s`
 is the request's own prefill plus its insertion into a slot. The same wall time, with the
 forwards the call ran (`LoopState.forward_counts_N`), feeds the priced controller's online
 costs (`Engine.loop_ran`), whose current break-even goes into the carry before each call.
@@ -175,10 +177,10 @@ class _Bucket:
     first slots first; its seconds are split among them as a loop call's are."""
     held = [i for i, r in enumerate(self.rows) if r is not None]
     fn, args = engine.resize_program(self.carry, held, size)
-    t0 = time.perf_counter()
+    t0 = engine.clock()
     self.carry = fn(*args)
     jax.block_until_ready(self.carry.pos_B)
-    share = (time.perf_counter() - t0) / max(len(held), 1)
+    share = (engine.clock() - t0) / max(len(held), 1)
     self.rows = [self.rows[i] for i in held] + [None] * (size - len(held))
     for staged in self.rows[:len(held)]:
       staged.decode_s += share
@@ -398,13 +400,15 @@ class Scheduler:
     (`LoopState.misses_B`: the priced back-off's shared level), and an explorer run's rows
     (drafting where the start rule said plain) once their own cycles so far say plain by that
     rule too (`Engine.cycles_lose`; a miss weighs a cycle against the speculative loop's own,
-    dearer AR steps, so where drafting loses only to the plain loop nothing misses). Other
-    drafting rows are not judged so: under an H200's simulated clock, moving every drafting
-    row whose cycles fell under the rule's price ran batch 4 at 1.56x AR against 1.81x
-    (requests still coming for the bucket: two part-filled buckets running by turns), and
-    moving a bucket's rows once none waited for it (a tail) 1.69x, batch 8 1.24x against 1.30x
-    (the rule's 1.2 margin for a start moved rows that still drafted faster), though a static
-    batch of 16 (its slowest rows' tail) ran 1.05x against 0.97x. Oldest slots first, as
+    dearer AR steps, so where drafting loses only to the plain loop nothing misses); and a
+    batch's tail (no request waits for any slot, the plain bucket has room for all its rows),
+    all its decoding rows together, once its slowest row would end sooner in the plain loop
+    (`Engine.tail_price`, `Engine.tail_loses`). Other drafting rows are not judged each by its
+    own cycles: under an H200's simulated clock, moving every drafting row whose cycles fell
+    under the start rule's price ran batch 4 at 1.56x AR against 1.81x (requests still coming
+    for the bucket: two part-filled buckets running by turns), and moving a tail's rows so,
+    each by its own τ at the start's 1.2 margin, 1.69x, batch 8 1.24x against 1.30x (rows that
+    still drafted faster moved). Oldest slots first, as
     many as the plain bucket has room for at full size besides the requests waiting for it (it
     grows back if shrunk). Each move copies one request's row (`Engine.move_program`); its
     seconds are split among the moved requests as a loop call's are. The requests keep their
@@ -421,18 +425,27 @@ class Scheduler:
                 and n_gen[i] < max_new[i]]
     losing = [i for i in decoding if misses[i] >= after]
     judged = [i for i in decoding if bucket.rows[i].route.explorer]
-    if not losing and not judged:  # (the records are read back only where they may count)
+    plain_live = self.buckets[1].live() if 1 in self.buckets else 0
+    # A batch's tail: no request waits for any slot, and the plain bucket has room for all.
+    tail_price = (self.engine.tail_price(b, len(bucket.rows))
+                  if decoding and not self.queue and not self._waiting()
+                  and plain_live + len(decoding) <= self.engine.batch_size else None)
+    tail = decoding if tail_price is not None else []
+    if not losing and not judged and not tail:  # (records are read back only where they count)
       return
     accept, is_cycle, verified, forwards = jax.device_get((r.accept_BS, r.is_cycle_BS,
                                                            r.verified_BS, r.forwards_B))
     cycles = {}  # row -> its cycles' committed tokens so far: all it runs if it moves
-    for i in dict.fromkeys(losing + judged):
+    for i in dict.fromkeys(losing + judged + tail):
       f = int(forwards[i])
       flags = cycle_flags(is_cycle[i, :f], verified[i, :f], b)
       cycles[i] = [int(a) for a, on in zip(accept[i, :f], flags) if on]
     if (judged and not set(judged) <= set(losing)
         and self.engine.cycles_lose(b, [a for i in judged for a in cycles[i]])):
       losing = sorted(set(losing) | set(judged))
+    if (tail and set(losing) != set(tail) and self.engine.tail_loses(
+        tail_price, [(cycles[i], int(max_new[i] - n_gen[i])) for i in tail])):
+      losing = tail
     plain = self._bucket(1) if losing else None
     room = 0 if plain is None else (self.engine.batch_size - plain.live()
                                     - len(self.ready[1]))
@@ -446,10 +459,10 @@ class Scheduler:
     moved, seconds = [bucket.rows[i] for i in losing], 0.0
     for i, j, staged in zip(losing, plain.free_rows(), moved):
       fn, args = self.engine.move_program(plain.carry, j, bucket.carry, i)  # compiles once
-      t0 = time.perf_counter()
+      t0 = self.engine.clock()
       plain.carry = fn(*args)
       jax.block_until_ready(plain.carry.pos_B)
-      seconds += time.perf_counter() - t0
+      seconds += self.engine.clock() - t0
       plain.rows[j], bucket.rows[i] = staged, None
       staged.moved_plain = True
     bucket.carry = _with_empty_rows(bucket.carry, losing)  # the slots it left

@@ -76,6 +76,10 @@ from typing import Sequence
 # at least this many times a cycle's price in plain-loop steps.
 DECISIVE = 2.0
 
+# A tail row's τ (`StartBackoff.tail_loses`) counts this many cycles of the tail's pooled τ
+# besides its own.
+TAIL_PRIOR_CYCLES = 4
+
 
 @dataclasses.dataclass
 class StartBackoff:
@@ -110,7 +114,9 @@ class StartBackoff:
   the size its batches decode, `Engine.batch_prior_tau`); batch_move: a speculative bucket's
   rows move to the plain bucket once their own cycles so far say plain under the batch's rule
   (`batch_cycles_lose`: an explorer run's; False: only after missed cycles,
-  `BatchOptions.move_plain_after`)."""
+  `BatchOptions.move_plain_after`); tail_move: a batch's tail (no request waiting) moves to
+  the plain bucket, all its rows, once its slowest row would end sooner there
+  (`tail_loses`, at `tail_margin` x a cycle's price in plain steps)."""
   window: int = 8
   min_cycles: int = 8
   explore_every: int = 4
@@ -125,6 +131,8 @@ class StartBackoff:
   batch_plain_first: bool = True
   batch_prior_tau: float | None = None
   batch_move: bool = True
+  tail_move: bool = True
+  tail_margin: float = 1.0
   _recent: collections.deque = dataclasses.field(init=False)
   _deep: int = dataclasses.field(default=0, init=False)   # deep starts since the last explorer
   # The single rule's choice when its last explorer started (None: drafting since).
@@ -209,6 +217,33 @@ class StartBackoff:
       return False
     tau = sum(acceptance_lengths) / len(acceptance_lengths)
     return self._plain(tau, break_even, plain_priced)
+
+  def tail_loses(self, rows: Sequence[tuple[Sequence[int], int]], break_even: float) -> bool:
+    """Whether a batch's tail (a speculative bucket's decoding rows with no request waiting for
+    any slot), each row its cycles' committed tokens so far and the tokens it has left, ends
+    later drafting than in the plain loop: the tail's time is its slowest row's, so the rule
+    weighs the longest row in plain steps (its tokens left) against the longest row drafting
+    (tokens left / its τ x `break_even`, a cycle's price in plain steps), at `tail_margin`.
+    Each row's τ is its own cycles' shrunk toward the tail's pooled τ by `TAIL_PRIOR_CYCLES`
+    (the longest of 16 noisy estimates is the most pessimistic one). False without
+    `tail_move` or before `min_cycles` cycles in all.
+
+    A tail's rows move all together (`Scheduler._move_losing`): no second bucket runs by turns
+    with the first. In a static batch the rows that commit most per cycle finish first, and
+    those left decoding in the speculative loop backed off to AR steps with a probing cycle
+    every few (an H200's simulated clock at batch 16: 0.975x AR, its groups ending in their
+    slowest rows' cycles at τ ~1.8 against a cycle's price of ~2.5 steps)."""
+    cycles = [a for accepted, _ in rows for a in accepted]
+    if not self.tail_move or not rows or len(cycles) < max(int(self.min_cycles), 1):
+      return False
+    pooled = sum(cycles) / len(cycles)
+
+    def tau(accepted: Sequence[int]) -> float:
+      return (sum(accepted) + TAIL_PRIOR_CYCLES * pooled) / (len(accepted) + TAIL_PRIOR_CYCLES)
+
+    plain = max(left for _, left in rows)
+    drafting = max(left / tau(accepted) for accepted, left in rows) * float(break_even)
+    return plain * self.tail_margin < drafting
 
   def alone_plain_now(self, break_even: float) -> bool:
     """Whether a request decoded alone that is no explorer would start deep now (`start`'s
