@@ -288,7 +288,8 @@ def print_summary(s: dict) -> None:
               "requests (the recent requests' drafting lost, or a batch's policy expected it "
               "to before any had drafted)")] if s.get("plain_starts") else []),
           *([("moved to plain decoding mid-request", f"{s['moved_plain']} of {s['prompts']} "
-              "requests (their batch's cycles kept missing)")] if s.get("moved_plain") else []),
+              "requests (drafting lost there: cycles that kept missing, an explorer run's τ, or a "
+              "tail whose slowest row ends sooner plain)")] if s.get("moved_plain") else []),
           *([(f"verify length per cycle (batch {s['verify_lengths_chosen']['batch_size']})",
               lengths_line(s["verify_lengths_chosen"]["lengths"]))]
             if spec and s.get("verify_lengths_chosen", {}).get("lengths") else []),

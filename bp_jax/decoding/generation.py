@@ -68,8 +68,9 @@ class Generation:
   # The size a learned request's policy picked, where its batch decoded it at the joint size
   # (`BatchOptions.join_learned`) or not (then `block_size`); None for a fixed size.
   policy_block_size: int | None = None
-  # Moved to the plain AR bucket mid-decode after its batch's cycles kept missing
-  # (`BatchOptions.move_plain_after`): its forwards there are AR steps.
+  # Moved to the plain AR bucket mid-decode where its drafting lost (`Scheduler._move_losing`:
+  # cycles that kept missing, `BatchOptions.move_plain_after`; an explorer run's own τ; a tail
+  # whose slowest row ends sooner plain): its forwards there are AR steps.
   moved_plain: bool = False
 
   @property
