@@ -367,25 +367,33 @@ def test_a_batchs_own_cycles_say_whether_its_drafting_rows_move_plain():
 
 def test_a_batchs_tail_moves_plain_where_its_slowest_row_ends_sooner_there():
   """`StartBackoff.tail_loses`: a tail's time is its slowest row's. It weighs the most tokens
-  any row has left (plain steps) against the longest row drafting (tokens left / its τ, shrunk
-  toward the pooled τ by 4 cycles, x a cycle's price in plain steps) at `tail_margin` (1.0);
-  the mean τ does not decide it; never on fewer than `min_cycles` cycles in all, nor without
-  `tail_move`."""
-  from bp_jax.decoding.start_backoff import StartBackoff
+  any row has left (plain steps) against the longest row drafting (tokens left / its τ x a
+  cycle's price in plain steps) at `tail_margin` (1.0); the mean τ does not decide it. Each
+  row's τ is shrunk toward the pooled τ as far as the rows' spread says (`shrunk_taus`): rows
+  that differ clearly keep their own, rows whose means differ only by their cycles' noise read
+  the pooled τ. Never on fewer than `min_cycles` cycles in all, nor without `tail_move`."""
+  from bp_jax.decoding.start_backoff import StartBackoff, shrunk_taus
   starts = StartBackoff(batch_plain=True)
   fast, slow = [6] * 16, [2] * 16
-  # A fast row with 40 tokens left and a slow one with 100, a cycle at 2.5 plain steps: the
-  # slow row's τ (2 x 16 + 4 x 4) / 20 = 2.4 -> 100 / 2.4 x 2.5 = 104 > 100 plain steps: plain,
-  # though the mean τ (4) is well above the price.
+  # No noise within a row: each keeps its own τ. The slow row's 100 tokens at τ 2 take
+  # 50 cycles, 125 plain steps at 2.5 a cycle (plain: 100), though the mean τ (4) is above it.
+  assert shrunk_taus([fast, slow]) == [6.0, 2.0]
   assert starts.tail_loses([(fast, 40), (slow, 100)], 2.5)
-  assert not starts.tail_loses([(fast, 40), (slow, 100)], 2.3)   # 100 / 2.4 x 2.3 = 96
-  # The slow row nearly done: the fast row's 100 tokens left decide (100 / 5.6 x 2.5 = 45).
+  assert not starts.tail_loses([(fast, 40), (slow, 100)], 1.9)   # 100 / 2 x 1.9 = 95
+  # The slow row nearly done: the fast row's 100 tokens left decide (100 / 6 x 2.5 = 42).
   assert not starts.tail_loses([(fast, 100), (slow, 10)], 2.5)
-  # One row's few cycles lean on the pooled τ: a single cycle of 1 among 16 of 6 is not a
-  # slow row (τ (1 + 4 x 5.7) / 5 = 4.8: 100 / 4.8 x 2.5 = 52).
+  # Means 1.75, 2 and 2.25 from cycles of 1 and 3 (variance ~1 over 16 cycles: noise of
+  # ~0.25 in a mean): all read the pooled 2, and 100 / 2 x 1.9 = 95 < 100 stays, where the
+  # slowest row's own 1.75 would have moved them (109).
+  even, low, high = [1, 3] * 8, [1, 3, 1, 3, 1, 3, 1, 1] * 2, [3, 1, 3, 1, 3, 1, 3, 3] * 2
+  assert shrunk_taus([even, low, high]) == [2.0, 2.0, 2.0]
+  assert not starts.tail_loses([(even, 90), (low, 100), (high, 80)], 1.9)
+  assert starts.tail_loses([(even, 90), (low, 100), (high, 80)], 2.1)  # 105 > 100
+  # One row of a single cycle (no spread measured): 4 cycles of the pooled τ beside its own,
+  # (1 + 4 x 5.7) / 5 = 4.8: 100 / 4.8 x 2.5 = 52 < 100.
   assert not starts.tail_loses([(fast, 100), ([1], 100)], 2.5)
   assert not starts.tail_loses([([1] * 7, 100)], 9.0)            # too few cycles to tell
-  starts.tail_margin = 1.1  # plain must win by 10%: 100 x 1.1 > 104
+  starts.tail_margin = 1.3  # plain must win by 30%: 100 x 1.3 > 125
   assert not starts.tail_loses([(fast, 40), (slow, 100)], 2.5)
   starts.tail_margin, starts.tail_move = 1.0, False
   assert not starts.tail_loses([(slow, 100)], 9.0)

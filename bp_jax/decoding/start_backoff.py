@@ -76,8 +76,8 @@ from typing import Sequence
 # at least this many times a cycle's price in plain-loop steps.
 DECISIVE = 2.0
 
-# A tail row's τ (`StartBackoff.tail_loses`) counts this many cycles of the tail's pooled τ
-# besides its own.
+# A tail row's τ (`shrunk_taus`) counts this many cycles of the tail's pooled τ besides its own
+# where the rows' spread cannot be measured (fewer than 2 rows with 2 cycles).
 TAIL_PRIOR_CYCLES = 4
 
 
@@ -224,25 +224,21 @@ class StartBackoff:
     later drafting than in the plain loop: the tail's time is its slowest row's, so the rule
     weighs the longest row in plain steps (its tokens left) against the longest row drafting
     (tokens left / its τ x `break_even`, a cycle's price in plain steps), at `tail_margin`.
-    Each row's τ is its own cycles' shrunk toward the tail's pooled τ by `TAIL_PRIOR_CYCLES`
-    (the longest of 16 noisy estimates is the most pessimistic one). False without
-    `tail_move` or before `min_cycles` cycles in all.
+    Each row's τ is its own cycles' shrunk toward the tail's pooled τ (`shrunk_taus`): the
+    longest of 8-16 noisy estimates is the most pessimistic one. False without `tail_move` or
+    before `min_cycles` cycles in all.
 
     A tail's rows move all together (`Scheduler._move_losing`): no second bucket runs by turns
     with the first. In a static batch the rows that commit most per cycle finish first, and
     those left decoding in the speculative loop backed off to AR steps with a probing cycle
-    every few (an H200's simulated clock at batch 16: 0.975x AR, its groups ending in their
-    slowest rows' cycles at τ ~1.8 against a cycle's price of ~2.5 steps)."""
-    cycles = [a for accepted, _ in rows for a in accepted]
-    if not self.tail_move or not rows or len(cycles) < max(int(self.min_cycles), 1):
+    every few (an H200's simulated clock at batch 16: 0.98x AR, its groups ending in their
+    slowest rows' cycles at τ ~1.4-1.8 against a cycle's price of ~1.85 plain steps)."""
+    if not self.tail_move or not rows or sum(len(a) for a, _ in rows) < max(
+        int(self.min_cycles), 1):
       return False
-    pooled = sum(cycles) / len(cycles)
-
-    def tau(accepted: Sequence[int]) -> float:
-      return (sum(accepted) + TAIL_PRIOR_CYCLES * pooled) / (len(accepted) + TAIL_PRIOR_CYCLES)
-
+    taus = shrunk_taus([accepted for accepted, _ in rows])
     plain = max(left for _, left in rows)
-    drafting = max(left / tau(accepted) for accepted, left in rows) * float(break_even)
+    drafting = max(left / tau for (_, left), tau in zip(rows, taus)) * float(break_even)
     return plain * self.tail_margin < drafting
 
   def alone_plain_now(self, break_even: float) -> bool:
@@ -352,3 +348,34 @@ class _BatchExplorers:
       return False
     self._since, self._left, self._last = 0, rows - 1, now
     return True
+
+
+def shrunk_taus(rows: Sequence[Sequence[int]]) -> list[float]:
+  """Each row's committed tokens per cycle (its cycles' `rows[i]`), shrunk toward the rows'
+  pooled τ as far as the rows' own spread says (empirical Bayes, method of moments): a row
+  counts k cycles of the pooled τ besides its own, k = the cycles' variance within a row over
+  the variance of the rows' true τ (their means' variance less what their cycles' noise adds
+  to it). Rows whose means differ no more than their cycles' noise explains all read the
+  pooled τ; rows that differ clearly keep nearly their own. A fixed k did not fit both: at
+  T = 1 (per-cycle variance ~2 at τ ~2.2) one row of 16 cycles at τ 1.5 among rows at 2.2
+  moved a batch of 8 that drafted at 0.77x AR's time, while at T = 0 a static batch of 16 whose
+  rows spread from τ 1.6 to 5.1 needed its slow rows' own τ. `TAIL_PRIOR_CYCLES` where the
+  spread cannot be measured (fewer than 2 rows with 2 cycles or more)."""
+  counts = [len(r) for r in rows]
+  total = sum(counts)
+  if not total:
+    return [1.0] * len(rows)
+  pooled = sum(sum(r) for r in rows) / total
+  measured = [r for r in rows if len(r) >= 2]
+  k = float(TAIL_PRIOR_CYCLES)
+  if len(measured) >= 2:
+    means = [sum(r) / len(r) for r in measured]
+    within = (sum(sum((a - m) ** 2 for a in r) for r, m in zip(measured, means))
+              / sum(len(r) - 1 for r in measured))
+    centre = sum(means) / len(means)
+    spread = sum((m - centre) ** 2 for m in means) / (len(means) - 1)
+    between = spread - within * sum(1 / len(r) for r in measured) / len(measured)
+    k = within / between if between > 0 else float("inf")
+  if k == float("inf"):
+    return [pooled] * len(rows)
+  return [(sum(r) + k * pooled) / (len(r) + k) for r in rows]
