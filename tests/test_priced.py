@@ -378,6 +378,7 @@ def test_a_batchs_tail_moves_plain_where_its_slowest_row_ends_sooner_there():
   # No noise within a row: each keeps its own τ. The slow row's 100 tokens at τ 2 take
   # 50 cycles, 125 plain steps at 2.5 a cycle (plain: 100), though the mean τ (4) is above it.
   assert shrunk_taus([fast, slow]) == [6.0, 2.0]
+  assert shrunk_taus([fast, slow, []]) == [6.0, 2.0, 4.0]  # no cycle yet: the pooled τ
   assert starts.tail_loses([(fast, 40), (slow, 100)], 2.5)
   assert not starts.tail_loses([(fast, 40), (slow, 100)], 1.9)   # 100 / 2 x 1.9 = 95
   # The slow row nearly done: the fast row's 100 tokens left decide (100 / 6 x 2.5 = 42).

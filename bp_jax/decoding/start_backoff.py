@@ -360,7 +360,8 @@ def shrunk_taus(rows: Sequence[Sequence[int]]) -> list[float]:
   T = 1 (per-cycle variance ~2 at τ ~2.2) one row of 16 cycles at τ 1.5 among rows at 2.2
   moved a batch of 8 that drafted at 0.77x AR's time, while at T = 0 a static batch of 16 whose
   rows spread from τ 1.6 to 5.1 needed its slow rows' own τ. `TAIL_PRIOR_CYCLES` where the
-  spread cannot be measured (fewer than 2 rows with 2 cycles or more)."""
+  spread cannot be measured (fewer than 2 rows with 2 cycles or more); a row without a cycle
+  reads the pooled τ."""
   counts = [len(r) for r in rows]
   total = sum(counts)
   if not total:
@@ -378,4 +379,4 @@ def shrunk_taus(rows: Sequence[Sequence[int]]) -> list[float]:
     k = within / between if between > 0 else float("inf")
   if k == float("inf"):
     return [pooled] * len(rows)
-  return [(sum(r) + k * pooled) / (len(r) + k) for r in rows]
+  return [(sum(r) + k * pooled) / (len(r) + k) if r else pooled for r in rows]
