@@ -316,7 +316,7 @@ def test_an_explorer_run_moves_plain_after_a_short_first_call(zeros_models, monk
 
 def test_a_static_batchs_tail_moves_plain_all_together(zeros_models):
   """A static batch (as many requests as slots: no request waits, a tail from its start)
-  whose slowest row would end sooner in the plain loop (`Engine.tail_loses`; here a cycle
+  whose slowest row would end sooner in the plain loop (`StartBackoff.tail_loses`; here a cycle
   priced at 100 plain steps, `Engine.tail_price`) moves all its decoding rows to the plain
   bucket after its first call, though none is an explorer and no cycle misses (cheap costs);
   with `StartBackoff.tail_move` off, or with requests still waiting, they draft to their end.

@@ -759,27 +759,25 @@ class Engine:
 
   def tail_price(self, block_size: int, slots: int) -> float | None:
     """A cycle's price in plain-loop steps at `slots` rows, what a batch's tail drafting at
-    `block_size` in a state of that many slots is weighed by (`tail_loses`); None where its
-    rows may not move (no batch, no plain starts, the tail rule off) or the plain loop has not
-    been timed at `slots` rows."""
-    if (block_size == 1 or self.batch_size == 1 or not self.may_start_plain
-        or not self.starts.tail_move or not self.online
-        or self.prices.plain_step_s(slots) is None):
+    `block_size` in a state of that many slots is weighed by (`StartBackoff.tail_loses`: the
+    scheduler then moves all its rows to the plain bucket, `Scheduler._move_losing`); None
+    where its rows may not move (no batch, no plain starts, the tail rule off), prices are not
+    kept current, or the plain loop has not been timed at `slots` rows."""
+    if not (self._batch_starts_plain(block_size) and self.starts.tail_move and self.online
+            and self._plain_priced(slots)):
       return None
     return self.prices.start_break_even(block_size, slots)
 
-  def tail_loses(self, price: float, rows: Sequence[tuple[Sequence[int], int]]) -> bool:
-    """Whether a batch's tail, each row its cycles' committed tokens so far and the tokens it
-    has left, would end sooner in the plain loop at a cycle's `price` in its steps
-    (`tail_price`; `StartBackoff.tail_loses`): the scheduler then moves all its rows to the
-    plain bucket (`Scheduler._move_losing`)."""
-    return self.starts.tail_loses(rows, price)
+  def _batch_starts_plain(self, block_size: int) -> bool:
+    """Whether a batch's request of `block_size` may start, and its rows move, plain: a
+    speculative size, a batch, plain starts on."""
+    return block_size > 1 and self.batch_size > 1 and self.may_start_plain
 
   def _batch_price(self, block_size: int) -> tuple[float, bool] | None:
     """(a cycle's price in plain-loop steps at the engine's batch size, whether the plain loop
     has been timed there): what a batch's start rule weighs a request of `block_size` by, for
     `plain_now` and `cycles_lose`; None where no batch request of it may start plain."""
-    if block_size == 1 or self.batch_size == 1 or not self.may_start_plain:
+    if not self._batch_starts_plain(block_size):
       return None
     return (self.prices.start_break_even(block_size, self.batch_size),
             self._plain_priced(self.batch_size))

@@ -403,7 +403,7 @@ class Scheduler:
     dearer AR steps, so where drafting loses only to the plain loop nothing misses); and a
     batch's tail (no request waits for any slot, the plain bucket has room for all its rows),
     all its decoding rows together, once its slowest row would end sooner in the plain loop
-    (`Engine.tail_price`, `Engine.tail_loses`). Other drafting rows are not judged each by its
+    (`Engine.tail_price`, `StartBackoff.tail_loses`). Other drafting rows are not judged each by its
     own cycles: under an H200's simulated clock, moving every drafting row whose cycles fell
     under the start rule's price ran batch 4 at 1.56x AR against 1.81x (requests still coming
     for the bucket: two part-filled buckets running by turns), and moving a tail's rows so,
@@ -443,8 +443,8 @@ class Scheduler:
     if (judged and not set(judged) <= set(losing)
         and self.engine.cycles_lose(b, [a for i in judged for a in cycles[i]])):
       losing = sorted(set(losing) | set(judged))
-    if (tail and set(losing) != set(tail) and self.engine.tail_loses(
-        tail_price, [(cycles[i], int(max_new[i] - n_gen[i])) for i in tail])):
+    if (tail and set(losing) != set(tail) and self.engine.starts.tail_loses(
+        [(cycles[i], int(max_new[i] - n_gen[i])) for i in tail], tail_price)):
       losing = tail
     plain = self._bucket(1) if losing else None
     room = 0 if plain is None else (self.engine.batch_size - plain.live()

@@ -362,8 +362,7 @@ def shrunk_taus(rows: Sequence[Sequence[int]]) -> list[float]:
   rows spread from τ 1.6 to 5.1 needed its slow rows' own τ. `TAIL_PRIOR_CYCLES` where the
   spread cannot be measured (fewer than 2 rows with 2 cycles or more); a row without a cycle
   reads the pooled τ."""
-  counts = [len(r) for r in rows]
-  total = sum(counts)
+  total = sum(len(r) for r in rows)
   if not total:
     return [1.0] * len(rows)
   pooled = sum(sum(r) for r in rows) / total
