@@ -730,29 +730,23 @@ def intervals(groups: dict[str, list[list[Generation]]], methods: list[str],
   return {f"{a}/{b}": speedup_entry(fig(a), fig(b)) for a, b in method_pairs(methods)}
 
 
-def main(_):
-  methods = parse_methods(FLAGS.methods)
-  if FLAGS.repeats < 1 or FLAGS.max_new_tokens < 1 or FLAGS.block_size < 2:
-    raise BadInputError("--repeats and --max_new_tokens must be >= 1, --block_size >= 2")
-  for m, owner in SHARED.items():
-    if m in methods and owner not in methods:
-      raise BadInputError(f"--methods: {m} decodes in {owner}'s engine; add {owner}")
-  if FLAGS.precompile and FLAGS.shape:
-    raise BadInputError("--precompile with --shape: the forced drafts' loops are programs of "
-                        "their own that precompile does not build; give one or the other")
-  if FLAGS.warmup_groups < 0:
-    raise BadInputError(f"--warmup_groups must be >= 0, got {FLAGS.warmup_groups}")
-  if FLAGS.group_size and FLAGS.group_size < FLAGS.batch_size:
-    raise BadInputError(f"--group_size={FLAGS.group_size}: give 0 (4 x --batch_size) or at "
-                        f"least --batch_size={FLAGS.batch_size}")
-  started = time.perf_counter()
-  setup = load_setup()
-  # The form every engine decodes with (a tied head apart on a CPU), measured as it runs.
-  target, drafter, prompts = decode_form(setup.target), setup.drafter, setup.prompts
-  costs, source, measured = controller_costs(target, drafter, setup.max_len)
-  print(f"  controller costs ({source}): verify {costs['controller_costs']}, drafter "
-        f"{costs['controller_draft_cost']} ({time.perf_counter() - started:.0f} s since start)",
-        flush=True)
+class Engines(NamedTuple):
+  """Each method's engine (methods in `SHARED` share their owner's), the methods owning one
+  (`own`), each method's block size (1, --block_size or `LEARNED`), its forced drafts (None:
+  the drafter's) and under --shape the simulated drafts (else None)."""
+  by_method: dict[str, Engine]
+  own: list[str]
+  size: dict[str, int | str]
+  forced: dict[str, dict | None]
+  sim: dict[str, list[int]] | None
+
+
+def build_engines(methods: list[str], setup: Setup, target, costs: dict, source: str,
+                  measured: ForwardCosts | None) -> Engines:
+  """The run's engines from the flags (`target`: the decode form of `setup.target`; `costs`,
+  `source`, `measured`: `controller_costs`), with --sim_clock_ms each on its own simulated
+  clock (one noise sequence for all, call by call), their call logs and tallies empty."""
+  drafter = setup.drafter
   default_costs = costs if source == "given" else {}
   tied = lambda m: m.endswith("_tied")
   learned = learned_policy(methods)
@@ -802,6 +796,34 @@ def main(_):
   size = {m: 1 if loop_method(m) == "ar" else LEARNED if m == "learned_default"
           else FLAGS.block_size for m in methods}
   forced = {m: None if size[m] == 1 else sim for m in methods}
+  return Engines(engines, own, size, forced, sim)
+
+
+def main(_):
+  methods = parse_methods(FLAGS.methods)
+  if FLAGS.repeats < 1 or FLAGS.max_new_tokens < 1 or FLAGS.block_size < 2:
+    raise BadInputError("--repeats and --max_new_tokens must be >= 1, --block_size >= 2")
+  for m, owner in SHARED.items():
+    if m in methods and owner not in methods:
+      raise BadInputError(f"--methods: {m} decodes in {owner}'s engine; add {owner}")
+  if FLAGS.precompile and FLAGS.shape:
+    raise BadInputError("--precompile with --shape: the forced drafts' loops are programs of "
+                        "their own that precompile does not build; give one or the other")
+  if FLAGS.warmup_groups < 0:
+    raise BadInputError(f"--warmup_groups must be >= 0, got {FLAGS.warmup_groups}")
+  if FLAGS.group_size and FLAGS.group_size < FLAGS.batch_size:
+    raise BadInputError(f"--group_size={FLAGS.group_size}: give 0 (4 x --batch_size) or at "
+                        f"least --batch_size={FLAGS.batch_size}")
+  started = time.perf_counter()
+  setup = load_setup()
+  # The form every engine decodes with (a tied head apart on a CPU), measured as it runs.
+  target, drafter, prompts = decode_form(setup.target), setup.drafter, setup.prompts
+  costs, source, measured = controller_costs(target, drafter, setup.max_len)
+  print(f"  controller costs ({source}): verify {costs['controller_costs']}, drafter "
+        f"{costs['controller_draft_cost']} ({time.perf_counter() - started:.0f} s since start)",
+        flush=True)
+  engines, own, size, forced, sim = build_engines(methods, setup, target, costs, source,
+                                                  measured)
   # Outputs that do not depend on the path decoding takes (greedy, or `exact` at T > 0): every
   # repeat must give the same tokens. Under `rejection` at T > 0 a method whose choices follow
   # timings (priced_online) draws other tokens, from the same distribution, on another repeat.

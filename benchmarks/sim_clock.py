@@ -12,6 +12,8 @@ with nothing new to charge (a call's start; a resize or a row's move between buc
 scheduler times on the engine's clock too) does not move the clock: a row's copy runs no
 forward, only one row's caches copied at the device's memory bandwidth. Prices do not depend on
 the rows a forward computes (an accelerator's batch forwards, at a batch size's own table).
+An idle device's time passes by `advance_to` (a server waiting for requests,
+`benchmarks/arrivals.py`).
 """
 
 from __future__ import annotations
@@ -56,3 +58,7 @@ class SimClock:
       stall = self.stall_s if self.stall_every and self.calls % self.stall_every == 0 else 0.0
       self.now += new * factor + stall
     return self.now
+
+  def advance_to(self, t: float) -> None:
+    """The device idles until `t` (nothing where the clock is past it already)."""
+    self.now = max(self.now, float(t))
