@@ -159,7 +159,10 @@ def summary(run: TraceRun, ar: TraceRun) -> dict:
           "identical_to_ar": sum(g.output_ids == a.generation.output_ids
                                  for g, a in zip(gens, ar.served)),
           "latencies_s": [round(float(x), 5) for x in lat],
-          "new_tokens": [g.new_tokens for g in gens]}
+          "new_tokens": [g.new_tokens for g in gens],
+          # each request's route: d drafted throughout, p a plain start, m moved plain midway
+          "routes": "".join("p" if g.plain_start else "m" if g.moved_plain else "d"
+                            for g in gens)}
 
 
 def ar_step_s(engines: dict[str, Engine], prompts: list) -> float:

@@ -83,6 +83,16 @@ Methods (`--methods`, comma-separated):
                     speculative bucket (`StartBackoff.tail_move` = False); the default's tail
                     moves, all its rows, to the plain bucket once its slowest row would end
                     sooner there (`StartBackoff.tail_loses`);
+  priced_default_tailany
+                    priced_default whose batch's tail moves plain whatever requests are
+                    expected to arrive (`StartBackoff.tail_quiet` = inf); the default's moves
+                    only while fewer than ln 2 are expected before the plain loop would end it
+                    (benchmarks/arrivals.py; a static batch's requests all come first);
+  priced_default_nojoin
+                    priced_default whose server requests routed plain take the plain bucket
+                    even where it holds none and their speculative bucket runs
+                    (`StartBackoff.join_live` = False); the default's draft there instead
+                    (benchmarks/arrivals.py: a second bucket runs by turns with the first);
   priced_default_nodecline
                     priced_default whose cycles always verify their drafts
                     (`controller_decline=False`); the default's decline a cycle's drafts after
@@ -253,7 +263,8 @@ METHODS = ("ar", "none", "backoff", "confidence_1step", "confidence", "confidenc
            "priced_default_bmargin0", "priced_default_bmargin0_move1",
            "priced_default_draftfirst", "ar_full",
            "priced_default_full", "ar_twin", "priced_default_nomove", "priced_default_movemiss",
-           "priced_default_notail", "priced_default_tail11",
+           "priced_default_notail", "priced_default_tail11", "priced_default_tailany",
+           "priced_default_nojoin",
            "priced_default_nodecline", "priced_default_decline", "priced_default_nogate",
            "priced_default_nohold", "priced_default_twin", "ar_padded", "ar_tied", "none_tied",
            "learned_default", "learned_fixed")
@@ -361,7 +372,9 @@ START_RULES = {"priced_default_every8": ("batch_explore_max", "batch_explore_eve
                "priced_default_draftfirst": ("batch_plain_first", False),
                "priced_default_movemiss": ("batch_move", False),
                "priced_default_notail": ("tail_move", False),
-               "priced_default_tail11": ("tail_margin", 1.1)}
+               "priced_default_tail11": ("tail_margin", 1.1),
+               "priced_default_tailany": ("tail_quiet", float("inf")),
+               "priced_default_nojoin": ("join_live", False)}
 
 
 def loop_method(method: str) -> str:
@@ -682,6 +695,8 @@ PAIRS = (("priced", "backoff"), ("priced_online", "priced"), ("priced_long", "pr
          ("priced_default", "priced_default_nomove"),
          ("priced_default", "priced_default_movemiss"),
          ("priced_default", "priced_default_notail"),
+         ("priced_default", "priced_default_tailany"),
+         ("priced_default", "priced_default_nojoin"),
          ("priced_default", "priced_default_nodecline"),
          ("priced_default", "priced_default_decline"),
          ("priced_default", "priced_default_nogate"), ("priced_default", "none"),

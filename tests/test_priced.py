@@ -346,6 +346,80 @@ def test_a_static_batchs_tail_moves_plain_all_together(zeros_models):
           moved, priced_at)
 
 
+def test_a_servers_tail_moves_plain_only_where_no_request_is_expected_before_it_ends(
+    zeros_models):
+  """A scheduler stepped as a server steps it (`submit`, `step`): requests may come after its
+  tail moved plain, and a request that then drafts runs by turns with the moved rows. The tail
+  moves only while fewer than `StartBackoff.tail_quiet` requests are expected to arrive before
+  the plain loop would end it: the latest submits' rate (on the engine's clock) x the plain
+  loop's time for the longest row's tokens left. Requests 100 s apart on a plain step of 10 ms
+  (0.006 expected over 60 steps): the tail moves, as a static batch's does; 0.1 s apart (6
+  expected): it drafts to its end, unless arrivals are not weighed (tail_quiet inf). AR's
+  very tokens every way."""
+  prompts, _ = _requests(3)
+  ar = Engine(zeros_models[0], shapes=ShapeOptions(max_len=MAX_LEN, length_buckets=BUCKETS))
+  want = [ar.generate(p, max_new_tokens=60).output_ids for p in prompts]
+  for gap_s, quiet, moves in ((100.0, None, True), (0.1, None, False), (0.1, np.inf, True)):
+    eng = toy_engine(zeros_models, "priced", batch_size=3, sync_cycles=16, **CHEAP)
+    eng.prices.start_break_even = lambda n, rows: 1.0  # every request drafts
+    eng.tail_price = lambda b, slots: 100.0            # the tail loses by far
+    eng.plain_seconds = lambda steps, slots: steps * 0.01
+    if quiet is not None:
+      eng.starts.tail_quiet = quiet
+    for _ in range(4):
+      eng.starts.observe([3, 3])
+    now = [0.0]
+    eng.clock = lambda: now[0]
+    sched = eng.scheduler(track_progress=False)
+    for i, p in enumerate(prompts):
+      now[0] = i * gap_s
+      sched.submit(eng.batch_request(i, p, 60, block_size=B))
+    while sched.busy():
+      assert not sched.step().failed
+    outs = [sched.results[i] for i in range(3)]
+    assert [g.output_ids for g in outs] == want
+    assert [g.moved_plain for g in outs] == [moves] * 3, (gap_s, quiet)
+  sched = eng.scheduler()
+  for i, p in enumerate(prompts):  # all at one instant
+    sched.submit(eng.batch_request(i, p, 60, block_size=B))
+  assert sched._arrival_rate() == np.inf
+  sched.closed = True  # as `run` (generate_batch) sets it: every request was given up front
+  assert sched._arrival_rate() == 0.0
+
+
+def test_a_servers_request_routed_plain_drafts_in_the_running_bucket_instead(zeros_models):
+  """`StartBackoff.join_live`: a server's request that the start rule routes plain (no
+  explorer) while its speculative bucket holds a request and the plain bucket none drafts in
+  that bucket instead (a plain start would open a second bucket, run by turns with the first).
+  With the switch off, or with every request given up front (`Scheduler.closed`, as `run`
+  sets it), it starts plain. AR's very tokens every way."""
+  prompts, _ = _requests(2)
+  ar = Engine(zeros_models[0], shapes=ShapeOptions(max_len=MAX_LEN, length_buckets=BUCKETS))
+  want = [ar.generate(p, max_new_tokens=60).output_ids for p in prompts]
+  for join, closed in ((True, False), (False, False), (True, True)):
+    eng = toy_engine(zeros_models, "priced", batch_size=3, sync_cycles=4, **CHEAP)
+    eng.starts.batch_explore_every = eng.starts.batch_explore_max = 10**6  # no explorers
+    eng.starts.join_live = join
+    eng.tail_price = lambda b, slots: None  # no tail moves
+    price = [1.0]
+    eng.prices.start_break_even = lambda n, rows: price[0]
+    for _ in range(4):
+      eng.starts.observe([3, 3])
+    sched = eng.scheduler(track_progress=False)
+    sched.submit(eng.batch_request(0, prompts[0], 60, block_size=B))
+    sched.step()  # request 0 drafts: its bucket holds it
+    assert sched.occupancy() == {B: 1}
+    price[0] = 100.0  # the start rule now says plain
+    sched.closed = closed
+    sched.submit(eng.batch_request(1, prompts[1], 60, block_size=B))
+    while sched.busy():
+      assert not sched.step().failed
+    outs = [sched.results[i] for i in range(2)]
+    assert [g.output_ids for g in outs] == want
+    assert [g.plain_start for g in outs] == [False, not join or closed], (join, closed)
+    assert not any(g.moved_plain for g in outs)
+
+
 def test_a_batchs_own_cycles_say_whether_its_drafting_rows_move_plain():
   """`StartBackoff.batch_cycles_lose`: a speculative bucket's rows' own cycles, weighed by the
   batch's rule (plain below `batch_margin` x the price; before the plain loop is timed, below

@@ -768,6 +768,12 @@ class Engine:
       return None
     return self.prices.start_break_even(block_size, slots)
 
+  def plain_seconds(self, steps: int, slots: int) -> float | None:
+    """Seconds of `steps` steps of the plain loop at `slots` rows, as timed from its calls
+    (None: prices not kept current, or that loop not timed there)."""
+    step_s = self.prices.plain_step_s(slots) if self.online else None
+    return None if step_s is None else steps * step_s
+
   def _batch_starts_plain(self, block_size: int) -> bool:
     """Whether a batch's request of `block_size` may start, and its rows move, plain: a
     speculative size, a batch, plain starts on."""

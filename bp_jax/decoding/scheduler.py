@@ -45,7 +45,9 @@ decodes at its own position with its own seed key and its own sampling settings 
 tokens are those it gets decoded alone.
 
 A server drives the same scheduler one step at a time (`submit`, `step`, `cancel`): requests
-arrive between steps, `step` reports each finished request, each failed one (NaN/inf logits:
+arrive between steps (their times on the engine's clock estimate the arrival rate, which a
+batch's tail weighs before it moves plain: a request arriving after the move would draft in
+another bucket, the two running by turns), `step` reports each finished request, each failed one (NaN/inf logits:
 that request alone fails) and, with `track_progress`, the tokens of every request in the bucket
 that just ran; `cancel` frees a request's slot at once.
 
@@ -79,6 +81,9 @@ from bp_jax.errors import BadInputError
 # its rows' own τ (at least `StartBackoff.min_cycles` of them over 2 rows and more) before
 # they draft much further where drafting loses.
 VERDICT_FORWARDS = 4
+
+# The latest submits whose times estimate the arrival rate (`Scheduler._arrival_rate`).
+ARRIVAL_WINDOW = 16
 
 
 @dataclasses.dataclass
@@ -200,6 +205,10 @@ class Scheduler:
     self.engine, self.sampling = engine, tuple(sampling)
     self.forced, self.track_progress = forced, track_progress
     self.queue = collections.deque()
+    # The engine's clock at the latest submits (`_arrival_rate`), and whether every request
+    # was given up front (`run`): then none is expected to arrive.
+    self.submitted: collections.deque[float] = collections.deque(maxlen=ARRIVAL_WINDOW + 1)
+    self.closed = False
     for req in requests:
       self.submit(req)
     self.ready: dict[int, collections.deque[_Staged]] = collections.defaultdict(
@@ -230,9 +239,30 @@ class Scheduler:
       start = self.engine.request_start(block_size, self.engine.batch_size)
       plain = self.engine.starts_plain(block_size, start, self.forced)
       explorer = self.engine.last_start_explored
+      if plain and self._joins_drafting(block_size):  # (a plain explorer's run too)
+        plain, start, explorer = False, (0, 0), False
       self._routes[id(req)] = (_Route(1, (0, 0), explorer) if plain
                                else _Route(block_size, start, explorer))
     return self._routes[id(req)]
+
+  def _joins_drafting(self, block_size: int) -> bool:
+    """Whether a server's request of `block_size` routed plain (by the start rule, or a
+    plain explorer run's) drafts in its speculative bucket instead (`StartBackoff.join_live`):
+    requests may still come (not `run`), that bucket holds requests and has room for one more,
+    and the plain bucket holds none and none waits for it. A plain start would open a second
+    bucket, and the scheduler runs buckets by turns: on a device, where a forward costs about
+    the same over more rows, each bucket then decodes half the time, while a cycle commits at
+    least one token (an H200's simulated clock, batch 8, T = 1, Poisson arrivals at a load of
+    8 requests in flight: 72 of 75 loop calls left two buckets holding requests, the 10 plain
+    starts, explorers, waited 1.28 s against AR's 0.48 s; `benchmarks/arrivals.py`). A plain
+    explorer run times the plain loop; its price is kept from the calls it ran before."""
+    if self.closed or not self.engine.starts.join_live:
+      return False
+    plain = self.buckets.get(1)
+    bucket = self.buckets.get(block_size)
+    return ((plain is None or plain.live() == 0) and not self.ready[1]
+            and bucket is not None and bucket.live() > 0
+            and bucket.live() + len(self.ready[block_size]) < self.engine.batch_size)
 
   def _may_take(self, req: BatchRequest, block_size: int) -> bool:
     """Whether queued `req` may take a slot of this bucket: its route's (once decided), else
@@ -403,7 +433,9 @@ class Scheduler:
     dearer AR steps, so where drafting loses only to the plain loop nothing misses); and a
     batch's tail (no request waits for any slot, the plain bucket has room for all its rows),
     all its decoding rows together, once its slowest row would end sooner in the plain loop
-    (`Engine.tail_price`, `StartBackoff.tail_loses`). Other drafting rows are not judged each by its
+    (`Engine.tail_price`, `StartBackoff.tail_loses`) and fewer than `StartBackoff.tail_quiet`
+    requests are expected to arrive before then (`_arrivals_within`: none in `run`, where
+    every request came first). Other drafting rows are not judged each by its
     own cycles: under an H200's simulated clock, moving every drafting row whose cycles fell
     under the start rule's price ran batch 4 at 1.56x AR against 1.81x (requests still coming
     for the bucket: two part-filled buckets running by turns), and moving a tail's rows so,
@@ -443,8 +475,10 @@ class Scheduler:
     if (judged and not set(judged) <= set(losing)
         and self.engine.cycles_lose(b, [a for i in judged for a in cycles[i]])):
       losing = sorted(set(losing) | set(judged))
+    left = {i: int(max_new[i] - n_gen[i]) for i in tail}
     if (tail and set(losing) != set(tail) and self.engine.starts.tail_loses(
-        [(cycles[i], int(max_new[i] - n_gen[i])) for i in tail], tail_price)):
+        [(cycles[i], left[i]) for i in tail], tail_price,
+        self._arrivals_within(max(left.values()), len(bucket.rows)))):
       losing = tail
     plain = self._bucket(1) if losing else None
     room = 0 if plain is None else (self.engine.batch_size - plain.live()
@@ -469,6 +503,26 @@ class Scheduler:
     for staged in moved:
       staged.decode_s += seconds / len(moved)
     self._reroute(b)
+
+  def _arrival_rate(self) -> float:
+    """Requests expected to arrive per second of the engine's clock: none where every request
+    was given up front (`closed`) or one came so far; else the latest submits' rate, the quiet
+    time since the last of them counted (n - 1 arrivals from the oldest kept to now; inf
+    where all came at this instant)."""
+    if self.closed or len(self.submitted) < 2:
+      return 0.0
+    span = self.engine.clock() - self.submitted[0]
+    return (len(self.submitted) - 1) / span if span > 0 else float("inf")
+
+  def _arrivals_within(self, steps: int, slots: int) -> float:
+    """Requests expected to arrive within `steps` steps of the plain loop at `slots` rows
+    (`_arrival_rate` x their time, `Engine.plain_seconds`; inf where requests come and the
+    plain loop is not timed there)."""
+    rate = self._arrival_rate()
+    if rate == 0:
+      return 0.0
+    seconds = self.engine.plain_seconds(steps, slots)
+    return float("inf") if seconds is None else rate * seconds
 
   def _reroute(self, b: int) -> None:
     """After bucket `b`'s requests moved (its drafting lost, and the start rule has seen their
@@ -542,6 +596,7 @@ class Scheduler:
     if req.sampling is None:
       req.sampling = self.sampling
     self.queue.append(req)
+    self.submitted.append(self.engine.clock())
 
   def busy(self) -> bool:
     """Whether any request is queued, waiting for a slot or in flight."""
@@ -592,6 +647,8 @@ class Scheduler:
     return self._report
 
   def run(self) -> list[Generation]:
+    """Decodes the requests given (no more come: `closed`) to their ends, in index order."""
+    self.closed = True
     total = len(self.queue)
     while len(self.results) < total:
       report = self.step()

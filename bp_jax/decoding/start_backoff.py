@@ -70,6 +70,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 from typing import Sequence
 
 # A batch's drafting side is decisive (no plain explorer runs) where the recent cycles committed
@@ -79,6 +80,11 @@ DECISIVE = 2.0
 # A tail row's τ (`shrunk_taus`) counts this many cycles of the tail's pooled τ besides its own
 # where the rows' spread cannot be measured (fewer than 2 rows with 2 cycles).
 TAIL_PRIOR_CYCLES = 4
+
+# A batch's tail moves plain only while fewer requests than this are expected to arrive before
+# the plain loop would end it (`StartBackoff.tail_quiet`): for Poisson arrivals, while none is
+# more likely than one or more.
+TAIL_QUIET = math.log(2)
 
 
 @dataclasses.dataclass
@@ -116,7 +122,12 @@ class StartBackoff:
   (`batch_cycles_lose`: an explorer run's; False: only after missed cycles,
   `BatchOptions.move_plain_after`); tail_move: a batch's tail (no request waiting) moves to
   the plain bucket, all its rows, once its slowest row would end sooner there
-  (`tail_loses`, at `tail_margin` x a cycle's price in plain steps)."""
+  (`tail_loses`, at `tail_margin` x a cycle's price in plain steps); tail_quiet: it moves only
+  while fewer requests than this are expected to arrive before the plain loop would end it
+  (the recent arrival rate, `Scheduler._arrivals_within`; inf: arrivals not weighed);
+  join_live: a server's request routed plain (a plain explorer's too) drafts in its
+  speculative bucket instead while that bucket holds requests and the plain bucket none
+  (`Scheduler._joins_drafting`): a plain start would open a second bucket, run by turns."""
   window: int = 8
   min_cycles: int = 8
   explore_every: int = 4
@@ -133,6 +144,8 @@ class StartBackoff:
   batch_move: bool = True
   tail_move: bool = True
   tail_margin: float = 1.0
+  tail_quiet: float = TAIL_QUIET
+  join_live: bool = True
   _recent: collections.deque = dataclasses.field(init=False)
   _deep: int = dataclasses.field(default=0, init=False)   # deep starts since the last explorer
   # The single rule's choice when its last explorer started (None: drafting since).
@@ -218,23 +231,29 @@ class StartBackoff:
     tau = sum(acceptance_lengths) / len(acceptance_lengths)
     return self._plain(tau, break_even, plain_priced)
 
-  def tail_loses(self, rows: Sequence[tuple[Sequence[int], int]], break_even: float) -> bool:
+  def tail_loses(self, rows: Sequence[tuple[Sequence[int], int]], break_even: float,
+                 arrivals: float = 0.0) -> bool:
     """Whether a batch's tail (a speculative bucket's decoding rows with no request waiting for
     any slot), each row its cycles' committed tokens so far and the tokens it has left, ends
     later drafting than in the plain loop: the tail's time is its slowest row's, so the rule
     weighs the longest row in plain steps (its tokens left) against the longest row drafting
     (tokens left / its τ x `break_even`, a cycle's price in plain steps), at `tail_margin`.
     Each row's τ is its own cycles' shrunk toward the tail's pooled τ (`shrunk_taus`): the
-    longest of 8-16 noisy estimates is the most pessimistic one. False without `tail_move` or
-    before `min_cycles` cycles in all.
+    longest of 8-16 noisy estimates is the most pessimistic one. False without `tail_move`,
+    before `min_cycles` cycles in all, or where `arrivals` (the requests expected to arrive
+    before the plain loop would end the tail) reach `tail_quiet`: a request that came then
+    would draft in the speculative bucket while the moved rows decode plain, the two buckets
+    running by turns (an H200's simulated clock, batch 8, Poisson arrivals at a load of 8
+    requests in flight: mean latency 1.92x AR's with arrivals not weighed, 2.11x without the
+    tail rule; `benchmarks/arrivals.py`).
 
     A tail's rows move all together (`Scheduler._move_losing`): no second bucket runs by turns
     with the first. In a static batch the rows that commit most per cycle finish first, and
     those left decoding in the speculative loop backed off to AR steps with a probing cycle
     every few (an H200's simulated clock at batch 16: 0.98x AR, its groups ending in their
     slowest rows' cycles at τ ~1.4-1.8 against a cycle's price of ~1.85 plain steps)."""
-    if not self.tail_move or not rows or sum(len(a) for a, _ in rows) < max(
-        int(self.min_cycles), 1):
+    if (not self.tail_move or not rows or arrivals >= self.tail_quiet
+        or sum(len(a) for a, _ in rows) < max(int(self.min_cycles), 1)):
       return False
     taus = shrunk_taus([accepted for accepted, _ in rows])
     plain = max(left for _, left in rows)
