@@ -59,15 +59,15 @@ FLAGS = flags.FLAGS
 
 
 class Served(NamedTuple):
-  """One request of a trace as one method served it."""
+  """One request of a trace as one method served it: its arrival and the end of the loop call
+  that returned its last token, in seconds since the trace's start, and the time between
+  (from the engine clock's own readings: a request that ends in no forward, its first token a
+  stop, takes 0 s, where the offsets' difference may round below it)."""
   index: int
   arrival_s: float
-  finish_s: float          # the trace clock when the loop call that ended it returned
+  finish_s: float
+  latency_s: float
   generation: Generation
-
-  @property
-  def latency_s(self) -> float:
-    return self.finish_s - self.arrival_s
 
 
 class TraceRun(NamedTuple):
@@ -131,9 +131,9 @@ def serve_trace(engine: Engine, prompts: list, arrivals: list[float], block_size
     if report.ran is not None:
       calls += 1
       split += sum(1 for n in sched.occupancy().values() if n) > 1
-    end = engine.clock() - t0
+    end = engine.clock()
     for i, gen in report.finished.items():
-      served[i] = Served(i, arrivals[i], end, gen)
+      served[i] = Served(i, arrivals[i], end - t0, max(end - (t0 + arrivals[i]), 0.0), gen)
   return TraceRun([served[i] for i in sorted(served)], calls, split)
 
 

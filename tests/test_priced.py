@@ -388,15 +388,18 @@ def test_a_servers_tail_moves_plain_only_where_no_request_is_expected_before_it_
 
 
 def test_a_servers_request_routed_plain_drafts_in_the_running_bucket_instead(zeros_models):
-  """`StartBackoff.join_live`: a server's request that the start rule routes plain (no
-  explorer) while its speculative bucket holds a request and the plain bucket none drafts in
+  """`StartBackoff.join_live`: a server's request that the start rule routes plain while its
+  speculative bucket holds a request drafting by the rule and the plain bucket none drafts in
   that bucket instead (a plain start would open a second bucket, run by turns with the first).
-  With the switch off, or with every request given up front (`Scheduler.closed`, as `run`
-  sets it), it starts plain. AR's very tokens every way."""
+  With the switch off, with every request given up front (`Scheduler.closed`, as `run` sets
+  it), or where the bucket holds only an explorer (drafting where the rule says it loses), it
+  starts plain. AR's very tokens every way."""
+  import dataclasses
   prompts, _ = _requests(2)
   ar = Engine(zeros_models[0], shapes=ShapeOptions(max_len=MAX_LEN, length_buckets=BUCKETS))
   want = [ar.generate(p, max_new_tokens=60).output_ids for p in prompts]
-  for join, closed in ((True, False), (False, False), (True, True)):
+  for join, closed, explorer in ((True, False, False), (False, False, False),
+                                 (True, True, False), (True, False, True)):
     eng = toy_engine(zeros_models, "priced", batch_size=3, sync_cycles=4, **CHEAP)
     eng.starts.batch_explore_every = eng.starts.batch_explore_max = 10**6  # no explorers
     eng.starts.join_live = join
@@ -409,6 +412,9 @@ def test_a_servers_request_routed_plain_drafts_in_the_running_bucket_instead(zer
     sched.submit(eng.batch_request(0, prompts[0], 60, block_size=B))
     sched.step()  # request 0 drafts: its bucket holds it
     assert sched.occupancy() == {B: 1}
+    if explorer:  # as if it drafted as an explorer where the rule said plain
+      row = sched.buckets[B].rows[0]
+      row.route = dataclasses.replace(row.route, explorer=True)
     price[0] = 100.0  # the start rule now says plain
     sched.closed = closed
     sched.submit(eng.batch_request(1, prompts[1], 60, block_size=B))
@@ -416,8 +422,40 @@ def test_a_servers_request_routed_plain_drafts_in_the_running_bucket_instead(zer
       assert not sched.step().failed
     outs = [sched.results[i] for i in range(2)]
     assert [g.output_ids for g in outs] == want
-    assert [g.plain_start for g in outs] == [False, not join or closed], (join, closed)
-    assert not any(g.moved_plain for g in outs)
+    assert outs[1].plain_start == (not join or closed or explorer), (join, closed, explorer)
+    assert not outs[0].plain_start and not outs[1].moved_plain
+
+
+def test_a_servers_drafting_explorer_decodes_plain_beside_a_busy_plain_bucket(zeros_models):
+  """`StartBackoff.join_live`, the other way: a server's explorer that would draft (the rule
+  says plain) while the plain bucket holds a request and its own bucket none decodes plain
+  instead (its run would open a second bucket beside a busy plain one). With the switch off, or
+  in `run` (`Scheduler.closed`), it drafts. AR's very tokens every way."""
+  prompts, _ = _requests(2)
+  ar = Engine(zeros_models[0], shapes=ShapeOptions(max_len=MAX_LEN, length_buckets=BUCKETS))
+  want = [ar.generate(p, max_new_tokens=60).output_ids for p in prompts]
+  for join, closed in ((True, False), (False, False), (True, True)):
+    eng = toy_engine(zeros_models, "priced", batch_size=3, sync_cycles=4, **CHEAP)
+    eng.starts.batch_explore_every = eng.starts.batch_explore_max = 10**6  # no explorers
+    eng.starts.join_live = join
+    eng.tail_price = lambda b, slots: None  # no tail moves
+    eng.prices.start_break_even = lambda n, rows: 100.0  # plain by the rule
+    for _ in range(4):
+      eng.starts.observe([3, 3])
+    sched = eng.scheduler(track_progress=False)
+    sched.submit(eng.batch_request(0, prompts[0], 60, block_size=B))
+    sched.step()  # request 0 starts plain: the plain bucket holds it
+    assert sched.occupancy() == {1: 1}
+    eng.request_start = lambda b, rows=1: (0, 0)  # the next one drafts, an explorer
+    eng.starts.last_explored = True
+    sched.closed = closed
+    sched.submit(eng.batch_request(1, prompts[1], 60, block_size=B))
+    while sched.busy():
+      assert not sched.step().failed
+    outs = [sched.results[i] for i in range(2)]
+    assert [g.output_ids for g in outs] == want
+    assert outs[0].plain_start
+    assert outs[1].plain_start == (join and not closed), (join, closed)
 
 
 def test_a_batchs_own_cycles_say_whether_its_drafting_rows_move_plain():

@@ -241,6 +241,8 @@ class Scheduler:
       explorer = self.engine.last_start_explored
       if plain and self._joins_drafting(block_size):  # (a plain explorer's run too)
         plain, start, explorer = False, (0, 0), False
+      elif explorer and not plain and self._explorer_joins_plain(block_size):
+        plain, start, explorer = True, (0, 0), False
       self._routes[id(req)] = (_Route(1, (0, 0), explorer) if plain
                                else _Route(block_size, start, explorer))
     return self._routes[id(req)]
@@ -249,7 +251,10 @@ class Scheduler:
     """Whether a server's request of `block_size` routed plain (by the start rule, or a
     plain explorer run's) drafts in its speculative bucket instead (`StartBackoff.join_live`):
     requests may still come (not `run`), that bucket holds requests and has room for one more,
-    and the plain bucket holds none and none waits for it. A plain start would open a second
+    and the plain bucket holds none and none waits for it, and a request of that bucket
+    drafts there by the rule (not only an explorer run's, whose drafting the rule says loses:
+    an H200's simulated clock, batch 16, T = 1, load 16, joining those ran 0.887x AR against
+    0.924x). A plain start would open a second
     bucket, and the scheduler runs buckets by turns: on a device, where a forward costs about
     the same over more rows, each bucket then decodes half the time, while a cycle commits at
     least one token (an H200's simulated clock, batch 8, T = 1, Poisson arrivals at a load of
@@ -261,8 +266,26 @@ class Scheduler:
     plain = self.buckets.get(1)
     bucket = self.buckets.get(block_size)
     return ((plain is None or plain.live() == 0) and not self.ready[1]
-            and bucket is not None and bucket.live() > 0
-            and bucket.live() + len(self.ready[block_size]) < self.engine.batch_size)
+            and bucket is not None and bucket.live() + len(self.ready[block_size])
+            < self.engine.batch_size
+            and any(r is not None and not r.route.explorer for r in bucket.rows))
+
+  def _explorer_joins_plain(self, block_size: int) -> bool:
+    """Whether a server's drafting explorer of `block_size` (one of a run drafting where the
+    start rule says plain) decodes in the plain bucket instead (`StartBackoff.join_live`):
+    requests may still come (not `run`), the plain bucket holds requests, and the explorer's
+    bucket holds none and none waits for it. Its run would open a second bucket beside a busy
+    plain one, each then decoding half the time on a device, the plain rows at a loss to learn
+    whether drafting wins (an H200's simulated clock, batch 16, T = 1, load 16: a run of 13
+    explorers beside a full plain bucket, 0.924x AR). A server under load then explores in its
+    lulls only."""
+    if (self.closed or self.forced or not self.engine.starts.join_live
+        or not self.engine.may_start_plain):
+      return False
+    plain = self.buckets.get(1)
+    bucket = self.buckets.get(block_size)
+    return (plain is not None and plain.live() > 0 and not self.ready[block_size]
+            and (bucket is None or bucket.live() == 0))
 
   def _may_take(self, req: BatchRequest, block_size: int) -> bool:
     """Whether queued `req` may take a slot of this bucket: its route's (once decided), else
