@@ -50,6 +50,8 @@ class SimClock:
 
   def __call__(self) -> float:
     total = sum(self.price_s(int(n)) * c for n, c in self.engine.forwards_run.items())
+    if total < self.charged:  # the engine's tallies were cleared (`Engine.clear_tallies`,
+      self.charged = 0.0      # between decodes): what it counts now ran since
     new = total - self.charged
     if new > 0:
       self.charged = total

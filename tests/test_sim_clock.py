@@ -72,3 +72,15 @@ def test_a_batchs_prices_through_it_hold_the_stalled_calls_out():
       seen[hold].append(prices.break_even(16, rows=4))
   assert max(seen[False]) == 64.0, seen[False]
   assert np.median(seen[True]) < 1.9 and max(seen[True]) < 6.0, seen[True]
+
+
+def test_charges_the_forwards_run_after_the_engines_tallies_were_cleared():
+  """`Engine.clear_tallies` (after a benchmark's warm-up) empties the engine's counts: the
+  forwards run after it are charged from zero, not from what the warm-up had charged (the
+  first timed calls after a warm-up ran free before)."""
+  eng = _Engine()
+  clock = SimClock(eng, COSTS, DRAFT, ar_ms=3.0)
+  assert _call(clock, eng, 5, 20) > 0
+  eng.forwards_run.clear()
+  assert _call(clock, eng, 2, 0) == pytest.approx(3e-3 * 2)
+  assert _call(clock, eng, 0, 1) == pytest.approx(3e-3 * (1.30 + 0.26))
