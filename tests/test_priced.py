@@ -387,6 +387,29 @@ def test_a_servers_tail_moves_plain_only_where_no_request_is_expected_before_it_
   assert sched._arrival_rate() == 0.0
 
 
+def _join_engine(zeros_models, join: bool, price) -> Engine:
+  """A batch-3 priced engine whose start rule weighs the recent τ 3 against `price()` plain
+  steps, with no explorers of its own and no tail moves, `StartBackoff.join_live` = `join`."""
+  eng = toy_engine(zeros_models, "priced", batch_size=3, sync_cycles=4, **CHEAP)
+  eng.starts.batch_explore_every = eng.starts.batch_explore_max = 10**6
+  eng.starts.join_live = join
+  eng.tail_price = lambda b, slots: None
+  eng.prices.start_break_even = lambda n, rows: price()
+  for _ in range(4):
+    eng.starts.observe([3, 3])
+  return eng
+
+
+def _second_request(eng: Engine, sched, prompts, closed: bool) -> list:
+  """Request 1 submitted to `sched` (`closed` as `run` sets it, or not), both requests decoded
+  to their ends: their Generations."""
+  sched.closed = closed
+  sched.submit(eng.batch_request(1, prompts[1], 60, block_size=B))
+  while sched.busy():
+    assert not sched.step().failed
+  return [sched.results[i] for i in range(2)]
+
+
 def test_a_servers_request_routed_plain_drafts_in_the_running_bucket_instead(zeros_models):
   """`StartBackoff.join_live`: a server's request that the start rule routes plain while its
   speculative bucket holds a request drafting by the rule and the plain bucket none drafts in
@@ -400,14 +423,8 @@ def test_a_servers_request_routed_plain_drafts_in_the_running_bucket_instead(zer
   want = [ar.generate(p, max_new_tokens=60).output_ids for p in prompts]
   for join, closed, explorer in ((True, False, False), (False, False, False),
                                  (True, True, False), (True, False, True)):
-    eng = toy_engine(zeros_models, "priced", batch_size=3, sync_cycles=4, **CHEAP)
-    eng.starts.batch_explore_every = eng.starts.batch_explore_max = 10**6  # no explorers
-    eng.starts.join_live = join
-    eng.tail_price = lambda b, slots: None  # no tail moves
     price = [1.0]
-    eng.prices.start_break_even = lambda n, rows: price[0]
-    for _ in range(4):
-      eng.starts.observe([3, 3])
+    eng = _join_engine(zeros_models, join, lambda: price[0])
     sched = eng.scheduler(track_progress=False)
     sched.submit(eng.batch_request(0, prompts[0], 60, block_size=B))
     sched.step()  # request 0 drafts: its bucket holds it
@@ -416,11 +433,7 @@ def test_a_servers_request_routed_plain_drafts_in_the_running_bucket_instead(zer
       row = sched.buckets[B].rows[0]
       row.route = dataclasses.replace(row.route, explorer=True)
     price[0] = 100.0  # the start rule now says plain
-    sched.closed = closed
-    sched.submit(eng.batch_request(1, prompts[1], 60, block_size=B))
-    while sched.busy():
-      assert not sched.step().failed
-    outs = [sched.results[i] for i in range(2)]
+    outs = _second_request(eng, sched, prompts, closed)
     assert [g.output_ids for g in outs] == want
     assert outs[1].plain_start == (not join or closed or explorer), (join, closed, explorer)
     assert not outs[0].plain_start and not outs[1].moved_plain
@@ -435,24 +448,14 @@ def test_a_servers_drafting_explorer_decodes_plain_beside_a_busy_plain_bucket(ze
   ar = Engine(zeros_models[0], shapes=ShapeOptions(max_len=MAX_LEN, length_buckets=BUCKETS))
   want = [ar.generate(p, max_new_tokens=60).output_ids for p in prompts]
   for join, closed in ((True, False), (False, False), (True, True)):
-    eng = toy_engine(zeros_models, "priced", batch_size=3, sync_cycles=4, **CHEAP)
-    eng.starts.batch_explore_every = eng.starts.batch_explore_max = 10**6  # no explorers
-    eng.starts.join_live = join
-    eng.tail_price = lambda b, slots: None  # no tail moves
-    eng.prices.start_break_even = lambda n, rows: 100.0  # plain by the rule
-    for _ in range(4):
-      eng.starts.observe([3, 3])
+    eng = _join_engine(zeros_models, join, lambda: 100.0)  # plain by the rule
     sched = eng.scheduler(track_progress=False)
     sched.submit(eng.batch_request(0, prompts[0], 60, block_size=B))
     sched.step()  # request 0 starts plain: the plain bucket holds it
     assert sched.occupancy() == {1: 1}
     eng.request_start = lambda b, rows=1: (0, 0)  # the next one drafts, an explorer
     eng.starts.last_explored = True
-    sched.closed = closed
-    sched.submit(eng.batch_request(1, prompts[1], 60, block_size=B))
-    while sched.busy():
-      assert not sched.step().failed
-    outs = [sched.results[i] for i in range(2)]
+    outs = _second_request(eng, sched, prompts, closed)
     assert [g.output_ids for g in outs] == want
     assert outs[0].plain_start
     assert outs[1].plain_start == (join and not closed), (join, closed)
