@@ -437,6 +437,8 @@ def test_a_servers_request_routed_plain_drafts_in_the_running_bucket_instead(zer
     assert [g.output_ids for g in outs] == want
     assert outs[1].plain_start == (not join or closed or explorer), (join, closed, explorer)
     assert not outs[0].plain_start and not outs[1].moved_plain
+    if not outs[1].plain_start:  # joined: no plain bucket's slots were made
+      assert 1 not in sched.buckets
 
 
 def test_a_servers_drafting_explorer_decodes_plain_beside_a_busy_plain_bucket(zeros_models):

@@ -265,8 +265,9 @@ class Scheduler:
       return False
     plain = self.buckets.get(1)
     bucket = self.buckets.get(block_size)
-    return ((plain is None or plain.live() == 0) and not self.ready[1]
-            and bucket is not None and bucket.live() + len(self.ready[block_size])
+    # (`ready.get`: a key of `ready` makes its bucket's slots at the next step)
+    return ((plain is None or plain.live() == 0) and not self.ready.get(1)
+            and bucket is not None and bucket.live() + len(self.ready.get(block_size, ()))
             < self.engine.batch_size
             and any(r is not None and not r.route.explorer for r in bucket.rows))
 
@@ -284,7 +285,7 @@ class Scheduler:
       return False
     plain = self.buckets.get(1)
     bucket = self.buckets.get(block_size)
-    return (plain is not None and plain.live() > 0 and not self.ready[block_size]
+    return (plain is not None and plain.live() > 0 and not self.ready.get(block_size)
             and (bucket is None or bucket.live() == 0))
 
   def _may_take(self, req: BatchRequest, block_size: int) -> bool:
