@@ -58,3 +58,25 @@ def test_bad_flags_name_themselves(args, message):
   proc = subprocess.run([sys.executable, "-m", "benchmarks.arrivals", *args], cwd=REPO,
                         env=ENV, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 1 and message in proc.stderr, proc.stderr[-2000:]
+
+
+def test_host_clock_serves_a_trace_in_wall_time(tmp_path):
+  """Without --sim_clock_ms the trace runs on the host's clock: the load's unit is our AR's
+  timed step, the host sleeps until each arrival, and latencies are wall time (prefills
+  included); --repeats passes alternate the methods' order and give the same tokens."""
+  out = tmp_path / "arrivals"
+  proc = subprocess.run(
+      [sys.executable, "-m", "benchmarks.arrivals", "--num_prompts=3", "--half=eval",
+       "--max_new_tokens=8", "--methods=priced_default", "--batch_size=2", "--loads=0.5",
+       "--controller_costs=1,1.1,1.3,1.6", "--controller_draft_cost=0.8",
+       "--bootstrap_reps=50", "--repeats=2", f"--out={out}"],
+      cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  report = json.loads((out / "arrivals.json").read_text())
+  assert report["clock"] == "host" and report["ar_step_s"] > 0
+  load = report["loads"]["0.5"]
+  for row in load["methods"].values():
+    assert row["identical_to_ar"] == 3
+    assert all(x > 0 for x in row["latencies_s"])
+    # the host slept until the last arrival: no request ended before it came
+    assert row["makespan_s"] >= load["arrivals_s"][-1]
