@@ -49,7 +49,6 @@ from bp_jax.decode_job.compare import check_repeats_agree
 from bp_jax.decoding.engine import Engine, decode_form
 from bp_jax.decoding.generation import Generation
 from bp_jax.decoding.scheduler import Scheduler
-from bp_jax.eval.bootstrap import bootstrap_ratio_ci
 from bp_jax.errors import BadInputError
 
 flags.DEFINE_string("loads", "0.5,1,2,4", "comma-separated loads: mean requests in flight were "
@@ -142,14 +141,14 @@ def summary(run: TraceRun, ar: TraceRun) -> dict:
   lat = np.array([s.latency_s for s in run.served])
   gens = [s.generation for s in run.served]
   makespan = max(s.finish_s for s in run.served)
-  vs_ar = bootstrap_ratio_ci([s.latency_s for s in ar.served], lat, reps=FLAGS.bootstrap_reps)
+  ones = [1] * len(lat)
+  vs_ar = controllers.speedup_entry((ones, list(lat)), (ones, [s.latency_s for s in ar.served]))
   return {"requests": len(lat), "latency_mean_s": round(float(lat.mean()), 5),
           "latency_p50_s": round(float(np.percentile(lat, 50)), 5),
           "latency_p90_s": round(float(np.percentile(lat, 90)), 5),
           "latency_max_s": round(float(lat.max()), 5),
           # AR's mean latency / this method's (> 1: faster), paired over the requests
-          "latency_speedup_vs_ar": {"ratio": round(vs_ar.ratio, 4), "lo": round(vs_ar.lo, 4),
-                                    "hi": round(vs_ar.hi, 4)},
+          "latency_speedup_vs_ar": vs_ar,
           "makespan_s": round(makespan, 5),
           "tokens_per_s": round(sum(g.new_tokens for g in gens) / max(makespan, 1e-9), 2),
           "drafted": sum(g.drafter_passes > 0 and not g.plain_start for g in gens),
@@ -179,10 +178,7 @@ def ar_step_s(engines: dict[str, Engine], prompts: list) -> float:
 def main(_):
   methods = controllers.parse_methods(FLAGS.methods)
   loads = parse_loads(FLAGS.loads)
-  if FLAGS.repeats < 1 or FLAGS.max_new_tokens < 1 or FLAGS.block_size < 2:
-    raise BadInputError("--repeats and --max_new_tokens must be >= 1, --block_size >= 2")
-  if FLAGS.warmup_groups < 0:
-    raise BadInputError(f"--warmup_groups must be >= 0, got {FLAGS.warmup_groups}")
+  controllers.check_run_flags()
   shared = [m for m in methods if m in controllers.SHARED]
   if shared:
     raise BadInputError(f"--methods: {shared} decode in another method's engine; a trace "
@@ -227,9 +223,10 @@ def main(_):
           f"{'tok/s':>9}{'drafted':>8}{'moved':>6}{'split':>10}{'same':>6}")
     for m, row in rows.items():
       ci = row["latency_speedup_vs_ar"]
+      interval = "(one request)" if ci["lo"] is None else f"[{ci['lo']:.3f}, {ci['hi']:.3f}]"
       print(f"  {m:<24}{row['latency_mean_s']:>9.4f}{row['latency_p50_s']:>9.4f}"
             f"{row['latency_p90_s']:>9.4f}{ci['ratio']:>7.3f}x  "
-            f"[{ci['lo']:.3f}, {ci['hi']:.3f}]  {row['tokens_per_s']:>8,.0f}"
+            f"{interval:<16}  {row['tokens_per_s']:>8,.0f}"
             f"{row['drafted']:>8}{row['moved_plain']:>6}"
             f"{row['split_calls']:>5}/{row['calls']:<4}{row['identical_to_ar']:>6}")
   print("\n  vs AR: AR's mean latency / the method's (> 1: faster), paired over the requests; "

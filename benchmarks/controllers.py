@@ -814,18 +814,23 @@ def build_engines(methods: list[str], setup: Setup, target, costs: dict, source:
   return Engines(engines, own, size, forced, sim)
 
 
-def main(_):
-  methods = parse_methods(FLAGS.methods)
+def check_run_flags() -> None:
+  """The flags every run of these engines needs right (here and benchmarks/arrivals.py)."""
   if FLAGS.repeats < 1 or FLAGS.max_new_tokens < 1 or FLAGS.block_size < 2:
     raise BadInputError("--repeats and --max_new_tokens must be >= 1, --block_size >= 2")
-  for m, owner in SHARED.items():
-    if m in methods and owner not in methods:
-      raise BadInputError(f"--methods: {m} decodes in {owner}'s engine; add {owner}")
   if FLAGS.precompile and FLAGS.shape:
     raise BadInputError("--precompile with --shape: the forced drafts' loops are programs of "
                         "their own that precompile does not build; give one or the other")
   if FLAGS.warmup_groups < 0:
     raise BadInputError(f"--warmup_groups must be >= 0, got {FLAGS.warmup_groups}")
+
+
+def main(_):
+  methods = parse_methods(FLAGS.methods)
+  check_run_flags()
+  for m, owner in SHARED.items():
+    if m in methods and owner not in methods:
+      raise BadInputError(f"--methods: {m} decodes in {owner}'s engine; add {owner}")
   if FLAGS.group_size and FLAGS.group_size < FLAGS.batch_size:
     raise BadInputError(f"--group_size={FLAGS.group_size}: give 0 (4 x --batch_size) or at "
                         f"least --batch_size={FLAGS.batch_size}")

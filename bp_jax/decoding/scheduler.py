@@ -263,12 +263,10 @@ class Scheduler:
     explorer run times the plain loop; its price is kept from the calls it ran before."""
     if self.closed or not self.engine.starts.join_live:
       return False
-    plain = self.buckets.get(1)
     bucket = self.buckets.get(block_size)
     # (`ready.get`: a key of `ready` makes its bucket's slots at the next step)
-    return ((plain is None or plain.live() == 0) and not self.ready.get(1)
-            and bucket is not None and bucket.live() + len(self.ready.get(block_size, ()))
-            < self.engine.batch_size
+    return (self._live(1) == 0 and not self.ready.get(1) and bucket is not None
+            and bucket.live() + len(self.ready.get(block_size, ())) < self.engine.batch_size
             and any(r is not None and not r.route.explorer for r in bucket.rows))
 
   def _explorer_joins_plain(self, block_size: int) -> bool:
@@ -283,10 +281,12 @@ class Scheduler:
     if (self.closed or self.forced or not self.engine.starts.join_live
         or not self.engine.may_start_plain):
       return False
-    plain = self.buckets.get(1)
+    return self._live(1) > 0 and self._live(block_size) == 0 and not self.ready.get(block_size)
+
+  def _live(self, block_size: int) -> int:
+    """Requests in the slots of bucket `block_size` (0 where it has none; none is made)."""
     bucket = self.buckets.get(block_size)
-    return (plain is not None and plain.live() > 0 and not self.ready.get(block_size)
-            and (bucket is None or bucket.live() == 0))
+    return 0 if bucket is None else bucket.live()
 
   def _may_take(self, req: BatchRequest, block_size: int) -> bool:
     """Whether queued `req` may take a slot of this bucket: its route's (once decided), else
@@ -481,7 +481,7 @@ class Scheduler:
                 and n_gen[i] < max_new[i]]
     losing = [i for i in decoding if misses[i] >= after]
     judged = [i for i in decoding if bucket.rows[i].route.explorer]
-    plain_live = self.buckets[1].live() if 1 in self.buckets else 0
+    plain_live = self._live(1)
     # A batch's tail: no request waits for any slot, and the plain bucket has room for all.
     tail_price = (self.engine.tail_price(b, len(bucket.rows))
                   if decoding and not self.queue and not self._waiting()

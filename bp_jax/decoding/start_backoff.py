@@ -125,9 +125,11 @@ class StartBackoff:
   (`tail_loses`, at `tail_margin` x a cycle's price in plain steps); tail_quiet: it moves only
   while fewer requests than this are expected to arrive before the plain loop would end it
   (the recent arrival rate, `Scheduler._arrivals_within`; inf: arrivals not weighed);
-  join_live: a server's request routed plain (a plain explorer's too) drafts in its
-  speculative bucket instead while that bucket holds requests and the plain bucket none
-  (`Scheduler._joins_drafting`): a plain start would open a second bucket, run by turns."""
+  join_live: a server's start alone opens no second bucket beside a running one: a request
+  routed plain (a plain explorer's too) drafts in its speculative bucket where a request
+  drafts there by the rule and the plain bucket holds none (`Scheduler._joins_drafting`), and
+  a drafting explorer decodes plain where the plain bucket holds requests and its own none
+  (`Scheduler._explorer_joins_plain`); two buckets run by turns."""
   window: int = 8
   min_cycles: int = 8
   explore_every: int = 4
@@ -244,8 +246,8 @@ class StartBackoff:
     before the plain loop would end the tail) reach `tail_quiet`: a request that came then
     would draft in the speculative bucket while the moved rows decode plain, the two buckets
     running by turns (an H200's simulated clock, batch 8, Poisson arrivals at a load of 8
-    requests in flight: mean latency 1.92x AR's with arrivals not weighed, 2.11x without the
-    tail rule; `benchmarks/arrivals.py`).
+    requests in flight: AR's mean latency / the default's 2.129x, 1.614x with arrivals not
+    weighed; `benchmarks/arrivals.py`, docs/cpu_xeon167/arrivals_2026-12-06).
 
     A tail's rows move all together (`Scheduler._move_losing`): no second bucket runs by turns
     with the first. In a static batch the rows that commit most per cycle finish first, and
