@@ -59,7 +59,10 @@ about the same proportion (or run one kind only), so the fit is regularized towa
 estimate scaled to the data (a random-walk prior): a direction the calls do not tell apart keeps
 its previous ratio (at first the start-up costs' ratio) while the overall scale follows the
 measured time; a direction they do tell apart follows the data. The break-even of each verify
-length is clipped to [`min_break_even`, `max_break_even_per_token` * n]. A call that ran no
+length is clipped to [`min_break_even`, `max_break_even_per_token` * n]. A cycle that the fit
+puts below its floor (`min_break_even`, or the batch's floor `batch_prior_floor` x its prior) is
+held at it within the fit (`_Fit._within_bounds`: the least-squares fit under that bound), so
+its seconds stay what the calls timed; one above the cap is moved down to it. A call that ran no
 forward or reports a non-positive or non-finite time is not an observation.
 """
 
@@ -207,7 +210,10 @@ class _Fit:
     if not prior[0] > 0:  # no usable scale: this call's own seconds per forward
       prior = r * seconds / float(x @ r)
     R = _ridge(self.A, ridge)
-    theta = np.linalg.solve(self.A + R, self.b + R @ prior)
+    M, rhs = self.A + R, self.b + R @ prior
+    theta = np.linalg.solve(M, rhs)
+    if np.all(np.isfinite(theta)) and theta[0] > 0:
+      theta = self._within_bounds(M, rhs, theta, clip)
     if not np.all(np.isfinite(theta)):
       theta = prior
     # Calls that disagree (the costs changed) may fit a cost <= 0: floored, then clipped below.
@@ -215,6 +221,46 @@ class _Fit:
     for i, n in enumerate(self.lengths[1:], start=1):  # each cycle within bounds of an AR step
       theta[i] = theta[0] * clip(n, theta[i] / theta[0])
     self.theta = theta
+
+  def _within_bounds(self, M: np.ndarray, rhs: np.ndarray, theta: np.ndarray,
+                     clip: Callable[[int, float], float]) -> np.ndarray:
+    """The fit `theta` (minimizing theta^T M theta - 2 theta^T rhs) refitted with each cycle
+    whose break-even falls below `clip`'s floor held at the floor times the AR step: the
+    least-squares fit under that bound, not the free fit's cycle moved up to it.
+
+    Moving the cycle alone (as the clip after this does for the cap) ratcheted a batch's
+    prices up: where the bound binds, calls of cycles alone that ran a few percent cheaper
+    than the mixed calls before them lowered the free fit's cycle and so raised its AR step
+    (the older mixed calls' seconds still to explain), and the cycle, moved up to the bound
+    times that step, priced above every call that timed it. An H200's simulated clock, batch
+    8, T = 1: 5.53 ms per cycle charged, 5.2-5.5 ms timed, 6.22 ms fitted after four such
+    calls; the start rule then priced drafting at 1.78 plain steps against 1.58 and a server
+    decoded every request plain (docs/cpu_xeon167/arrivals_2026-12-06). Held at the floor,
+    the calls of cycles alone set the cycle and the AR step follows it down (the fitted cycle
+    of 12 simulated H200 runs at batch 4, the true price at the floor: within 2.5% of it,
+    against up to 27% above before; tests/test_online_costs.py).
+
+    The cap keeps the plain clip: a free fit above it has an AR step sunk toward zero, and
+    held at the cap one request's fit followed cycles turned 2.5x cheaper a call later (the
+    cycle stayed where the older calls put it while the AR step fell)."""
+    bounded = {}
+    for i, n in enumerate(self.lengths[1:], start=1):
+      ratio = theta[i] / theta[0]
+      bound = clip(n, ratio)
+      if bound > ratio:
+        bounded[i] = bound
+    if not bounded:
+      return theta
+    free = [i for i in range(len(theta)) if i not in bounded]  # free[0] is the AR step
+    T = np.zeros((len(theta), len(free)))
+    for j, i in enumerate(free):
+      T[i, j] = 1.0
+    for i, bound in bounded.items():
+      T[i, 0] = bound
+    try:
+      return T @ np.linalg.solve(T.T @ M @ T, T.T @ rhs)
+    except np.linalg.LinAlgError:
+      return theta
 
   def cycle_seconds_at(self, n: int, step_s: float, ridge: float) -> float | None:
     """The seconds of a cycle verifying n tokens refitted to the same calls with the AR step's
