@@ -93,6 +93,14 @@ Methods (`--methods`, comma-separated):
                     even where it holds none and their speculative bucket runs
                     (`StartBackoff.join_live` = False); the default's draft there instead
                     (benchmarks/arrivals.py: a second bucket runs by turns with the first);
+  priced_default_fullest
+                    priced_default whose server runs the fuller of two buckets holding
+                    requests (`StartBackoff.drain_first` = False); the default's runs first
+                    the one the start rule routes no new request to (it only drains);
+  priced_default_streak
+                    priced_default whose server moves a row plain once its cycles missed
+                    `move_plain_after` times in a row (`StartBackoff.misses_judged` = False);
+                    the default's also need the row's own cycles so far to say plain;
   priced_default_nodecline
                     priced_default whose cycles always verify their drafts
                     (`controller_decline=False`); the default's decline a cycle's drafts after
@@ -264,7 +272,7 @@ METHODS = ("ar", "none", "backoff", "confidence_1step", "confidence", "confidenc
            "priced_default_draftfirst", "ar_full",
            "priced_default_full", "ar_twin", "priced_default_nomove", "priced_default_movemiss",
            "priced_default_notail", "priced_default_tail11", "priced_default_tailany",
-           "priced_default_nojoin",
+           "priced_default_nojoin", "priced_default_fullest", "priced_default_streak",
            "priced_default_nodecline", "priced_default_decline", "priced_default_nogate",
            "priced_default_nohold", "priced_default_twin", "ar_padded", "ar_tied", "none_tied",
            "learned_default", "learned_fixed")
@@ -374,7 +382,9 @@ START_RULES = {"priced_default_every8": ("batch_explore_max", "batch_explore_eve
                "priced_default_notail": ("tail_move", False),
                "priced_default_tail11": ("tail_margin", 1.1),
                "priced_default_tailany": ("tail_quiet", float("inf")),
-               "priced_default_nojoin": ("join_live", False)}
+               "priced_default_nojoin": ("join_live", False),
+               "priced_default_fullest": ("drain_first", False),
+               "priced_default_streak": ("misses_judged", False)}
 
 
 def loop_method(method: str) -> str:
@@ -697,6 +707,8 @@ PAIRS = (("priced", "backoff"), ("priced_online", "priced"), ("priced_long", "pr
          ("priced_default", "priced_default_notail"),
          ("priced_default", "priced_default_tailany"),
          ("priced_default", "priced_default_nojoin"),
+         ("priced_default", "priced_default_fullest"),
+         ("priced_default", "priced_default_streak"),
          ("priced_default", "priced_default_nodecline"),
          ("priced_default", "priced_default_decline"),
          ("priced_default", "priced_default_nogate"), ("priced_default", "none"),

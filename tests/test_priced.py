@@ -463,6 +463,131 @@ def test_a_servers_drafting_explorer_decodes_plain_beside_a_busy_plain_bucket(ze
     assert outs[1].plain_start == (join and not closed), (join, closed)
 
 
+def test_a_servers_request_routed_plain_waits_for_a_full_running_bucket(zeros_models):
+  """`StartBackoff.join_live` where the running speculative bucket is full: a server's request
+  routed plain waits for that bucket's next free slot and drafts there, as a drafting request
+  would, rather than open the plain bucket beside it (run by turns: batch 8, T = 1, load 8 on an
+  H200's simulated clock, 49 of 71 calls left two buckets holding requests). With the switch
+  off, it starts plain at once. AR's very tokens every way."""
+  prompts, _ = _requests(4)
+  ar = Engine(zeros_models[0], shapes=ShapeOptions(max_len=MAX_LEN, length_buckets=BUCKETS))
+  want = [ar.generate(p, max_new_tokens=60).output_ids for p in prompts]
+  for join in (True, False):
+    price = [1.0]
+    eng = _join_engine(zeros_models, join, lambda: price[0])
+    sched = eng.scheduler(track_progress=False)
+    for i in range(3):
+      sched.submit(eng.batch_request(i, prompts[i], 60, block_size=B))
+    sched.step()  # the three draft: their bucket is full
+    assert sched.occupancy() == {B: 3}
+    price[0] = 100.0  # the start rule now says plain
+    sched.submit(eng.batch_request(3, prompts[3], 60, block_size=B))
+    while sched.busy():
+      assert not sched.step().failed
+    outs = [sched.results[i] for i in range(4)]
+    assert [g.output_ids for g in outs] == want
+    assert outs[3].plain_start == (not join), join
+    assert (1 in sched.buckets) == (not join), join  # joined: no plain bucket was made
+
+
+def test_a_servers_draining_bucket_runs_before_the_fuller_one(zeros_models):
+  """`StartBackoff.drain_first`: where a server's two buckets hold requests, the one the start
+  rule routes no new request to runs first (its calls delay the other's rows as long whenever
+  they run; each call of the other before them adds to its own rows' wait). A request decoding
+  plain, then two drafting beside it (the rule now says draft): the plain bucket runs until its
+  request ends, then the speculative one. With the switch off, or in `run`
+  (`Scheduler.closed`), the fuller bucket runs first. AR's very tokens every way."""
+  prompts, _ = _requests(3)
+  ar = Engine(zeros_models[0], shapes=ShapeOptions(max_len=MAX_LEN, length_buckets=BUCKETS))
+  want = [ar.generate(p, max_new_tokens=60).output_ids for p in prompts]
+  for drain, closed in ((True, False), (False, False), (True, True)):
+    price = [100.0]
+    eng = _join_engine(zeros_models, True, lambda: price[0])
+    eng.starts.drain_first = drain
+    sched = eng.scheduler(track_progress=False)
+    sched.closed = closed
+    sched.submit(eng.batch_request(0, prompts[0], 60, block_size=B))
+    sched.step()  # request 0 starts plain
+    assert sched.occupancy() == {1: 1}
+    price[0] = 1.0  # the start rule now says draft
+    for i in (1, 2):
+      sched.submit(eng.batch_request(i, prompts[i], 60, block_size=B))
+    ran, done_at = [], None
+    while sched.busy():
+      report = sched.step()
+      assert not report.failed
+      ran.append(report.ran)
+      if 0 in report.finished:
+        done_at = len(ran)
+    outs = [sched.results[i] for i in range(3)]
+    assert [g.output_ids for g in outs] == want
+    assert outs[0].plain_start and not outs[1].plain_start and not outs[2].plain_start
+    if drain and not closed:
+      assert ran[:done_at] == [1] * done_at and B in ran[done_at:], ran
+    else:
+      assert ran[0] == B and 1 in ran[ran.index(B):], ran
+
+
+def test_a_servers_row_moves_on_missed_cycles_only_where_its_own_cycles_say_plain(
+    zeros_models):
+  """`StartBackoff.misses_judged`: a server's rows whose cycles missed `move_plain_after` times
+  in a row (the dearest costs: every cycle misses) move plain only where their own cycles so
+  far also say plain (`Engine.cycles_lose`, here forced either way): a streak of misses is
+  more often a hard stretch of the text than a request that loses. With the switch off, or in
+  `run` (`Scheduler.closed`), the streak moves them. AR's very tokens every way."""
+  prompts, _ = _requests(3)
+  ar = Engine(zeros_models[0], shapes=ShapeOptions(max_len=MAX_LEN, length_buckets=BUCKETS))
+  want = [ar.generate(p, max_new_tokens=70).output_ids for p in prompts]
+  for judged, closed, lose, moves in ((True, False, False, False), (True, False, True, True),
+                                      (False, False, False, True), (True, True, False, True)):
+    eng = _engine(zeros_models, batch_size=3, move_plain_after=3, **DEAREST)
+    eng.starts.misses_judged = judged
+    eng.cycles_lose = lambda b, acceptance_lengths: lose
+    eng.tail_price = lambda b, slots: None  # no tail moves
+    sched = eng.scheduler(track_progress=False)
+    sched.closed = closed
+    for i, p in enumerate(prompts):
+      sched.submit(eng.batch_request(i, p, 70, block_size=B))
+    while sched.busy():
+      assert not sched.step().failed
+    outs = [sched.results[i] for i in range(3)]
+    assert [g.output_ids for g in outs] == want
+    assert not any(g.plain_start for g in outs)
+    assert any(g.moved_plain for g in outs) == moves, (judged, closed, lose)
+
+
+def test_a_servers_move_of_some_rows_opens_no_second_bucket(zeros_models):
+  """`StartBackoff.join_live` for moves: a server's explorer whose own cycles say plain stays in
+  its speculative bucket while a request drafting by the rule runs there and the plain bucket
+  holds none (on a device it rides in calls that run anyway; the plain bucket's would delay the
+  drafting rows). With the switch off, or in `run` (`Scheduler.closed`), it moves. AR's very
+  tokens every way."""
+  import dataclasses
+  prompts, _ = _requests(2)
+  news = (80, 40)  # request 0 decodes beyond request 1's end: a move of 1 alone is a subset
+  ar = Engine(zeros_models[0], shapes=ShapeOptions(max_len=MAX_LEN, length_buckets=BUCKETS))
+  want = [ar.generate(p, max_new_tokens=m).output_ids for p, m in zip(prompts, news)]
+  for join, closed in ((True, False), (False, False), (True, True)):
+    eng = _join_engine(zeros_models, join, lambda: 1.0)  # both draft by the rule
+    eng.cycles_lose = lambda b, acceptance_lengths: True  # an explorer's cycles say plain
+    sched = eng.scheduler(track_progress=False)
+    sched.closed = closed
+    for i in (0, 1):
+      sched.submit(eng.batch_request(i, prompts[i], news[i], block_size=B))
+    sched.step()
+    assert sched.occupancy() == {B: 2}
+    row = sched.buckets[B].rows[1]  # request 1 as if an explorer drafting where the rule said plain
+    row.route = dataclasses.replace(row.route, explorer=True)
+    while sched.busy():
+      assert not sched.step().failed
+    outs = [sched.results[i] for i in range(2)]
+    assert [g.output_ids for g in outs] == want
+    assert not outs[0].moved_plain
+    assert outs[1].moved_plain == (not join or closed), (join, closed)
+    if join and not closed:
+      assert 1 not in sched.buckets  # no plain bucket was made
+
+
 def test_a_batchs_own_cycles_say_whether_its_drafting_rows_move_plain():
   """`StartBackoff.batch_cycles_lose`: a speculative bucket's rows' own cycles, weighed by the
   batch's rule (plain below `batch_margin` x the price; before the plain loop is timed, below

@@ -250,11 +250,13 @@ class Scheduler:
   def _joins_drafting(self, block_size: int) -> bool:
     """Whether a server's request of `block_size` routed plain (by the start rule, or a
     plain explorer run's) drafts in its speculative bucket instead (`StartBackoff.join_live`):
-    requests may still come (not `run`), that bucket holds requests and has room for one more,
-    and the plain bucket holds none and none waits for it, and a request of that bucket
-    drafts there by the rule (not only an explorer run's, whose drafting the rule says loses:
-    an H200's simulated clock, batch 16, T = 1, load 16, joining those ran 0.887x AR against
-    0.924x). A plain start would open a second
+    requests may still come (not `run`), that bucket holds requests (where it is full, the
+    request waits for its next free slot, as a drafting one does), the plain bucket holds none
+    and none waits for it, and a request of that bucket drafts there by the rule (not only an
+    explorer run's, whose drafting the rule says loses: an H200's simulated clock, batch 16,
+    T = 1, load 16, joining those ran 0.887x AR against 0.924x). Joining only where it had
+    room, a full bucket's plain explorers opened the plain bucket beside it (batch 8, T = 1,
+    load 8: 49 of 71 calls left two buckets holding requests). A plain start would open a second
     bucket, and the scheduler runs buckets by turns: on a device, where a forward costs about
     the same over more rows, each bucket then decodes half the time, while a cycle commits at
     least one token (an H200's simulated clock, batch 8, T = 1, Poisson arrivals at a load of
@@ -266,7 +268,6 @@ class Scheduler:
     bucket = self.buckets.get(block_size)
     # (`ready.get`: a key of `ready` makes its bucket's slots at the next step)
     return (self._live(1) == 0 and not self.ready.get(1) and bucket is not None
-            and bucket.live() + len(self.ready.get(block_size, ())) < self.engine.batch_size
             and any(r is not None and not r.route.explorer for r in bucket.rows))
 
   def _explorer_joins_plain(self, block_size: int) -> bool:
@@ -282,6 +283,18 @@ class Scheduler:
         or not self.engine.may_start_plain):
       return False
     return self._live(1) > 0 and self._live(block_size) == 0 and not self.ready.get(block_size)
+
+  def _move_splits(self, moving: Sequence[int], decoding: Sequence[int]) -> bool:
+    """Whether a server's move of rows `moving` of a speculative bucket whose rows `decoding`
+    decode would open a second bucket beside it (`StartBackoff.join_live`): requests may still
+    come (not `run`), the plain bucket holds none and none waits for it, and some decoding row
+    stays. On a device a forward costs about the same over more rows, so a row that stays rides
+    in calls that run anyway, while the plain bucket's calls would delay every drafting row (an
+    H200's simulated clock, batch 8, T = 0, load 2: moving rows whose own cycles said plain ran
+    1.84x AR against 1.93x without any move). Such rows stay; a move into a busy plain bucket,
+    or of every decoding row, opens none."""
+    return (not self.closed and self.engine.starts.join_live and self._live(1) == 0
+            and not self.ready.get(1) and set(moving) != set(decoding))
 
   def _live(self, block_size: int) -> int:
     """Requests in the slots of bucket `block_size` (0 where it has none; none is made)."""
@@ -389,8 +402,9 @@ class Scheduler:
         staged.pre = staged.pre._replace(cache=None, draft_cache=None, context_hiddens=None)
 
   def _run_one(self) -> None:
-    b, bucket = max(((b, k) for b, k in self.buckets.items() if k.live()),
-                    key=lambda bk: (bk[1].live(), -bk[0]))
+    live = [(b, k) for b, k in self.buckets.items() if k.live()]
+    drains = self._draining([b for b, _ in live])
+    b, bucket = max(live, key=lambda bk: (bk[0] in drains, bk[1].live(), -bk[0]))
     wanted = self._wanted(b)  # one pass over the queue for both uses below
     self._shrink_tail(bucket, wanted)
     rows = len(bucket.rows)
@@ -431,6 +445,25 @@ class Scheduler:
     self._collect(bucket)
     self._move_losing(b, bucket)
 
+  def _draining(self, live: Sequence[int]) -> set[int]:
+    """Of a server's buckets holding requests (`live`, block sizes), those that run first
+    (`StartBackoff.drain_first`): where two or more hold requests, the side the start rule
+    does not route new requests to (the plain bucket where it says draft at the largest live
+    speculative size, the speculative ones where it says plain). Such a bucket only drains:
+    its calls must run sometime and delay the other bucket's rows as long whenever they run,
+    while each call of the other bucket before them adds to its own rows' wait. The fullest
+    bucket first left a server's rows that a tail had moved plain waiting for the drafting
+    bucket that arrivals refilled (an H200's simulated clock, batch 8, T = 0, load 4: 10 moved
+    requests took 0.78 s against AR's 0.49 s, one 1.31 s). None in `run` (no arrival), nor
+    without a priced start (no rule side)."""
+    starts = self.engine.starts
+    if len(live) < 2 or self.closed or starts is None or not starts.drain_first:
+      return set()
+    choice = self.engine.start_choice(max(live))
+    if choice is None:
+      return set()
+    return {b for b in live if (b == 1) != choice.plain}
+
   def _verdict_budget(self, b: int, rows: Sequence[_Staged]) -> int | None:
     """The forwards of a speculative bucket's next call where a row of it is an explorer
     (drafting where the start rule says plain) that has not decoded yet: `VERDICT_FORWARDS`,
@@ -451,7 +484,8 @@ class Scheduler:
   def _move_losing(self, b: int, bucket: _Bucket) -> None:
     """Moves a speculative bucket's decoding requests into free slots of the plain AR bucket
     once their batch's cycles missed `Engine.move_plain_after` times in a row
-    (`LoopState.misses_B`: the priced back-off's shared level), and an explorer run's rows
+    (`LoopState.misses_B`: the priced back-off's shared level; a server's only where the row's
+    own cycles so far also say plain, `StartBackoff.misses_judged`), and an explorer run's rows
     (drafting where the start rule said plain) once their own cycles so far say plain by that
     rule too (`Engine.cycles_lose`; a miss weighs a cycle against the speculative loop's own,
     dearer AR steps, so where drafting loses only to the plain loop nothing misses); and a
@@ -496,6 +530,8 @@ class Scheduler:
       f = int(forwards[i])
       flags = cycle_flags(is_cycle[i, :f], verified[i, :f], b)
       cycles[i] = [int(a) for a, on in zip(accept[i, :f], flags) if on]
+    if losing and not self.closed and self.engine.starts.misses_judged:
+      losing = [i for i in losing if self.engine.cycles_lose(b, cycles[i])]
     if (judged and not set(judged) <= set(losing)
         and self.engine.cycles_lose(b, [a for i in judged for a in cycles[i]])):
       losing = sorted(set(losing) | set(judged))
@@ -504,6 +540,8 @@ class Scheduler:
         [(cycles[i], left[i]) for i in tail], tail_price,
         self._arrivals_within(max(left.values()), len(bucket.rows)))):
       losing = tail
+    if losing and self._move_splits(losing, decoding):
+      return
     plain = self._bucket(1) if losing else None
     room = 0 if plain is None else (self.engine.batch_size - plain.live()
                                     - len(self.ready[1]))

@@ -129,7 +129,14 @@ class StartBackoff:
   routed plain (a plain explorer's too) drafts in its speculative bucket where a request
   drafts there by the rule and the plain bucket holds none (`Scheduler._joins_drafting`), and
   a drafting explorer decodes plain where the plain bucket holds requests and its own none
-  (`Scheduler._explorer_joins_plain`); two buckets run by turns."""
+  (`Scheduler._explorer_joins_plain`); two buckets run by turns; drain_first: where a
+  server's two buckets hold requests, the one the rule does not route new requests to runs
+  first (`Scheduler._draining`; False: the fullest first, as in `Scheduler.run`);
+  misses_judged: a server's row whose cycles missed `BatchOptions.move_plain_after` times in
+  a row moves plain only where its own cycles so far also say plain (`batch_cycles_lose`; a
+  streak of misses is a hard stretch of the text more often than a request that loses: an
+  H200's simulated clock, batch 8, T = 0, load 2, moving on the streak alone ran 1.64x AR
+  against 1.93x without any move; False: on the streak, as in `Scheduler.run`)."""
   window: int = 8
   min_cycles: int = 8
   explore_every: int = 4
@@ -148,6 +155,8 @@ class StartBackoff:
   tail_margin: float = 1.0
   tail_quiet: float = TAIL_QUIET
   join_live: bool = True
+  drain_first: bool = True
+  misses_judged: bool = True
   _recent: collections.deque = dataclasses.field(init=False)
   _deep: int = dataclasses.field(default=0, init=False)   # deep starts since the last explorer
   # The single rule's choice when its last explorer started (None: drafting since).
