@@ -175,15 +175,21 @@ def ar_step_s(engines: dict[str, Engine], prompts: list) -> float:
   return gen.decode_s / max(gen.new_tokens, 1)
 
 
-def main(_):
-  methods = controllers.parse_methods(FLAGS.methods)
-  loads = parse_loads(FLAGS.loads)
-  controllers.check_run_flags()
-  shared = [m for m in methods if m in controllers.SHARED]
-  if shared:
-    raise BadInputError(f"--methods: {shared} decode in another method's engine; a trace "
-                        "needs an engine of its own per method")
-  started = time.perf_counter()
+class Prepared(NamedTuple):
+  """What `served_engines` builds: each method's engine, block size and forced drafts (by
+  method), the prompts, the prompt set's label, and the controller's costs and their source."""
+  engines: dict
+  size: dict
+  forced: dict
+  prompts: list
+  label: str
+  costs: dict
+  source: str
+
+
+def served_engines(methods: list[str]) -> Prepared:
+  """Each method's engine as `main` serves traces with it, built from the flags, precompiled
+  (`--precompile`) and warmed up (`--warmup_groups`)."""
   setup = controllers.load_setup()
   target, prompts = decode_form(setup.target), setup.prompts
   costs, source, measured = controllers.controller_costs(target, setup.drafter, setup.max_len)
@@ -195,9 +201,23 @@ def main(_):
   controllers.warm_up(engines, methods,
                       [prompts[i:i + B] for i in range(0, B * FLAGS.warmup_groups, B)],
                       size, forced, B)
+  return Prepared(engines, size, forced, prompts, setup.label, costs, source)
+
+
+def main(_):
+  methods = controllers.parse_methods(FLAGS.methods)
+  loads = parse_loads(FLAGS.loads)
+  controllers.check_run_flags()
+  shared = [m for m in methods if m in controllers.SHARED]
+  if shared:
+    raise BadInputError(f"--methods: {shared} decode in another method's engine; a trace "
+                        "needs an engine of its own per method")
+  started = time.perf_counter()
+  engines, size, forced, prompts, label, costs, source = served_engines(methods)
+  B = FLAGS.batch_size
   step_s = ar_step_s(engines, prompts)
   path_free = FLAGS.temperature == 0 or FLAGS.verify == "exact"
-  print(f"  {len(prompts)} {setup.label}, {FLAGS.max_new_tokens} new tokens, batch {B}, "
+  print(f"  {len(prompts)} {label}, {FLAGS.max_new_tokens} new tokens, batch {B}, "
         f"AR step {1e3 * step_s:.3f} ms ({'simulated' if FLAGS.sim_clock_ms else 'timed'}), "
         f"{time.perf_counter() - started:.0f} s since start", flush=True)
   report = {}
@@ -234,7 +254,7 @@ def main(_):
   if FLAGS.out:
     path = os.path.join(FLAGS.out, "arrivals.json")
     common.write_json(path, {
-        "prompts": [k for k, _ in prompts], "prompt_set": setup.label,
+        "prompts": [k for k, _ in prompts], "prompt_set": label,
         "max_new_tokens": FLAGS.max_new_tokens, "block_size": FLAGS.block_size,
         "batch_size": B, "temperature": FLAGS.temperature, "verify": FLAGS.verify,
         "repeats": FLAGS.repeats, "warmup_groups": FLAGS.warmup_groups,

@@ -95,8 +95,9 @@ Methods (`--methods`, comma-separated):
                     (benchmarks/arrivals.py: a second bucket runs by turns with the first);
   priced_default_fullest
                     priced_default whose server runs the fuller of two buckets holding
-                    requests (`StartBackoff.drain_first` = False); the default's runs first
-                    the one the start rule routes no new request to (it only drains);
+                    requests (`StartBackoff.drain_first` = False); the default's runs its
+                    plain bucket first where the start rule routes new requests to draft (it
+                    only drains);
   priced_default_streak
                     priced_default whose server moves a row plain once its cycles missed
                     `move_plain_after` times in a row (`StartBackoff.misses_judged` = False);

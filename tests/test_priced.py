@@ -491,12 +491,15 @@ def test_a_servers_request_routed_plain_waits_for_a_full_running_bucket(zeros_mo
 
 
 def test_a_servers_draining_bucket_runs_before_the_fuller_one(zeros_models):
-  """`StartBackoff.drain_first`: where a server's two buckets hold requests, the one the start
-  rule routes no new request to runs first (its calls delay the other's rows as long whenever
-  they run; each call of the other before them adds to its own rows' wait). A request decoding
-  plain, then two drafting beside it (the rule now says draft): the plain bucket runs until its
-  request ends, then the speculative one. With the switch off, or in `run`
-  (`Scheduler.closed`), the fuller bucket runs first. AR's very tokens every way."""
+  """`StartBackoff.drain_first`: where a server's plain bucket holds requests beside a
+  speculative one and the start rule routes new requests to draft, the plain bucket runs first
+  (it only drains: its calls delay the drafting rows as long whenever they run; each drafting
+  call before them adds to its own rows' wait). A request decoding plain, then two drafting
+  beside it (the rule now says draft): the plain bucket runs until its request ends, then the
+  speculative one. With the switch off, or in `run` (`Scheduler.closed`), the fuller bucket
+  runs first; so it does the other way (a drafting request, then two plain beside it: the rule
+  says plain, and a speculative bucket there holds explorers or rows from before the rule
+  turned). AR's very tokens every way."""
   prompts, _ = _requests(3)
   ar = Engine(zeros_models[0], shapes=ShapeOptions(max_len=MAX_LEN, length_buckets=BUCKETS))
   want = [ar.generate(p, max_new_tokens=60).output_ids for p in prompts]
@@ -526,6 +529,19 @@ def test_a_servers_draining_bucket_runs_before_the_fuller_one(zeros_models):
       assert ran[:done_at] == [1] * done_at and B in ran[done_at:], ran
     else:
       assert ran[0] == B and 1 in ran[ran.index(B):], ran
+  price = [1.0]
+  eng = _join_engine(zeros_models, False, lambda: price[0])  # (joined, they would draft)
+  sched = eng.scheduler(track_progress=False)
+  sched.submit(eng.batch_request(0, prompts[0], 60, block_size=B))
+  sched.step()  # request 0 drafts
+  price[0] = 100.0  # the start rule now says plain
+  for i in (1, 2):
+    sched.submit(eng.batch_request(i, prompts[i], 60, block_size=B))
+  report = sched.step()
+  assert sched.occupancy() == {B: 1, 1: 2} and report.ran == 1  # the fuller: plain
+  while sched.busy():
+    assert not sched.step().failed
+  assert [sched.results[i].output_ids for i in range(3)] == want
 
 
 def test_a_servers_row_moves_on_missed_cycles_only_where_its_own_cycles_say_plain(

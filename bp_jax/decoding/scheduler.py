@@ -447,22 +447,23 @@ class Scheduler:
 
   def _draining(self, live: Sequence[int]) -> set[int]:
     """Of a server's buckets holding requests (`live`, block sizes), those that run first
-    (`StartBackoff.drain_first`): where two or more hold requests, the side the start rule
-    does not route new requests to (the plain bucket where it says draft at the largest live
-    speculative size, the speculative ones where it says plain). Such a bucket only drains:
-    its calls must run sometime and delay the other bucket's rows as long whenever they run,
-    while each call of the other bucket before them adds to its own rows' wait. The fullest
-    bucket first left a server's rows that a tail had moved plain waiting for the drafting
-    bucket that arrivals refilled (an H200's simulated clock, batch 8, T = 0, load 4: 10 moved
-    requests took 0.78 s against AR's 0.49 s, one 1.31 s). None in `run` (no arrival), nor
-    without a priced start (no rule side)."""
+    (`StartBackoff.drain_first`): the plain bucket, where a speculative one holds requests too
+    and the start rule routes new requests to draft (at the largest live speculative size).
+    The plain bucket then only drains (rows a tail or a move left there): its calls must run
+    sometime and delay the drafting rows as long whenever they run, while each drafting call
+    before them adds to its own rows' wait. The fullest bucket first left a server's rows that
+    a tail had moved plain waiting for the drafting bucket that arrivals refilled (an H200's
+    simulated clock, batch 8, T = 0, load 4: 10 moved requests took 0.78 s against AR's
+    0.49 s, one 1.31 s). Not the other way: a speculative bucket beside a plain one the rule
+    routes to holds explorers (fed one in `batch_explore_every`) or rows that drafted before
+    the rule turned, and its calls cost more; run first, a bucket of 13 explorers beside a
+    full plain one ran batch 16, T = 1, load 16 at 0.509x AR with the joins off
+    (`join_live`). None in `run` (no arrival), nor without a priced start (no rule side)."""
     starts = self.engine.starts
-    if len(live) < 2 or self.closed or starts is None or not starts.drain_first:
+    if len(live) < 2 or 1 not in live or self.closed or starts is None or not starts.drain_first:
       return set()
     choice = self.engine.start_choice(max(live))
-    if choice is None:
-      return set()
-    return {b for b in live if (b == 1) != choice.plain}
+    return {1} if choice is not None and not choice.plain else set()
 
   def _verdict_budget(self, b: int, rows: Sequence[_Staged]) -> int | None:
     """The forwards of a speculative bucket's next call where a row of it is an explorer

@@ -130,8 +130,9 @@ class StartBackoff:
   drafts there by the rule and the plain bucket holds none (`Scheduler._joins_drafting`), and
   a drafting explorer decodes plain where the plain bucket holds requests and its own none
   (`Scheduler._explorer_joins_plain`); two buckets run by turns; drain_first: where a
-  server's two buckets hold requests, the one the rule does not route new requests to runs
-  first (`Scheduler._draining`; False: the fullest first, as in `Scheduler.run`);
+  server's plain bucket holds requests beside a speculative one and the rule routes new
+  requests to draft, the plain bucket runs first: it only drains (`Scheduler._draining`;
+  False: the fullest first, as in `Scheduler.run`);
   misses_judged: a server's row whose cycles missed `BatchOptions.move_plain_after` times in
   a row moves plain only where its own cycles so far also say plain (`batch_cycles_lose`; a
   streak of misses is a hard stretch of the text more often than a request that loses: an

@@ -7,5 +7,5 @@ case $B in
   8) C="--controller_costs 1.0,1.0666,1.1098,1.2697,1.6273 --controller_draft_cost 0.3028 --sim_clock_ms 3.52";;
   16) C="--controller_costs 1.0,1.0376,1.1749,1.4635,2.0976 --controller_draft_cost 0.3761 --sim_clock_ms 3.91";;
 esac
-PYTHONPATH=. python -m benchmarks.arrivals --num_prompts 0 --half eval --repeats 1 --methods $M --sim_clock_noise 0.03 --block_size 8 --batch_size $B $C --loads $L --warmup_groups 1 --out /tmp/s76/$TAG "$@" > /tmp/s76/$TAG.log 2>&1
-echo done > /tmp/s76/$TAG.done
+PYTHONPATH=. python -m benchmarks.arrivals --num_prompts 0 --half eval --repeats 1 --methods $M --sim_clock_noise 0.03 --block_size 8 --batch_size $B $C --loads $L --warmup_groups 1 --out ${OUT:-/tmp/s76}/$TAG "$@" > ${OUT:-/tmp/s76}/$TAG.log 2>&1
+echo done > ${OUT:-/tmp/s76}/$TAG.done
