@@ -10,7 +10,9 @@ Each block size in use (a bucket) has a batched loop state of `batch_size` slots
    memory this holds beyond the slots);
 2. moves prefilled requests into free slots of their bucket (`loops.make_insert`: a slot-sized
    copy into the donated state), oldest first;
-3. runs the bucket with the most requests in flight (ties: the smallest block size) for
+3. runs the bucket with the most requests in flight (ties: the smallest block size; a server
+   runs its plain bucket first where the start rule routes new requests to draft,
+   `_draining`) for
    `sync_cycles` target forwards (cycles, and AR steps of the priced back-off; 0: until none of
    its rows decodes: static batching) in one call, or
    while requests wait for a slot only until one of its rows finishes (`LoopState.min_active`),
@@ -505,7 +507,8 @@ class Scheduler:
     seconds are split among the moved requests as a loop call's are. The requests keep their
     tokens, cache position, records and keys, so they decode the tokens they would have; their
     cycles so far inform the start rule at once (`Engine.request_moved`): the requests routed
-    next see that drafting lost here."""
+    next see that drafting lost here. A server moves none of these where the move would leave
+    some decoding rows drafting and open the plain bucket beside them (`_move_splits`)."""
     if not self._moves(b):
       return
     after = self.engine.move_plain_after
