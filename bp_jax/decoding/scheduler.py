@@ -12,7 +12,7 @@ Each block size in use (a bucket) has a batched loop state of `batch_size` slots
    copy into the donated state), oldest first;
 3. runs the bucket with the most requests in flight (ties: the smallest block size; a server
    runs its plain bucket first where the start rule routes new requests to draft,
-   `_draining`) for
+   `_plain_drains`) for
    `sync_cycles` target forwards (cycles, and AR steps of the priced back-off; 0: until none of
    its rows decodes: static batching) in one call, or
    while requests wait for a slot only until one of its rows finishes (`LoopState.min_active`),
@@ -49,9 +49,9 @@ tokens are those it gets decoded alone.
 A server drives the same scheduler one step at a time (`submit`, `step`, `cancel`): requests
 arrive between steps (their times on the engine's clock estimate the arrival rate, which a
 batch's tail weighs before it moves plain: a request arriving after the move would draft in
-another bucket, the two running by turns), `step` reports each finished request, each failed one (NaN/inf logits:
-that request alone fails) and, with `track_progress`, the tokens of every request in the bucket
-that just ran; `cancel` frees a request's slot at once.
+another bucket, the two running by turns), `step` reports each finished request, each failed
+one (NaN/inf logits: that request alone fails) and, with `track_progress`, the tokens of every
+request in the bucket that just ran; `cancel` frees a request's slot at once.
 
 Time attribution (a request's `decode_s`): the wall time of each loop call (the engine's
 `clock`) is split equally among the rows that were decoding when the call started, and that of
@@ -268,8 +268,7 @@ class Scheduler:
     if self.closed or not self.engine.starts.join_live:
       return False
     bucket = self.buckets.get(block_size)
-    # (`ready.get`: a key of `ready` makes its bucket's slots at the next step)
-    return (self._live(1) == 0 and not self.ready.get(1) and bucket is not None
+    return (self._idle(1) and bucket is not None
             and any(r is not None and not r.route.explorer for r in bucket.rows))
 
   def _explorer_joins_plain(self, block_size: int) -> bool:
@@ -284,7 +283,7 @@ class Scheduler:
     if (self.closed or self.forced or not self.engine.starts.join_live
         or not self.engine.may_start_plain):
       return False
-    return self._live(1) > 0 and self._live(block_size) == 0 and not self.ready.get(block_size)
+    return self._live(1) > 0 and self._idle(block_size)
 
   def _move_splits(self, moving: Sequence[int], decoding: Sequence[int]) -> bool:
     """Whether a server's move of rows `moving` of a speculative bucket whose rows `decoding`
@@ -295,13 +294,18 @@ class Scheduler:
     H200's simulated clock, batch 8, T = 0, load 2: moving rows whose own cycles said plain ran
     1.84x AR against 1.93x without any move). Such rows stay; a move into a busy plain bucket,
     or of every decoding row, opens none."""
-    return (not self.closed and self.engine.starts.join_live and self._live(1) == 0
-            and not self.ready.get(1) and set(moving) != set(decoding))
+    return (not self.closed and self.engine.starts.join_live and self._idle(1)
+            and set(moving) != set(decoding))
 
   def _live(self, block_size: int) -> int:
     """Requests in the slots of bucket `block_size` (0 where it has none; none is made)."""
     bucket = self.buckets.get(block_size)
     return 0 if bucket is None else bucket.live()
+
+  def _idle(self, block_size: int) -> bool:
+    """Whether bucket `block_size` holds no request and none waits for its slots (`ready.get`:
+    a key of `ready` makes its bucket's slots at the next step)."""
+    return self._live(block_size) == 0 and not self.ready.get(block_size)
 
   def _may_take(self, req: BatchRequest, block_size: int) -> bool:
     """Whether queued `req` may take a slot of this bucket: its route's (once decided), else
@@ -405,8 +409,8 @@ class Scheduler:
 
   def _run_one(self) -> None:
     live = [(b, k) for b, k in self.buckets.items() if k.live()]
-    drains = self._draining([b for b, _ in live])
-    b, bucket = max(live, key=lambda bk: (bk[0] in drains, bk[1].live(), -bk[0]))
+    plain_first = self._plain_drains([b for b, _ in live])
+    b, bucket = max(live, key=lambda bk: (plain_first and bk[0] == 1, bk[1].live(), -bk[0]))
     wanted = self._wanted(b)  # one pass over the queue for both uses below
     self._shrink_tail(bucket, wanted)
     rows = len(bucket.rows)
@@ -447,9 +451,9 @@ class Scheduler:
     self._collect(bucket)
     self._move_losing(b, bucket)
 
-  def _draining(self, live: Sequence[int]) -> set[int]:
-    """Of a server's buckets holding requests (`live`, block sizes), those that run first
-    (`StartBackoff.drain_first`): the plain bucket, where a speculative one holds requests too
+  def _plain_drains(self, live: Sequence[int]) -> bool:
+    """Whether a server's plain bucket runs first (`StartBackoff.drain_first`), its buckets
+    holding requests being `live` (block sizes): where a speculative one holds requests too
     and the start rule routes new requests to draft (at the largest live speculative size).
     The plain bucket then only drains (rows a tail or a move left there): its calls must run
     sometime and delay the drafting rows as long whenever they run, while each drafting call
@@ -463,9 +467,9 @@ class Scheduler:
     (`join_live`). None in `run` (no arrival), nor without a priced start (no rule side)."""
     starts = self.engine.starts
     if len(live) < 2 or 1 not in live or self.closed or starts is None or not starts.drain_first:
-      return set()
+      return False
     choice = self.engine.start_choice(max(live))
-    return {1} if choice is not None and not choice.plain else set()
+    return choice is not None and not choice.plain
 
   def _verdict_budget(self, b: int, rows: Sequence[_Staged]) -> int | None:
     """The forwards of a speculative bucket's next call where a row of it is an explorer

@@ -131,7 +131,7 @@ class StartBackoff:
   a drafting explorer decodes plain where the plain bucket holds requests and its own none
   (`Scheduler._explorer_joins_plain`); two buckets run by turns; drain_first: where a
   server's plain bucket holds requests beside a speculative one and the rule routes new
-  requests to draft, the plain bucket runs first: it only drains (`Scheduler._draining`;
+  requests to draft, the plain bucket runs first: it only drains (`Scheduler._plain_drains`;
   False: the fullest first, as in `Scheduler.run`);
   misses_judged: a server's row whose cycles missed `BatchOptions.move_plain_after` times in
   a row moves plain only where its own cycles so far also say plain (`batch_cycles_lose`; a
