@@ -463,6 +463,42 @@ def test_a_servers_drafting_explorer_decodes_plain_beside_a_busy_plain_bucket(ze
     assert outs[1].plain_start == (join and not closed), (join, closed)
 
 
+def test_a_servers_plain_explorer_opens_the_plain_bucket_only_in_a_lull(zeros_models):
+  """`StartBackoff.explore_lulls`: a server's plain explorer (a run decoding plain where the
+  rule says draft) with both buckets idle opens the plain bucket only while fewer than
+  `StartBackoff.tail_quiet` requests are expected to arrive before it would end there (the
+  latest submits' rate x the plain loop's time for its tokens); else it drafts, as the requests
+  that would come do (the two buckets would run by turns). Submits 100 s apart on a plain step
+  of 10 ms (0.006 expected over 60 steps): it decodes plain; 0.1 s apart (6 expected): it
+  drafts, unless the switch is off, every request was given up front (`Scheduler.closed`), or
+  the plain loop has not been timed (an explorer there is what times it). AR's very tokens
+  every way."""
+  prompts, _ = _requests(2)
+  ar = Engine(zeros_models[0], shapes=ShapeOptions(max_len=MAX_LEN, length_buckets=BUCKETS))
+  want = [ar.generate(p, max_new_tokens=60).output_ids for p in prompts]
+  for gap_s, lulls, closed, timed, plain in ((100.0, True, False, True, True),
+                                             (0.1, True, False, True, False),
+                                             (0.1, False, False, True, True),
+                                             (0.1, True, True, True, True),
+                                             (0.1, True, False, False, True)):
+    eng = _join_engine(zeros_models, True, lambda: 1.0)  # the rule says draft
+    eng.starts.explore_lulls = lulls
+    eng.plain_seconds = lambda steps, slots, t=timed: steps * 0.01 if t else None
+    now = [0.0]
+    eng.clock = lambda: now[0]
+    sched = eng.scheduler(track_progress=False)
+    sched.submit(eng.batch_request(0, prompts[0], 60, block_size=B))
+    while sched.busy():  # request 0 drafts to its end: both buckets idle
+      assert not sched.step().failed
+    now[0] = gap_s
+    eng.request_start = lambda b, rows=1: (6, 64)  # the next one starts plain, an explorer
+    eng.starts.last_explored = True
+    outs = _second_request(eng, sched, prompts, closed)
+    assert [g.output_ids for g in outs] == want
+    assert not outs[0].plain_start
+    assert outs[1].plain_start == plain, (gap_s, lulls, closed, timed)
+
+
 def test_a_servers_request_routed_plain_waits_for_a_full_running_bucket(zeros_models):
   """`StartBackoff.join_live` where the running speculative bucket is full: a server's request
   routed plain waits for that bucket's next free slot and drafts there, as a drafting request

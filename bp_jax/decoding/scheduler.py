@@ -241,7 +241,8 @@ class Scheduler:
       start = self.engine.request_start(block_size, self.engine.batch_size)
       plain = self.engine.starts_plain(block_size, start, self.forced)
       explorer = self.engine.last_start_explored
-      if plain and self._joins_drafting(block_size):  # (a plain explorer's run too)
+      if plain and (self._joins_drafting(block_size)  # (a plain explorer's run too)
+                    or explorer and self._explorer_waits_lull(req)):
         plain, start, explorer = False, (0, 0), False
       elif explorer and not plain and self._explorer_joins_plain(block_size):
         plain, start, explorer = True, (0, 0), False
@@ -270,6 +271,23 @@ class Scheduler:
     bucket = self.buckets.get(block_size)
     return (self._idle(1) and bucket is not None
             and any(r is not None and not r.route.explorer for r in bucket.rows))
+
+  def _explorer_waits_lull(self, req: BatchRequest) -> bool:
+    """Whether a server's plain explorer (one of a run decoding plain where the start rule says
+    draft) drafts instead of opening the plain bucket (`StartBackoff.explore_lulls`): requests
+    may still come (not `run`), the plain bucket holds none and none waits for it, the plain
+    loop has been timed at the batch size (an explorer there is what times it), and at least
+    `StartBackoff.tail_quiet` requests are expected to arrive before it would end there
+    (`_arrivals_within`, as a tail's move weighs them): those that draft would open the
+    speculative bucket beside it, the two running by turns. A server explores the plain side in
+    its lulls, as it does the drafting side under load (`_explorer_joins_plain`)."""
+    starts = self.engine.starts
+    if self.closed or self.forced or not starts.join_live or not starts.explore_lulls:
+      return False
+    slots = self.engine.batch_size
+    if not self._idle(1) or self.engine.plain_seconds(1, slots) is None:
+      return False
+    return self._arrivals_within(int(req.max_new_tokens), slots) >= starts.tail_quiet
 
   def _explorer_joins_plain(self, block_size: int) -> bool:
     """Whether a server's drafting explorer of `block_size` (one of a run drafting where the
