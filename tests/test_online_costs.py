@@ -78,6 +78,33 @@ def test_the_plain_loops_steps_price_a_batchs_start():
   assert e["start_break_even"][str(N)] == pytest.approx(4.0, rel=0.02)
 
 
+def test_a_batchs_price_before_the_plain_loop_is_timed_may_take_the_start_up_forward():
+  """`start_break_even(forward_prior=True)`: until a plain call is timed at a batch size, the
+  cycle's seconds over the start-up one-token forward measured at exactly that size (5 ms over
+  1 ms: 5 forwards, where the speculative loop's own price in its AR steps reads 2.5); the
+  plain loop's own step once timed (4); the loop's own price where no forward was measured at
+  that size (one at a larger size is no plain step's prior) or no loop call priced the cycle
+  (`forward_priced`)."""
+  est = OnlineCosts(lambda n: 3.0)
+  est.set_ar_step_floor(1.0 * AR_S, rows=2)  # no loop call priced a cycle at 2: the prior
+  assert not est.forward_priced(N, 2) and est.start_break_even(N, 2, True) == pytest.approx(3.0)
+  for n_ar, n_cycle in _calls(12):
+    est.observe(2 * AR_S * n_ar + 5 * AR_S * n_cycle, _counts(n_ar, n_cycle), rows=8)
+  assert est.plain_prior_s(8) is None and not est.forward_priced(N, 8)
+  assert est.start_break_even(N, 8, forward_prior=True) == pytest.approx(2.5, rel=0.02)
+  est.set_ar_step_floor(1.0 * AR_S, rows=8)
+  assert est.plain_prior_s(8) == pytest.approx(AR_S) and est.plain_prior_s(4) is None
+  assert est.forward_priced(N, 8)
+  assert est.start_break_even(N, 8, forward_prior=True) == pytest.approx(5.0, rel=0.02)
+  assert est.start_break_even(N, 8) == pytest.approx(2.5, rel=0.02)
+  for _ in range(3):
+    est.observe_plain(16 * 1.25 * AR_S, 16, rows=8)
+  assert est.start_break_even(N, 8, forward_prior=True) == pytest.approx(4.0, rel=0.02)
+  for n_ar, n_cycle in _calls(12):
+    est.observe(2 * AR_S * n_ar + 5 * AR_S * n_cycle, _counts(n_ar, n_cycle), rows=4)
+  assert est.start_break_even(N, 4, forward_prior=True) == pytest.approx(2.5, rel=0.02)
+
+
 def test_a_batchs_price_takes_the_cycle_and_the_plain_step_at_one_moment():
   """A batch that decodes plain times the plain step with every call and the cycle only in its
   explorer runs: a load that makes the plain step dearer (1.25 -> 2 ms) while no speculative

@@ -254,6 +254,31 @@ def test_a_batch_starts_plain_until_the_plain_loop_is_timed():
   assert starts.start(5.0, 16, plain_priced=False) == draft  # alone: its own rule (4.5 >= 0.8 x 5)
 
 
+def test_a_batchs_start_before_the_plain_loop_is_timed_weighs_the_start_up_forward(
+    zeros_models):
+  """`StartBackoff.forward_prior`: where the engine measured a one-token forward at its batch
+  size (1 ms) and the speculative loop's calls priced a cycle (1.2 ms), a batch's rule weighs
+  the cycle in that forward, at its own margin (1.2), until the plain loop is timed: τ 2
+  against a price of 1.2 drafts. Without the switch, without such a forward (one measured at
+  another size does not count), or before the loop's calls priced the cycle (the start-up
+  costs time forwards alone), the plain loop is not priced: plain unless drafting is decisive
+  (2 x 1.2 > 2)."""
+  counts = np.zeros(B + 1, np.int64)
+  counts[0], counts[B] = 2, 10
+  for prior, floor_rows, calls, plain in ((True, 2, 12, False), (False, 2, 12, True),
+                                          (True, 4, 12, True), (True, 2, 0, True)):
+    eng = toy_engine(zeros_models, "priced", batch_size=2, online_costs=True, **CHEAP)
+    eng.starts.forward_prior = prior
+    eng.prices.set_ar_step_floor(1e-3, floor_rows)
+    for _ in range(calls):  # AR steps of 1 ms, cycles of 1.2 ms
+      eng.prices.observe(2 * 1e-3 + 10 * 1.2e-3, counts, rows=2)
+    for _ in range(4):
+      eng.starts.observe([2, 2])
+    choice = eng.start_choice(B)
+    assert choice.tau == pytest.approx(2.0) and choice.price == pytest.approx(1.2, rel=1e-5)
+    assert choice.plain == plain, (prior, floor_rows, calls)
+
+
 def test_a_batch_weighs_its_prior_tau_until_it_has_seen_cycles():
   """`batch_prior_tau` (a learned policy's expectation, `Engine.batch_prior_tau`): a batch's
   rule weighs it before `min_cycles` cycles were seen (so a cold batch starts plain where the
@@ -297,7 +322,7 @@ def test_an_explorer_run_moves_plain_after_a_short_first_call(zeros_models, monk
                         (scheduler.VERDICT_FORWARDS, False)):
     monkeypatch.setattr(scheduler, "VERDICT_FORWARDS", verdict)
     eng = toy_engine(zeros_models, "priced", batch_size=3, sync_cycles=16, **CHEAP)
-    eng.prices.start_break_even = lambda n, rows: 100.0
+    eng.prices.start_break_even = lambda n, rows, *_: 100.0
     eng.starts.batch_explore_every, eng.starts.batch_move = 2, move
     for _ in range(4):
       eng.starts.observe([3, 3])
@@ -326,7 +351,7 @@ def test_a_static_batchs_tail_moves_plain_all_together(zeros_models):
   want = [ar.generate(p, max_new_tokens=60).output_ids for p in prompts]
   for tail_move, n in ((True, 3), (False, 3), (True, 6)):
     eng = toy_engine(zeros_models, "priced", batch_size=3, sync_cycles=16, **CHEAP)
-    eng.prices.start_break_even = lambda n, rows: 1.0  # every request drafts
+    eng.prices.start_break_even = lambda n, rows, *_: 1.0  # every request drafts
     assert eng.tail_price(B, 3) is None  # the plain loop not timed at 3 rows yet
     priced_at = []
     eng.starts.tail_move = tail_move  # (the stub as `tail_price`: None with it off)
@@ -361,7 +386,7 @@ def test_a_servers_tail_moves_plain_only_where_no_request_is_expected_before_it_
   want = [ar.generate(p, max_new_tokens=60).output_ids for p in prompts]
   for gap_s, quiet, moves in ((100.0, None, True), (0.1, None, False), (0.1, np.inf, True)):
     eng = toy_engine(zeros_models, "priced", batch_size=3, sync_cycles=16, **CHEAP)
-    eng.prices.start_break_even = lambda n, rows: 1.0  # every request drafts
+    eng.prices.start_break_even = lambda n, rows, *_: 1.0  # every request drafts
     eng.tail_price = lambda b, slots: 100.0            # the tail loses by far
     eng.plain_seconds = lambda steps, slots: steps * 0.01
     if quiet is not None:
@@ -394,7 +419,7 @@ def _join_engine(zeros_models, join: bool, price) -> Engine:
   eng.starts.batch_explore_every = eng.starts.batch_explore_max = 10**6
   eng.starts.join_live = join
   eng.tail_price = lambda b, slots: None
-  eng.prices.start_break_even = lambda n, rows: price()
+  eng.prices.start_break_even = lambda n, rows, *_: price()
   for _ in range(4):
     eng.starts.observe([3, 3])
   return eng

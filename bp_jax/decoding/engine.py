@@ -371,7 +371,8 @@ class Engine:
     prices = None
     if self.prices is not None:
       b = max(self.block_sizes)
-      prices = (self.prices.break_even(b, rows), self.prices.start_break_even(b, rows))
+      prices = (self.prices.break_even(b, rows),
+                self.prices.start_break_even(b, rows, self._forward_prior))
     return LoopCall(end, secs, int(block_size), int(rows),
                     tuple(int(c) for c in counts_N), *(prices or (None, None)))
 
@@ -721,7 +722,8 @@ class Engine:
       return 0, 0
     price, batch_rule = self._start_price(block_size, rows)
     if batch_rule:  # drafting or the plain bucket (`starts_plain`)
-      return self._batch_starts().start(price, self.ar_fallback, rows, self._plain_priced(rows))
+      return self._batch_starts().start(price, self.ar_fallback, rows,
+                                        self._start_priced(block_size, rows))
     return self.starts.start(price, self.ar_fallback, rows)
 
   def _start_price(self, block_size: int, rows: int) -> tuple[float, bool]:
@@ -730,9 +732,24 @@ class Engine:
     `rows` slots, `OnlineCosts.start_break_even`; otherwise the speculative loop's own
     break-even at `rows` slots)."""
     if rows > 1 and self.may_start_plain:
-      return self.prices.start_break_even(block_size, rows), True
+      return self.prices.start_break_even(block_size, rows, self._forward_prior), True
     # `break_even_N`'s entry (float32) without pricing every other length
     return float(np.float32(self.prices.break_even(block_size, rows))), False
+
+  @property
+  def _forward_prior(self) -> bool:
+    """Whether a batch's start rule takes the start-up one-token forward for the plain step
+    until the plain loop is timed (`StartBackoff.forward_prior`)."""
+    return self.starts is not None and self.starts.forward_prior
+
+  def _start_priced(self, block_size: int, rows: int) -> bool:
+    """Whether a batch's start rule at `rows` slots weighs a cycle of `block_size` in steps of
+    the plain loop, timed (`_plain_priced`) or, with `StartBackoff.forward_prior`, in the
+    start-up one-token forward at `rows` once the loop's calls priced the cycle
+    (`OnlineCosts.forward_priced`): its own margin then, not the decisive one
+    (`StartBackoff.batch_plain_first`)."""
+    return self._plain_priced(rows) or (self._forward_prior
+                                        and self.prices.forward_priced(block_size, rows))
 
   def _plain_priced(self, rows: int) -> bool:
     """Whether the plain loop's step at batch size `rows` has been timed (a batch's start then
@@ -785,8 +802,8 @@ class Engine:
     `plain_now` and `cycles_lose`; None where no batch request of it may start plain."""
     if not self._batch_starts_plain(block_size):
       return None
-    return (self.prices.start_break_even(block_size, self.batch_size),
-            self._plain_priced(self.batch_size))
+    return (self.prices.start_break_even(block_size, self.batch_size, self._forward_prior),
+            self._start_priced(block_size, self.batch_size))
 
   def start_choice(self, block_size: int) -> StartChoice | None:
     """Where a request of `block_size` that is no explorer would start now, at the engine's
@@ -797,7 +814,7 @@ class Engine:
     price, batch_rule = self._start_price(block_size, self.batch_size)
     if batch_rule:
       starts = self._batch_starts()
-      plain = starts.batch_plain_now(price, self._plain_priced(self.batch_size))
+      plain = starts.batch_plain_now(price, self._start_priced(block_size, self.batch_size))
       return StartChoice(starts.batch_tau(), price, plain)
     return StartChoice(self.starts.tau(), price, self.starts.alone_plain_now(price))
 

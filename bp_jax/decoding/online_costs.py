@@ -475,7 +475,7 @@ class OnlineCosts:
     secs, n = self._plain.get(int(rows), (0.0, 0.0))
     return secs / n if n > 0 else None
 
-  def start_break_even(self, n: int, rows: int) -> float:
+  def start_break_even(self, n: int, rows: int, forward_prior: bool = False) -> float:
     """What a batch's new request weighs drafting against: a cycle verifying n tokens in steps
     of the plain AR loop at batch size `rows` (a request that does not draft decodes there),
     clipped as `break_even`; the speculative loop's own `break_even` (bounded by the start-up
@@ -492,13 +492,37 @@ class OnlineCosts:
     requests drafted in load phases at 0.84-0.96x AR, against 2-4 idle;
     `benchmarks/load_shift.py --batch_size 4`). A change of the machine now moves the price
     when a speculative call times the cycle under it.
+
+    `forward_prior`: until the plain loop has been timed at `rows`, the plain step is taken as
+    the start-up one-token forward measured at exactly that batch size (`plain_prior_s`), once
+    the speculative loop's calls have priced the cycle (`forward_priced`).
     """
     held = self._held_at_plain(n, rows)
     cycle_s = self._fit(int(rows)).seconds(n) if held is None else held[0]
     plain = self._plain_at_fit.get(int(rows)) or self.plain_step_s(rows)
+    if plain is None and forward_prior and cycle_s is not None:
+      plain = self.plain_prior_s(rows)
     if plain is None or cycle_s is None:
       return self.break_even(n, rows)
     return self.clip(n, cycle_s / plain, int(rows))
+
+  def plain_prior_s(self, rows: int) -> float | None:
+    """The start-up one-token forward's seconds at exactly batch size `rows` (None: none
+    measured there): what a step of the plain loop there costs at least (a forward over the
+    same rows, and the loop's sampling besides), its prior until a call times it
+    (`start_break_even`'s `forward_prior`)."""
+    return self._ar_step_floor_s.get(int(rows))
+
+  def forward_priced(self, n: int, rows: int) -> bool:
+    """Whether `start_break_even(n, rows, forward_prior=True)` prices a cycle verifying n
+    tokens in the start-up forward (`plain_prior_s`) while the plain loop is untimed at `rows`:
+    a forward was measured there and the speculative loop's calls have priced the cycle. The
+    cycle's seconds must be the loop's own: the start-up costs time forwards alone, and a
+    cycle in the loop costs more of them (the demo's CPU at batch 4: 3.66 start-up forwards,
+    4.47 plain steps in the loop), so a price from them alone errs toward drafting, and plain
+    steps cost at least the forward, so the loop's cycle over it errs toward plain."""
+    return (self.plain_prior_s(rows) is not None
+            and self._fit(int(rows)).seconds(int(n)) is not None)
 
   def set_ar_step_floor(self, seconds: float, rows: int) -> None:
     """The start-up one-token forward's `seconds` at batch size `rows`: what the speculative

@@ -143,7 +143,14 @@ class StartBackoff:
   arrive before it would end there (`Scheduler._explorer_waits_lull`); else it drafts: the
   requests that came meanwhile would draft beside it, the two buckets running by turns (an
   H200's simulated clock, batch 4, T = 1, load 2: 1.339x AR with the explorers opening the
-  plain bucket, 1.408x in lulls only; False: whatever the arrivals, as in `Scheduler.run`)."""
+  plain bucket, 1.408x in lulls only; False: whatever the arrivals, as in `Scheduler.run`);
+  forward_prior: until the plain loop has been timed at the batch size, a batch's rule prices a
+  cycle in the start-up one-token forward measured there, where the engine measured one
+  (`OnlineCosts.plain_prior_s`: a plain step costs at least that forward, so the price errs
+  toward plain), with its own `batch_margin` (False, or no forward measured: in the speculative
+  loop's own AR steps, plain unless drafting is `DECISIVE`, `batch_plain_first`). A batch of 8,
+  T = 1, static batches on an H200's simulated clock: the decisive rule sent the second group
+  plain to time that loop (1.207x AR against the paper's loop's 1.257x)."""
   window: int = 8
   min_cycles: int = 8
   explore_every: int = 4
@@ -165,6 +172,7 @@ class StartBackoff:
   drain_first: bool = True
   misses_judged: bool = True
   explore_lulls: bool = True
+  forward_prior: bool = True
   _recent: collections.deque = dataclasses.field(init=False)
   _deep: int = dataclasses.field(default=0, init=False)   # deep starts since the last explorer
   # The single rule's choice when its last explorer started (None: drafting since).
