@@ -113,6 +113,11 @@ Methods (`--methods`, comma-separated):
                     (`StartBackoff.forward_prior` = False); the default's price a cycle in the
                     start-up one-token forward at the batch size meanwhile, at the rule's own
                     margin;
+  priced_default_serverstreaks
+                    priced_default whose server moves rows plain on streaks of missed cycles
+                    (`StartBackoff.server_streaks` = True); the default's server moves only a
+                    tail's and an explorer run's rows (static batches move on streaks either
+                    way);
   priced_default_nodecline
                     priced_default whose cycles always verify their drafts
                     (`controller_decline=False`); the default's decline a cycle's drafts after
@@ -285,7 +290,7 @@ METHODS = ("ar", "none", "backoff", "confidence_1step", "confidence", "confidenc
            "priced_default_full", "ar_twin", "priced_default_nomove", "priced_default_movemiss",
            "priced_default_notail", "priced_default_tail11", "priced_default_tailany",
            "priced_default_nojoin", "priced_default_fullest", "priced_default_streak",
-           "priced_default_explorebusy", "priced_default_nofwd",
+           "priced_default_explorebusy", "priced_default_nofwd", "priced_default_serverstreaks",
            "priced_default_nodecline", "priced_default_decline", "priced_default_nogate",
            "priced_default_nohold", "priced_default_twin", "ar_padded", "ar_tied", "none_tied",
            "learned_default", "learned_fixed")
@@ -399,7 +404,8 @@ START_RULES = {"priced_default_every8": ("batch_explore_max", "batch_explore_eve
                "priced_default_fullest": ("drain_first", False),
                "priced_default_streak": ("misses_judged", False),
                "priced_default_explorebusy": ("explore_lulls", False),
-               "priced_default_nofwd": ("forward_prior", False)}
+               "priced_default_nofwd": ("forward_prior", False),
+               "priced_default_serverstreaks": ("server_streaks", True)}
 
 
 def loop_method(method: str) -> str:
@@ -726,6 +732,7 @@ PAIRS = (("priced", "backoff"), ("priced_online", "priced"), ("priced_long", "pr
          ("priced_default", "priced_default_streak"),
          ("priced_default", "priced_default_explorebusy"),
          ("priced_default", "priced_default_nofwd"),
+         ("priced_default", "priced_default_serverstreaks"),
          ("priced_default", "priced_default_nodecline"),
          ("priced_default", "priced_default_decline"),
          ("priced_default", "priced_default_nogate"), ("priced_default", "none"),

@@ -605,19 +605,27 @@ def test_a_servers_draining_bucket_runs_before_the_fuller_one(zeros_models):
   assert [sched.results[i].output_ids for i in range(3)] == want
 
 
-def test_a_servers_row_moves_on_missed_cycles_only_where_its_own_cycles_say_plain(
+def test_a_servers_row_moves_on_missed_cycles_only_where_its_switches_and_cycles_say(
     zeros_models):
-  """`StartBackoff.misses_judged`: a server's rows whose cycles missed `move_plain_after` times
-  in a row (the dearest costs: every cycle misses) move plain only where their own cycles so
-  far also say plain (`Engine.cycles_lose`, here forced either way): a streak of misses is
-  more often a hard stretch of the text than a request that loses. With the switch off, or in
-  `run` (`Scheduler.closed`), the streak moves them. AR's very tokens every way."""
+  """`StartBackoff.server_streaks` and `misses_judged`: a server's rows whose cycles missed
+  `move_plain_after` times in a row (the dearest costs: every cycle misses) stay in their
+  speculative bucket (their plain calls would delay the drafting rows and the requests still
+  to come); with `server_streaks` they move plain only where their own cycles so far also say
+  plain (`Engine.cycles_lose`, here forced either way): a streak of misses is more often a hard
+  stretch of the text than a request that loses; with `misses_judged` off too, on the streak
+  alone. In `run` (`Scheduler.closed`) the streak moves them either way. AR's very tokens every
+  way."""
   prompts, _ = _requests(3)
   ar = Engine(zeros_models[0], shapes=ShapeOptions(max_len=MAX_LEN, length_buckets=BUCKETS))
   want = [ar.generate(p, max_new_tokens=70).output_ids for p in prompts]
-  for judged, closed, lose, moves in ((True, False, False, False), (True, False, True, True),
-                                      (False, False, False, True), (True, True, False, True)):
+  for streaks, judged, closed, lose, moves in ((True, True, False, False, False),
+                                               (True, True, False, True, True),
+                                               (True, False, False, False, True),
+                                               (False, True, False, True, False),
+                                               (False, False, False, True, False),
+                                               (False, True, True, False, True)):
     eng = _engine(zeros_models, batch_size=3, move_plain_after=3, **DEAREST)
+    eng.starts.server_streaks = streaks
     eng.starts.misses_judged = judged
     eng.cycles_lose = lambda b, acceptance_lengths: lose
     eng.tail_price = lambda b, slots: None  # no tail moves
@@ -630,7 +638,7 @@ def test_a_servers_row_moves_on_missed_cycles_only_where_its_own_cycles_say_plai
     outs = [sched.results[i] for i in range(3)]
     assert [g.output_ids for g in outs] == want
     assert not any(g.plain_start for g in outs)
-    assert any(g.moved_plain for g in outs) == moves, (judged, closed, lose)
+    assert any(g.moved_plain for g in outs) == moves, (streaks, judged, closed, lose)
 
 
 def test_a_servers_move_of_some_rows_opens_no_second_bucket(zeros_models):

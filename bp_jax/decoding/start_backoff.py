@@ -133,8 +133,9 @@ class StartBackoff:
   server's plain bucket holds requests beside a speculative one and the rule routes new
   requests to draft, the plain bucket runs first: it only drains (`Scheduler._plain_drains`;
   False: the fullest first, as in `Scheduler.run`);
-  misses_judged: a server's row whose cycles missed `BatchOptions.move_plain_after` times in
-  a row moves plain only where its own cycles so far also say plain (`batch_cycles_lose`; a
+  misses_judged: with `server_streaks`, a server's row whose cycles missed
+  `BatchOptions.move_plain_after` times in a row moves plain only where its own cycles so far
+  also say plain (`batch_cycles_lose`; a
   streak of misses is a hard stretch of the text more often than a request that loses: an
   H200's simulated clock, batch 8, T = 0, load 2, moving on the streak alone ran 1.64x AR
   against 1.93x without any move; False: on the streak, as in `Scheduler.run`);
@@ -150,7 +151,12 @@ class StartBackoff:
   toward plain), with its own `batch_margin` (False, or no forward measured: in the speculative
   loop's own AR steps, plain unless drafting is `DECISIVE`, `batch_plain_first`). A batch of 8,
   T = 1, static batches on an H200's simulated clock: the decisive rule sent the second group
-  plain to time that loop (1.207x AR against the paper's loop's 1.257x)."""
+  plain to time that loop (1.207x AR against the paper's loop's 1.257x);
+  server_streaks: a server's rows move plain on a streak of missed cycles (judged as
+  `misses_judged` says); False: only a tail's and an explorer run's rows move
+  (`Scheduler._streak_moves`; `Scheduler.run` moves on streaks either way). An H200's simulated
+  clock, batch 8, T = 0, load 2, three traces: off 1.03-1.08x the judged streak moves, level
+  with every request drafting."""
   window: int = 8
   min_cycles: int = 8
   explore_every: int = 4
@@ -173,6 +179,7 @@ class StartBackoff:
   misses_judged: bool = True
   explore_lulls: bool = True
   forward_prior: bool = True
+  server_streaks: bool = False
   _recent: collections.deque = dataclasses.field(init=False)
   _deep: int = dataclasses.field(default=0, init=False)   # deep starts since the last explorer
   # The single rule's choice when its last explorer started (None: drafting since).
