@@ -540,7 +540,8 @@ class Scheduler:
                                                    c.max_new_B))
     decoding = [i for i, s in enumerate(bucket.rows) if s is not None and not done[i]
                 and n_gen[i] < max_new[i]]
-    losing = [i for i in decoding if misses[i] >= after and self._streak_moves()]
+    streaks = self._streak_moves()
+    losing = [i for i in decoding if streaks and misses[i] >= after]
     judged = [i for i in decoding if bucket.rows[i].route.explorer]
     plain_live = self._live(1)
     # A batch's tail: no request waits for any slot, and the plain bucket has room for all.

@@ -145,11 +145,12 @@ class StartBackoff:
   requests that came meanwhile would draft beside it, the two buckets running by turns (an
   H200's simulated clock, batch 4, T = 1, load 2: 1.339x AR with the explorers opening the
   plain bucket, 1.408x in lulls only; False: whatever the arrivals, as in `Scheduler.run`);
-  forward_prior: until the plain loop has been timed at the batch size, a batch's rule prices a
-  cycle in the start-up one-token forward measured there, where the engine measured one
-  (`OnlineCosts.plain_prior_s`: a plain step costs at least that forward, so the price errs
-  toward plain), with its own `batch_margin` (False, or no forward measured: in the speculative
-  loop's own AR steps, plain unless drafting is `DECISIVE`, `batch_plain_first`). A batch of 8,
+  forward_prior: until the plain loop has been timed at the batch size, a batch's rule prices
+  the cycle the speculative loop's calls timed in the start-up one-token forward measured there
+  (`OnlineCosts.forward_priced`, `plain_prior_s`: a plain step costs at least that forward, so
+  the price errs toward plain), with its own `batch_margin` (False, no forward measured, or no
+  loop call yet: in the speculative loop's own AR steps, plain unless drafting is `DECISIVE`,
+  `batch_plain_first`; the start-up costs alone price a cycle below the loop's). A batch of 8,
   T = 1, static batches on an H200's simulated clock: the decisive rule sent the second group
   plain to time that loop (1.207x AR against the paper's loop's 1.257x);
   server_streaks: a server's rows move plain on a streak of missed cycles (judged as
