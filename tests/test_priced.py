@@ -277,6 +277,10 @@ def test_a_batchs_start_before_the_plain_loop_is_timed_weighs_the_start_up_forwa
     choice = eng.start_choice(B)
     assert choice.tau == pytest.approx(2.0) and choice.price == pytest.approx(1.2, rel=1e-5)
     assert choice.plain == plain, (prior, floor_rows, calls)
+    assert eng.start_priced(B) == (not plain)
+    assert eng.plain_seconds(10, 2) is None  # the plain loop is not timed
+    forward = prior and floor_rows == 2
+    assert eng.plain_seconds(10, 2, prior=True) == (pytest.approx(0.01) if forward else None)
 
 
 def test_a_batch_weighs_its_prior_tau_until_it_has_seen_cycles():
@@ -388,7 +392,7 @@ def test_a_servers_tail_moves_plain_only_where_no_request_is_expected_before_it_
     eng = toy_engine(zeros_models, "priced", batch_size=3, sync_cycles=16, **CHEAP)
     eng.prices.start_break_even = lambda n, rows, *_: 1.0  # every request drafts
     eng.tail_price = lambda b, slots: 100.0            # the tail loses by far
-    eng.plain_seconds = lambda steps, slots: steps * 0.01
+    eng.plain_seconds = lambda steps, slots, *_: steps * 0.01
     if quiet is not None:
       eng.starts.tail_quiet = quiet
     for _ in range(4):
@@ -496,8 +500,8 @@ def test_a_servers_plain_explorer_opens_the_plain_bucket_only_in_a_lull(zeros_mo
   that would come do (the two buckets would run by turns). Submits 100 s apart on a plain step
   of 10 ms (0.006 expected over 60 steps): it decodes plain; 0.1 s apart (6 expected): it
   drafts, unless the switch is off, every request was given up front (`Scheduler.closed`), or
-  the plain loop has not been timed (an explorer there is what times it). AR's very tokens
-  every way."""
+  the start rule has no plain step's price, timed or the start-up forward's (an explorer there
+  is what prices it). AR's very tokens every way."""
   prompts, _ = _requests(2)
   ar = Engine(zeros_models[0], shapes=ShapeOptions(max_len=MAX_LEN, length_buckets=BUCKETS))
   want = [ar.generate(p, max_new_tokens=60).output_ids for p in prompts]
@@ -508,7 +512,8 @@ def test_a_servers_plain_explorer_opens_the_plain_bucket_only_in_a_lull(zeros_mo
                                              (0.1, True, False, False, True)):
     eng = _join_engine(zeros_models, True, lambda: 1.0)  # the rule says draft
     eng.starts.explore_lulls = lulls
-    eng.plain_seconds = lambda steps, slots, t=timed: steps * 0.01 if t else None
+    eng.plain_seconds = lambda steps, slots, *_: steps * 0.01
+    eng.start_priced = lambda b, t=timed: t  # the rule has a plain step's price (or not)
     now = [0.0]
     eng.clock = lambda: now[0]
     sched = eng.scheduler(track_progress=False)

@@ -785,11 +785,20 @@ class Engine:
       return None
     return self.prices.start_break_even(block_size, slots)
 
-  def plain_seconds(self, steps: int, slots: int) -> float | None:
+  def plain_seconds(self, steps: int, slots: int, prior: bool = False) -> float | None:
     """Seconds of `steps` steps of the plain loop at `slots` rows, as timed from its calls
-    (None: prices not kept current, or that loop not timed there)."""
+    (None: prices not kept current, or that loop not timed there); `prior`: else at the
+    start-up one-token forward there where the start rule takes it for the plain step
+    (`StartBackoff.forward_prior`)."""
     step_s = self.prices.plain_step_s(slots) if self.online else None
+    if step_s is None and prior and self.online and self._forward_prior:
+      step_s = self.prices.plain_prior_s(slots)
     return None if step_s is None else steps * step_s
+
+  def start_priced(self, block_size: int) -> bool:
+    """Whether a batch's start rule weighs a request of `block_size` in plain steps now, timed
+    or by the forward prior (`_start_priced` at the engine's batch size)."""
+    return self._start_priced(block_size, self.batch_size)
 
   def _batch_starts_plain(self, block_size: int) -> bool:
     """Whether a batch's request of `block_size` may start, and its rows move, plain: a
