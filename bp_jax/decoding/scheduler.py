@@ -75,6 +75,7 @@ import numpy as np
 
 from bp_jax.decoding.generation import Generation, cycle_flags, generation_of, trim_at_stop
 from bp_jax.decoding.sampling import form_of
+from bp_jax.decoding.start_backoff import StartBackoff
 from bp_jax.decoding.state import LoopState
 from bp_jax.errors import BadInputError
 
@@ -250,6 +251,13 @@ class Scheduler:
                                else _Route(block_size, start, explorer))
     return self._routes[id(req)]
 
+  def _server_rule(self) -> StartBackoff | None:
+    """The start rule's switches where this scheduler serves (requests may still come: not
+    `run`, whose requests all came first) and the engine prices starts; None otherwise. Each
+    rule that weighs requests still to come (joins, lulls, splits, drains, streaks) reads its
+    own switch here."""
+    return None if self.closed else self.engine.starts
+
   def _joins_drafting(self, block_size: int) -> bool:
     """Whether a server's request of `block_size` routed plain (by the start rule, or a
     plain explorer run's) drafts in its speculative bucket instead (`StartBackoff.join_live`):
@@ -266,7 +274,8 @@ class Scheduler:
     8 requests in flight: 72 of 75 loop calls left two buckets holding requests, the 10 plain
     starts, explorers, waited 1.28 s against AR's 0.48 s; `benchmarks/arrivals.py`). A plain
     explorer run times the plain loop; its price is kept from the calls it ran before."""
-    if self.closed or not self.engine.starts.join_live:
+    starts = self._server_rule()
+    if starts is None or not starts.join_live:
       return False
     bucket = self.buckets.get(block_size)
     return (self._idle(1) and bucket is not None
@@ -284,8 +293,8 @@ class Scheduler:
     its lulls, as it does the drafting side under load (`_explorer_joins_plain`). With only the
     forward's price, a run that opened the plain bucket under load cost batch 4, T = 1, load 2
     (an H200's simulated clock, a second trace) 1.370x AR against 1.428x."""
-    starts = self.engine.starts
-    if self.closed or self.forced or not starts.join_live or not starts.explore_lulls:
+    starts = self._server_rule()
+    if starts is None or self.forced or not (starts.join_live and starts.explore_lulls):
       return False
     slots = self.engine.batch_size
     if not self._idle(1) or not self.engine.start_priced(block_size):
@@ -302,8 +311,8 @@ class Scheduler:
     whether drafting wins (an H200's simulated clock, batch 16, T = 1, load 16: a run of 13
     explorers beside a full plain bucket, 0.924x AR). A server under load then explores in its
     lulls only."""
-    if (self.closed or self.forced or not self.engine.starts.join_live
-        or not self.engine.may_start_plain):
+    starts = self._server_rule()
+    if starts is None or self.forced or not starts.join_live or not self.engine.may_start_plain:
       return False
     return self._live(1) > 0 and self._idle(block_size)
 
@@ -316,7 +325,8 @@ class Scheduler:
     H200's simulated clock, batch 8, T = 0, load 2: moving rows whose own cycles said plain ran
     1.84x AR against 1.93x without any move). Such rows stay; a move into a busy plain bucket,
     or of every decoding row, opens none."""
-    return (not self.closed and self.engine.starts.join_live and self._idle(1)
+    starts = self._server_rule()
+    return (starts is not None and starts.join_live and self._idle(1)
             and set(moving) != set(decoding))
 
   def _live(self, block_size: int) -> int:
@@ -487,8 +497,8 @@ class Scheduler:
     the rule turned, and its calls cost more; run first, a bucket of 13 explorers beside a
     full plain one ran batch 16, T = 1, load 16 at 0.509x AR with the joins off
     (`join_live`). None in `run` (no arrival), nor without a priced start (no rule side)."""
-    starts = self.engine.starts
-    if len(live) < 2 or 1 not in live or self.closed or starts is None or not starts.drain_first:
+    starts = self._server_rule()
+    if len(live) < 2 or 1 not in live or starts is None or not starts.drain_first:
       return False
     choice = self.engine.start_choice(max(live))
     return choice is not None and not choice.plain
@@ -562,7 +572,8 @@ class Scheduler:
       f = int(forwards[i])
       flags = cycle_flags(is_cycle[i, :f], verified[i, :f], b)
       cycles[i] = [int(a) for a, on in zip(accept[i, :f], flags) if on]
-    if losing and not self.closed and self.engine.starts.misses_judged:
+    server = self._server_rule()
+    if losing and server is not None and server.misses_judged:
       losing = [i for i in losing if self.engine.cycles_lose(b, cycles[i])]
     if (judged and not set(judged) <= set(losing)
         and self.engine.cycles_lose(b, [a for i in judged for a in cycles[i]])):
@@ -607,7 +618,8 @@ class Scheduler:
     an H200's simulated clock, batch 8, T = 0, load 2, four traces, streak moves (judged by the
     row's own cycles) ran 0.926x / 0.973x / 0.945x / 0.961x of the same without any move. A
     server's tail (no request expected) and an explorer run's rows still move."""
-    return self.closed or self.engine.starts is None or self.engine.starts.server_streaks
+    starts = self._server_rule()
+    return starts is None or starts.server_streaks
 
   def _arrival_rate(self) -> float:
     """Requests expected to arrive per second of the engine's clock: none where every request
