@@ -118,6 +118,11 @@ Methods (`--methods`, comma-separated):
                     (`StartBackoff.server_streaks` = True); the default's server moves only a
                     tail's and an explorer run's rows (static batches move on streaks either
                     way);
+  priced_default_explorers
+                    priced_default whose batches time the plain loop by plain explorer runs
+                    (runs of requests decoding plain where the rule says draft;
+                    `StartBackoff.plain_probes` = False); the default's by probes, short plain
+                    calls on copies of the drafting rows whose tokens are dropped;
   priced_default_nodecline
                     priced_default whose cycles always verify their drafts
                     (`controller_decline=False`); the default's decline a cycle's drafts after
@@ -291,7 +296,7 @@ METHODS = ("ar", "none", "backoff", "confidence_1step", "confidence", "confidenc
            "priced_default_notail", "priced_default_tail11", "priced_default_tailany",
            "priced_default_nojoin", "priced_default_fullest", "priced_default_streak",
            "priced_default_explorebusy", "priced_default_nofwd", "priced_default_serverstreaks",
-           "priced_default_nodecline", "priced_default_decline", "priced_default_nogate",
+           "priced_default_explorers", "priced_default_nodecline", "priced_default_decline", "priced_default_nogate",
            "priced_default_nohold", "priced_default_twin", "ar_padded", "ar_tied", "none_tied",
            "learned_default", "learned_fixed")
 # Methods that decode in another method's engine: method -> that method (which must run too).
@@ -405,7 +410,8 @@ START_RULES = {"priced_default_every8": ("batch_explore_max", "batch_explore_eve
                "priced_default_streak": ("misses_judged", False),
                "priced_default_explorebusy": ("explore_lulls", False),
                "priced_default_nofwd": ("forward_prior", False),
-               "priced_default_serverstreaks": ("server_streaks", True)}
+               "priced_default_serverstreaks": ("server_streaks", True),
+               "priced_default_explorers": ("plain_probes", False)}
 
 
 def loop_method(method: str) -> str:
@@ -733,6 +739,7 @@ PAIRS = (("priced", "backoff"), ("priced_online", "priced"), ("priced_long", "pr
          ("priced_default", "priced_default_explorebusy"),
          ("priced_default", "priced_default_nofwd"),
          ("priced_default", "priced_default_serverstreaks"),
+         ("priced_default", "priced_default_explorers"),
          ("priced_default", "priced_default_nodecline"),
          ("priced_default", "priced_default_decline"),
          ("priced_default", "priced_default_nogate"), ("priced_default", "none"),

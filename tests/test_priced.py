@@ -212,23 +212,37 @@ def test_start_backoff_starts_deep_after_losing_requests_and_explores():
   assert [starts.start(4.0, 16) for _ in range(4)] == [(4, 16)] * 3 + [(0, 0)]
 
 
-def test_a_batchs_start_weighs_the_plain_price_with_runs_of_explorers():
+@pytest.mark.parametrize("probes", [False, True])
+def test_a_batchs_start_weighs_the_plain_price_with_runs_of_explorers(probes):
   """`batch_plain` (a batch's deep start decodes in the plain AR bucket): a request drafts when
   the recent τ reaches 1.2 x the cycle's price in plain steps; the last run of `rows` requests
   in every 8 takes the other side: drafting where the rule says plain, plain where it says
   draft unless drafting is decisive (τ >= 2 x the price: no plain explorers); one request alone
-  keeps its own rule."""
+  keeps its own rule. With `plain_probes` (the default) no request decodes plain where the rule
+  says draft: the run's first start asks for a probe (`probe_due`) instead."""
   from bp_jax.decoding.start_backoff import StartBackoff
-  starts = StartBackoff(batch_plain=True)
+  starts = StartBackoff(batch_plain=True, plain_probes=probes)
   deep, draft = (4, 16), (0, 0)
-  first = [starts.start(4.0, 16, rows=2) for _ in range(16)]
-  assert first == [draft] * 14 + [deep] * 2  # no τ yet: draft; the 8th run of 2 plain
+
+  def runs(price: float) -> tuple[list, list[int]]:
+    """16 starts at `price`, and those after which a probe was newly due (cleared at each, as
+    the plain bucket's next call does)."""
+    sides, due = [], []
+    for i in range(16):
+      sides.append(starts.start(price, 16, rows=2))
+      if starts.probe_due:
+        due.append(i)
+        starts.probe_due = False
+    return sides, due
+
+  plain_run = [draft] * 16 if probes else [draft] * 14 + [deep] * 2
+  asked = [14] if probes else []
+  assert runs(4.0) == (plain_run, asked)  # no τ yet: draft; the 8th run of 2 plain (a probe)
   for _ in range(4):
     starts.observe([4, 5])  # τ 4.5
-  runs = lambda price: [starts.start(price, 16, rows=2) for _ in range(16)]
-  assert runs(4.0) == [deep] * 14 + [draft] * 2  # 4.5 < 1.2 x 4: plain, explorers draft
-  assert runs(3.5) == [draft] * 14 + [deep] * 2  # 4.5 >= 1.2 x 3.5: draft, explorers plain
-  assert runs(2.0) == [draft] * 16               # 4.5 >= 2 x 2: decisive, no plain explorers
+  assert runs(4.0) == ([deep] * 14 + [draft] * 2, [])  # 4.5 < 1.2 x 4: plain, explorers draft
+  assert runs(3.5) == (plain_run, asked)  # 4.5 >= 1.2 x 3.5: draft, explorers plain (a probe)
+  assert runs(2.0) == ([draft] * 16, [])  # 4.5 >= 2 x 2: decisive, no plain explorers
   # Alone, its own rule: deep below 0.8 x the price (4.5 >= 0.8 x 4; 4.5 < 0.8 x 6).
   assert starts.start(4.0, 16) == draft and starts.start(6.0, 16) == deep
 
@@ -490,6 +504,50 @@ def test_a_servers_drafting_explorer_decodes_plain_beside_a_busy_plain_bucket(ze
     assert [g.output_ids for g in outs] == want
     assert outs[0].plain_start
     assert outs[1].plain_start == (join and not closed), (join, closed)
+
+
+@pytest.mark.parametrize("probes", [True, False])
+def test_a_batch_times_its_plain_side_by_a_probe_not_by_requests_decoding_plain(
+    zeros_models, zeros_ar_outputs, probes):
+  """`StartBackoff.plain_probes`: a batch of 3 whose rule drafts (τ 3 against 1.2 x 2 plain
+  steps, not decisive: 3 < 2 x 2) reaches its explorer check at the 4th request
+  (`batch_explore_every` 2). With probes (the default) no request decodes plain: after the
+  next full-size speculative call one call of `PROBE_STEPS` plain steps (at most a call's
+  `sync_cycles`) runs on copies of that
+  call's decoding rows (its forwards counted, its time booked as the plain loop's at batch size
+  3), and the rows decode on as they were: AR's very tokens, the plain bucket empty after it.
+  Without them, the 4th-6th requests decode plain (an explorer run). Either way the probe, or
+  the run's plain calls, clear `probe_due`."""
+  from bp_jax.decoding.scheduler import PROBE_STEPS
+  prompts, max_news = _requests(6)
+  eng = toy_engine(zeros_models, "priced", batch_size=3, sync_cycles=2, move_plain_after=0,
+                   online_costs=True, **CHEAP)  # no move on streaks of misses (timed prices)
+  eng.starts.plain_probes = probes
+  eng.starts.batch_explore_every = 2
+  eng.starts.tail_move = False
+  eng.prices.start_break_even = lambda n, rows, *_: 2.0
+  eng._start_priced = lambda b, rows: True  # the rule weighs plain steps at its own margin
+  for _ in range(4):
+    eng.starts.observe([3, 3])
+  sched = eng.scheduler(track_progress=False)
+  for i, (p, m) in enumerate(zip(prompts, max_news)):
+    sched.submit(eng.batch_request(i, p, m, block_size=B))
+  sched.closed = True  # every request given up front, as `run` has them
+  while sched.busy():
+    assert not sched.step().failed
+  outs = [sched.results[i] for i in range(6)]
+  assert [g.output_ids for g in outs] == zeros_ar_outputs
+  plain = [g.plain_start for g in outs]
+  assert plain == ([False] * 6 if probes else [False] * 3 + [True] * 3), plain
+  assert eng.plain_probes == (1 if probes else 0)
+  assert not eng.starts.probe_due
+  tally = eng.loop_calls[(1, 3)]
+  assert tally.calls >= 1
+  if probes:
+    assert (tally.calls, tally.forwards) == (1, min(PROBE_STEPS, eng.sync_cycles))
+    assert eng.prices.plain_step_s(3) is not None
+    assert sched.buckets[1].live() == 0
+    assert all(g.cycles > 0 for g in outs[3:])  # the run that would have decoded plain drafted
 
 
 def test_a_servers_plain_explorer_opens_the_plain_bucket_only_in_a_lull(zeros_models):
@@ -781,13 +839,17 @@ def test_a_batchs_explorer_runs_thin_out_while_the_choice_is_clear():
   starts = StartBackoff(batch_plain=True)
 
   def explorer_runs(price: float, runs: int) -> list[int]:
+    """The runs that explored: took the other side than the rule's, or (drafting, with
+    `plain_probes`) asked for a probe instead of decoding plain."""
     found = []
     for run in range(1, runs + 1):
       sides = {starts.start(price, 16, rows=2) for _ in range(2)}
       assert len(sides) == 1  # a run takes one side
       deep = sides.pop() != (0, 0)
-      if deep != (starts.tau() < 1.2 * price):  # the other side than the rule's
+      if deep != (starts.tau() < 1.2 * price) or starts.probe_due:
         found.append(run)
+      assert not (deep and starts.probe_due)  # a probe, not a plain run
+      starts.probe_due = False
     return found
 
   for _ in range(4):

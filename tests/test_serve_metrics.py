@@ -57,6 +57,9 @@ def test_the_start_rule_gauges():
   m.start_choice = StartChoice(2.5, 4.25, True)
   got = parse(m.render())
   assert (got[f"{PREFIX}start_tau"], got[f"{PREFIX}start_plain"]) == (2.5, 1)
+  assert got[f"{PREFIX}plain_probes_total"] == 0
+  m.plain_probes = 3  # (the worker copies `Engine.plain_probes`)
+  assert parse(m.render())[f"{PREFIX}plain_probes_total"] == 3
 
 
 def test_the_engines_start_choice_follows_the_recent_cycles(zeros_models):

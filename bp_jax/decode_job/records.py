@@ -318,6 +318,9 @@ def print_summary(s: dict) -> None:
                   else ")"))] if s.get("slot_use") is not None else []),
           *([("loop calls (every method of the run)", calls_line(s["loop_calls"]))]
             if s.get("loop_calls") else []),
+          *([("plain loop timed by probes", f"{s['plain_probes']} calls on copies of drafting "
+              "rows, their tokens dropped (among the loop calls; no request decoded plain "
+              "for it)")] if s.get("plain_probes") else []),
           ("compilations", f"{s['compilations']} {s['compilations_by_function']}"),
           ("compile time (s)", f"{s['compile_s']} ({s['compile_cache_hits']} of "
                                f"{s['compilations']} loaded from the compile cache" + (

@@ -340,6 +340,7 @@ def _run(cfg) -> tuple[list[dict], dict]:
   if engine.slot_use is not None:  # batched: the share of slot time holding a decoding row
     summary["slot_use"] = round(engine.slot_use, 4)
   summary["loop_calls"] = tally_json(engine.loop_calls)  # every method's, by shape
+  summary["plain_probes"] = engine.plain_probes  # (counted in loop_calls too)
   summary["compile_cache"] = cache_dir
   if engine.drafter is not None:
     summary["drafter"] = drafter_path(cfg) + (

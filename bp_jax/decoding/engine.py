@@ -187,6 +187,9 @@ class Engine:
     # Batched loop calls so far: seconds x slots, and seconds x slots holding a decoding row
     # (`slot_use`).
     self.slot_seconds = self.decoding_slot_seconds = 0.0
+    # Calls so far that timed the plain loop on copies of drafting rows
+    # (`Scheduler._probe_plain`; counted in `loop_calls` too).
+    self.plain_probes = 0
     # Every loop call so far by (block size, slots): calls, seconds, forwards (`CallTally`).
     self.loop_calls: dict[tuple[int, int], CallTally] = {}
     # Every loop call in order (`LoopCall`), where a caller sets a list here (a benchmark
@@ -357,6 +360,8 @@ class Engine:
       self.prices.observe(secs, counts_N, rows)
     elif self.online:
       self.prices.observe_plain(secs, int(counts_N[0]), rows)  # the plain AR loop's calls
+      if self.starts is not None and rows == self.batch_size:  # the batch's plain side timed
+        self.starts.probe_due = False
     if decoding is not None:
       self.slot_seconds += secs * rows
       self.decoding_slot_seconds += secs * decoding
@@ -378,12 +383,13 @@ class Engine:
 
   def clear_tallies(self) -> None:
     """Forgets what the loop calls so far ran and took (`forwards_run`, `loop_calls`,
-    `slot_use`'s seconds, `call_log`'s entries), keeping all the engine learned from them (its
-    prices, its start rule's recent requests, the controller's evidence): after a warm-up, the
-    tallies of a warm engine."""
+    `slot_use`'s seconds, `plain_probes`, `call_log`'s entries), keeping all the engine learned
+    from them (its prices, its start rule's recent requests, the controller's evidence): after a
+    warm-up, the tallies of a warm engine."""
     self.forwards_run.clear()
     self.loop_calls.clear()
     self.slot_seconds = self.decoding_slot_seconds = 0.0
+    self.plain_probes = 0
     if self.call_log is not None:
       self.call_log.clear()
 
@@ -794,6 +800,17 @@ class Engine:
     if step_s is None and prior and self.online and self._forward_prior:
       step_s = self.prices.plain_prior_s(slots)
     return None if step_s is None else steps * step_s
+
+  def plain_probe_due(self, block_size: int) -> bool:
+    """Whether a batch drafting at `block_size` times the plain loop by a probe now
+    (`StartBackoff.plain_probes`, `Scheduler._probe_plain`): its requests may start plain,
+    prices are kept current from the calls, and the rule asks for the plain side's time
+    (`StartBackoff.probe_due`, where a plain explorer run would have begun). Not merely
+    because the plain loop is untimed: a batch that drafts from its first request would then
+    compile the plain loop to time it, which a short run never needs (the start-up forward
+    prices the plain step meanwhile: `StartBackoff.forward_prior`)."""
+    return (self._batch_starts_plain(block_size) and self.online and self.starts.plain_probes
+            and self.starts.probe_due)
 
   def start_priced(self, block_size: int) -> bool:
     """Whether a batch's start rule weighs a request of `block_size` in plain steps now, timed

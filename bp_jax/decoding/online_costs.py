@@ -508,9 +508,12 @@ class OnlineCosts:
 
   def plain_prior_s(self, rows: int) -> float | None:
     """The start-up one-token forward's seconds at exactly batch size `rows` (None: none
-    measured there): what a step of the plain loop there costs at least (a forward over the
-    same rows, and the loop's sampling besides), its prior until a call times it
-    (`start_break_even`'s `forward_prior`)."""
+    measured there): the plain loop's step there until a call times it (`start_break_even`'s
+    `forward_prior`). Not a bound either way: the forward reads a mid-cache position over the
+    whole cache (`costs.measure_forward_costs`) where the loop's steps attend over their rows'
+    window, and the loop samples besides; on the demo's CPU it cost 1.13-1.28x the plain
+    loop's step at batch 8 (three runs) and 1.20x at batch 4, so there a price in it errs
+    toward drafting by that much."""
     return self._ar_step_floor_s.get(int(rows))
 
   def forward_priced(self, n: int, rows: int) -> bool:
@@ -519,8 +522,9 @@ class OnlineCosts:
     a forward was measured there and the speculative loop's calls have priced the cycle. The
     cycle's seconds must be the loop's own: the start-up costs time forwards alone, and a
     cycle in the loop costs more of them (the demo's CPU at batch 4: 3.66 start-up forwards,
-    4.47 plain steps in the loop), so a price from them alone errs toward drafting, and plain
-    steps cost at least the forward, so the loop's cycle over it errs toward plain."""
+    4.47 plain steps in the loop), so a price from them alone errs toward drafting further
+    than the loop's cycle over the forward does (`plain_prior_s`: that errs toward drafting
+    too where the forward costs more than the plain step, 13-28% at batch 8 on that CPU)."""
     return (self.plain_prior_s(rows) is not None
             and self._fit(int(rows)).seconds(int(n)) is not None)
 

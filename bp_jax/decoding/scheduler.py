@@ -85,6 +85,10 @@ from bp_jax.errors import BadInputError
 # they draft much further where drafting loses.
 VERDICT_FORWARDS = 4
 
+# The plain steps of a probe's call (`Scheduler._probe_plain`): what prices the plain loop's
+# step where no request decodes plain, at a few steps' cost.
+PROBE_STEPS = 4
+
 # The latest submits whose times estimate the arrival rate (`Scheduler._arrival_rate`).
 ARRIVAL_WINDOW = 16
 
@@ -482,6 +486,7 @@ class Scheduler:
       self._progress(bucket)
     self._collect(bucket)
     self._move_losing(b, bucket)
+    self._probe_plain(b, bucket)
 
   def _plain_drains(self, live: Sequence[int]) -> bool:
     """Whether a server's plain bucket runs first (`StartBackoff.drain_first`), its buckets
@@ -591,23 +596,76 @@ class Scheduler:
     losing = losing[:max(room, 0)]
     if not losing:
       return
-    if len(plain.rows) < self.engine.batch_size:  # moves go into a full-size state only
-      plain.resize(self.engine, self.engine.batch_size)
     for i in losing:
       self.engine.request_moved(cycles[i])
-    moved, seconds = [bucket.rows[i] for i in losing], 0.0
-    for i, j, staged in zip(losing, plain.free_rows(), moved):
-      fn, args = self.engine.move_program(plain.carry, j, bucket.carry, i)  # compiles once
-      t0 = self.engine.clock()
-      plain.carry = fn(*args)
-      jax.block_until_ready(plain.carry.pos_B)
-      seconds += self.engine.clock() - t0
+    moved = [bucket.rows[i] for i in losing]
+    slots = self._plain_slots(len(losing))
+    seconds = self._copy_rows(plain, slots, bucket, losing)
+    for i, j, staged in zip(losing, slots, moved):
       plain.rows[j], bucket.rows[i] = staged, None
       staged.moved_plain = True
     bucket.carry = _with_empty_rows(bucket.carry, losing)  # the slots it left
     for staged in moved:
       staged.decode_s += seconds / len(moved)
     self._reroute(b)
+
+  def _probe_plain(self, b: int, bucket: _Bucket) -> None:
+    """Times the plain loop without a request decoding plain (`StartBackoff.plain_probes`,
+    `Engine.plain_probe_due`): after a call of speculative bucket `b` at the batch size, while
+    the plain bucket holds no request and none waits for it (else its own calls time it),
+    copies that bucket's decoding rows into the plain bucket's free slots (`Engine.
+    move_program`, which leaves them where they are), runs one call of `PROBE_STEPS` plain
+    steps on them, booked as a plain call (`Engine.loop_ran`: it prices the plain step at the
+    batch size), and empties those slots again: the copies' tokens are dropped, the rows
+    decode on as they were. Its seconds (the copies' and the call's) are split among the rows
+    copied, which waited for it, as a move's are."""
+    if (b == 1 or self.forced or len(bucket.rows) != self.engine.batch_size
+        or not self.engine.plain_probe_due(b) or not self._idle(1)):
+      return
+    c = bucket.carry
+    n_gen, done, max_new, pos = jax.device_get((c.n_gen_B, c.done_B, c.max_new_B, c.pos_B))
+    decoding = [i for i, s in enumerate(bucket.rows) if s is not None and not done[i]
+                and n_gen[i] < max_new[i]]
+    if not decoding:
+      return
+    plain, slots = self._bucket(1), self._plain_slots(len(decoding))
+    seconds = self._copy_rows(plain, slots, bucket, decoding)
+    plain.refill_on_finish(0)
+    fn, args = self.engine.slots_program(
+        1, plain.carry, self.forced, max_pos=int(max(pos[i] for i in decoding)),
+        form=form_of(bucket.rows[i].req.sampling for i in decoding), forwards=PROBE_STEPS)
+    t0 = self.engine.clock()
+    plain.carry = fn(*args)
+    jax.block_until_ready(plain.carry.pos_B)
+    counted_N = np.asarray(jax.device_get(plain.carry.forward_counts_N))
+    seconds += self.engine.loop_ran(t0, counted_N - plain.counted_N, len(plain.rows), 1)
+    plain.counted_N = counted_N
+    plain.carry = _with_empty_rows(plain.carry, slots)
+    for i in decoding:
+      bucket.rows[i].decode_s += seconds / len(decoding)
+    self.engine.plain_probes += 1
+
+  def _plain_slots(self, n: int) -> list[int]:
+    """The first `n` free slots of the plain bucket, grown to `batch_size` slots first where
+    it was shrunk: rows are copied into a full-size state only."""
+    plain = self._bucket(1)
+    if len(plain.rows) < self.engine.batch_size:
+      plain.resize(self.engine, self.engine.batch_size)
+    return plain.free_rows()[:n]
+
+  def _copy_rows(self, dst: _Bucket, slots: Sequence[int], src: _Bucket,
+                 rows: Sequence[int]) -> float:
+    """Copies `src`'s requests of `rows` into `dst`'s `slots` as they stand mid-decode
+    (`Engine.move_program`: each compiles once; `src` keeps them); the copies' seconds on the
+    engine's clock."""
+    seconds = 0.0
+    for i, j in zip(rows, slots):
+      fn, args = self.engine.move_program(dst.carry, j, src.carry, i)
+      t0 = self.engine.clock()
+      dst.carry = fn(*args)
+      jax.block_until_ready(dst.carry.pos_B)
+      seconds += self.engine.clock() - t0
+    return seconds
 
   def _streak_moves(self) -> bool:
     """Whether rows move plain on a streak of missed cycles (`_move_losing`): in `run`

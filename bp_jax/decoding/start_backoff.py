@@ -147,8 +147,10 @@ class StartBackoff:
   plain bucket, 1.408x in lulls only; False: whatever the arrivals, as in `Scheduler.run`);
   forward_prior: until the plain loop has been timed at the batch size, a batch's rule prices
   the cycle the speculative loop's calls timed in the start-up one-token forward measured there
-  (`OnlineCosts.forward_priced`, `plain_prior_s`: a plain step costs at least that forward, so
-  the price errs toward plain), with its own `batch_margin` (False, no forward measured, or no
+  (`OnlineCosts.forward_priced`, `plain_prior_s`: not a bound; on the demo's CPU that forward
+  cost 1.13-1.28x the plain loop's step, so there the price errs toward drafting by that much
+  until a probe or a plain call times the loop), with its own `batch_margin` (False, no
+  forward measured, or no
   loop call yet: in the speculative loop's own AR steps, plain unless drafting is `DECISIVE`,
   `batch_plain_first`; the start-up costs alone price a cycle below the loop's). A batch of 8,
   T = 1, static batches on an H200's simulated clock: the decisive rule sent the second group
@@ -157,7 +159,16 @@ class StartBackoff:
   `misses_judged` says); False: only a tail's and an explorer run's rows move
   (`Scheduler._streak_moves`; `Scheduler.run` moves on streaks either way). An H200's simulated
   clock, batch 8, T = 0, load 2, three traces: off 1.03-1.08x the judged streak moves, level
-  with every request drafting."""
+  with every request drafting;
+  plain_probes: a batch's plain side is timed without any request decoding plain: where a
+  plain explorer run would begin (the rule says draft), no request explores and `probe_due`
+  is set instead, and the scheduler, after a full-size speculative call while the plain bucket
+  is idle, runs one short call of the plain loop on copies of that call's decoding rows, whose
+  time prices the plain step and whose tokens are dropped (`Scheduler._probe_plain`). A
+  plain explorer run only timed the plain loop (plain rows run no cycle) at the price of its
+  requests' decodes: an H200's simulated clock, static batches of 8, T = 1, one run of 8
+  requests in 82 decoding plain cost the default 1.7% of the paper's loop. False: plain
+  explorer runs as before."""
   window: int = 8
   min_cycles: int = 8
   explore_every: int = 4
@@ -181,6 +192,7 @@ class StartBackoff:
   explore_lulls: bool = True
   forward_prior: bool = True
   server_streaks: bool = False
+  plain_probes: bool = True
   _recent: collections.deque = dataclasses.field(init=False)
   _deep: int = dataclasses.field(default=0, init=False)   # deep starts since the last explorer
   # The single rule's choice when its last explorer started (None: drafting since).
@@ -188,6 +200,9 @@ class StartBackoff:
   # Whether the last batch start (`_batch_start`) was an explorer's: its side is the one the
   # rule did not choose, and a later reconsideration (`batch_plain_now`) must leave it be.
   last_explored: bool = dataclasses.field(default=False, init=False)
+  # Whether a batch's plain side is due to be timed by a probe (`plain_probes`): set where a
+  # plain explorer run would have begun, cleared by the call that times the plain loop.
+  probe_due: bool = dataclasses.field(default=False, init=False)
   _batch: _BatchExplorers = dataclasses.field(init=False)
 
   def __post_init__(self):
@@ -333,6 +348,9 @@ class StartBackoff:
     wanted = deep or tau is None or tau < DECISIVE * break_even
     ratio = None if tau is None else tau / (self.batch_margin * float(break_even))
     explore = self._batch.explores(_Choice(deep, ratio), rows, wanted, self)
+    if explore and not deep and self.plain_probes:  # the plain side is timed by a probe
+      self.probe_due = self.probe_due or self._batch.began
+      explore = False
     self.last_explored = explore
     if deep == explore:
       return 0, 0
@@ -385,10 +403,12 @@ class _BatchExplorers:
   _since: int = 0          # requests started outside explorer runs since the last one began
   _left: int = 0           # explorers still to start in the current run
   _last: _Choice | None = None  # the choice when the last explorer run began
+  began: bool = False  # whether the last request asked about began an explorer run
 
   def explores(self, now: _Choice, rows: int, wanted: bool, rule: StartBackoff) -> bool:
     """Whether the next request explores (`wanted`: the rule allows an explorer now)."""
     every = max(int(rule.batch_explore_every), 1)
+    self.began = False
     if every == 1:
       return False
     if self._left:
@@ -400,7 +420,7 @@ class _BatchExplorers:
     longest = max(int(rule.batch_explore_max), every)
     if now.clear_since(self._last, rule.batch_clear) and self._since <= (longest - 1) * rows:
       return False
-    self._since, self._left, self._last = 0, rows - 1, now
+    self._since, self._left, self._last, self.began = 0, rows - 1, now, True
     return True
 
 

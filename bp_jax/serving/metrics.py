@@ -54,6 +54,7 @@ class Metrics:
     self.programs_let_go = 0
     self.in_flight = 0
     self.start_choice = None                # the server bucket's `StartChoice` (None: unpriced)
+    self.plain_probes = 0                   # plain loop calls timed on copies of drafting rows
 
   def count_request(self, endpoint: str, status: int) -> None:
     with self.lock:
@@ -118,6 +119,9 @@ class Metrics:
       metric("requests_finished_total", "counter",
              "Finished requests by the loop they ran in (plain: drafting was losing).",
              [({"path": p}, self.paths[p]) for p in ("speculative", "plain", "moved_plain")])
+      metric("plain_probes_total", "counter",
+             "Plain loop calls timed on copies of drafting rows (tokens dropped): how the start "
+             "rule prices the plain step while requests draft.", [({}, self.plain_probes)])
       choice = self.start_choice
       if choice is not None:
         metric("start_tau", "gauge",

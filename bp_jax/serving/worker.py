@@ -215,6 +215,7 @@ class EngineWorker:
       m.compilations = self.engine.compiled.total
       m.programs_let_go = self.engine.compiled.evicted
       m.start_choice = self.engine.start_choice(self.block_size)
+      m.plain_probes = self.engine.plain_probes
 
 
 def warm_up(engine, block_size: int) -> tuple[float, int]:
