@@ -72,10 +72,12 @@ class Served(NamedTuple):
 class TraceRun(NamedTuple):
   """One method's pass over one trace: its requests (in index order), the loop calls it made
   and after how many of them more than one bucket held requests (split calls: the scheduler
-  runs such buckets by turns)."""
+  runs such buckets by turns), and the calls that timed the plain loop on copies of drafting
+  rows (`Scheduler._probe_plain`; not among `calls`)."""
   served: list[Served]
   calls: int
   split_calls: int
+  probes: int
 
 
 def parse_loads(text: str) -> list[float]:
@@ -113,6 +115,7 @@ def serve_trace(engine: Engine, prompts: list, arrivals: list[float], block_size
   pending = collections.deque(range(len(prompts)))
   served: dict[int, Served] = {}
   calls = split = 0
+  probes = engine.plain_probes
   while pending or sched.busy():
     now = engine.clock()  # (absolute readings: t0 + a - t0 may round below a)
     while pending and t0 + arrivals[pending[0]] <= now:
@@ -133,7 +136,8 @@ def serve_trace(engine: Engine, prompts: list, arrivals: list[float], block_size
     end = engine.clock()
     for i, gen in report.finished.items():
       served[i] = Served(i, arrivals[i], end - t0, max(end - (t0 + arrivals[i]), 0.0), gen)
-  return TraceRun([served[i] for i in sorted(served)], calls, split)
+  return TraceRun([served[i] for i in sorted(served)], calls, split,
+                  engine.plain_probes - probes)
 
 
 def summary(run: TraceRun, ar: TraceRun) -> dict:
@@ -154,7 +158,7 @@ def summary(run: TraceRun, ar: TraceRun) -> dict:
           "drafted": sum(g.drafter_passes > 0 and not g.plain_start for g in gens),
           "plain_starts": sum(g.plain_start for g in gens),
           "moved_plain": sum(g.moved_plain for g in gens),
-          "calls": run.calls, "split_calls": run.split_calls,
+          "calls": run.calls, "split_calls": run.split_calls, "plain_probes": run.probes,
           "identical_to_ar": sum(g.output_ids == a.generation.output_ids
                                  for g, a in zip(gens, ar.served)),
           "latencies_s": [round(float(x), 5) for x in lat],
@@ -240,7 +244,7 @@ def main(_):
                            "arrivals_s": [round(t, 5) for t in arrivals], "methods": rows}
     print(f"\n  load {load:g} ({rate:.2f} requests/s), fastest of {FLAGS.repeats} pass(es)")
     print(f"  {'method':<24}{'mean s':>9}{'p50 s':>9}{'p90 s':>9}{'vs AR':>8}  {'95% CI':<17}"
-          f"{'tok/s':>9}{'drafted':>8}{'moved':>6}{'split':>10}{'same':>6}")
+          f"{'tok/s':>9}{'drafted':>8}{'moved':>6}{'split':>10}{'probes':>7}{'same':>6}")
     for m, row in rows.items():
       ci = row["latency_speedup_vs_ar"]
       interval = "(one request)" if ci["lo"] is None else f"[{ci['lo']:.3f}, {ci['hi']:.3f}]"
@@ -248,9 +252,11 @@ def main(_):
             f"{row['latency_p90_s']:>9.4f}{ci['ratio']:>7.3f}x  "
             f"{interval:<16}  {row['tokens_per_s']:>8,.0f}"
             f"{row['drafted']:>8}{row['moved_plain']:>6}"
-            f"{row['split_calls']:>5}/{row['calls']:<4}{row['identical_to_ar']:>6}")
+            f"{row['split_calls']:>5}/{row['calls']:<4}{row['plain_probes']:>7}"
+            f"{row['identical_to_ar']:>6}")
   print("\n  vs AR: AR's mean latency / the method's (> 1: faster), paired over the requests; "
-        "split: loop calls after which more than one bucket held requests / all calls")
+        "split: loop calls after which more than one bucket held requests / all calls; "
+        "probes: plain loop calls on copies of drafting rows (not among all calls)")
   if FLAGS.out:
     path = os.path.join(FLAGS.out, "arrivals.json")
     common.write_json(path, {
