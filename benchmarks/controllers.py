@@ -296,7 +296,8 @@ METHODS = ("ar", "none", "backoff", "confidence_1step", "confidence", "confidenc
            "priced_default_notail", "priced_default_tail11", "priced_default_tailany",
            "priced_default_nojoin", "priced_default_fullest", "priced_default_streak",
            "priced_default_explorebusy", "priced_default_nofwd", "priced_default_serverstreaks",
-           "priced_default_explorers", "priced_default_nodecline", "priced_default_decline", "priced_default_nogate",
+           "priced_default_explorers", "priced_default_nodecline", "priced_default_decline",
+           "priced_default_nogate",
            "priced_default_nohold", "priced_default_twin", "ar_padded", "ar_tied", "none_tied",
            "learned_default", "learned_fixed")
 # Methods that decode in another method's engine: method -> that method (which must run too).

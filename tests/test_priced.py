@@ -550,6 +550,36 @@ def test_a_batch_times_its_plain_side_by_a_probe_not_by_requests_decoding_plain(
     assert all(g.cycles > 0 for g in outs[3:])  # the run that would have decoded plain drafted
 
 
+def test_a_servers_probe_waits_for_a_lull(zeros_models):
+  """`Scheduler._probe_waits`: a server's due probe (`StartBackoff.probe_due`) runs only while
+  fewer than `StartBackoff.tail_quiet` requests are expected to arrive before the rows it would
+  copy end in the plain loop: submits 1000 s apart on a plain step of 1 s, it runs after the
+  second request's first call (0.06 expected over its 60 steps); 0.1 s apart it waits to the
+  end (10 expected per step left), unless the switch is off or every request was given up
+  front (`Scheduler.closed`). AR's very tokens every way, the probe or not."""
+  prompts, _ = _requests(2)
+  ar = Engine(zeros_models[0], shapes=ShapeOptions(max_len=MAX_LEN, length_buckets=BUCKETS))
+  want = [ar.generate(p, max_new_tokens=60).output_ids for p in prompts]
+  for gap_s, lulls, closed, probes in ((1000.0, True, False, 1), (0.1, True, False, 0),
+                                       (0.1, False, False, 1), (0.1, True, True, 1)):
+    eng = _join_engine(zeros_models, True, lambda: 1.0)  # the rule says draft
+    eng.starts.explore_lulls = lulls
+    eng.plain_seconds = lambda steps, slots, *_: steps * 1.0
+    eng.plain_probe_due = lambda b: eng.starts.probe_due  # (its prices are not timed)
+    now = [0.0]
+    eng.clock = lambda: now[0]
+    sched = eng.scheduler(track_progress=False)
+    sched.submit(eng.batch_request(0, prompts[0], 60, block_size=B))
+    while sched.busy():
+      assert not sched.step().failed
+    now[0] = gap_s
+    eng.starts.probe_due = True
+    outs = _second_request(eng, sched, prompts, closed)
+    assert [g.output_ids for g in outs] == want
+    assert eng.plain_probes == probes, (gap_s, lulls, closed)
+    assert eng.starts.probe_due == (probes == 0)  # (the probe's plain call clears it)
+
+
 def test_a_servers_plain_explorer_opens_the_plain_bucket_only_in_a_lull(zeros_models):
   """`StartBackoff.explore_lulls`: a server's plain explorer (a run decoding plain where the
   rule says draft) with both buckets idle opens the plain bucket only while fewer than

@@ -360,8 +360,8 @@ class Engine:
       self.prices.observe(secs, counts_N, rows)
     elif self.online:
       self.prices.observe_plain(secs, int(counts_N[0]), rows)  # the plain AR loop's calls
-      if self.starts is not None and rows == self.batch_size:  # the batch's plain side timed
-        self.starts.probe_due = False
+    if block_size == 1 and self.starts is not None and rows == self.batch_size:
+      self.starts.probe_due = False  # the batch's plain side timed (a probe or a plain call)
     if decoding is not None:
       self.slot_seconds += secs * rows
       self.decoding_slot_seconds += secs * decoding

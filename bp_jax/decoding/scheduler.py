@@ -618,7 +618,8 @@ class Scheduler:
     steps on them, booked as a plain call (`Engine.loop_ran`: it prices the plain step at the
     batch size), and empties those slots again: the copies' tokens are dropped, the rows
     decode on as they were. Its seconds (the copies' and the call's) are split among the rows
-    copied, which waited for it, as a move's are."""
+    copied, which waited for it, as a move's are. A server probes in its lulls only
+    (`_probe_waits`)."""
     if (b == 1 or self.forced or len(bucket.rows) != self.engine.batch_size
         or not self.engine.plain_probe_due(b) or not self._idle(1)):
       return
@@ -626,7 +627,7 @@ class Scheduler:
     n_gen, done, max_new, pos = jax.device_get((c.n_gen_B, c.done_B, c.max_new_B, c.pos_B))
     decoding = [i for i, s in enumerate(bucket.rows) if s is not None and not done[i]
                 and n_gen[i] < max_new[i]]
-    if not decoding:
+    if not decoding or self._probe_waits(int(max(max_new[i] - n_gen[i] for i in decoding))):
       return
     plain, slots = self._bucket(1), self._plain_slots(len(decoding))
     seconds = self._copy_rows(plain, slots, bucket, decoding)
@@ -644,6 +645,21 @@ class Scheduler:
     for i in decoding:
       bucket.rows[i].decode_s += seconds / len(decoding)
     self.engine.plain_probes += 1
+
+  def _probe_waits(self, left: int) -> bool:
+    """Whether a server's due probe waits for a lull (`StartBackoff.explore_lulls`, as its
+    plain explorers did): requests may still come (not `run`) and at least
+    `StartBackoff.tail_quiet` are expected to arrive before the rows it would copy, `left`
+    tokens to go at most, would end in the plain loop (`_arrivals_within`). A probe delays every
+    row in flight by its steps, and under load its price serves little: the rule drafts there,
+    and a tail moves only in a lull. An H200's simulated clock, probing whenever due: batch 4,
+    T = 1, load 4 (second trace) ran 2.374x AR against 2.408x without probes (3 probes); batch
+    8, T = 1 and T = 0, load 8 (first trace) 0.995x of the same without (one probe each)."""
+    starts = self._server_rule()
+    if starts is None or not starts.explore_lulls:
+      return False
+    return (self._arrivals_within(left, self.engine.batch_size, prior=True)
+            >= starts.tail_quiet)
 
   def _plain_slots(self, n: int) -> list[int]:
     """The first `n` free slots of the plain bucket, grown to `batch_size` slots first where
