@@ -552,11 +552,11 @@ def test_a_batch_times_its_plain_side_by_a_probe_not_by_requests_decoding_plain(
 
 def test_a_servers_probe_waits_for_a_lull(zeros_models):
   """`Scheduler._probe_waits`: a server's due probe (`StartBackoff.probe_due`) runs only while
-  fewer than `StartBackoff.tail_quiet` requests are expected to arrive before the rows it would
-  copy end in the plain loop: submits 1000 s apart on a plain step of 1 s, it runs after the
-  second request's first call (0.06 expected over its 60 steps); 0.1 s apart it waits to the
-  end (10 expected per step left), unless the switch is off or every request was given up
-  front (`Scheduler.closed`). AR's very tokens every way, the probe or not."""
+  fewer than `StartBackoff.tail_quiet` requests are expected to arrive within a request's
+  decode (its 60 tokens) in the plain loop: submits 1000 s apart on a plain step of 1 s, it
+  runs after the second request's first call (0.06 expected); 0.1 s apart it waits to the end
+  (600 expected), unless the switch is off or every request was given up front
+  (`Scheduler.closed`). AR's very tokens every way, the probe or not."""
   prompts, _ = _requests(2)
   ar = Engine(zeros_models[0], shapes=ShapeOptions(max_len=MAX_LEN, length_buckets=BUCKETS))
   want = [ar.generate(p, max_new_tokens=60).output_ids for p in prompts]
