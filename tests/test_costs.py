@@ -308,7 +308,13 @@ def test_summary_says_which_costs_and_the_verify_lengths_chosen(zeros_models, tm
                     given, cfg, wall_s=1.0)
   assert s["plain_starts"] == 1
   rec.print_summary(s)
-  assert re.search(r"decoded plain by the priced start\s+1 of 3 requests", capsys.readouterr().out)
+  out = capsys.readouterr().out
+  assert re.search(r"decoded plain by the priced start\s+1 of 3 requests", out)
+  assert "probes" not in out
+  # decode.py's summary counts the plain loop's probes (`Engine.plain_probes`) where any ran.
+  rec.print_summary(dict(s, plain_probes=2))
+  assert re.search(r"plain loop timed by probes\s+2 calls on copies of drafting rows",
+                   capsys.readouterr().out)
 
 
 def test_batch_tails_shrink_only_where_rows_cost(zeros_models, monkeypatch):
