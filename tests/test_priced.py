@@ -551,7 +551,7 @@ def test_a_batch_times_its_plain_side_by_a_probe_not_by_requests_decoding_plain(
 
 
 def test_a_servers_probe_waits_for_a_lull(zeros_models):
-  """`Scheduler._probe_waits`: a server's due probe (`StartBackoff.probe_due`) runs only while
+  """`Scheduler._busy_within`: a server's due probe (`StartBackoff.probe_due`) runs only while
   fewer than `StartBackoff.tail_quiet` requests are expected to arrive within a request's
   decode (its 60 tokens) in the plain loop: submits 1000 s apart on a plain step of 1 s, it
   runs after the second request's first call (0.06 expected); 0.1 s apart it waits to the end

@@ -184,6 +184,12 @@ class _Bucket:
   def free_rows(self) -> list[int]:
     return [i for i, r in enumerate(self.rows) if r is None]
 
+  def decoding(self, done: np.ndarray, n_gen: np.ndarray, max_new: np.ndarray) -> list[int]:
+    """The rows holding a request that still decodes, by the carry's `done_B`, `n_gen_B` and
+    `max_new_B` as read back."""
+    return [i for i, r in enumerate(self.rows)
+            if r is not None and not done[i] and n_gen[i] < max_new[i]]
+
   def resize(self, engine, size: int) -> None:
     """Moves this bucket's requests into a state of `size` slots (`Engine.resize_program`),
     first slots first; its seconds are split among them as a loop call's are."""
@@ -298,13 +304,11 @@ class Scheduler:
     forward's price, a run that opened the plain bucket under load cost batch 4, T = 1, load 2
     (an H200's simulated clock, a second trace) 1.370x AR against 1.428x."""
     starts = self._server_rule()
-    if starts is None or self.forced or not (starts.join_live and starts.explore_lulls):
+    if starts is None or self.forced or not starts.join_live:
       return False
-    slots = self.engine.batch_size
     if not self._idle(1) or not self.engine.start_priced(block_size):
       return False
-    return (self._arrivals_within(int(req.max_new_tokens), slots, prior=True)
-            >= starts.tail_quiet)
+    return self._busy_within(int(req.max_new_tokens))
 
   def _explorer_joins_plain(self, block_size: int) -> bool:
     """Whether a server's drafting explorer of `block_size` (one of a run drafting where the
@@ -453,8 +457,7 @@ class Scheduler:
     c = bucket.carry
     n_gen, done, max_new, pos, wait = jax.device_get((c.n_gen_B, c.done_B, c.max_new_B,
                                                       c.pos_B, c.wait_B))
-    decoding = [i for i, r in enumerate(bucket.rows)
-                if r is not None and not done[i] and n_gen[i] < max_new[i]]
+    decoding = bucket.decoding(done, n_gen, max_new)
     if decoding:
       bucket.place("break_even_N", self.engine.break_even_N(b, rows))
       bucket.place("evidence_7", self.engine.evidence_state)
@@ -557,8 +560,7 @@ class Scheduler:
     c, r = bucket.carry, bucket.carry.records
     misses, n_gen, done, max_new = jax.device_get((c.misses_B, c.n_gen_B, c.done_B,
                                                    c.max_new_B))
-    decoding = [i for i, s in enumerate(bucket.rows) if s is not None and not done[i]
-                and n_gen[i] < max_new[i]]
+    decoding = bucket.decoding(done, n_gen, max_new)
     streaks = self._streak_moves()
     losing = [i for i in decoding if streaks and misses[i] >= after]
     judged = [i for i in decoding if bucket.rows[i].route.explorer]
@@ -619,15 +621,22 @@ class Scheduler:
     batch size), and empties those slots again: the copies' tokens are dropped, the rows
     decode on as they were. Its seconds (the copies' and the call's) are split among the rows
     copied, which waited for it, as a move's are. A server probes in its lulls only
-    (`_probe_waits`)."""
-    if (b == 1 or self.forced or len(bucket.rows) != self.engine.batch_size
+    (`_busy_within`)."""
+    if (self.forced or len(bucket.rows) != self.engine.batch_size
         or not self.engine.plain_probe_due(b) or not self._idle(1)):
       return
     c = bucket.carry
     n_gen, done, max_new, pos = jax.device_get((c.n_gen_B, c.done_B, c.max_new_B, c.pos_B))
-    decoding = [i for i, s in enumerate(bucket.rows) if s is not None and not done[i]
-                and n_gen[i] < max_new[i]]
-    if not decoding or self._probe_waits(int(max(max_new[i] for i in decoding))):
+    decoding = bucket.decoding(done, n_gen, max_new)
+    # A server's probe waits for a lull, as its plain explorers do: it delays every row in
+    # flight by its steps and, under a steady load, its price serves little (the rule drafts
+    # there, a tail moves only in a lull); a delayed call shifts every later arrival's batch.
+    # An H200's simulated clock, batch 8 and 4, T = 1, two traces, against plain explorer runs
+    # that waited for lulls (which then drafted and timed nothing): probing whenever due ran
+    # 0.964x [0.947, 0.983] of those at batch 8, load 8 (second trace) and 0.986x [0.978, 0.994]
+    # at batch 4, load 4; probing only while the rows' tokens left (not a whole decode) span a
+    # lull, 0.990x and 0.982x.
+    if not decoding or self._busy_within(int(max(max_new[i] for i in decoding))):
       return
     plain, slots = self._bucket(1), self._plain_slots(len(decoding))
     seconds = self._copy_rows(plain, slots, bucket, decoding)
@@ -646,18 +655,12 @@ class Scheduler:
       bucket.rows[i].decode_s += seconds / len(decoding)
     self.engine.plain_probes += 1
 
-  def _probe_waits(self, tokens: int) -> bool:
-    """Whether a server's due probe waits for a lull (`StartBackoff.explore_lulls`), as its
-    plain explorers did (`_explorer_waits_lull`): requests may still come (not `run`) and at
-    least `StartBackoff.tail_quiet` are expected to arrive within a request's decode of `tokens`
-    (the copied rows' longest) in the plain loop (`_arrivals_within`). A probe delays every row
-    in flight by its steps and, under a steady load, its price serves little (the rule drafts
-    there, a tail moves only in a lull); a delayed call shifts every later arrival's batch. An
-    H200's simulated clock, batch 8 and 4, T = 1, two traces, against plain explorer runs that
-    waited for lulls (which then drafted and timed nothing): probing whenever due ran
-    0.964x [0.947, 0.983] of those at batch 8, load 8 (second trace) and 0.986x [0.978, 0.994]
-    at batch 4, load 4; probing only while the rows' tokens left (not a whole decode) span a
-    lull, 0.990x and 0.982x."""
+  def _busy_within(self, tokens: int) -> bool:
+    """Whether a server that explores its plain side in lulls (`StartBackoff.explore_lulls`)
+    is in none: requests may still come (not `run`) and at least `StartBackoff.tail_quiet` are
+    expected to arrive within a request's decode of `tokens` in the plain loop at the batch
+    size (`_arrivals_within`, by the start-up forward until that loop is timed). A plain
+    explorer (`_explorer_waits_lull`) and a probe (`_probe_plain`) wait while it is."""
     starts = self._server_rule()
     if starts is None or not starts.explore_lulls:
       return False
