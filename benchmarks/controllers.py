@@ -123,6 +123,12 @@ Methods (`--methods`, comma-separated):
                     (runs of requests decoding plain where the rule says draft;
                     `StartBackoff.plain_probes` = False); the default's by probes, short plain
                     calls on copies of the drafting rows whose tokens are dropped;
+  priced_default_noearlyprobe
+                    priced_default whose batches probe their plain loop only where a plain
+                    explorer run would begin (`StartBackoff.probe_untimed` = False); the
+                    default's, where that loop is precompiled, also after the first full-size
+                    speculative call while it is untimed (the start-up forward prices it
+                    until then);
   priced_default_nodecline
                     priced_default whose cycles always verify their drafts
                     (`controller_decline=False`); the default's decline a cycle's drafts after
@@ -141,7 +147,7 @@ Methods (`--methods`, comma-separated):
                     cycles right after misses commit clearly less than cycles on average
                     (`bp_jax.decoding.evidence`; the priced methods above gate too);
   priced_default_nohold
-                    priced_default whose batch prices fit every loop call at once
+                    priced_default whose prices fit every loop call at once
                     (`OnlineCosts.hold_outliers` = False); the default's hold a call off alone
                     out of the fit until a call like it confirms or refutes a change
                     (`bp_jax.decoding.online_costs`);
@@ -296,8 +302,8 @@ METHODS = ("ar", "none", "backoff", "confidence_1step", "confidence", "confidenc
            "priced_default_notail", "priced_default_tail11", "priced_default_tailany",
            "priced_default_nojoin", "priced_default_fullest", "priced_default_streak",
            "priced_default_explorebusy", "priced_default_nofwd", "priced_default_serverstreaks",
-           "priced_default_explorers", "priced_default_nodecline", "priced_default_decline",
-           "priced_default_nogate",
+           "priced_default_explorers", "priced_default_noearlyprobe", "priced_default_nodecline",
+           "priced_default_decline", "priced_default_nogate",
            "priced_default_nohold", "priced_default_twin", "ar_padded", "ar_tied", "none_tied",
            "learned_default", "learned_fixed")
 # Methods that decode in another method's engine: method -> that method (which must run too).
@@ -412,7 +418,8 @@ START_RULES = {"priced_default_every8": ("batch_explore_max", "batch_explore_eve
                "priced_default_explorebusy": ("explore_lulls", False),
                "priced_default_nofwd": ("forward_prior", False),
                "priced_default_serverstreaks": ("server_streaks", True),
-               "priced_default_explorers": ("plain_probes", False)}
+               "priced_default_explorers": ("plain_probes", False),
+               "priced_default_noearlyprobe": ("probe_untimed", False)}
 
 
 def loop_method(method: str) -> str:
@@ -741,6 +748,7 @@ PAIRS = (("priced", "backoff"), ("priced_online", "priced"), ("priced_long", "pr
          ("priced_default", "priced_default_nofwd"),
          ("priced_default", "priced_default_serverstreaks"),
          ("priced_default", "priced_default_explorers"),
+         ("priced_default", "priced_default_noearlyprobe"),
          ("priced_default", "priced_default_nodecline"),
          ("priced_default", "priced_default_decline"),
          ("priced_default", "priced_default_nogate"), ("priced_default", "none"),

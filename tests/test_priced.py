@@ -550,6 +550,47 @@ def test_a_batch_times_its_plain_side_by_a_probe_not_by_requests_decoding_plain(
     assert all(g.cycles > 0 for g in outs[3:])  # the run that would have decoded plain drafted
 
 
+@pytest.mark.parametrize("compiled, untimed", [(True, True), (True, False), (False, True)])
+def test_an_untimed_plain_loop_is_probed_where_it_is_compiled(
+    zeros_models, zeros_ar_outputs, compiled, untimed):
+  """`StartBackoff.probe_untimed`: a batch of 3 whose rule drafts (τ 3 against 1.2 x 2 plain
+  steps) and whose plain loop is untimed, no probe due (no explorer run begins within 3
+  requests). Where that loop is compiled for every window (as `precompile(all_windows=True)`
+  compiles it), one probe runs after the first full-size speculative call and times the plain
+  step, so the start-up forward prices it no longer. Not compiled, or the switch off: no probe,
+  the plain step untimed. AR's very tokens, no request plain, every way."""
+  from bp_jax.decoding.programs import window_buckets
+  from bp_jax.decoding.sampling import SamplingForm
+  prompts, max_news = (x[:3] for x in _requests(6))  # `zeros_ar_outputs`' first three
+  eng = toy_engine(zeros_models, "priced", batch_size=3, sync_cycles=2, move_plain_after=0,
+                   online_costs=True, **CHEAP)
+  eng.starts.probe_untimed = untimed
+  eng.starts.tail_move = False
+  eng.prices.start_break_even = lambda n, rows, *_: 2.0
+  eng._start_priced = lambda b, rows: True
+  for _ in range(4):
+    eng.starts.observe([3, 3])
+  if compiled:  # the plain loop of every window a call may pick, as a server's start-up
+    for w in window_buckets(eng.max_len):
+      eng.slots_program(1, eng.slot_carry(1, compiled=False),
+                        max_pos=max(0, w - 1 - eng.sync_cycles // 2), form=SamplingForm.GREEDY)
+  assert eng.plain_probe_untimed(B) == untimed
+  sched = eng.scheduler(track_progress=False)
+  for i, (p, m) in enumerate(zip(prompts, max_news)):
+    sched.submit(eng.batch_request(i, p, m, block_size=B))
+  sched.closed = True
+  while sched.busy():
+    assert not sched.step().failed
+  outs = [sched.results[i] for i in range(3)]
+  assert [g.output_ids for g in outs] == zeros_ar_outputs[:3]
+  assert not any(g.plain_start for g in outs)
+  probed = compiled and untimed
+  assert eng.plain_probes == int(probed), (compiled, untimed)
+  assert (eng.prices.plain_step_s(3) is not None) == probed
+  assert eng.plain_probe_untimed(B) == (untimed and not compiled)  # (probed: timed now)
+  assert (1 in sched.buckets) == probed and all(b.live() == 0 for b in sched.buckets.values())
+
+
 def test_a_servers_probe_waits_for_a_lull(zeros_models):
   """`Scheduler._busy_within`: a server's due probe (`StartBackoff.probe_due`) runs only while
   fewer than `StartBackoff.tail_quiet` requests are expected to arrive within a request's

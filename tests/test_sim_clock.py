@@ -52,10 +52,11 @@ def test_noise_and_stalls_hit_the_calls_they_name():
 
 def test_a_batchs_prices_through_it_hold_the_stalled_calls_out():
   """Batch-4 calls (0-3 AR steps, 10-30 cycles) timed by the clock, one in 6 stalled 0.15 s:
-  fitted at once, the break-even of a cycle priced 1.56 AR steps reaches the cap (every cycle a
-  miss, and above the ~6 tokens a cycle commits: every miss backs off, `evidence.cycles_lose`);
-  held out until a call like it says, it stays below that, its median near the table's (the
-  fit's own swings: few AR steps tell an AR step's price from a cycle's poorly)."""
+  fitted at once, the break-even of a cycle priced 1.56 AR steps rises far above the ~6 tokens
+  a cycle commits (every cycle a miss: every miss backs off, `evidence.cycles_lose`; it reached
+  the cap, 64, before a fit that prices the AR step at or below zero kept its shape); held out
+  until a call like it says, it stays below that, its median near the table's (the fit's own
+  swings: few AR steps tell an AR step's price from a cycle's poorly)."""
   rng = np.random.default_rng(1)
   shapes = [(int(rng.integers(0, 4)), int(rng.integers(10, 30))) for _ in range(30)]
   prior = lambda n: 1.0 + 0.3005 + 0.2565 if n == 16 else 1.0
@@ -70,7 +71,7 @@ def test_a_batchs_prices_through_it_hold_the_stalled_calls_out():
       counts[0], counts[16] = n_ar, n_cycle
       prices.observe(_call(clock, eng, n_ar, n_cycle), counts, rows=4)
       seen[hold].append(prices.break_even(16, rows=4))
-  assert max(seen[False]) == 64.0, seen[False]
+  assert max(seen[False]) > 12.0, seen[False]
   assert np.median(seen[True]) < 1.9 and max(seen[True]) < 6.0, seen[True]
 
 

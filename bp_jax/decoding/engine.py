@@ -796,21 +796,41 @@ class Engine:
     (None: prices not kept current, or that loop not timed there); `prior`: else at the
     start-up one-token forward there where the start rule takes it for the plain step
     (`StartBackoff.forward_prior`)."""
-    step_s = self.prices.plain_step_s(slots) if self.online else None
-    if step_s is None and prior and self.online and self._forward_prior:
-      step_s = self.prices.plain_prior_s(slots)
+    step_s = (self.prices.plain_s(slots, prior and self._forward_prior) if self.online
+              else None)
     return None if step_s is None else steps * step_s
 
   def plain_probe_due(self, block_size: int) -> bool:
     """Whether a batch drafting at `block_size` times the plain loop by a probe now
     (`StartBackoff.plain_probes`, `Scheduler._probe_plain`): its requests may start plain,
     prices are kept current from the calls, and the rule asks for the plain side's time
-    (`StartBackoff.probe_due`, where a plain explorer run would have begun). Not merely
-    because the plain loop is untimed: a batch that drafts from its first request would then
-    compile the plain loop to time it, which a short run never needs (the start-up forward
-    prices the plain step meanwhile: `StartBackoff.forward_prior`)."""
-    return (self._batch_starts_plain(block_size) and self.online and self.starts.plain_probes
-            and self.starts.probe_due)
+    (`StartBackoff.probe_due`, where a plain explorer run would have begun). An untimed plain
+    loop alone calls for a probe only where that loop is compiled (`plain_probe_untimed`): a
+    batch that drafts from its first request would otherwise compile the plain loop to time
+    it, which a short run never needs (the start-up forward prices the plain step meanwhile:
+    `StartBackoff.forward_prior`)."""
+    return self._probes_on(block_size) and self.starts.probe_due
+
+  def plain_probe_untimed(self, block_size: int) -> bool:
+    """Whether a batch drafting at `block_size` would time its plain loop by a probe because
+    that loop is untimed at the batch size (`StartBackoff.probe_untimed`): the start-up forward
+    prices its step meanwhile (`StartBackoff.forward_prior`), which is no bound. The caller
+    probes only where the plain loop's program is ready (`plain_loop_ready`): compiling it for
+    a short decode that drafts throughout would cost more than the forward's error."""
+    return (self._probes_on(block_size) and self.starts.probe_untimed and self._forward_prior
+            and not self._plain_priced(self.batch_size))
+
+  def plain_loop_ready(self, max_pos: int, form: SamplingForm) -> bool:
+    """Whether the plain loop a probe of decoding rows up to `max_pos` sampling in `form` would
+    call at the batch size is compiled (`precompile`'s, or an earlier call's): the probe then
+    compiles nothing."""
+    return self.programs.batched_loop_key(
+        1, self.batch_size, self._slots_window(1, max_pos), False, form) in self.compiled
+
+  def _probes_on(self, block_size: int) -> bool:
+    """Whether a batch drafting at `block_size` may time its plain side by probes: its
+    requests may start plain, prices are kept current from the calls, probes are on."""
+    return self._batch_starts_plain(block_size) and self.online and self.starts.plain_probes
 
   def start_priced(self, block_size: int) -> bool:
     """Whether a batch's start rule weighs a request of `block_size` in plain steps now, timed

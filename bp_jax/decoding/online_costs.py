@@ -51,8 +51,15 @@ step fitted too cheap, bounded in `break_even`). The held call waits for the nex
 ran every kind of forward it ran: off the same way, the two are a change and the fit restarts
 on them; otherwise (within the bar, or off the other way) the held call is dropped. At most
 every other call is held, and none before the fit has `min_calls` calls since it began or last
-restarted. One request's calls back off after every miss and run many AR steps: they are
-fitted at once.
+restarted. One request's calls are held alike. They back off after every miss and run many AR
+steps, so its fit tells the two prices apart, and they were fitted at once; but one call three
+times slower than its like (16 cycles and 2 AR steps in 310 ms among calls of ~70 ms, in a slow
+spell of the 2-core Xeon VM, model 207) priced the AR step below zero, and the learned default's
+break-even of a b = 8 cycle stood at 12-16 AR steps (3-5 before) for the rest of its batch-1
+run: its requests went plain, and no cycle ran that could correct it (0.90x b = 8's decode
+speed over that run; docs/cpu_amx/fit_spike_2026-12-07). A fit that prices the AR step at or
+below zero keeps its previous shape on the calls' scale instead (`_Fit.update`); floored, it
+had sent every cycle to the cap.
 
 One call gives one equation for several unknowns, and calls of a run often mix their forwards in
 about the same proportion (or run one kind only), so the fit is regularized toward the previous
@@ -134,10 +141,14 @@ class CostEstimate:
 class _Fit:
   """The forgetting least-squares fit of one batch size (see the module doc)."""
 
-  def __init__(self, prior: Callable[[int], float], min_calls: int, hold: bool):
+  def __init__(self, prior: Callable[[int], float], min_calls: int, hold: bool,
+               hold_any: bool = True):
     self.prior = lambda n: 1.0 if n == 0 else float(prior(n))  # an AR step is the unit
     self.min_calls = min_calls  # calls before the fit prices (`OnlineCosts.min_calls`)
     self.hold = hold  # whether a call off alone is held (module doc)
+    # Whether any call off alone is held (a batch's); else only one that, fitted, would price
+    # the AR step at or below zero (one request's: a stall, `_prices_no_step`).
+    self.hold_any = hold_any
     self.lengths: list[int] = [0]                 # verify lengths with a parameter, in order
     self.A = np.zeros((1, 1))                     # sum of forget^age x x^T
     self.b = np.zeros(1)                          # sum of forget^age x y
@@ -191,7 +202,8 @@ class _Fit:
     elif held is not None and call[4] == held[4]:
       self.recent = [held]  # the next call like it is off the same way: a change (below)
     elif (held is None and off and self.hold and restart_calls > 1
-          and self.since_restart >= self.min_calls):
+          and self.since_restart >= self.min_calls
+          and (self.hold_any or self._prices_no_step(x, seconds, forget, ridge))):
       self.held = call  # off alone, so far: not fitted until a call like it says (module doc)
       return
     self.recent = (self.recent + [call])[-restart_calls:]
@@ -203,24 +215,39 @@ class _Fit:
     self.since_restart += 1
     if len(self.recent) == restart_calls and abs(sum(c[4] for c in self.recent)) == restart_calls:
       self._restart(forget)
-    r = self.ratios()
-    rAr = float(r @ self.A @ r)
-    scale = float(self.b @ r) / rAr if rAr > 0 else 0.0
-    prior = scale * r
-    if not prior[0] > 0:  # no usable scale: this call's own seconds per forward
-      prior = r * seconds / float(x @ r)
-    R = _ridge(self.A, ridge)
-    M, rhs = self.A + R, self.b + R @ prior
-    theta = np.linalg.solve(M, rhs)
+    theta, prior, M, rhs = self._solved(self.A, self.b, x, seconds, ridge)
     if np.all(np.isfinite(theta)) and theta[0] > 0:
       theta = self._within_bounds(M, rhs, theta, clip)
-    if not np.all(np.isfinite(theta)):
-      theta = prior
+    if not (np.all(np.isfinite(theta)) and theta[0] > 0):  # no AR step priced: the last shape
+      theta = prior  # on the calls' scale (an AR step floored near 0 put every cycle at the cap)
     # Calls that disagree (the costs changed) may fit a cost <= 0: floored, then clipped below.
     theta = np.maximum(theta, 1e-3 * prior)
     for i, n in enumerate(self.lengths[1:], start=1):  # each cycle within bounds of an AR step
       theta[i] = theta[0] * clip(n, theta[i] / theta[0])
     self.theta = theta
+
+  def _solved(self, A: np.ndarray, b: np.ndarray, x: np.ndarray, seconds: float, ridge: float
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(the free fit to the sums `A`, `b`, regularized toward the current shape on their scale;
+    that anchor; the system's matrix and right-hand side). `x`, `seconds`: the newest call, whose
+    own seconds per forward set the scale where the sums give none."""
+    r = self.ratios()
+    rAr = float(r @ A @ r)
+    scale = float(b @ r) / rAr if rAr > 0 else 0.0
+    prior = scale * r
+    if not prior[0] > 0:  # no usable scale: this call's own seconds per forward
+      prior = r * seconds / float(x @ r)
+    R = _ridge(A, ridge)
+    M, rhs = A + R, b + R @ prior
+    return np.linalg.solve(M, rhs), prior, M, rhs
+
+  def _prices_no_step(self, x: np.ndarray, seconds: float, forget: float, ridge: float) -> bool:
+    """Whether fitting this call (forwards `x`, `seconds`) would price the AR step at or below
+    zero: a call that only a cycle dearer than every call before it explains, as a stall's does
+    (one request, 16 cycles and 2 AR steps in 310 ms among calls of ~70 ms)."""
+    theta = self._solved(forget * self.A + np.outer(x, x), forget * self.b + x * seconds, x,
+                         seconds, ridge)[0]
+    return not (np.all(np.isfinite(theta)) and theta[0] > 0)
 
   def _within_bounds(self, M: np.ndarray, rhs: np.ndarray, theta: np.ndarray,
                      clip: Callable[[int, float], float]) -> np.ndarray:
@@ -368,8 +395,8 @@ class OnlineCosts:
   parameter it could not pin, and one run's break-even of a full cycle rose to 14.9 AR steps
   against 4.0 without them, every request then starting plain; /tmp/b36/B1dec). A batch
   size's break-even is the prior's until its fit has seen `min_calls` calls (`MIN_CALLS`).
-  `hold_outliers`: a batch's call off alone is held out of its fit until a call like it confirms
-  a change or refutes it (module doc); False: fitted at once, as one request's calls are.
+  `hold_outliers`: a call off alone is held out of its fit until a call like it confirms a
+  change or refutes it (module doc), a batch's and one request's alike; False: fitted at once.
   `one_plain_floor`: one request's AR step costs at least the plain AR loop's step, once that
   loop has been timed (`break_even`); False: the fit's own step."""
 
@@ -429,7 +456,7 @@ class OnlineCosts:
 
   def _fit(self, rows: int) -> _Fit:
     if rows not in self._fits:
-      self._fits[rows] = _Fit(self.prior, self.min_calls, self.hold_outliers and rows > 1)
+      self._fits[rows] = _Fit(self.prior, self.min_calls, self.hold_outliers, rows > 1)
     return self._fits[rows]
 
   def observe(self, seconds: float, counts_N: Sequence[int] | np.ndarray, rows: int) -> bool:
@@ -499,12 +526,16 @@ class OnlineCosts:
     """
     held = self._held_at_plain(n, rows)
     cycle_s = self._fit(int(rows)).seconds(n) if held is None else held[0]
-    plain = self._plain_at_fit.get(int(rows)) or self.plain_step_s(rows)
-    if plain is None and forward_prior and cycle_s is not None:
-      plain = self.plain_prior_s(rows)
+    plain = self._plain_at_fit.get(int(rows)) or self.plain_s(rows, forward_prior)
     if plain is None or cycle_s is None:
       return self.break_even(n, rows)
     return self.clip(n, cycle_s / plain, int(rows))
+
+  def plain_s(self, rows: int, prior: bool = False) -> float | None:
+    """Seconds per step of the plain AR loop at batch size `rows` as timed (`plain_step_s`);
+    `prior`: else the start-up one-token forward there (`plain_prior_s`). None: neither."""
+    step_s = self.plain_step_s(rows)
+    return self.plain_prior_s(rows) if step_s is None and prior else step_s
 
   def plain_prior_s(self, rows: int) -> float | None:
     """The start-up one-token forward's seconds at exactly batch size `rows` (None: none

@@ -613,7 +613,8 @@ class Scheduler:
 
   def _probe_plain(self, b: int, bucket: _Bucket) -> None:
     """Times the plain loop without a request decoding plain (`StartBackoff.plain_probes`,
-    `Engine.plain_probe_due`): after a call of speculative bucket `b` at the batch size, while
+    `Engine.plain_probe_due`; or, where that loop is untimed at the batch size but compiled,
+    `Engine.plain_probe_untimed`, `plain_loop_ready`): after a call of speculative bucket `b` at the batch size, while
     the plain bucket holds no request and none waits for it (else its own calls time it),
     copies that bucket's decoding rows into the plain bucket's free slots (`Engine.
     move_program`, which leaves them where they are), runs one call of `PROBE_STEPS` plain
@@ -622,12 +623,21 @@ class Scheduler:
     decode on as they were. Its seconds (the copies' and the call's) are split among the rows
     copied, which waited for it, as a move's are. A server probes in its lulls only
     (`_busy_within`)."""
-    if (self.forced or len(bucket.rows) != self.engine.batch_size
-        or not self.engine.plain_probe_due(b) or not self._idle(1)):
+    if self.forced or len(bucket.rows) != self.engine.batch_size or not self._idle(1):
+      return
+    due = self.engine.plain_probe_due(b)
+    if not (due or self.engine.plain_probe_untimed(b)):
       return
     c = bucket.carry
     n_gen, done, max_new, pos = jax.device_get((c.n_gen_B, c.done_B, c.max_new_B, c.pos_B))
     decoding = bucket.decoding(done, n_gen, max_new)
+    if not decoding:
+      return
+    max_pos = int(max(pos[i] for i in decoding))
+    form = form_of(bucket.rows[i].req.sampling for i in decoding)
+    # Untimed and not due: only where the plain loop needs no compile (a precompiled engine).
+    if not due and not self.engine.plain_loop_ready(max_pos, form):
+      return
     # A server's probe waits for a lull, as its plain explorers do: it delays every row in
     # flight by its steps and, under a steady load, its price serves little (the rule drafts
     # there, a tail moves only in a lull); a delayed call shifts every later arrival's batch.
@@ -636,14 +646,13 @@ class Scheduler:
     # 0.964x [0.947, 0.983] of those at batch 8, load 8 (second trace) and 0.986x [0.978, 0.994]
     # at batch 4, load 4; probing only while the rows' tokens left (not a whole decode) span a
     # lull, 0.990x and 0.982x.
-    if not decoding or self._busy_within(int(max(max_new[i] for i in decoding))):
+    if self._busy_within(int(max(max_new[i] for i in decoding))):
       return
     plain, slots = self._bucket(1), self._plain_slots(len(decoding))
     seconds = self._copy_rows(plain, slots, bucket, decoding)
     plain.refill_on_finish(0)
-    fn, args = self.engine.slots_program(
-        1, plain.carry, self.forced, max_pos=int(max(pos[i] for i in decoding)),
-        form=form_of(bucket.rows[i].req.sampling for i in decoding), forwards=PROBE_STEPS)
+    fn, args = self.engine.slots_program(1, plain.carry, self.forced, max_pos=max_pos,
+                                         form=form, forwards=PROBE_STEPS)
     t0 = self.engine.clock()
     plain.carry = fn(*args)
     jax.block_until_ready(plain.carry.pos_B)

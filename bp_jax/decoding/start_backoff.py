@@ -168,7 +168,14 @@ class StartBackoff:
   plain explorer run only timed the plain loop (plain rows run no cycle) at the price of its
   requests' decodes: an H200's simulated clock, static batches of 8, T = 1, one run of 8
   requests in 82 decoding plain cost the default 1.7% of the paper's loop. False: plain
-  explorer runs as before."""
+  explorer runs as before;
+  probe_untimed: with `plain_probes`, a batch whose plain loop at the batch size is compiled
+  (precompiled, as a server's and the benchmarks' are) but untimed probes it after its first
+  full-size speculative call, not only where a plain explorer run would begin: the start-up
+  one-token forward (`forward_prior`) then prices the plain step for one call instead of a
+  run of requests. That forward is no bound (on the demo's CPU it cost 1.13-1.28x the loop's
+  plain step); a probe costs `scheduler.PROBE_STEPS` plain steps once. False: the forward prices the
+  plain step until a probe falls due or a plain call times it."""
   window: int = 8
   min_cycles: int = 8
   explore_every: int = 4
@@ -193,6 +200,7 @@ class StartBackoff:
   forward_prior: bool = True
   server_streaks: bool = False
   plain_probes: bool = True
+  probe_untimed: bool = True
   _recent: collections.deque = dataclasses.field(init=False)
   _deep: int = dataclasses.field(default=0, init=False)   # deep starts since the last explorer
   # The single rule's choice when its last explorer started (None: drafting since).
