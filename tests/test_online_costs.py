@@ -497,6 +497,15 @@ def test_one_requests_ar_step_costs_at_least_its_plain_loops_step():
   assert est.start_break_even(N, rows=1) == pytest.approx(est.break_even(N, rows=1))
   # The fit's step (0.8 ms) at least the plain loop's: nothing changes.
   assert plain_cheaper.break_even(N, rows=1) == off.break_even(N, rows=1)
+  # Plain calls alone, faster (0.7 ms: another moment of the machine), leave the price where
+  # the last fitted call put it, whose cycles were timed beside the plain step as it was then;
+  # the next speculative call takes the plain step as it stands.
+  held_price = est.break_even(N, rows=1)
+  for _ in range(10):
+    est.observe_plain(64 * 0.7e-3, 64, rows=1)
+  assert est.break_even(N, rows=1) == pytest.approx(held_price)
+  est.observe(0.8e-3 * 10 + 6e-3 * 10, _counts(10, 10), rows=1)
+  assert est.break_even(N, rows=1) != pytest.approx(held_price, rel=0.01)
   # Noisy calls (15% per call) of a step 1.1 ms and a cycle 4.7 ms (4.27 AR steps), the plain
   # step 1 ms (5%): over 8 runs the held price is never above the fit's own and errs less (mean
   # |log(price / 4.27)| 0.84x the fit's).

@@ -635,10 +635,15 @@ class OnlineCosts:
     the plain AR loop's step (`plain_step_s`): the step held at the plain loop's, the cycles
     refitted to the same calls with it (`break_even`); None where that does not apply (a
     batch, `one_plain_floor` off, no plain call timed, the fit not pricing, or its step at
-    least the plain one)."""
+    least the plain one). The plain step is the one that stood when the fit last took a call
+    (`start_break_even`'s reason): renewed by every plain call while no cycle is timed, it
+    moved the price of cycles timed at another moment of the machine (batch 1 on the 2-core
+    Xeon VM, model 207: cycles fitted during a slow spell, then plain steps timed 15% faster
+    raised the learned engine's price of a full cycle, its largest size (11), from 6.0 to 7.3 AR
+    steps over 40 plain requests; docs/cpu_amx/fit_spike_2026-12-07)."""
     if rows != 1 or not self.one_plain_floor:
       return None
-    fit, plain = self._fit(1), self.plain_step_s(1)
+    fit, plain = self._fit(1), self._plain_at_fit.get(1) or self.plain_step_s(1)
     step = fit.seconds(0)
     if plain is None or step is None or step >= plain:
       return None
