@@ -55,7 +55,7 @@ restarted. One request's calls are held alike. They back off after every miss an
 steps, so its fit tells the two prices apart, and they were fitted at once; but one call three
 times slower than its like (16 cycles and 2 AR steps in 310 ms among calls of ~70 ms, in a slow
 spell of the 2-core Xeon VM, model 207) priced the AR step below zero, and the learned default's
-break-even of a b = 8 cycle stood at 12-16 AR steps (3-5 before) for the rest of its batch-1
+price of a b = 8 cycle stood at 8.5-14 AR steps (3-5 before; replayed) for the rest of its batch-1
 run: its requests went plain, and no cycle ran that could correct it (0.90x b = 8's decode
 speed over that run; docs/cpu_amx/fit_spike_2026-12-07). A fit that prices the AR step at or
 below zero keeps its previous shape on the calls' scale instead (`_Fit.update`); floored, it

@@ -614,10 +614,10 @@ class Scheduler:
   def _probe_plain(self, b: int, bucket: _Bucket) -> None:
     """Times the plain loop without a request decoding plain (`StartBackoff.plain_probes`,
     `Engine.plain_probe_due`; or, where that loop is untimed at the batch size but compiled,
-    `Engine.plain_probe_untimed`, `plain_loop_ready`): after a call of speculative bucket `b` at the batch size, while
-    the plain bucket holds no request and none waits for it (else its own calls time it),
-    copies that bucket's decoding rows into the plain bucket's free slots (`Engine.
-    move_program`, which leaves them where they are), runs one call of `PROBE_STEPS` plain
+    `Engine.plain_probe_untimed`, `plain_loop_ready`): after a call of speculative bucket `b`
+    at the batch size, while the plain bucket holds no request and none waits for it (else its
+    own calls time it), copies that bucket's decoding rows into the plain bucket's free slots
+    (`Engine.move_program`, which leaves them where they are), runs one call of `PROBE_STEPS` plain
     steps on them, booked as a plain call (`Engine.loop_ran`: it prices the plain step at the
     batch size), and empties those slots again: the copies' tokens are dropped, the rows
     decode on as they were. Its seconds (the copies' and the call's) are split among the rows
