@@ -51,8 +51,9 @@ step fitted too cheap, bounded in `break_even`). The held call waits for the nex
 ran every kind of forward it ran: off the same way, the two are a change and the fit restarts
 on them; otherwise (within the bar, or off the other way) the held call is dropped. At most
 every other call is held, and none before the fit has `min_calls` calls since it began or last
-restarted. One request's calls are held alike. They back off after every miss and run many AR
-steps, so its fit tells the two prices apart, and they were fitted at once; but one call three
+restarted. One request's calls are held only where they would price the AR step at or below
+zero. They back off after every miss and run many AR steps, so its fit tells the two prices
+apart, and they were fitted at once; but one call three
 times slower than its like (16 cycles and 2 AR steps in 310 ms among calls of ~70 ms, in a slow
 spell of the 2-core Xeon VM, model 207) priced the AR step below zero, and the learned default's
 price of a b = 8 cycle stood at 8.5-14 AR steps (3-5 before; replayed) for the rest of its batch-1
@@ -395,8 +396,9 @@ class OnlineCosts:
   parameter it could not pin, and one run's break-even of a full cycle rose to 14.9 AR steps
   against 4.0 without them, every request then starting plain; /tmp/b36/B1dec). A batch
   size's break-even is the prior's until its fit has seen `min_calls` calls (`MIN_CALLS`).
-  `hold_outliers`: a call off alone is held out of its fit until a call like it confirms a
-  change or refutes it (module doc), a batch's and one request's alike; False: fitted at once.
+  `hold_outliers`: a batch's call off alone is held out of its fit until a call like it
+  confirms a change or refutes it (module doc), one request's only where fitting it would price
+  the AR step at or below zero (a stall); False: every call fitted at once.
   `one_plain_floor`: one request's AR step costs at least the plain AR loop's step, once that
   loop has been timed (`break_even`); False: the fit's own step."""
 
