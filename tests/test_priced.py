@@ -212,6 +212,37 @@ def test_start_backoff_starts_deep_after_losing_requests_and_explores():
   assert [starts.start(4.0, 16) for _ in range(4)] == [(4, 16)] * 3 + [(0, 0)]
 
 
+def test_a_request_alone_weighs_the_recent_taus_spread_over_requests():
+  """`StartBackoff.tau_upper`: the recent τ plus one standard error over the requests (a ratio
+  estimator, each request a cluster of its cycles). Requests alike read their τ; three hard
+  prompts among easy ones (T = 0: a prompt's τ says nothing of the next one's) leave the next
+  request drafting where the pooled τ alone would start it deep, and a window of hard prompts
+  alone still starts deep. `spread_z` 0: the pooled τ, the rule before."""
+  import math
+  from bp_jax.decoding.start_backoff import StartBackoff
+  alike = StartBackoff()
+  for _ in range(8):
+    alike.observe([2, 2, 2])
+  assert alike.tau_upper() == pytest.approx(2.0) and alike.start(4.0, 16) == (4, 16)
+  mixed, before = StartBackoff(), StartBackoff(spread_z=0.0)
+  easy, hard = [6] * 20, [2] * 6 + [1] * 4  # 120 tokens in 20 cycles; 16 in 10
+  for rule in (mixed, before):
+    for cycles in [easy] * 5 + [hard] * 3:
+      rule.observe(cycles)
+  tau = (5 * 120 + 3 * 16) / (5 * 20 + 3 * 10)
+  assert mixed.tau() == before.tau() == pytest.approx(tau)  # 4.98
+  res = [120 - tau * 20] * 5 + [16 - tau * 10] * 3
+  se = math.sqrt(sum(e * e for e in res) / (8 * 7 * (130 / 8) ** 2))
+  assert mixed.tau_upper() == pytest.approx(tau + se) and before.tau_upper() == tau
+  price = (tau + se / 2) / 0.8  # the pooled τ below 0.8 x the price, within one error of it
+  assert before.start(price, 16) == (4, 16) and before.alone_plain_now(price)
+  assert mixed.start(price, 16) == (0, 0) and not mixed.alone_plain_now(price)
+  assert mixed.start((tau + 2 * se) / 0.8, 16) == (4, 16)  # below by more than its error
+  for _ in range(8):  # the window all hard prompts: deep, its spread small
+    mixed.observe(hard)
+  assert mixed.tau_upper() == pytest.approx(1.6) and mixed.start(price, 16) == (4, 16)
+
+
 @pytest.mark.parametrize("probes", [False, True])
 def test_a_batchs_start_weighs_the_plain_price_with_runs_of_explorers(probes):
   """`batch_plain` (a batch's deep start decodes in the plain AR bucket): a request drafts when
@@ -574,7 +605,7 @@ def test_an_untimed_plain_loop_is_probed_where_it_is_compiled(
     for w in window_buckets(eng.max_len):
       eng.slots_program(1, eng.slot_carry(1, compiled=False),
                         max_pos=max(0, w - 1 - eng.sync_cycles // 2), form=SamplingForm.GREEDY)
-  assert eng.plain_probe_untimed(B) == untimed
+  assert eng.plain_probe_untimed(B) == (untimed and compiled)
   sched = eng.scheduler(track_progress=False)
   for i, (p, m) in enumerate(zip(prompts, max_news)):
     sched.submit(eng.batch_request(i, p, m, block_size=B))
@@ -587,7 +618,7 @@ def test_an_untimed_plain_loop_is_probed_where_it_is_compiled(
   probed = compiled and untimed
   assert eng.plain_probes == int(probed), (compiled, untimed)
   assert (eng.prices.plain_step_s(3) is not None) == probed
-  assert eng.plain_probe_untimed(B) == (untimed and not compiled)  # (probed: timed now)
+  assert not eng.plain_probe_untimed(B)  # probed: timed now; else untimed but not compiled
   assert (1 in sched.buckets) == probed and all(b.live() == 0 for b in sched.buckets.values())
 
 

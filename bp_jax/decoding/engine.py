@@ -813,12 +813,21 @@ class Engine:
 
   def plain_probe_untimed(self, block_size: int) -> bool:
     """Whether a batch drafting at `block_size` would time its plain loop by a probe because
-    that loop is untimed at the batch size (`StartBackoff.probe_untimed`): the start-up forward
-    prices its step meanwhile (`StartBackoff.forward_prior`), which is no bound. The caller
-    probes only where the plain loop's program is ready (`plain_loop_ready`): compiling it for
-    a short decode that drafts throughout would cost more than the forward's error."""
+    that loop is untimed at the batch size (`StartBackoff.probe_untimed`) and compiled there
+    for some window: the start-up forward prices its step meanwhile
+    (`StartBackoff.forward_prior`), which is no bound. The caller probes only where the plain
+    loop of the rows' window is ready (`plain_loop_ready`): compiling it for a short decode
+    that drafts throughout would cost more than the forward's error. Where no plain loop is
+    compiled at the batch size (decode.py without precompile) this is false without the
+    caller reading the rows back from the device after each call."""
     return (self._probes_on(block_size) and self.starts.probe_untimed and self._forward_prior
-            and not self._plain_priced(self.batch_size))
+            and not self._plain_priced(self.batch_size) and self._plain_loop_compiled())
+
+  def _plain_loop_compiled(self) -> bool:
+    """Whether any plain loop at the batch size is compiled (any window, any form): a host
+    lookup over the compiled programs' keys (`options.LoopOptions.key`)."""
+    head = ("batch_ar_loop", 1, self.batch_size)
+    return any(key[:3] == head for key in self.compiled.keys())
 
   def plain_loop_ready(self, max_pos: int, form: SamplingForm) -> bool:
     """Whether the plain loop a probe of decoding rows up to `max_pos` sampling in `form` would

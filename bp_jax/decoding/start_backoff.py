@@ -20,6 +20,18 @@ renew a cycle's price in AR steps (a plain start's call does not feed the fit; i
 plain step that bounds the AR step from below, `OnlineCosts.one_plain_floor`), so a cycle
 that becomes cheaper while the choice is clearly deep is seen within 16 requests there, not 4.
 
+The recent τ is weighed with its own uncertainty (`spread_z`): a request alone starts deep
+only where the recent τ plus one standard error over the recent requests (`tau_upper`; the
+requests as clusters of cycles) stays below `margin` x the price. At T = 0 prompts differ widely
+and a prompt's τ says nothing of the next one's (HumanEval's evaluation half, b = 8 on the
+2-core Xeon, model 207: log speed-up over AR per prompt, sd 0.26-0.29, lag-1 autocorrelation
+-0.01 to 0.07 in three runs), so a stretch of three or four hard prompts in the window of 8 sent
+easy ones plain: the learned engine's plain starts at b = 8 fell on prompts that b = 8 sped up
+about as much as any (1.37x against 1.41x AR at the median; 1.13x against 1.17x, 1.21x against
+1.26x in two earlier runs) and cost it 4-5% of its decode time against b = 8 in its own
+engine (docs/cpu_amx/start_spread_2026-12-07). At T = 1 the requests' τ sit close together
+far below the price (τ ~2.2 against 4.5-8 AR steps) and the bound barely moves the choice.
+
 A request decoded alone that would start deep runs the plain AR loop instead
 (`LoopOptions.start_plain`, `Engine.starts_plain`): no probing cycle at all, where each costs
 several AR steps (batch 1, T = 1 on the demo: 0.990x AR against 0.865x with the deep start's
@@ -104,7 +116,9 @@ class StartBackoff:
   batch_explores: requests taking a batch's slot explore too (False: a batch's periodic
   probes, one cycle for all its rows every cap steps, keep τ current, and an exploring row made
   the whole batch run a cycle on entering it); margin: a deep start needs the recent committed
-  tokens per cycle below `margin` x the cycle's break-even;
+  tokens per cycle below `margin` x the cycle's break-even; spread_z: a request alone (or a
+  batch's without `batch_plain`) weighs the recent τ plus this many of its standard errors
+  over the recent requests (`tau_upper`; 0: the τ itself, as a batch's rule does);
   batch_plain: a batch's deep start decodes in the plain AR bucket (see the module doc; the
   batch explores in runs then, `batch_explores` unused); batch_explore_every: one run of
   `rows` requests in this many takes the side the recent requests did not choose, while the
@@ -182,6 +196,7 @@ class StartBackoff:
   explore_max: int = 16
   batch_explores: bool = False
   margin: float = 0.8
+  spread_z: float = 1.0
   batch_plain: bool = False
   batch_explore_every: int = 8
   batch_explore_max: int = 32
@@ -227,6 +242,19 @@ class StartBackoff:
     cycles = sum(c for _, c in self._recent)
     return None if cycles < self.min_cycles else sum(t for t, _ in self._recent) / cycles
 
+  def tau_upper(self) -> float | None:
+    """The recent τ (`tau`) plus `spread_z` standard errors of it over the recent requests
+    (None: too few cycles): a ratio estimator's, each request a cluster of cycles, so a window
+    whose requests committed alike per cycle reads its τ, and one that mixes hard requests with
+    easy ones reads above it. Fewer than two requests with cycles: the τ itself."""
+    tau = self.tau()
+    seen = [(t, c) for t, c in self._recent if c]
+    if tau is None or len(seen) < 2 or self.spread_z <= 0:
+      return tau
+    n, mean_cycles = len(seen), sum(c for _, c in seen) / len(seen)
+    var = sum((t - tau * c) ** 2 for t, c in seen) / (n * (n - 1) * mean_cycles ** 2)
+    return tau + float(self.spread_z) * math.sqrt(var)
+
   def batch_tau(self) -> float | None:
     """The τ a batch's rule weighs: the recent cycles' (`tau`), or before enough were seen
     `batch_prior_tau`. A batch's first run drafting where drafting loses costs every row of
@@ -241,7 +269,8 @@ class StartBackoff:
     """(misses, AR steps) the next request (in a loop of `rows` slots) starts with: (0, 0) to
     draft first; a deep start (the misses after which one more backs off `cap` steps, and `cap`
     steps: never more, the loop's room for pending drafter context) when the recent cycles
-    committed below `margin` x `break_even` tokens and this request does not explore.
+    committed below `margin` x `break_even` tokens, by more than their spread over the requests
+    says at one row (`tau_upper`), and this request does not explore.
 
     Explorers cost: at batch 1, T = 1 on the demo each drafts a request where the others
     decode plain (0.939x AR against 0.991x with explorers thinned to one in 32 while they
@@ -254,7 +283,7 @@ class StartBackoff:
     that test the break-even rose, 4.2 to 4.6, where the cycle's price had fallen to 1.2)."""
     if rows > 1 and self.batch_plain:
       return self._batch_start(self.batch_tau(), break_even, cap, rows, plain_priced)
-    tau = self.tau()
+    tau = self.tau_upper()
     if not self._deep_alone(tau, break_even):
       self._deep, self._explored = 0, None
       return 0, 0
@@ -320,13 +349,15 @@ class StartBackoff:
 
   def alone_plain_now(self, break_even: float) -> bool:
     """Whether a request decoded alone that is no explorer would start deep now (`start`'s
-    rule at one row, without counting a start): the recent cycles committed fewer tokens than
-    `margin` x `break_even`."""
-    return self._deep_alone(self.tau(), break_even)
+    rule at one row, without counting a start): the recent cycles committed fewer tokens, by
+    more than their spread over the requests says (`tau_upper`), than `margin` x
+    `break_even`."""
+    return self._deep_alone(self.tau_upper(), break_even)
 
   def _deep_alone(self, tau: float | None, break_even: float) -> bool:
     """The rule at one row (and in a batch without `batch_plain`): deep when the recent
-    cycles committed fewer tokens (τ) than `margin` x `break_even` (drafting before any τ)."""
+    cycles' τ, with its spread (`tau_upper`), is below `margin` x `break_even` (drafting
+    before any τ)."""
     return tau is not None and tau < self.margin * break_even
 
   def _plain(self, tau: float | None, break_even: float, plain_priced: bool = True) -> bool:
