@@ -105,6 +105,30 @@ def test_the_engine_declines_only_where_a_declined_cycle_saves_enough(zeros_mode
     assert eng.evidence_state is not None  # the gate keeps its evidence either way
 
 
+def test_each_block_size_declines_by_its_own_verify(zeros_models):
+  """Left to the engine's costs, the decline is each loop's own: in an engine of sizes 2 and 4
+  whose 4-token verify saves 0.9 AR steps and whose 2-token one 0.5 less than that, only the
+  size-4 loop declines (`LoopOptions.decline_sizes`); given, every size as given."""
+  from bp_jax.decoding.engine import Engine
+  from bp_jax.decoding.options import LoopOptions, ShapeOptions
+  costs = dict(controller="priced", controller_costs="1,1.3,1.9", controller_draft_cost=0.8)
+  assert declines_by_costs((1.0, 1.3, 1.9), 4, 1) and not declines_by_costs((1.0, 1.3, 1.9), 2, 1)
+  shapes = ShapeOptions(max_len=128, length_buckets=(16, 32, 64), block_sizes=(1, 2, 4))
+  engine = lambda **kw: Engine(zeros_models[0], drafter=zeros_models[1], shapes=shapes,
+                               loop=LoopOptions(**costs, **kw))
+  eng = engine()
+  opts = eng.programs.options
+  assert opts.controller_decline is True and opts.decline_sizes == (4,)
+  assert [opts.for_loop(b).controller_decline for b in (2, 4)] == [False, True]
+  assert opts.for_loop(4).decline_sizes is None  # resolved in each loop's own options
+  prompt, ar = toy_requests(1)[0][0], Engine(zeros_models[0], shapes=shapes)
+  want = ar.generate(prompt, max_new_tokens=24).output_ids
+  for b in (2, 4):  # each loop as built: AR's tokens
+    assert eng.generate(prompt, max_new_tokens=24, block_size=b).output_ids == want
+  given = engine(controller_decline=True).programs.options
+  assert given.decline_sizes is None and all(given.for_loop(b).controller_decline for b in (2, 4))
+
+
 # -- the loops ----------------------------------------------------------------------------------
 def _declined(gens) -> int:
   """Cycles that verified none of their drafts (a forward over 1 token after a drafter pass)."""

@@ -266,15 +266,17 @@ class Engine:
   def _declining(self, loop: LoopOptions) -> LoopOptions:
     """`loop` with the priced decline decided where it is left to the engine
     (`controller_decline` None): on where a declined cycle saves at least `DECLINE_MIN_SAVING`
-    AR steps at the costs in effect, the verify of the largest block size against an AR step
-    (`options.declines_by_costs`), else off: the loop then holds one verify and no loop of zero
+    AR steps at the costs in effect, the verify of a block size against an AR step
+    (`options.declines_by_costs`), in the loops of the sizes where it does
+    (`LoopOptions.decline_sizes`), else off: the loop then holds one verify and no loop of zero
     or one trips around it."""
     spec_sizes = [b for b in self.block_sizes if b > 1]
     if (loop.controller_decline is not None or loop.controller != "priced"
         or loop.controller_costs is None or not spec_sizes):
       return loop
-    return loop.replace(controller_decline=declines_by_costs(
-        loop.controller_costs, max(spec_sizes), loop.ar_step_tokens_in_effect()))
+    step = loop.ar_step_tokens_in_effect()
+    sizes = tuple(b for b in spec_sizes if declines_by_costs(loop.controller_costs, b, step))
+    return loop.replace(controller_decline=bool(sizes), decline_sizes=sizes or None)
 
   def _priced(self, loop: LoopOptions, target, drafter, batch_size: int,
               cost_cache: str | None, measured: ForwardCosts | None) -> LoopOptions:

@@ -109,8 +109,8 @@ class BatchOptions:
 
 
 # `LoopOptions.controller_decline` None keeps the decline where a declined cycle saves at least
-# this many AR steps: the verify of the engine's largest block size less an AR step, in the
-# costs in effect. It saves at most that per declined cycle, and every cycle pays for it: its
+# this many AR steps: the verify of a loop's block size less an AR step, in the costs in effect
+# (each size's loop its own verdict, `LoopOptions.decline_sizes`). It saves at most that per declined cycle, and every cycle pays for it: its
 # full verify runs behind a branch (one branch index per cycle, a wait of the host for the
 # device on a GPU) and its drafter probabilities over the vocabulary. On this
 # CPU a b = 8 verify costs 1.9-2.5 AR steps (saving 0.9-1.5: kept); on an H100 at Qwen3-4B
@@ -157,7 +157,13 @@ class LoopOptions:
       decides from its costs (`declines_by_costs`): on where a verify of its largest block
       size costs at least `DECLINE_MIN_SAVING` AR steps more than an AR step, off where a
       declined cycle would save less (on an H100 at Qwen3-4B shapes, batches 1-8); a loop
-      built outside an engine declines.
+      built outside an engine declines. Decided so, the loops of smaller block sizes whose
+      verify saves less decline nothing (`decline_sizes`).
+    decline_sizes: with `controller_decline` on, the block sizes whose loops decline (None:
+      every size); the engine sets it where it decided the decline from its costs: a block-size
+      policy's engine (sizes up to 11) declined at b = 8 too, where b = 8's own engine, its
+      verify saving less, did not (the 2-core Xeon, model 207: a b = 8 verify 1.43 AR steps).
+      `for_loop` resolves it into each loop's `controller_decline`.
     controller_persist: `priced`: after a miss the rows take AR steps only while the cycles
       right after misses commit clearly less than cycles do on average (`evidence`: where one
       cycle's acceptance says nothing of the next, backing off is a pure loss); False: every
@@ -209,6 +215,7 @@ class LoopOptions:
   controller_poor_miss: bool = False
   controller_calibration: tuple[float, ...] | None = None
   controller_decline: bool | None = None
+  decline_sizes: tuple[int, ...] | None = None
   controller_persist: bool = True
   online_costs: bool | None = None
   start_backoff: bool = True
@@ -251,6 +258,8 @@ class LoopOptions:
          controller_poor_miss=bool(self.controller_poor_miss),
          controller_decline=(None if self.controller_decline is None
                              else bool(self.controller_decline)),
+         decline_sizes=(None if self.decline_sizes is None
+                        else tuple(sorted(int(b) for b in self.decline_sizes))),
          controller_persist=bool(self.controller_persist),
          online_costs=None if self.online_costs is None else bool(self.online_costs),
          start_backoff=bool(self.start_backoff), start_plain=bool(self.start_plain),
@@ -295,10 +304,15 @@ class LoopOptions:
     the engine's rule: at T = 0 both rules are the greedy rule, one computation (the drafter's
     argmax, kept while it equals the target's), so an engine of either rule runs the same
     greedy program. A batched loop's forwards per call (`BatchOptions.sync_cycles`) are an
-    argument of its calls, not an option."""
+    argument of its calls, not an option. The decline is this block size's
+    (`decline_sizes`)."""
     exact = forced or SamplingForm(form) == SamplingForm.GREEDY
+    decline = self.controller_decline
+    if decline and self.decline_sizes is not None:  # this size's own verdict (`decline_sizes`)
+      decline = int(block_size) in self.decline_sizes
     return self.replace(block_size=block_size, forced_drafts=forced, window=window,
-                        verify="exact" if exact else self.verify, sampling_form=form)
+                        verify="exact" if exact else self.verify, sampling_form=form,
+                        controller_decline=decline, decline_sizes=None)
 
   def ar_program(self) -> tuple:
     """What an AR loop of these options is built from (`loops.make_batched_ar_loop` and
