@@ -225,9 +225,10 @@ def get_config() -> ml_collections.ConfigDict:
   # miss) when the drafter's probabilities, scaled to the acceptance the recent cycles measured,
   # expect fewer tokens than the verify of all of them costs AR steps on this machine (the
   # drafter pass, paid already, not counted; bp_jax/decoding/decline.py); False: every cycle
-  # verifies all its drafts; "auto": on where the costs measured here price a declined cycle at
-  # least half an AR step below a full one (bp_jax/decoding/options.py DECLINE_MIN_SAVING: on
-  # the development CPU, not on an H100 at Qwen3-4B shapes below batch 16).
+  # verifies all its drafts; "auto": on in the loops of the block sizes where the costs measured
+  # here price a declined cycle at least half an AR step below a full one
+  # (bp_jax/decoding/options.py DECLINE_MIN_SAVING: on the development CPU; not at b = 8 on the
+  # model-207 Xeon, nor on an H100 at Qwen3-4B shapes below batch 16).
   c.controller_decline = "auto"
   # priced: after a miss, the rows take AR steps only while the cycles right after misses commit
   # clearly fewer tokens than cycles do on average (bp_jax/decoding/evidence.py): where one

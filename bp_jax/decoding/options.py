@@ -110,10 +110,12 @@ class BatchOptions:
 
 # `LoopOptions.controller_decline` None keeps the decline where a declined cycle saves at least
 # this many AR steps: the verify of a loop's block size less an AR step, in the costs in effect
-# (each size's loop its own verdict, `LoopOptions.decline_sizes`). It saves at most that per declined cycle, and every cycle pays for it: its
-# full verify runs behind a branch (one branch index per cycle, a wait of the host for the
-# device on a GPU) and its drafter probabilities over the vocabulary. On this
-# CPU a b = 8 verify costs 1.9-2.5 AR steps (saving 0.9-1.5: kept); on an H100 at Qwen3-4B
+# (each size's loop its own verdict, `LoopOptions.decline_sizes`). It saves at most that per
+# declined cycle, and every cycle pays for it: its full verify runs behind a branch (one branch
+# index per cycle, a wait of the host for the device on a GPU) and its drafter probabilities
+# over the vocabulary. On the first development CPU a b = 8 verify cost 1.9-2.5 AR steps (saving
+# 0.9-1.5: kept), on the 2-core Xeon of model 207 1.43 (off: b = 8 with the decline forced on
+# ran 0.961x b = 8 without it, docs/cpu_amx/start_spread_2026-12-07); on an H100 at Qwen3-4B
 # shapes a b = 16 verify cost 1.23 / 1.44 / 1.90 AR steps at batch 4 / 8 / 16 (saving 0.23 /
 # 0.44 / 0.90), and at batch 1 a 16-token forward cost less than the AR step; replayed at an
 # accelerator's prices the decline gained 0.999-1.000x (docs/results/controller.md).
@@ -154,11 +156,10 @@ class LoopOptions:
       (a miss) when they are not expected to commit more tokens than their verify costs AR
       steps, by the drafter's probabilities scaled to the acceptance measured on the recent
       cycles (`decline`); False: every cycle verifies all its drafts. None: the engine
-      decides from its costs (`declines_by_costs`): on where a verify of its largest block
-      size costs at least `DECLINE_MIN_SAVING` AR steps more than an AR step, off where a
-      declined cycle would save less (on an H100 at Qwen3-4B shapes, batches 1-8); a loop
-      built outside an engine declines. Decided so, the loops of smaller block sizes whose
-      verify saves less decline nothing (`decline_sizes`).
+      decides from its costs (`declines_by_costs`): on in the loops of the block sizes whose
+      verify costs at least `DECLINE_MIN_SAVING` AR steps more than an AR step
+      (`decline_sizes`), off where a declined cycle would save less (on an H100 at Qwen3-4B
+      shapes, batches 1-8); a loop built outside an engine declines.
     decline_sizes: with `controller_decline` on, the block sizes whose loops decline (None:
       every size); the engine sets it where it decided the decline from its costs: a block-size
       policy's engine (sizes up to 11) declined at b = 8 too, where b = 8's own engine, its

@@ -25,11 +25,12 @@ only where the recent τ plus one standard error over the recent requests (`tau_
 requests as clusters of cycles) stays below `margin` x the price. At T = 0 prompts differ widely
 and a prompt's τ says nothing of the next one's (HumanEval's evaluation half, b = 8 on the
 2-core Xeon, model 207: log speed-up over AR per prompt, sd 0.26-0.29, lag-1 autocorrelation
--0.01 to 0.07 in three runs), so a stretch of three or four hard prompts in the window of 8 sent
+0.03-0.07 in three runs), so a stretch of three or four hard prompts in the window of 8 sent
 easy ones plain: the learned engine's plain starts at b = 8 fell on prompts that b = 8 sped up
 about as much as any (1.37x against 1.41x AR at the median; 1.13x against 1.17x, 1.21x against
-1.26x in two earlier runs) and cost it 4-5% of its decode time against b = 8 in its own
-engine (docs/cpu_amx/start_spread_2026-12-07). At T = 1 the requests' τ sit close together
+1.26x in two earlier runs) and cost it 3.8-5.4% of its decode time against b = 8 in its own
+engine (docs/cpu_amx/start_spread_2026-12-07: none plain with the bound, 0.971x b = 8's decode
+speed against 0.903x in the run before it). At T = 1 the requests' τ sit close together
 far below the price (τ ~2.2 against 4.5-8 AR steps) and the bound barely moves the choice.
 
 A request decoded alone that would start deep runs the plain AR loop instead
