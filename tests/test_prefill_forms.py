@@ -286,3 +286,48 @@ def test_a_batchs_learned_request_routed_plain_is_prefilled_without_its_policy(m
   gens = engine.generate_batch(prompts, max_new_tokens=8, block_size=LEARNED)
   assert [g.output_ids for g in gens] == want
   assert all(g.policy_block_size in SIZES and len(g.policy_probs) == len(SIZES) for g in gens)
+
+
+def test_a_learned_request_alone_routed_plain_is_prefilled_without_its_policy(models,
+                                                                             monkeypatch):
+  """Alone (`Engine.routes_alone_early`), the start rule routes a learned request before its
+  prefill, as a request of `route_size`: one it routes plain is prefilled by the target alone
+  and decodes plain at that size, its policy not run (`policy_block_size` None), AR's tokens,
+  nothing compiled past `precompile(policy=True)`; one it routes to draft runs its policy and
+  decodes at the pick. Either way one start is counted per request."""
+  from compile_counting import BackendCompiles
+  from bp_jax.decoding.options import LoopOptions
+  target, drafter = models
+  engine = Engine(target, drafter=drafter, policy=_policy("last_hidden"), policy_sizes=SIZES,
+                  shapes=ShapeOptions(max_len=MAX_LEN, length_buckets=(16, P),
+                                      block_sizes=SIZES),
+                  loop=LoopOptions(controller="priced", start_backoff=True, start_plain=True,
+                                   controller_costs="1,3,6", controller_draft_cost=3.0))
+  assert engine.routes_alone_early and engine.joint_size is None
+  size = engine.route_size
+  assert size in SIZES and size > 1
+  prompts = _prompts(4, seed=9)
+  ar = Engine(target, shapes=ShapeOptions(max_len=MAX_LEN, length_buckets=(16, P)))
+  want = [ar.generate(p, max_new_tokens=8).output_ids for p in prompts]
+  route_plain, starts = {"plain": True}, []
+  original_plain, original_start = engine.starts_plain, engine.request_start
+  monkeypatch.setattr(engine, "starts_plain", lambda b, start, forced=False: (
+      b > 1 and route_plain["plain"]) or original_plain(b, start, forced))
+  monkeypatch.setattr(engine, "request_start", lambda b, rows=1: starts.append(b) or
+                      original_start(b, rows))
+  engine.precompile(engine.learned_sizes, policy=True)
+  with BackendCompiles() as compiles:
+    gens = [engine.generate(p, max_new_tokens=8, block_size=LEARNED) for p in prompts]
+  assert compiles.n == 0
+  assert [g.output_ids for g in gens] == want
+  for g in gens:
+    assert (g.block_size, g.plain_start, g.policy_block_size, g.policy_probs) == (
+        size, True, None, None)
+    assert g.drafter_passes == 0
+  assert starts == [size] * len(prompts)
+  route_plain["plain"], starts[:] = False, []  # drafting where the rule lets it: the policy picks
+  gens = [engine.generate(p, max_new_tokens=8, block_size=LEARNED) for p in prompts]
+  assert [g.output_ids for g in gens] == want
+  assert all(g.policy_block_size in SIZES and len(g.policy_probs) == len(SIZES) for g in gens)
+  assert all(g.block_size == g.policy_block_size for g in gens)
+  assert starts == [size] * len(prompts)

@@ -217,6 +217,7 @@ class Engine:
     self._policy_prices_at: tuple | None = None
     self._last_pick = 0  # the block size the last learned request's policy picked (0: none)
     self._joint: int | None = None  # `joint_size`, once chosen
+    self._route_alone: int | None = None  # `route_size` alone, once chosen
     self._batch_prior: float | None = None  # `batch_prior_tau` at it (0.0: none), once computed
     self.mesh = mesh
     if mesh is not None:  # weights by the rule table, caches by rows; jit propagates the rest
@@ -463,6 +464,7 @@ class Engine:
     self.policy_key, self.policy_sizes = policy.arch.signature, sizes
     self.policy = policy
     self._placed_prices, self._last_pick, self._joint, self._batch_prior = None, 0, None, None
+    self._route_alone = None
 
   @property
   def joint_size(self) -> int | None:
@@ -537,6 +539,37 @@ class Engine:
     its end-to-end time against a fixed size."""
     return (self.batch_size > 1 and self.may_start_plain and self.drafter is not None
             and self.joint_size is not None)
+
+  @property
+  def routes_alone_early(self) -> bool:
+    """Whether a learned request decoded alone (`generate`) is routed before its prefill, as a
+    batch's is (`routes_learned_early`): its speculative picks may start plain (priced starts,
+    plain starts on), so the start rule weighs it as a request of `route_size` first; one it
+    routes plain (the recent requests' cycles lost: every speculative size would start plain
+    bar its own price) is prefilled by the target alone and its policy does not run; one it
+    routes to draft (or explores) runs its policy and drafts at the pick, from that start.
+    Batch 1, T = 1 on the 2-core Xeon (model 207), where nearly every request decodes plain,
+    the learned default's speed over AR read 1.1% lower end to end than in decode time (its
+    policy's prefill), b = 8's in the same engine 0.1% (docs/cpu_amx/start_spread_2026-12-07).
+    A pick of size 1 is counted as a start of `route_size` (it was none before): its route is
+    taken before the pick is known."""
+    return (self.batch_size == 1 and self.may_start_plain and self.starts is not None
+            and self.drafter is not None and self.route_size is not None)
+
+  @property
+  def route_size(self) -> int | None:
+    """The speculative size a learned request is routed as before its prefill: the joint size
+    in a batch (`joint_size`), alone the size the joint size's rule would choose (the prior's
+    cheapest at the engine's prices, or the middle one), chosen at its first use and kept;
+    None without a policy's speculative size."""
+    if self.joint_size is not None:
+      return self.joint_size
+    spec = sorted(b for b in self.policy_sizes if b > 1)
+    if not spec:
+      return None
+    if self._route_alone is None:
+      self._route_alone = self._cheapest_size(spec)
+    return self._route_alone
 
   def decode_size(self, picked: int) -> int:
     """The block size a request whose policy picked `picked` decodes at: the joint size for a
@@ -1099,13 +1132,22 @@ class Engine:
                             f"or above ({', '.join(f.name for f in SamplingForm)})")
       form = SamplingForm(sampling_form)
     seed_key = jax.random.key(seed)
-    req = BatchRequest(0, prompt_ids, max_new_tokens, seed, block_size, sampling=settings)
     forced = forced_continuation is not None
     # A fixed size's start is known before the prefill (a plain one's needs no drafter
-    # context, `plain_prefill`); a learned size's once its policy chose.
+    # context, `plain_prefill`); a learned size's once its policy chose, or before its prefill
+    # where the start rule routes it (`routes_alone_early`): routed plain, it decodes as a
+    # plain request of the route's size and its policy does not run.
     learned = isinstance(block_size, str)
-    start = None if learned else self.request_start(block_size)
+    start = None
+    if learned and not forced and self.routes_alone_early:
+      size = self.route_size
+      start = self.request_start(size)
+      if self.starts_plain(size, start, forced):
+        learned, block_size = False, size
+    elif not learned:
+      start = self.request_start(block_size)
     plain = not learned and self.starts_plain(block_size, start, forced)
+    req = BatchRequest(0, prompt_ids, max_new_tokens, seed, block_size, sampling=settings)
     pre, block_size, prefill_s, probs = self.stage(
         req, (self.cache, self.draft_cache), form, run_size=1 if plain else None,
         return_features=return_features)
@@ -1115,7 +1157,7 @@ class Engine:
                 else None)
     forced_seq = self._forced_seq(n, forced_continuation) if forced else None
     if learned:
-      start = self.request_start(block_size)
+      start = self.request_start(block_size) if start is None else start  # (routed: drafting)
       plain = self.starts_plain(block_size, start, forced)
       if not plain:  # its drafter context, where the prefill left it for now
         pre, context_s = self.build_draft_context(pre, n)
