@@ -544,10 +544,10 @@ class Engine:
   def routes_alone_early(self) -> bool:
     """Whether a learned request decoded alone (`generate`) is routed before its prefill, as a
     batch's is (`routes_learned_early`): its speculative picks may start plain (priced starts,
-    plain starts on), so the start rule weighs it as a request of `route_size` first; one it
-    routes plain (the recent requests' cycles lost: every speculative size would start plain
-    bar its own price) is prefilled by the target alone and its policy does not run; one it
-    routes to draft (or explores) runs its policy and drafts at the pick, from that start.
+    plain starts on), so the start rule weighs it as a request of `route_size` first (the
+    recent requests' cycles against that size's price); one it routes plain is prefilled by the
+    target alone and its policy does not run; one it routes to draft (or an explorer) runs its
+    policy and drafts at the pick, from that start.
     Batch 1, T = 1 on the 2-core Xeon (model 207), where nearly every request decodes plain,
     the learned default's speed over AR read 1.1% lower end to end than in decode time (its
     policy's prefill), b = 8's in the same engine 0.1% (docs/cpu_amx/start_spread_2026-12-07).
