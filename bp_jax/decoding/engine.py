@@ -553,8 +553,8 @@ class Engine:
     policy's prefill), b = 8's in the same engine 0.1% (docs/cpu_amx/start_spread_2026-12-07).
     A pick of size 1 is counted as a start of `route_size` (it was none before): its route is
     taken before the pick is known."""
-    return (self.batch_size == 1 and self.may_start_plain and self.starts is not None
-            and self.drafter is not None and self.route_size is not None)
+    return (self.batch_size == 1 and self.may_start_plain and self.drafter is not None
+            and self.route_size is not None)
 
   @property
   def route_size(self) -> int | None:
@@ -860,8 +860,9 @@ class Engine:
 
   def _plain_loop_compiled(self) -> bool:
     """Whether any plain loop at the batch size is compiled (any window, any form): a host
-    lookup over the compiled programs' keys (`options.LoopOptions.key`)."""
-    head = ("batch_ar_loop", 1, self.batch_size)
+    lookup over the compiled programs' keys, by their head (name, block size, slots) as
+    `programs.batched_loop_key` builds it."""
+    head = self.programs.batched_loop_key(1, self.batch_size, None)[:3]
     return any(key[:3] == head for key in self.compiled.keys())
 
   def plain_loop_ready(self, max_pos: int, form: SamplingForm) -> bool:

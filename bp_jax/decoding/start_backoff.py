@@ -247,9 +247,9 @@ class StartBackoff:
     """The recent τ (`tau`) plus `spread_z` standard errors of it over the recent requests
     (None: too few cycles): a ratio estimator's, each request a cluster of cycles, so a window
     whose requests committed alike per cycle reads its τ, and one that mixes hard requests with
-    easy ones reads above it. Fewer than two requests with cycles: the τ itself."""
-    tau = self.tau()
-    seen = [(t, c) for t, c in self._recent if c]
+    easy ones reads above it (`observe` keeps requests with cycles only). Fewer than two
+    requests: the τ itself."""
+    tau, seen = self.tau(), self._recent
     if tau is None or len(seen) < 2 or self.spread_z <= 0:
       return tau
     n, mean_cycles = len(seen), sum(c for _, c in seen) / len(seen)
