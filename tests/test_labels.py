@@ -414,7 +414,7 @@ def test_decode_block_policies(setup, stages_done):
                                                 policy=policy))
   assert [r["output_ids"] for r in learned] == outputs  # lossless at T=0
   # A request the priced start rule routed plain before its prefill (it follows the run's
-  # timings: `Engine.routes_alone_early`) ran no policy; every other one picked from 4 sizes.
+  # timings: `Engine.routes_learned_early`) ran no policy; every other one picked from 4 sizes.
   for r in learned:
     assert r["block_size"] in SIZES
     picked = r["policy_block_size"] is not None

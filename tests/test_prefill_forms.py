@@ -7,6 +7,8 @@ feature is wanted."""
 
 from __future__ import annotations
 
+import collections
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -288,13 +290,16 @@ def test_a_batchs_learned_request_routed_plain_is_prefilled_without_its_policy(m
   assert all(g.policy_block_size in SIZES and len(g.policy_probs) == len(SIZES) for g in gens)
 
 
+@pytest.mark.parametrize("path", ["generate", "scheduler"])
 def test_a_learned_request_alone_routed_plain_is_prefilled_without_its_policy(models,
-                                                                             monkeypatch):
-  """Alone (`Engine.routes_alone_early`), the start rule routes a learned request before its
-  prefill, as a request of `route_size`: one it routes plain is prefilled by the target alone
-  and decodes plain at that size, its policy not run (`policy_block_size` None), AR's tokens,
-  nothing compiled past `precompile(policy=True)`; one it routes to draft runs its policy and
-  decodes at the pick. Either way one start is counted per request."""
+                                                                             monkeypatch, path):
+  """Alone (`Engine.routes_learned_early` at batch 1: `generate`, and the scheduler a server
+  runs at batch 1), the start rule routes a learned request before its prefill, as a request
+  of `route_size`: one it routes plain is prefilled by the target alone and decodes plain at
+  that size, its policy not run (`policy_block_size` None), AR's tokens, nothing compiled past
+  `precompile(policy=True)`; one it routes to draft runs its policy and decodes at the pick
+  (routed as either speculative size: a pick that differs from the route's size takes its own
+  bucket). Either way one start is counted per request."""
   from compile_counting import BackendCompiles
   from bp_jax.decoding.options import LoopOptions
   target, drafter = models
@@ -303,21 +308,27 @@ def test_a_learned_request_alone_routed_plain_is_prefilled_without_its_policy(mo
                                       block_sizes=SIZES),
                   loop=LoopOptions(controller="priced", start_backoff=True, start_plain=True,
                                    controller_costs="1,3,6", controller_draft_cost=3.0))
-  assert engine.routes_alone_early and engine.joint_size is None
+  assert engine.routes_learned_early and engine.joint_size is None
   size = engine.route_size
   assert size in SIZES and size > 1
+  decode = ((lambda p: engine.generate(p, max_new_tokens=8, block_size=LEARNED))
+            if path == "generate" else
+            (lambda p: engine.generate_batch([p], max_new_tokens=8, block_size=LEARNED)[0]))
   prompts = _prompts(4, seed=9)
   ar = Engine(target, shapes=ShapeOptions(max_len=MAX_LEN, length_buckets=(16, P)))
   want = [ar.generate(p, max_new_tokens=8).output_ids for p in prompts]
   route_plain, starts = {"plain": True}, []
-  original_plain, original_start = engine.starts_plain, engine.request_start
+  original_start = engine.request_start
   monkeypatch.setattr(engine, "starts_plain", lambda b, start, forced=False: (
-      b > 1 and route_plain["plain"]) or original_plain(b, start, forced))
-  monkeypatch.setattr(engine, "request_start", lambda b, rows=1: starts.append(b) or
-                      original_start(b, rows))
+      b > 1 and route_plain["plain"]))
+  monkeypatch.setattr(engine, "request_start", lambda b, rows=1: (  # (size 1: no start)
+      b > 1 and starts.append(b)) or original_start(b, rows))
   engine.precompile(engine.learned_sizes, policy=True)
+  if path == "scheduler":  # its batched programs at batch 1 too (as a server's warm-up request)
+    decode(prompts[0])
+    starts.clear()
   with BackendCompiles() as compiles:
-    gens = [engine.generate(p, max_new_tokens=8, block_size=LEARNED) for p in prompts]
+    gens = [decode(p) for p in prompts]
   assert compiles.n == 0
   assert [g.output_ids for g in gens] == want
   for g in gens:
@@ -325,9 +336,14 @@ def test_a_learned_request_alone_routed_plain_is_prefilled_without_its_policy(mo
         size, True, None, None)
     assert g.drafter_passes == 0
   assert starts == [size] * len(prompts)
-  route_plain["plain"], starts[:] = False, []  # drafting where the rule lets it: the policy picks
-  gens = [engine.generate(p, max_new_tokens=8, block_size=LEARNED) for p in prompts]
-  assert [g.output_ids for g in gens] == want
-  assert all(g.policy_block_size in SIZES and len(g.policy_probs) == len(SIZES) for g in gens)
-  assert all(g.block_size == g.policy_block_size for g in gens)
-  assert starts == [size] * len(prompts)
+  route_plain["plain"] = False  # drafting where the rule lets it: the policy picks
+  for size in (b for b in SIZES if b > 1):
+    engine._route_alone, starts[:] = size, []
+    calls = lambda: collections.Counter({b: t.calls for (b, _), t in engine.loop_calls.items()})
+    before = calls()
+    gens = [decode(p) for p in prompts]
+    assert [g.output_ids for g in gens] == want
+    assert all(g.policy_block_size in SIZES and len(g.policy_probs) == len(SIZES) for g in gens)
+    assert all(g.block_size == g.policy_block_size for g in gens), size
+    assert set(calls() - before) == {g.block_size for g in gens}  # the loops that ran
+    assert starts == [size] * len(prompts)

@@ -529,32 +529,23 @@ class Engine:
 
   @property
   def routes_learned_early(self) -> bool:
-    """Whether a batch's learned request is routed before its prefill (`Scheduler`): its
-    speculative picks decode at one size (`joint_size`) whose requests may start plain, so the
-    start rule can route it as a request of that size before its policy runs. One routed plain
-    is prefilled as a plain request of that size (the target alone, `plain_prefill`), without
-    its policy (its `Generation.policy_block_size` is None): its pick could not change its
-    route. At batch 8 on the demo's CPU, where nearly every request decodes plain, the policy's
-    prefill (its features and the drafter's kept layer outputs) cost the learned default ~1% of
-    its end-to-end time against a fixed size."""
-    return (self.batch_size > 1 and self.may_start_plain and self.drafter is not None
-            and self.joint_size is not None)
-
-  @property
-  def routes_alone_early(self) -> bool:
-    """Whether a learned request decoded alone (`generate`) is routed before its prefill, as a
-    batch's is (`routes_learned_early`): its speculative picks may start plain (priced starts,
-    plain starts on), so the start rule weighs it as a request of `route_size` first (the
-    recent requests' cycles against that size's price); one it routes plain is prefilled by the
-    target alone and its policy does not run; one it routes to draft (or an explorer) runs its
-    policy and drafts at the pick, from that start.
-    Batch 1, T = 1 on the 2-core Xeon (model 207), where nearly every request decodes plain,
-    the learned default's speed over AR read 1.1% lower end to end than in decode time (its
-    policy's prefill), b = 8's in the same engine 0.1% (docs/cpu_amx/start_spread_2026-12-07).
-    A pick of size 1 is counted as a start of `route_size` (it was none before): its route is
-    taken before the pick is known."""
-    return (self.batch_size == 1 and self.may_start_plain and self.drafter is not None
-            and self.route_size is not None)
+    """Whether a learned request is routed before its prefill (`generate` alone, `Scheduler`
+    in a batch or a server's batch of 1): its speculative picks may start plain (priced
+    starts, plain starts on), so the start rule weighs it as a request of `route_size` first
+    (in a batch the joint size, at which its speculative picks decode; alone the size the
+    joint size's rule would choose). One it routes plain is prefilled as a plain request of
+    that size (the target alone, `plain_prefill`), without its policy (its
+    `Generation.policy_block_size` is None): its pick could not change its route. One it
+    routes to draft (or an explorer) runs its policy and drafts at the pick (alone) or the
+    joint size (a batch) from that start; a pick of size 1 decodes plain, counted as a start
+    of `route_size` (its route was taken before the pick was known). At batch 8 on the demo's
+    CPU, where nearly every request decodes plain, the policy's prefill (its features and the
+    drafter's kept layer outputs) cost the learned default ~1% of its end-to-end time against
+    a fixed size; at batch 1, T = 1 on the 2-core Xeon (model 207) 1.1% end to end
+    (docs/cpu_amx/start_spread_2026-12-07). A batch without a joint size (`join_learned`
+    off) routes after the pick: its picks decode at their own sizes, each a bucket."""
+    return (self.may_start_plain and self.drafter is not None and self.route_size is not None
+            and (self.batch_size == 1 or self.joint_size is not None))
 
   @property
   def route_size(self) -> int | None:
@@ -676,7 +667,7 @@ class Engine:
     (a speculative bucket's rows move to the plain one, never back). On the demo's CPU the
     drafter's part was ~19% of a prefill (`benchmarks/plain_prefill.py`, batch 4: prefill
     seconds 0.813x [0.798, 0.828]). A learned size's route is known only after its prefill
-    (`defers_context`), except in a batch that routes it before (`routes_learned_early`).
+    (`defers_context`), except where the engine routes it before (`routes_learned_early`).
     Not where the prefill's features are returned (`return_features`: they include the
     drafter's)."""
     return (self.drafter is not None and block_size == 1 and not return_features)
@@ -686,7 +677,7 @@ class Engine:
     built after the prefill only where the request then drafts (`build_draft_context`): its
     policy reads no drafter output (every feature type but `draft_confidence`), and the route
     (drafting, or plain where its start is deep, `starts_plain`) is known only once the policy
-    chose (in a batch that routes it before its prefill, `routes_learned_early`, one routed
+    chose (where the engine routes it before its prefill, `routes_learned_early`, one routed
     plain is prefilled plain, without its policy; one routed to draft may still pick size 1).
     The prefill keeps the drafter's chosen layers' outputs for it (`DraftContext.LATER`).
 
@@ -1136,11 +1127,11 @@ class Engine:
     forced = forced_continuation is not None
     # A fixed size's start is known before the prefill (a plain one's needs no drafter
     # context, `plain_prefill`); a learned size's once its policy chose, or before its prefill
-    # where the start rule routes it (`routes_alone_early`): routed plain, it decodes as a
+    # where the start rule routes it (`routes_learned_early`): routed plain, it decodes as a
     # plain request of the route's size and its policy does not run.
     learned = isinstance(block_size, str)
     start = None
-    if learned and not forced and self.routes_alone_early:
+    if learned and not forced and self.routes_learned_early:
       size = self.route_size
       start = self.request_start(size)
       if self.starts_plain(size, start, forced):

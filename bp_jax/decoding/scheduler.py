@@ -395,12 +395,14 @@ class Scheduler:
       buffers = self.pool.pop() if self.pool else self.engine.staging_buffers()
       # A fixed size's route is known before its prefill (`_may_prefill`): the plain bucket's
       # requests are prefilled without the drafter (`Engine.plain_prefill`). So is a learned
-      # size's where a batch decodes its speculative picks at one size that may start plain
-      # (`Engine.routes_learned_early`): one routed plain is prefilled as a request of that
-      # size decoding plain, its policy not run (its pick could not change its route).
+      # size's where its speculative picks may start plain (`Engine.routes_learned_early`,
+      # as a request of `Engine.route_size`: a batch's joint size, or alone the size a server's
+      # batch of 1 routes by, as `Engine.generate` does): one routed plain is prefilled as a
+      # request of that size decoding plain, its policy not run (its pick could not change
+      # its route).
       learned = isinstance(req.block_size, str)
       early = learned and not self.forced and self.engine.routes_learned_early
-      size = self.engine.joint_size if early else req.block_size
+      size = self.engine.route_size if early else req.block_size
       run_size = None if learned and not early else self._route(req, size).bucket
       if early and run_size == 1:
         req_as = dataclasses.replace(req, block_size=size)
@@ -416,6 +418,10 @@ class Scheduler:
           staged.block_size = self.engine.decode_size(staged.block_size)
           if staged.block_size == 1:
             self._routes.pop(id(req), None)
+          elif early and staged.block_size != size:
+            # (alone: it drafts at its pick, from the start its route took)
+            route = self._routes[id(req)]
+            self._routes[id(req)] = dataclasses.replace(route, bucket=staged.block_size)
       staged.route = self._route(req, staged.block_size)
       self._routes.pop(id(req), None)
       try:
