@@ -347,43 +347,54 @@ def test_loop_state_fields_have_the_shapes_their_names_say(models):
   assert state.draft_cache is not None and eng.slot_carry(1).draft_cache is None
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["max_new_B", "wait_B"],
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["max_new_B", "wait_B", "done_B"],
                    meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class _Carry:
-  """The part of a `LoopState` a batched warm-up reads: rows with new tokens left decode."""
+  """The part of a `LoopState` a batched warm-up reads: rows not done with new tokens left
+  decode."""
   max_new_B: jax.Array
   wait_B: jax.Array
+  done_B: jax.Array
 
   def active_B(self) -> jax.Array:
-    return self.max_new_B > 0
+    return ~self.done_B & (self.max_new_B > 0)
 
   def replace(self, **fields) -> "_Carry":
     return dataclasses.replace(self, **fields)
 
 
 def test_batched_warm_up_runs_the_rows_on_a_copy_of_the_carry_only():
-  """A batched loop's untimed first run decodes the carry's rows as they are (an idle carry
-  left the loop body's first-run cost inside the first timed call, which the online costs then
-  fitted as AR steps costing ~0), on a copy of the carry: the weights are passed as they are (a
-  copy would hold a second model on the device), once per program. A speculative loop runs
-  again with its decoding rows asking for AR steps first (`programs.WARMUP_START`), the carry
-  itself untouched."""
+  """A batched loop's untimed first run decodes the carry's rows as they are, or every row
+  where none decodes (`precompile`'s fresh carries: an idle carry left the loop body's
+  first-run cost inside the first timed call, which the online costs then fitted as AR steps
+  costing ~0), `WARMUP_FORWARDS` forwards (its budget argument), on a copy of the carry: the
+  weights are passed as they are (a copy would hold a second model on the device), once per
+  program. A speculative loop runs again with its decoding rows asking for AR steps first
+  (`programs.WARMUP_START`), the carry itself untouched."""
+  from bp_jax.decoding.programs import WARMUP_FORWARDS, WARMUP_TOKENS
   programs = LoopPrograms(None, None)
   seen = []
-  weights, stop = jnp.ones(3), jnp.zeros(1)
-  carry = _Carry(jnp.asarray([5, 7, 0]), jnp.asarray([0, 3, 0]))
-  for block_size, args, at in ((4, (weights, weights, carry, stop), 2),
-                               (1, (weights, carry, stop), 1)):
-    programs.warm_batched(("loop", block_size), lambda *a: seen.append(a) or a[at], args,
-                          block_size)
-    programs.warm_batched(("loop", block_size), lambda *a: seen.append(a), args, block_size)
-    runs, seen[:] = list(seen), []  # the second call of a key runs nothing
-    assert len(runs) == (2 if block_size > 1 else 1)
-    for got in runs:
-      assert all(got[i] is args[i] for i in range(len(args)) if i != at)
-      assert got[at].max_new_B is not carry.max_new_B
-      assert got[at].max_new_B.tolist() == [5, 7, 0]  # the rows decode
-    assert [got[at].wait_B.tolist() for got in runs] == (
-        [[0, 3, 0], [2, 2, 0]] if block_size > 1 else [[0, 3, 0]])
-    assert carry.wait_B.tolist() == [0, 3, 0]
+  weights, stop, budget = jnp.ones(3), jnp.zeros(1), jnp.asarray(16, jnp.int32)
+  no = jnp.zeros(3, bool)
+  live = _Carry(jnp.asarray([5, 7, 0]), jnp.asarray([0, 3, 0]), no)
+  idle = _Carry(jnp.zeros(3, jnp.int32), jnp.asarray([0, 3, 0]), no)
+  for carry, decoding in ((live, [5, 7, 0]), (idle, [WARMUP_TOKENS + 1] * 3)):
+    for block_size, args, at in ((4, (weights, weights, carry, stop, budget), 2),
+                                 (1, (weights, carry, stop, budget), 1)):
+      key = ("loop", block_size, carry is idle)
+      programs.warm_batched(key, lambda *a: seen.append(a) or a[at], args, block_size)
+      programs.warm_batched(key, lambda *a: seen.append(a), args, block_size)
+      runs, seen[:] = list(seen), []  # the second call of a key runs nothing
+      assert len(runs) == (2 if block_size > 1 else 1)
+      for got in runs:
+        assert all(got[i] is args[i] for i in range(len(args) - 1) if i != at)
+        assert int(got[-1]) == WARMUP_FORWARDS
+        assert got[at].max_new_B is not carry.max_new_B
+        assert got[at].max_new_B.tolist() == decoding  # the rows decode
+      ar_first = [2 if m else w for m, w in zip(decoding, carry.wait_B.tolist())]
+      assert [got[at].wait_B.tolist() for got in runs] == (
+          [[0, 3, 0], ar_first] if block_size > 1 else [[0, 3, 0]])
+  assert live.wait_B.tolist() == idle.wait_B.tolist() == [0, 3, 0]
+  assert live.max_new_B.tolist() == [5, 7, 0] and idle.max_new_B.tolist() == [0, 0, 0]

@@ -124,6 +124,23 @@ def test_greedy_outputs_are_ar_and_batched_rows_equal_their_request_alone(zeros_
     assert est["online"] is True and est["by_batch_size"]["3"]["calls"] > 0
 
 
+def test_precompiled_batched_loops_run_their_body_untimed(zeros_models):
+  """`precompile(all_windows=True)` warms each batched loop (`LoopPrograms.warm_batched`) on a
+  fresh carry, where no row decodes: its untimed first runs make every row decode
+  (`programs._warm_args`), so they reach the loop body, whose first run has a fixed cost of its
+  own that a request's first timed call paid otherwise; `WARMUP_FORWARDS` forwards each run,
+  not the engine's budget. The speculative loops' runs took AR steps and cycles."""
+  from bp_jax.decoding.programs import WARMUP_FORWARDS
+  eng = toy_engine(zeros_models, "priced", batch_size=3, sync_cycles=16, **CHEAP)
+  eng.precompile([B], all_windows=True)
+  runs = eng.programs.warmup_forwards
+  spec = [n for key, n in runs.items() if key[0] == "batch_spec_loop"]
+  plain = [n for key, n in runs.items() if key[0] == "batch_ar_loop"]
+  assert spec and all(n[0] >= 2 and sum(n[1:]) >= 1 and sum(n) <= 2 * WARMUP_FORWARDS
+                      for n in spec), spec
+  assert plain and all(0 < sum(n) <= WARMUP_FORWARDS for n in plain), plain
+
+
 @pytest.mark.parametrize("batch_size", [1, 3])
 def test_dearer_costs_take_more_ar_steps(zeros_models, zeros_ar_outputs, batch_size):
   """The same requests under dearer given costs count more cycles as misses: more AR steps and

@@ -44,6 +44,12 @@ WARMUP_TOKENS = 16  # new tokens of a loop's untimed first run
 # AR steps paid it (this CPU, test shapes, batch 4: 49 ms against 3 ms for the same call run
 # again; an H200 at Qwen3-4B shapes, batch 4: ~20 ms more than the call's forwards).
 WARMUP_START = (0, 2)
+# Target forwards of each untimed first run of a batched loop (its calls' runtime budget): a
+# cycle or a step of the rows as they are, and the second run's two AR steps and a cycle
+# (`WARMUP_START`). With the engine's whole budget (`BatchOptions.sync_cycles`) a first use at
+# batch 16 ran 2 x 16 speculative forwards untimed in a request's path (~0.9 s on the 2-core
+# Xeon at the demo's shapes) to pay a fixed cost that one forward pays.
+WARMUP_FORWARDS = 3
 
 
 def _placements_of(state):
@@ -147,6 +153,19 @@ def _ar_first(args: tuple) -> tuple:
   s = args[2]
   wait_B = jnp.where(s.active_B(), WARMUP_START[1], s.wait_B).astype(s.wait_B.dtype)
   return args[:2] + (s.replace(wait_B=wait_B),) + args[3:]
+
+
+def _warm_args(args: tuple, budget: jax.Array) -> tuple:
+  """A batched loop's arguments (weights, carry, stop ids, budget) for an untimed first run:
+  the budget of `WARMUP_FORWARDS`, and where no row decodes (an idle carry: `precompile`'s
+  fresh one), every row decoding `WARMUP_TOKENS` new tokens from its empty slot, so that the
+  run reaches the loop body (whose first run has a fixed cost an idle carry never pays). Their
+  tokens are a zero cache's, never read: the run is on copies."""
+  s = args[-3]
+  idle = ~jnp.any(s.active_B())
+  s = s.replace(max_new_B=jnp.where(idle, WARMUP_TOKENS + 1, s.max_new_B),
+                done_B=s.done_B & ~idle)
+  return args[:-3] + (s, args[-2], budget)
 
 
 class LoopPrograms:
@@ -309,16 +328,20 @@ class LoopPrograms:
                           program=("fresh",) + signature)
 
   def warm_batched(self, key: tuple, fn, args: tuple, block_size: int) -> None:
-    """Runs a batched loop, untimed, on copies of its carry the first time the loop is used:
-    the rows as they are (the loop body's first run has a fixed cost of its own, e.g. XLA:CPU's
-    kernels set up on first use, ~60 ms at the test shapes, that an idle carry, no row
-    decoding, never pays), and a speculative loop again with its decoding rows asking for AR
-    steps first (`WARMUP_START`). Priced by the online costs, that cost made a new batch size's
-    first call look several times dearer than its next, and a least-squares fit over the two
-    priced its AR steps at ~0 and its cycles at the cap (64 AR steps)."""
+    """Runs a batched loop, untimed, on copies of its carry the first time the loop is used,
+    `WARMUP_FORWARDS` forwards each: the rows as they are, or all rows decoding where none does
+    (`_warm_args`: the loop body's first run has a fixed cost of its own, e.g. XLA:CPU's kernels
+    set up on first use, ~60 ms at the test shapes and ~110 ms at the demo's on the 2-core Xeon,
+    that an idle carry never pays: warmed by `precompile`'s idle carries, an explorer's first
+    call at batch 4 took 145-185 ms for 4 forwards against 25-45 ms for the same call later),
+    and a speculative loop again with its decoding rows asking for AR steps first
+    (`WARMUP_START`). Priced by the online costs, that cost made a new batch size's first call
+    look several times dearer than its next, and a least-squares fit over the two priced its
+    AR steps at ~0 and its cycles at the cap (64 AR steps)."""
     if key in self.warmup_seconds:
       return
-    copy = lambda: _copy_donated(args, donated(block_size, batched=True))
+    budget = jnp.asarray(WARMUP_FORWARDS, jnp.int32)
+    copy = lambda: _warm_args(_copy_donated(args, donated(block_size, batched=True)), budget)
     runs = [copy]
     if block_size > 1:
       runs.append(lambda: _ar_first(copy()))
