@@ -129,7 +129,8 @@ def test_precompiled_batched_loops_run_their_body_untimed(zeros_models):
   fresh carry, where no row decodes: its untimed first runs make every row decode
   (`programs._warm_args`), so they reach the loop body, whose first run has a fixed cost of its
   own that a request's first timed call paid otherwise; `WARMUP_FORWARDS` forwards each run,
-  not the engine's budget. The speculative loops' runs took AR steps and cycles."""
+  not the engine's budget. The speculative loops' runs took AR steps and cycles. Each prefill
+  program ran once too (`Engine._warm_prefill`): a batch after it meets no first run."""
   from bp_jax.decoding.programs import WARMUP_FORWARDS
   eng = toy_engine(zeros_models, "priced", batch_size=3, sync_cycles=16, **CHEAP)
   eng.precompile([B], all_windows=True)
@@ -139,6 +140,11 @@ def test_precompiled_batched_loops_run_their_body_untimed(zeros_models):
   assert spec and all(n[0] >= 2 and sum(n[1:]) >= 1 and sum(n) <= 2 * WARMUP_FORWARDS
                       for n in spec), spec
   assert plain and all(0 < sum(n) <= WARMUP_FORWARDS for n in plain), plain
+  warmed = set(eng._warmed_prefills)
+  assert warmed
+  prompts, max_news = _requests(6)
+  eng.generate_batch(prompts, max_new_tokens=max_news, block_size=B)
+  assert eng._warmed_prefills == warmed
 
 
 @pytest.mark.parametrize("batch_size", [1, 3])

@@ -950,7 +950,8 @@ class Engine:
     the attention windows that requests of these lengths (prompt + max_new_tokens) take
     (`request_window`; none given: the loops over all slots). `all_windows` (batched): the
     batched loops for every attention window a call may pick (`programs.window_buckets`), each
-    also run once (its warm-up), a request's insertion into a slot (`insert_program`) and
+    also run once (its warm-up, its rows made to decode), each prefill run once too
+    (`_warm_prefill`), a request's insertion into a slot (`insert_program`) and
     every change of a bucket's size (`resize_program`), so
     that no request compiles anything: a server's start-up (with the moves of a speculative
     bucket's rows to the plain one, `BatchOptions.move_plain_after`). With
@@ -988,9 +989,19 @@ class Engine:
                           for b in tuple(block_sizes) + plain) or [DraftContext.BUILT]
     learned = self._learned_contexts()
 
+    def prefill(tokens_1P, context, with_policy=False):
+      """A prefill program, compiled; with `all_windows` (a server's start-up) a batch's also
+      run once (`_warm_prefill`: its first run's fixed cost, ~45 ms at the demo's shapes on a
+      CPU, else in the wall time of the first request of its length bucket)."""
+      make = functools.partial(self._prefill, tokens_1P, z, seed_key, sp, form,
+                               with_policy=with_policy, context=context)
+      fn, args = make()
+      if all_windows:
+        self._warm_prefill(fn, make)
+      return fn, args
+
     def policy_prefill(tokens_1P, context):
-      fn, _ = self._prefill(tokens_1P, z, seed_key, sp, form, with_policy=True,
-                            context=context)
+      fn, _ = prefill(tokens_1P, context, with_policy=True)
       if context == DraftContext.LATER:  # and its drafter context, built after it
         hiddens = fn.out_info.context_hiddens
         self.programs.draft_context((self.d_weights, hiddens, z, self.draft_cache))
@@ -1000,8 +1011,7 @@ class Engine:
     for P in length_buckets or self.length_buckets:
       tokens_1P = jnp.zeros((1, P), jnp.int32)
       for context in kinds:
-        add("prefill", None, never, functools.partial(self._prefill, tokens_1P, z, seed_key,
-                                                      sp, form, context=context))
+        add("prefill", None, never, functools.partial(prefill, tokens_1P, context))
       for context in learned if policy else ():
         add("policy prefill", None, never, functools.partial(policy_prefill, tokens_1P, context))
     if self.batch_size > 1:
