@@ -47,8 +47,9 @@ WARMUP_START = (0, 2)
 # Target forwards of each untimed first run of a batched loop (its calls' runtime budget): a
 # cycle or a step of the rows as they are, and the second run's two AR steps and a cycle
 # (`WARMUP_START`). With the engine's whole budget (`BatchOptions.sync_cycles`) a first use at
-# batch 16 ran 2 x 16 speculative forwards untimed in a request's path (~0.9 s on the 2-core
-# Xeon at the demo's shapes) to pay a fixed cost that one forward pays.
+# batch 16 ran 2 x 16 speculative forwards untimed in a request's path (a b = 8 forward at batch
+# 16 prices at ~28 ms on the 2-core Xeon at the demo's shapes: ~0.9 s) to pay a fixed cost that
+# one forward pays.
 WARMUP_FORWARDS = 3
 
 
