@@ -7,6 +7,10 @@ timed decodes (host functions by own and cumulative time).
 
   PYTHONPATH=. python docs/cpu_amx/batch_t1_2026-12-07/host_phases.py --num_prompts 0 \
       --half eval --batch_size 4 --group_size 8 --repeats 2
+  # batch 1, the default against b = 8 (its own engine and the default's):
+  PYTHONPATH=. python docs/cpu_amx/batch_t1_2026-12-07/host_phases.py --num_prompts 0 \
+      --half eval --batch_size 1 --group_size 1 --repeats 2 \
+      --phase_methods ar,priced_default,learned_default,learned_fixed
 """
 import collections
 import cProfile
@@ -18,7 +22,7 @@ from benchmarks import controllers as C
 FLAGS = flags.FLAGS
 
 def main(_):
-  methods = ["ar", "learned_default", "ar_twin"]
+  methods = FLAGS.phase_methods
   setup = C.load_setup()
   target = C.decode_form(setup.target)
   costs, source, measured = C.controller_costs(target, setup.drafter, setup.max_len)
@@ -30,6 +34,7 @@ def main(_):
   C.precompile(engines, methods, size, prompts)
   C.warm_up(engines, methods, groups[:1], size, forced, G)
   tot = {m: collections.Counter() for m in methods}
+  last = {m: collections.Counter() for m in methods}  # the last repeat alone (first runs done)
   profs = {m: cProfile.Profile() for m in methods}
   for rep in range(FLAGS.repeats):
     for i, group in enumerate(groups):
@@ -43,13 +48,16 @@ def main(_):
         wall = time.perf_counter() - t0
         dec = sum(g.decode_s for g in gens)
         pre = sum(g.prefill_s for g in gens)
-        tot[m]["wall"] += wall; tot[m]["decode"] += dec; tot[m]["prefill"] += pre
-        tot[m]["other"] += wall - dec - pre
-        tot[m]["requests"] += len(gens)
-  for m in methods:
-    t = tot[m]; n = t["requests"]
-    print(f"{m:16s} wall {t['wall']:.3f}  decode {t['decode']:.3f}  prefill+insert {t['prefill']:.3f} "
-          f"({1e3*t['prefill']/n:.2f} ms/request)  other {t['other']:.3f} ({1e3*t['other']/n:.2f} ms/request)")
+        for t in (tot[m], last[m]) if rep == FLAGS.repeats - 1 else (tot[m],):
+          t["wall"] += wall; t["decode"] += dec; t["prefill"] += pre
+          t["other"] += wall - dec - pre
+          t["requests"] += len(gens)
+  for title, split in (("every repeat", tot), ("the last repeat", last)):
+    print(title)
+    for m in methods:
+      t = split[m]; n = t["requests"]
+      print(f"{m:16s} wall {t['wall']:.3f}  decode {t['decode']:.3f}  prefill+insert {t['prefill']:.3f} "
+            f"({1e3*t['prefill']/n:.2f} ms/request)  other {t['other']:.3f} ({1e3*t['other']/n:.2f} ms/request)")
 
   if FLAGS.profile_host:
     for m in methods[:2]:
@@ -57,6 +65,8 @@ def main(_):
       st = pstats.Stats(profs[m]); st.sort_stats("tottime"); st.print_stats(25)
       st.sort_stats("cumulative"); st.print_stats(r"scheduler|engine|online_costs|start_backoff|programs|compiled", 40)
 
+flags.DEFINE_list("phase_methods", ["ar", "learned_default", "ar_twin"],
+                  "the methods to split (the benchmark's names; the first two are profiled)")
 flags.DEFINE_bool("profile_host", False, "cProfile each method's timed calls")
 
 if __name__ == "__main__":
