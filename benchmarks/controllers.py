@@ -626,8 +626,10 @@ def precompile(engines: dict[str, Engine], methods: list[str], size: dict, promp
   its block size (a learned engine: the sizes its requests decode at, `Engine.learned_sizes`,
   and policy prefills; an engine another
   method shares, `SHARED`: that method's too), at every prompt's
-  length + --max_new_tokens, in the run's sampling form; then start-up's objects are frozen out
-  of garbage collections (`bp_jax.gc_freeze`), as a server's are."""
+  length + --max_new_tokens, in the run's sampling form, each loop also run once (its untimed
+  first runs: `Engine.precompile`'s `warm` at batch 1, `all_windows` in a batch), so that no
+  timed request holds one; then start-up's objects are frozen out of garbage collections
+  (`bp_jax.gc_freeze`), as a server's are."""
   form = form_of([(FLAGS.temperature, FLAGS.top_k, 1.0, 0.0)])
   lengths = [len(ids) + FLAGS.max_new_tokens for _, ids in prompts]
   secs = {}
@@ -642,7 +644,7 @@ def precompile(engines: dict[str, Engine], methods: list[str], size: dict, promp
     engines[m].precompile(sorted(sizes), policy=learned,
                           plain_prefill=any(size[u] != LEARNED for u in users),
                           request_lengths=lengths, all_windows=FLAGS.batch_size > 1,
-                          forms=(form,))
+                          forms=(form,), warm=True)
     secs[m] = round(time.perf_counter() - t0, 2)
   frozen = freeze_after_startup()
   print("  precompiled (s): " + ", ".join(f"{m} {s:.1f}" for m, s in secs.items())

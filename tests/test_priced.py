@@ -147,6 +147,35 @@ def test_precompiled_batched_loops_run_their_body_untimed(zeros_models):
   assert eng._warmed_prefills == warmed
 
 
+def test_precompile_warm_runs_each_one_request_loop_before_any_request(zeros_models,
+                                                                        zeros_ar_outputs):
+  """`precompile(warm=True)` at batch 1 (a benchmark's start-up) runs each one-request loop it
+  compiles once, for the attention windows of the given request lengths (`LoopPrograms.warm`):
+  the speculative loop's runs took AR steps and cycles, the plain loop's (a plain start's)
+  steps. The requests after it make no first run of their own (one that first used a loop made
+  it, in its wall time) and decode AR's tokens. Without `warm` nothing runs at precompile."""
+  prompts, max_news = _requests(6)
+  lengths = [len(p) + m for p, m in zip(prompts, max_news)]
+  for warm in (True, False):
+    eng = _engine(zeros_models, **CHEAP)
+    eng.precompile([B], request_lengths=lengths, warm=warm)
+    runs = dict(eng.programs.warmup_forwards)
+    if not warm:
+      assert runs == {}
+      continue
+    compiled = {key for key in eng.compiled.seconds if key[0] in ("spec_loop", "ar_loop")}
+    assert set(runs) == compiled and len(compiled) >= 2, (runs, compiled)
+    spec = [n for key, n in runs.items() if key[0] == "spec_loop"]
+    plain = [n for key, n in runs.items() if key[0] == "ar_loop"]
+    assert spec and all(n[0] >= 2 and sum(n[1:]) >= 1 for n in spec), spec
+    assert plain and all(sum(n) > 0 for n in plain), plain
+    before = dict(eng.programs.warmup_seconds)
+    outs = [eng.generate(p, max_new_tokens=m, block_size=B) for p, m in zip(prompts, max_news)]
+    assert [g.output_ids for g in outs] == zeros_ar_outputs
+    assert eng.programs.warmup_seconds == before
+    assert set(eng.compiled.seconds) >= compiled and eng.compiled.counts["spec_loop"] == len(spec)
+
+
 @pytest.mark.parametrize("batch_size", [1, 3])
 def test_dearer_costs_take_more_ar_steps(zeros_models, zeros_ar_outputs, batch_size):
   """The same requests under dearer given costs count more cycles as misses: more AR steps and

@@ -943,7 +943,7 @@ class Engine:
                  policy: bool = False, plain_prefill: bool = True,
                  request_lengths: Sequence[int] = (), all_windows: bool = False,
                  forms: Sequence[SamplingForm] = (SamplingForm.GREEDY,),
-                 progress: bool | None = None, fit: bool = False) -> dict:
+                 progress: bool | None = None, fit: bool = False, warm: bool = False) -> dict:
     """Compiles prefill for each length bucket and the loop of each block size ahead of time
     (`policy`: also the prefill that runs the policy; `plain_prefill`: the one without); with
     batch_size > 1, the batched loops instead of the one-request loops, which are compiled for
@@ -958,7 +958,11 @@ class Engine:
     `BatchOptions.shrink` the batched loops are compiled for every size of `slot_sizes`.
     `forms`: the sampling forms requests will need (`sampling.form_of` of their settings; each
     program is compiled once per form: greedy requests alone, the default, need GREEDY).
-    Refuses (`compiled.MapLimitError`) where the programs would pass the process's memory-map
+    `warm` (batch 1): each one-request loop is also run once, its untimed first runs
+    (`LoopPrograms.warm`, which the request that first uses a loop otherwise makes: ~140 ms a
+    loop at the demo's shapes on a CPU, in that request's wall time though not in its
+    `decode_s`), so that timed requests hold none (a benchmark's). With batch_size > 1,
+    `all_windows` warms the batched loops. Refuses (`compiled.MapLimitError`) where the programs would pass the process's memory-map
     limit, or with `fit` compiles those that fit, in order, and leaves the rest to compile on
     first use (a server's start-up). The summary's `precompile_left` counts those left."""
     if policy and self.p_graph is None:
@@ -967,12 +971,12 @@ class Engine:
       self.check_block_size(b)
     steps = [step for form in forms for step in self._precompile_steps(
         block_sizes, length_buckets, policy, plain_prefill, request_lengths, all_windows,
-        SamplingForm(form))]
+        SamplingForm(form), warm)]
     left = run_steps(steps, progress, fit)
     return {**self.compiled.summary(), "precompile_left": left}
 
   def _precompile_steps(self, block_sizes, length_buckets, policy, plain_prefill,
-                        request_lengths, all_windows, form: SamplingForm
+                        request_lengths, all_windows, form: SamplingForm, warm: bool = False
                         ) -> list[PrecompileStep]:
     """`precompile`'s steps for one sampling form (its arguments checked), in order."""
     seed_key, z, sp = jax.random.key(0), jnp.int32(1), sampling_params()
@@ -1061,12 +1065,21 @@ class Engine:
                 carry_of(1, self.batch_size), 0, carry_of(b, rows), 0))  # the plain bucket
       return steps
     pre = decode_loops.PrefillOut(z, self.cache, self.draft_cache, None, None)
+    warm_new = jnp.int32(WARMUP_TOKENS)
     for b in tuple(block_sizes) + plain:
       windows = [request_window(n + b, self.max_len) for n in request_lengths] or [None]
       for window in dict.fromkeys(windows):
-        add("ar loop" if b == 1 else "spec loop", None, never,
-            lambda b=b, window=window: self.programs.loop(
-                b, self._loop_args(pre, z, z, sp, seed_key, b), window=window, form=form))
+        loop = "ar loop" if b == 1 else "spec loop"
+        if warm:  # compiled, then run on copies of the engine's buffers (`LoopPrograms.warm`)
+          pkey = self.programs.loop_key(b, False, window, form)
+          add(loop, pkey, lambda pkey=pkey: pkey in self.programs.warmup_seconds,
+              lambda b=b, window=window: self.programs.warm(
+                  b, lambda start, b=b: self._loop_args(pre, z, warm_new, sp, seed_key, b,
+                                                        start=start),
+                  False, window, form))
+          continue
+        add(loop, None, never, lambda b=b, window=window: self.programs.loop(
+            b, self._loop_args(pre, z, z, sp, seed_key, b), window=window, form=form))
     return steps
 
   # -- public -------------------------------------------------------------------------------
