@@ -738,6 +738,16 @@ class Engine:
     draft_cache = jax.block_until_ready(fn(*args))
     return pre._replace(draft_cache=draft_cache, context_hiddens=None), time.perf_counter() - t0
 
+  def _warm_loop(self, pre, n, max_new_tokens: int, sampling, seed_key, block_size: int,
+                 forced_seq, window: int | None, form: SamplingForm) -> None:
+    """A one-request loop's untimed first runs, made only if it has not run yet
+    (`LoopPrograms.warm`): on copies of the arguments of a request prefilled into `pre` (of
+    `n` prompt tokens; `forced_seq` its forced drafts or None), with at most WARMUP_TOKENS new
+    tokens. A request's first use (`generate`) and `precompile(warm=True)` alike."""
+    self.programs.warm(block_size, lambda start: self._loop_args(
+        pre, n, np.int32(min(max_new_tokens, WARMUP_TOKENS)), sampling, seed_key, block_size,
+        forced_seq, start), forced_seq is not None, window, form)
+
   def _loop_args(self, pre, n, max_new, sampling, seed_key, block_size,
                  forced_seq=None, start: tuple[int, int] = (0, 0)) -> tuple:
     if block_size == 1:
@@ -962,9 +972,10 @@ class Engine:
     (`LoopPrograms.warm`, which the request that first uses a loop otherwise makes: ~140 ms a
     loop at the demo's shapes on a CPU, in that request's wall time though not in its
     `decode_s`), so that timed requests hold none (a benchmark's). With batch_size > 1,
-    `all_windows` warms the batched loops. Refuses (`compiled.MapLimitError`) where the programs would pass the process's memory-map
-    limit, or with `fit` compiles those that fit, in order, and leaves the rest to compile on
-    first use (a server's start-up). The summary's `precompile_left` counts those left."""
+    `all_windows` warms the batched loops. Refuses (`compiled.MapLimitError`) where the
+    programs would pass the process's memory-map limit, or with `fit` compiles those that fit,
+    in order, and leaves the rest to compile on first use (a server's start-up). The summary's
+    `precompile_left` counts those left."""
     if policy and self.p_graph is None:
       raise BadInputError("precompile(policy=True) on an engine without a policy")
     for b in block_sizes:
@@ -1065,18 +1076,15 @@ class Engine:
                 carry_of(1, self.batch_size), 0, carry_of(b, rows), 0))  # the plain bucket
       return steps
     pre = decode_loops.PrefillOut(z, self.cache, self.draft_cache, None, None)
-    warm_new = jnp.int32(WARMUP_TOKENS)
     for b in tuple(block_sizes) + plain:
       windows = [request_window(n + b, self.max_len) for n in request_lengths] or [None]
       for window in dict.fromkeys(windows):
         loop = "ar loop" if b == 1 else "spec loop"
-        if warm:  # compiled, then run on copies of the engine's buffers (`LoopPrograms.warm`)
+        if warm:  # compiled, then run on copies of the engine's buffers
           pkey = self.programs.loop_key(b, False, window, form)
           add(loop, pkey, lambda pkey=pkey: pkey in self.programs.warmup_seconds,
-              lambda b=b, window=window: self.programs.warm(
-                  b, lambda start, b=b: self._loop_args(pre, z, warm_new, sp, seed_key, b,
-                                                        start=start),
-                  False, window, form))
+              lambda b=b, window=window: self._warm_loop(pre, z, WARMUP_TOKENS, sp, seed_key,
+                                                         b, None, window, form))
           continue
         add(loop, None, never, lambda b=b, window=window: self.programs.loop(
             b, self._loop_args(pre, z, z, sp, seed_key, b), window=window, form=form))
@@ -1183,10 +1191,7 @@ class Engine:
     loop_args = self._loop_args(pre, n_arr, np.int32(max_new_tokens), sp, seed_key,
                                 run_size, forced_seq, start)
     window = self.request_window(n, max_new_tokens, run_size)
-    # The loop's untimed first runs, made only if it has not run yet (`LoopPrograms.warm`).
-    self.programs.warm(run_size, lambda warm_start: self._loop_args(
-        pre, n_arr, np.int32(min(max_new_tokens, WARMUP_TOKENS)), sp, seed_key, run_size,
-        forced_seq, warm_start), forced, window, form)
+    self._warm_loop(pre, n_arr, max_new_tokens, sp, seed_key, run_size, forced_seq, window, form)
     fn = self.programs.loop(run_size, loop_args, forced, window, form)
     t2 = self.clock()
     out = fn(*loop_args)
