@@ -222,6 +222,51 @@ def test_precompiled_learned_prefills_leave_nothing_to_compile(models):
   assert after["prefill"] == before["prefill"] and after["draft_context"] == 2
 
 
+def test_precompile_warm_runs_each_lone_prefill_and_its_drafter_context_once(models,
+                                                                             monkeypatch):
+  """`precompile(warm=True)` at batch 1 (a benchmark's or decode.py's start-up) runs each
+  prefill program it compiles once, in every form (the drafter's context built in it, left for
+  later, none), and the program that builds that context later, into the engine's own buffers:
+  no request then makes a prefill program's first run (its fixed cost, otherwise in the
+  `prefill_s` of the first request of its length bucket and form), and the requests decode what
+  they decode without the warm-up. Without `warm` precompile runs none."""
+  from jax._src import stages
+  calls = []  # every compiled program called, in order
+  call = stages.Compiled.__call__
+  monkeypatch.setattr(stages.Compiled, "__call__",
+                      lambda self, *a, **kw: calls.append(self) or call(self, *a, **kw))
+  monkeypatch.setattr(Engine, "may_start_plain", property(lambda self: True))
+  prompts, outs = _prompts(6, seed=9), {}
+  for warm in (True, False):
+    engine = _engine(models)
+    plain_now = {"plain": False}
+    monkeypatch.setattr(engine, "start_choice",
+                        lambda b: StartChoice(4.0, 3.0, plain_now["plain"]))
+    calls.clear()
+    engine.precompile(SIZES, policy=True, warm=warm)
+    programs = {k: engine.compiled._fns[k] for k in engine.compiled.keys()
+                if k[0] in ("prefill", "draft_context")}
+    context = lambda k: k[-1] if k[-1] in {c.value for c in DraftContext} else "built"
+    forms = {(engine.policy_key in k, context(k)) for k in programs if k[0] == "prefill"}
+    assert forms == {(True, "built"), (True, DraftContext.LATER.value), (False, "built"),
+                     (False, DraftContext.NONE.value)}, forms
+    assert "draft_context" in {k[0] for k in programs}
+    ran = [p for p in programs.values() if any(c is p for c in calls)]
+    assert len(ran) == (len(programs) if warm else 0), (warm, len(ran), len(programs))
+    assert (engine.prefill_warmup_seconds > 0) == warm
+    calls.clear()
+    gens = []
+    for i, p in enumerate(prompts):  # both learned forms, and a fixed size's plain start
+      plain_now["plain"] = i % 2 == 1
+      gens.append(engine.generate(p, max_new_tokens=8, block_size=LEARNED if i % 3 else 5))
+    used = [p for p in programs.values() if any(c is p for c in calls)]
+    assert {k for k in engine.compiled.keys() if k[0] in ("prefill", "draft_context")} == set(
+        programs)  # no request used a program that precompile did not build (and run)
+    assert len(used) >= 3  # the learned prefill's two forms and the context built later
+    outs[warm] = [g.output_ids for g in gens]
+  assert outs[True] == outs[False]
+
+
 def test_with_priced_starts_the_prefill_follows_the_start_rule(models, monkeypatch):
   """Where priced starts may route a learned request plain, its prefill leaves the drafter's
   context for later only while the start rule would route a request plain now

@@ -130,3 +130,21 @@ def test_the_sampling_form_serves_every_request_of_a_call():
   keys = position_keys(jax.random.key(1), jnp.arange(3))
   np.testing.assert_array_equal(sample(logits, in_form(sp, SamplingForm.GREEDY), keys),
                                 jnp.argmax(logits, axis=-1))
+
+
+def test_seed_key_is_jax_random_key_made_once_per_seed_and_implementation():
+  from bp_jax.decoding.sampling import seed_key
+  for s in (0, 7, 2**31 + 5):
+    k = seed_key(s)
+    assert k is seed_key(s)  # reused, not made again
+    np.testing.assert_array_equal(jax.random.key_data(k),
+                                  jax.random.key_data(jax.random.key(s)))
+  assert seed_key(np.int64(7)) is seed_key(7)
+  threefry = seed_key(7)
+  with jax.default_prng_impl("rbg"):  # another implementation: a key of its own
+    rbg = seed_key(7)
+    assert rbg is not threefry
+    np.testing.assert_array_equal(jax.random.key_data(rbg),
+                                  jax.random.key_data(jax.random.key(7)))
+  assert jax.random.key_data(rbg).shape != jax.random.key_data(threefry).shape
+  assert seed_key(7) is threefry

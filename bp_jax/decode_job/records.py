@@ -202,6 +202,7 @@ def summarize(records: list[dict], engine, cfg, wall_s: float) -> dict:
       "compile_cache_hits": comp["compile_cache_hits"],
       "shared_programs": comp["shared_programs"],
       "loop_warmup_s": round(sum(engine.programs.warmup_seconds.values()), 3),
+      "prefill_warmup_s": round(engine.prefill_warmup_seconds, 3),
       "peak_rss_mb": peak_rss_mb(),
   }
 
@@ -326,7 +327,8 @@ def print_summary(s: dict) -> None:
                                f"{s['compilations']} loaded from the compile cache" + (
                                    f", {s['shared_programs']} shared with another engine of "
                                    "this run" if s.get("shared_programs") else "") + ")"),
-          ("loops' first runs (s)", s["loop_warmup_s"]),
+          ("programs' first runs (s)", f"loops {s['loop_warmup_s']}, prefills "
+                                        f"{s.get('prefill_warmup_s', 0.0)}"),
           ("peak RSS (MB)", s["peak_rss_mb"])]
   if s.get("ids_beyond_tokenizer"):
     rows.append(("ids the tokenizer can't decode", s["ids_beyond_tokenizer"]))

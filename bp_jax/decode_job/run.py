@@ -214,14 +214,15 @@ def _bind_policy(engine: Engine, choice: "BlockChoice", cfg, prints) -> None:
 def _precompile(engine: Engine, choices: Sequence["BlockChoice"],
                 request_lengths: Sequence[int], form: SamplingForm) -> None:
   """Compiles the programs the run's requests (prompt + max_new_tokens each, sampling in
-  `form`) will use."""
+  `form`) will use, and at batch 1 runs each once (`Engine.precompile(warm=True)`): no request
+  then pays a program's first run in its wall time or its prefill seconds."""
   sizes = sorted({b for c in choices for b in ((c.fixed,) if c.name == "fixed" else
                                               engine.learned_sizes if c.name == "learned"
                                               else c.sizes)})
   learned = any(c.name == "learned" for c in choices)
   comp = engine.precompile(sizes, policy=learned,
                            plain_prefill=any(c.name != "learned" for c in choices),
-                           request_lengths=request_lengths, forms=(form,))
+                           request_lengths=request_lengths, forms=(form,), warm=True)
   for key, secs in comp["per_key_s"].items():
     print(f"  compiled {key}: {secs:.2f} s")
 

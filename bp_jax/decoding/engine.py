@@ -40,7 +40,7 @@ from bp_jax.decoding.precompiling import PrecompileStep, run_steps
 from bp_jax.decoding.programs import (WARMUP_TOKENS, DraftContext, LoopPrograms, request_window,
                                      window_buckets, window_for)
 from bp_jax.decoding.requests import RequestChecks, check_sampling
-from bp_jax.decoding.sampling import SamplingForm, form_of, sampling_params
+from bp_jax.decoding.sampling import SamplingForm, form_of, sampling_params, seed_key as seed_key_of
 from bp_jax.decoding.scheduler import BatchRequest, Scheduler
 from bp_jax.decoding.state import MAX_ROW_STOP_IDS, LoopState
 from bp_jax.errors import BadInputError
@@ -150,7 +150,10 @@ class Engine:
     # shorter budgets asked for (`slots_program`'s `forwards`), each made once.
     self._sync_arr = jnp.asarray(self.sync_cycles, jnp.int32)
     self._budgets = {self.sync_cycles: self._sync_arr}
-    self._warmed_prefills: set = set()  # a batch's prefill programs run once (`stage`)
+    # Prefill programs run once, untimed (`_warm_prefill`, `_warm_prefill_alone`), and the
+    # seconds those first runs took
+    self._warmed_prefills: set = set()
+    self.prefill_warmup_seconds = 0.0
     self.t_graph, self.t_state = nnx.split(target)
     # Caches in the form the loops carry (`loops.loop_cache`: per layer, unless the layers run
     # scanned), so that no call converts them: a one-request loop call that got stacked caches
@@ -971,8 +974,10 @@ class Engine:
     `warm` (batch 1): each one-request loop is also run once, its untimed first runs
     (`LoopPrograms.warm`, which the request that first uses a loop otherwise makes: ~140 ms a
     loop at the demo's shapes on a CPU, in that request's wall time though not in its
-    `decode_s`), so that timed requests hold none (a benchmark's). With batch_size > 1,
-    `all_windows` warms the batched loops. Refuses (`compiled.MapLimitError`) where the
+    `decode_s`), and each prefill program and the drafter's context built after one
+    (`_warm_prefill_alone`: a program's first run, otherwise in the `prefill_s` of the first
+    request of its length bucket and form), so that timed requests hold none (a benchmark's,
+    decode.py's). With batch_size > 1, `all_windows` warms the batched loops and prefills. Refuses (`compiled.MapLimitError`) where the
     programs would pass the process's memory-map limit, or with `fit` compiles those that fit,
     in order, and leaves the rest to compile on first use (a server's start-up). The summary's
     `precompile_left` counts those left."""
@@ -1005,21 +1010,27 @@ class Engine:
     learned = self._learned_contexts()
 
     def prefill(tokens_1P, context, with_policy=False):
-      """A prefill program, compiled; with `all_windows` (a server's start-up) a batch's also
-      run once (`_warm_prefill`: its first run's fixed cost, ~45 ms at the demo's shapes on a
-      CPU, else in the wall time of the first request of its length bucket)."""
+      """(A prefill program, compiled; its output where it ran, else None.) With `all_windows`
+      (a server's start-up) a batch's also runs once (`_warm_prefill`: its first run's fixed
+      cost, ~45 ms at the demo's shapes on a CPU, else in the wall time of the first request
+      of its length bucket), and with `warm` a lone request's (`_warm_prefill_alone`)."""
       make = functools.partial(self._prefill, tokens_1P, z, seed_key, sp, form,
                                with_policy=with_policy, context=context)
       fn, args = make()
       if all_windows:
         self._warm_prefill(fn, make)
-      return fn, args
+      elif warm and self.batch_size == 1:
+        return fn, self._warm_prefill_alone(fn, args, context)
+      return fn, None
 
     def policy_prefill(tokens_1P, context):
-      fn, _ = prefill(tokens_1P, context, with_policy=True)
+      fn, out = prefill(tokens_1P, context, with_policy=True)
       if context == DraftContext.LATER:  # and its drafter context, built after it
         hiddens = fn.out_info.context_hiddens
-        self.programs.draft_context((self.d_weights, hiddens, z, self.draft_cache))
+        context_fn = self.programs.draft_context((self.d_weights, hiddens, z, self.draft_cache))
+        if out is not None:  # its first run too, on the warmed prefill's output
+          self.draft_cache = self._first_run(context_fn, (self.d_weights, out.context_hiddens,
+                                                          z, self.draft_cache))
 
     if not plain_prefill:  # a learned request routed plain before its prefill: the target's
       kinds = ({DraftContext.NONE: None} if policy and self.routes_learned_early else {})
@@ -1154,7 +1165,7 @@ class Engine:
         raise BadInputError(f"sampling_form={given}: the request's settings need {form.name} "
                             f"or above ({', '.join(f.name for f in SamplingForm)})")
       form = SamplingForm(sampling_form)
-    seed_key = jax.random.key(seed)
+    seed_key = seed_key_of(seed)
     forced = forced_continuation is not None
     # A fixed size's start is known before the prefill (a plain one's needs no drafter
     # context, `plain_prefill`); a learned size's once its policy chose, or before its prefill
@@ -1391,7 +1402,7 @@ class Engine:
     toks, _ = self.encode_padded(req.prompt_ids)
     settings = [req.sampling] if req.sampling else []  # none: greedy (`sampling_params()`)
     prefill = functools.partial(
-        self._prefill, toks, np.int32(len(req.prompt_ids)), jax.random.key(req.seed),
+        self._prefill, toks, np.int32(len(req.prompt_ids)), seed_key_of(req.seed),
         sampling_params(*(req.sampling or ())), form_of(settings) if form is None else form,
         with_policy=learned, context=context, features=features)
     fn, args = prefill(buffers=buffers)
@@ -1425,8 +1436,31 @@ class Engine:
     if self.batch_size == 1 or fn in self._warmed_prefills:
       return
     warm_fn, warm_args = prefill(buffers=self.staging_buffers())
-    jax.block_until_ready(warm_fn(*warm_args))
+    self._first_run(warm_fn, warm_args)
     self._warmed_prefills.add(fn)
+
+  def _warm_prefill_alone(self, fn, args: tuple, context: DraftContext):
+    """Runs a lone request's prefill program once, untimed, the first time `precompile(warm=
+    True)` meets it (None after): its first run's fixed cost, which the first request of its
+    length bucket and form otherwise pays in its `prefill_s`. Into the engine's own one-sequence
+    buffers (`args`' donated ones; every request's prefill writes them anew); returns its output
+    (`PrefillOut`)."""
+    if fn in self._warmed_prefills:
+      return None
+    out = self._first_run(fn, args)
+    self.cache = out.cache
+    if context == DraftContext.BUILT:  # (the other forms leave the drafter's buffer undonated)
+      self.draft_cache = out.draft_cache
+    return out
+
+  def _first_run(self, fn, args: tuple):
+    """`fn(*args)` (a prefill's or drafter context's program), waited for, as its untimed
+    first run: counted once (`_warmed_prefills`), its seconds in `prefill_warmup_seconds`."""
+    t0 = time.perf_counter()
+    out = jax.block_until_ready(fn(*args))
+    self.prefill_warmup_seconds += time.perf_counter() - t0
+    self._warmed_prefills.add(fn)
+    return out
 
   def check_prefill(self, pre, n: int) -> None:
     """Raises the clear error of NaN/inf logits at the prompt's last position (`stage` read
@@ -1450,7 +1484,7 @@ class Engine:
     row_stop = np.full((MAX_ROW_STOP_IDS,), -1, np.int32)
     row_stop[:len(req.stop_token_ids)] = req.stop_token_ids
     args = (carry, np.int32(row), pre.cache, draft_cache, pre.first_tok, np.int32(n),
-            np.int32(req.max_new_tokens), jax.random.key(req.seed), self._stop_arr, sp,
+            np.int32(req.max_new_tokens), seed_key_of(req.seed), self._stop_arr, sp,
             row_stop, np.asarray(start, np.int32)) + forced
     return self.programs.insert(args), args
 

@@ -14,6 +14,7 @@ settings.
 from __future__ import annotations
 
 import enum
+import functools
 from typing import Iterable, NamedTuple
 
 import jax
@@ -85,6 +86,22 @@ def sampling_params(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0) -> SamplingP
   docs/results/controller.md)."""
   return SamplingParams(np.float32(temperature), np.int32(top_k), np.float32(top_p),
                         np.float32(min_p))
+
+
+def seed_key(seed: int) -> jax.Array:
+  """The PRNG key of a request's seed, `jax.random.key(seed)`, made once per seed and PRNG
+  implementation and then reused (keys are immutable and no program donates one). Each
+  `jax.random.key` is an eager program of its own: ~0.3-0.5 ms of host time per call on the
+  demo's 2-core CPU between a request's calls, and a request made two (its prefill's, its
+  loop's or slot's); with the key reused a batch-1 request spent ~0.5 ms less besides its
+  prefill and loop calls (docs/results/controller.md)."""
+  return _seed_key(int(seed), str(jax.config.jax_default_prng_impl))
+
+
+@functools.lru_cache(maxsize=4096)
+def _seed_key(seed: int, impl: str) -> jax.Array:
+  del impl  # (part of the cache's key: a key of another implementation is another array)
+  return jax.random.key(seed)
 
 
 def row_params(B: int) -> SamplingParams:
