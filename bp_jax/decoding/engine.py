@@ -45,7 +45,7 @@ from bp_jax.decoding.scheduler import BatchRequest, Scheduler
 from bp_jax.decoding.state import MAX_ROW_STOP_IDS, LoopState
 from bp_jax.errors import BadInputError
 from bp_jax.policy.features import DRAFT_CONFIDENCE, FEATURE_TYPES
-from bp_jax.policy.mlp import priced_costs
+from bp_jax.policy.mlp import check_prices, priced_costs
 from bp_jax.models.qwen3 import Qwen3, with_head_apart
 from bp_jax.parallel.rules import (batch_sharding, cache_sharding, replicated, shard_cache,
                                    shard_state)
@@ -614,7 +614,10 @@ class Engine:
     when one moved by more than `PRICE_PLACE_RTOL` since they were last placed (the online
     prices move a little after every loop call): the prefill that runs it takes them as an
     argument and compiles nothing new. Only the prices' leaf is placed anew (the whole state,
-    flattened and placed again, cost ~0.5-1 ms of host time per request on the 2-core Xeon)."""
+    flattened and placed again, cost ~0.5-1 ms of host time per request on the 2-core Xeon), as
+    a host array that the prefill's call moves with its other arguments: a transfer of its own
+    after a loop call (`BlockPolicy.set_prices`' indexed set, then reading it) cost ~0.9 ms of
+    host time per learned request there, where prices moved before most requests."""
     if self.p_state is None or self.policy.arch.head != "priced":
       return
     got = self.policy_prices()
@@ -624,8 +627,8 @@ class Engine:
     if self._placed_prices is not None and np.allclose(key, self._placed_prices,
                                                        rtol=PRICE_PLACE_RTOL, atol=0.0):
       return
-    self.policy.set_prices(*got)  # the caller's policy keeps them too (`policy_prices`)
-    prices = self.policy.size_prices.get_value()  # (indexing it, `[...]`, runs a program)
+    prices = check_prices(*got, self.policy.arch.num_classes)  # [2C] float32, on the host
+    self.policy.size_prices.set_value(prices)  # the caller's policy keeps them too
     self.p_state["size_prices"].set_value(prices if self.mesh is None else
                                           jax.device_put(prices, replicated(self.mesh)))
     self._placed_prices = key
