@@ -19,6 +19,7 @@ from bp_jax.decoding import loops
 from bp_jax.decoding.engine import LEARNED, Engine
 from bp_jax.decoding.options import BatchOptions, ShapeOptions
 from bp_jax.decoding.programs import DraftContext
+from bp_jax.decoding.sampling import SamplingForm
 from bp_jax.decoding.start_backoff import StartChoice
 from bp_jax.models.config import DFlashConfig, Qwen3Config
 from bp_jax.models.dflash import DFlashDrafter
@@ -244,16 +245,22 @@ def test_precompile_warm_runs_each_lone_prefill_and_its_drafter_context_once(mod
                         lambda b: StartChoice(4.0, 3.0, plain_now["plain"]))
     calls.clear()
     engine.precompile(SIZES, policy=True, warm=warm)
+    # Another sampling form's learned prefills share the drafter context's program: run once.
+    engine.precompile((), length_buckets=(16,), policy=True, plain_prefill=False,
+                      forms=(SamplingForm.SAMPLED,), warm=warm)
     programs = {k: engine.compiled._fns[k] for k in engine.compiled.keys()
                 if k[0] in ("prefill", "draft_context")}
     context = lambda k: k[-1] if k[-1] in {c.value for c in DraftContext} else "built"
     forms = {(engine.policy_key in k, context(k)) for k in programs if k[0] == "prefill"}
     assert forms == {(True, "built"), (True, DraftContext.LATER.value), (False, "built"),
                      (False, DraftContext.NONE.value)}, forms
+    assert sum(k[0] == "prefill" and context(k) == DraftContext.LATER.value
+               for k in programs) == 3  # each bucket's, and the other form's
     assert "draft_context" in {k[0] for k in programs}
     ran = [p for p in programs.values() if any(c is p for c in calls)]
     assert len(ran) == (len(programs) if warm else 0), (warm, len(ran), len(programs))
     assert (engine.prefill_warmup_seconds > 0) == warm
+    assert all(sum(c is p for c in calls) == warm for p in programs.values())  # each once
     calls.clear()
     gens = []
     for i, p in enumerate(prompts):  # both learned forms, and a fixed size's plain start

@@ -980,10 +980,10 @@ class Engine:
     `decode_s`), and each prefill program and the drafter's context built after one
     (`_warm_prefill_alone`: a program's first run, otherwise in the `prefill_s` of the first
     request of its length bucket and form), so that timed requests hold none (a benchmark's,
-    decode.py's). With batch_size > 1, `all_windows` warms the batched loops and prefills. Refuses (`compiled.MapLimitError`) where the
-    programs would pass the process's memory-map limit, or with `fit` compiles those that fit,
-    in order, and leaves the rest to compile on first use (a server's start-up). The summary's
-    `precompile_left` counts those left."""
+    decode.py's). With batch_size > 1, `all_windows` warms the batched loops and prefills.
+    Refuses (`compiled.MapLimitError`) where the programs would pass the process's memory-map
+    limit, or with `fit` compiles those that fit, in order, and leaves the rest to compile on
+    first use (a server's start-up). The summary's `precompile_left` counts those left."""
     if policy and self.p_graph is None:
       raise BadInputError("precompile(policy=True) on an engine without a policy")
     for b in block_sizes:
@@ -1031,7 +1031,9 @@ class Engine:
       if context == DraftContext.LATER:  # and its drafter context, built after it
         hiddens = fn.out_info.context_hiddens
         context_fn = self.programs.draft_context((self.d_weights, hiddens, z, self.draft_cache))
-        if out is not None:  # its first run too, on the warmed prefill's output
+        # its first run too, on the warmed prefill's output (once: each sampling form's
+        # prefills share it)
+        if out is not None and context_fn not in self._warmed_prefills:
           self.draft_cache = self._first_run(context_fn, (self.d_weights, out.context_hiddens,
                                                           z, self.draft_cache))
 
