@@ -162,6 +162,11 @@ class _Fit:
     self.held: tuple | None = None
     self.since_restart = 0  # calls fitted since the fit began or last restarted
     self.calls_with: dict[int, int] = {}  # verify length -> fitted calls that ran it
+    # The long-memory sums of the fitted calls' relative equations (x / seconds against 1,
+    # forgetting `SHAPE_FORGET` per call, never restarted): the lengths' prices relative to one
+    # another (`size_ratio`), which a policy weighs sizes by.
+    self.shape_A = np.zeros((1, 1))
+    self.shape_b = np.zeros(1)
     self.noise = 0.0  # mean relative misprediction of the calls that were not off (`update`)
 
   @property
@@ -174,6 +179,8 @@ class _Fit:
     self.lengths.append(n)
     self.A = np.pad(self.A, ((0, 1), (0, 1)))
     self.b = np.pad(self.b, (0, 1))
+    self.shape_A = np.pad(self.shape_A, ((0, 1), (0, 1)))
+    self.shape_b = np.pad(self.shape_b, (0, 1))
     if self.theta is not None:
       self.theta = np.append(self.theta, self.theta[0] * self.prior(n))
 
@@ -213,6 +220,9 @@ class _Fit:
         self.calls_with[n] = self.calls_with.get(n, 0) + 1
     self.A = forget * self.A + np.outer(x, x)
     self.b = forget * self.b + x * seconds
+    relative = x / seconds
+    self.shape_A = SHAPE_FORGET * self.shape_A + np.outer(relative, relative)
+    self.shape_b = SHAPE_FORGET * self.shape_b + relative
     self.since_restart += 1
     if len(self.recent) == restart_calls and abs(sum(c[4] for c in self.recent)) == restart_calls:
       self._restart(forget)
@@ -304,6 +314,21 @@ class _Fit:
     i = self.lengths.index(n) - 1
     return float(max(theta[i], 1e-3 * current[i]))
 
+  def size_ratio(self, n: int, ref: int) -> float | None:
+    """A cycle verifying n tokens over one verifying `ref`, in seconds, from every call the fit
+    took (the long-memory sums: `SHAPE_FORGET`, weighted by each call's own time, so a slow spell
+    weighs no more than a quick one); None where either length was never run or the calls do
+    not tell it (not positive and finite)."""
+    if n not in self.lengths or ref not in self.lengths:
+      return None
+    try:
+      theta = np.linalg.solve(self.shape_A + _ridge(self.shape_A, SHAPE_RIDGE), self.shape_b)
+    except np.linalg.LinAlgError:
+      return None
+    top, bottom = theta[self.lengths.index(n)], theta[self.lengths.index(ref)]
+    ratio = top / bottom if bottom > 0 and top > 0 else math.nan
+    return float(ratio) if math.isfinite(ratio) else None
+
   def _x(self, counts: Mapping[int, int]) -> np.ndarray:
     x = np.zeros(len(self.lengths))
     for n, c in counts.items():
@@ -371,8 +396,20 @@ NOISE_WEIGHT = 0.2
 MIN_CALLS = 3
 
 # A verify length that ran in at least this many of a fit's calls weighs against others at its
-# own fitted price (`OnlineCosts.size_prices`); rarer ones at the start-up costs' shape.
+# price relative to theirs over the fit's calls (`OnlineCosts.size_prices`); rarer ones at the
+# start-up costs' shape.
 SIZE_PRICE_CALLS = 8
+
+# The weight an older call keeps per newer one in the lengths' relative prices (`_Fit.size_ratio`):
+# a half-life of ~140 calls, where the fit's own `forget` (0.8) keeps ~3. The lengths' ratios are a
+# property of their programs and move little with the machine's load, while a rare length's own
+# fitted price is its last call or two: on the 2-core Xeon (model 207) the learned default's price
+# of sizes 9-11 at the moment it ran them read 6-50% under their ratio to b = 8 over the whole run
+# (median, seven batch-1 runs; the picks came where noise made them cheap), these ratios 1-17%
+# (docs/cpu_amx/size_prices_2026-12-07).
+SHAPE_FORGET = 0.995
+# Their pull toward zero, relative to each length's own weight: only what keeps the system solvable.
+SHAPE_RIDGE = 1e-6
 
 # The weight older calls keep, beyond `forget`, after a call the estimate mispredicted by more than
 # `restart_error`: the calls before a change of the costs would otherwise pin the directions that
@@ -655,28 +692,39 @@ class OnlineCosts:
   def size_prices(self, lengths: Sequence[int], rows: int) -> np.ndarray:
     """[len(lengths)] AR steps of a cycle verifying each n in `lengths` at batch size `rows`,
     for weighing one length against another (a block-size policy's sizes,
-    `Engine.policy_prices`): a length that ran in at least `SIZE_PRICE_CALLS` of the fit's
-    calls at its own fitted break-even (which keeps its last ratio to the others once it stops
-    running); any other at the start-up costs' shape on the scale of the length run in the most
-    calls (every start-up length measured in one pass, alike).
+    `Engine.policy_prices`): priced relative to the length run in the most calls (the
+    reference), at that length's own break-even. A length that ran in at least
+    `SIZE_PRICE_CALLS` of the fit's calls at its ratio to the reference over every call the fit
+    took (`_Fit.size_ratio`: long memory, `SHAPE_FORGET`); any other at the start-up costs'
+    shape (every start-up length measured in one pass, alike).
 
-    Neither alone: a length fitted from a call or two is priced by their noise (on the 2-core
-    Xeon, b = 5 and 6 at 3.9-4.1 AR steps against 3.0 for b = 7 and 8 after two calls), and a
-    policy that then avoids it never corrects it; the start-up shape alone (isolated forwards
-    and one drafter pass at the largest block) priced a b = 11 cycle 8% above a b = 8 one where
-    the loops' own calls then measured 26%, and a policy sent 66 of 82 requests to b = 11
-    (0.97x b = 8's decode speed). A length priced too cheap by the shape is run, and its calls
-    correct it; one priced too dear costs at most the gain it might have had."""
+    Not each length's own fitted break-even: the fit forgets fast (it follows the machine), so
+    a length run in one call of ten is priced by its last call or two, and a policy runs it
+    when their noise makes it cheap. On the 2-core Xeon (model 207) the learned default's fitted
+    price of b = 9, 10, 11 at the moments it ran them read 6-50% (median, seven batch-1 runs)
+    under their ratio to b = 8 over the whole run, and its picks of 10 and 11 ran at 0.96x and
+    0.92x b = 8's speed on their requests (docs/cpu_amx/b1_host_2026-12-07). Not the start-up
+    shape alone either (isolated forwards and one drafter pass at the largest block): it priced
+    a b = 11 cycle 8% above a b = 8 one where the loops' own calls then measured 26%, and a
+    policy sent 66 of 82 requests to b = 11 (0.97x b = 8's decode speed). A length priced too
+    cheap by the shape is run, and its calls correct it; one priced too dear costs at most the
+    gain it might have had."""
     fit, shape = self._fit(int(rows)), self.size_shape
     runs = ({n: c for n, c in fit.calls_with.items() if n > 0 and n not in self.by_prior}
             if fit.pricing else {})
-    scale = 1.0
-    if runs:
-      ref = max(runs, key=lambda n: (runs[n], n))
-      scale = self.break_even(ref, rows) / float(shape(ref))
-    return np.asarray([self.break_even(int(n), rows) if runs.get(int(n), 0) >= SIZE_PRICE_CALLS
-                       else self.clip(int(n), scale * float(shape(int(n))), int(rows), shape)
-                       for n in lengths], np.float64)
+    if not runs:
+      return np.asarray([self.clip(int(n), float(shape(int(n))), int(rows), shape)
+                         for n in lengths], np.float64)
+    ref = max(runs, key=lambda n: (runs[n], n))
+    ref_price = self.break_even(ref, rows)
+    scale = ref_price / float(shape(ref))
+    prices = []
+    for n in map(int, lengths):
+      ratio = fit.size_ratio(n, ref) if runs.get(n, 0) >= SIZE_PRICE_CALLS else None
+      prices.append(ref_price if n == ref else
+                    self.clip(n, ref_price * ratio, int(rows)) if ratio is not None else
+                    self.clip(n, scale * float(shape(n)), int(rows), shape))
+    return np.asarray(prices, np.float64)
 
   def break_even_N(self, max_verify: int, rows: int) -> np.ndarray:
     """[max_verify + 1] float32: entry n the break-even of a cycle verifying n tokens (entry 0,
