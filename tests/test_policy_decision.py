@@ -306,7 +306,7 @@ FLAT_CYCLES = np.array([1.0, 1.02, 1.05, 1.1])  # an accelerator's: about one AR
 def test_priced_decision_follows_the_machines_prices():
   """The same counts priced by a CPU's costs pick a middle size, by an accelerator's the
   longest; the scores are tokens per AR step's time (1 / (cycles x price + steps x price))."""
-  policy = _priced_policy(COUNTS)
+  policy = _priced_policy(COUNTS, prior=COUNTS)
   x = jnp.asarray(_x(5))
   for cycles, want in ((CPU_CYCLES, 1), (FLAT_CYCLES, 3)):
     policy.set_prices(cycles, np.ones(4))
@@ -394,10 +394,18 @@ def test_priced_head_learns_counts_that_price_right_on_another_machine():
   fit.policy.set_priced_decision(yt.mean(0), 1.0)
   other = np.array([1.0, 1.3, 1.9, 2.9])  # a machine between the CPU and an accelerator
   fit.policy.set_prices(other, np.ones(K))
-  best = np.argmin(ye[:, :K] * other[None, :], 1)
-  agree = float((predict(fit.policy, xe) == best).mean())
-  static = float((best == np.bincount(best, minlength=K).argmax()).mean())
+  true_cost = ye[:, :K] * other[None, :]
+  best = np.argmin(true_cost, 1)
+  # The counts' own argmin (the scores: 1 / predicted cost), before the decision's margin.
+  cheapest = np.argmax(np.asarray(fit.policy.decide(jnp.asarray(xe))[0]), 1)
+  agree = float((cheapest == best).mean())
+  static_size = np.bincount(best, minlength=K).argmax()
+  static = float((best == static_size).mean())
   assert agree > 0.85 and agree > static + 0.2, (agree, static)
+  # The decision (held to the prior's cheapest size but for a margin) costs less than it.
+  picked = predict(fit.policy, xe)
+  rows = np.arange(len(xe))
+  assert true_cost[rows, picked].sum() < true_cost[:, static_size].sum()
   with pytest.raises(BadInputError, match="labelling machine's prices"):
     fit_policy(xt, yt, None, None, arch, opt_cfg=opt_config(), steps=1, batch=8,
                label_smoothing=0.0, eval_every=1, patience=1, seed=0)
@@ -438,3 +446,26 @@ def test_the_priced_loss_weighs_the_sizes_priced_costs_relative_to_each_other():
     fit_policy(x, np.ones((4, 6), np.float32), None, None, arch, opt_cfg=opt_config(),
                steps=1, batch=2, label_smoothing=0.0, eval_every=1, patience=1, seed=0,
                prices_2C=np.asarray(prices), priced_relative_weight=-1.0)
+
+
+def test_a_priced_policy_leaves_the_static_size_only_for_a_margin():
+  """A size other than the prior's cheapest at the prices in effect is picked only where its
+  predicted cost is lower by more than `PRICED_DEPART_MARGIN`: a size predicted 3% cheaper
+  than the static one is not picked, one 8% cheaper is; the scores are the costs' own."""
+  from bp_jax.policy.mlp import PRICED_DEPART_MARGIN
+
+  assert PRICED_DEPART_MARGIN == pytest.approx(0.05)
+  x = jnp.asarray(_x(4))
+  for cheaper, want in ((0.03, 1), (0.08, 2)):
+    # Sizes 2, 3, 5, 8 at CPU prices; the prior's cheapest is 3 (class 1); the network
+    # predicts size 5's cycles so that its cost is `cheaper` below size 3's.
+    counts = COUNTS.copy()
+    static_cost = COUNTS[1] * CPU_CYCLES[1]
+    counts[2] = (1.0 - cheaper) * static_cost / CPU_CYCLES[2]
+    policy = _priced_policy(counts, lam=1.0, prior=COUNTS)
+    policy.set_prices(CPU_CYCLES, np.ones(4))
+    scores, cls = policy.decide(x)
+    cost = counts[:4] * CPU_CYCLES
+    np.testing.assert_allclose(np.asarray(scores)[0], 1.0 / cost, rtol=1e-5)
+    assert int(np.argmin(cost)) == 2 and int(np.argmin(COUNTS[:4] * CPU_CYCLES)) == 1
+    assert np.asarray(cls).tolist() == [want] * 4, (cheaper, cost)

@@ -56,6 +56,20 @@ HEADS = ("classify", "value", "priced")
 # Added to the static class's score before the value head's argmax, so that a tie (e.g. lam = 0,
 # or rhat constant across sizes) picks the static size; far below any real ratio difference.
 STATIC_TIE_BONUS = 1e-5
+# A priced head picks a size other than the best static one of the prices in effect (its prior's
+# cheapest) only where that size's cost is predicted below the static one's by more than this
+# share: a per-request argmin picks the size its prediction and the prices in effect put lowest,
+# so the more alike the sizes' costs, the more its picks are made by their errors. The demo's
+# policy at batch 1 on the 2-core Xeon (model 207), HumanEval's evaluation half: its moves off
+# b = 8 to 9, 10 and 11 decoded 2%, 4% and 8% slower than b = 8 on those requests (seven runs,
+# 23-31 requests each); repriced at each run's own measured prices, 9 of its 225 moves in ten
+# runs were predicted 5% cheaper than b = 8, 56 cheaper at all, 45 of those in one run where 7
+# and 8 cost about alike (and its 45 moves to 7 there ran 4% slower); held to b = 8 unless 5%
+# cheaper, the ten runs' requests replay at 0.999x b = 8's speed against 0.991x as they ran
+# (docs/cpu_amx/size_prices_2026-12-07). On a machine whose prices move the static size
+# itself (an accelerator's long verifies) the static size moves with them; only a request's
+# departure from it needs the margin.
+PRICED_DEPART_MARGIN = 0.05
 
 
 def prompt_hash(text: str) -> str:
@@ -139,10 +153,14 @@ def priced_costs(counts_B2C: jax.Array, prices_2C: jax.Array) -> jax.Array:
   return counts_B2C[:, :C] * prices_2C[None, :C] + counts_B2C[:, C:] * prices_2C[None, C:]
 
 
-def decision_class(scores_BC: jax.Array, static_class: jax.Array) -> jax.Array:
-  """[B] int32 argmax of the scores, ties (within `STATIC_TIE_BONUS`) to `static_class`."""
-  bonus_C = STATIC_TIE_BONUS * jax.nn.one_hot(static_class, scores_BC.shape[-1])
-  return jnp.argmax(scores_BC + bonus_C[None, :], axis=-1).astype(jnp.int32)
+def decision_class(scores_BC: jax.Array, static_class: jax.Array,
+                   margin: float = 0.0) -> jax.Array:
+  """[B] int32 argmax of the scores, the static class's raised by `margin` (relative:
+  another class wins only with a score above (1 + margin) times it) and ties (within
+  `STATIC_TIE_BONUS`) to `static_class`."""
+  static_C = jax.nn.one_hot(static_class, scores_BC.shape[-1])
+  raised_BC = scores_BC * (1.0 + margin * static_C[None, :]) + STATIC_TIE_BONUS * static_C[None, :]
+  return jnp.argmax(raised_BC, axis=-1).astype(jnp.int32)
 
 
 def check_prices(cycle_C: Sequence[float], step_C: Sequence[float], C: int) -> np.ndarray:
@@ -295,7 +313,8 @@ class BlockPolicy(nnx.Module):
       counts_B2C = lam * jnp.maximum(out_BC, 0.0) + (1.0 - lam) * self.value_prior[...][None, :]
       scores_BC = 1.0 / jnp.maximum(priced_costs(counts_B2C, prices_2C), 1e-6)
       prior_C = priced_costs(self.value_prior[...][None, :], prices_2C)[0]
-      return scores_BC, decision_class(scores_BC, jnp.argmin(prior_C).astype(jnp.int32))
+      return scores_BC, decision_class(scores_BC, jnp.argmin(prior_C).astype(jnp.int32),
+                                       PRICED_DEPART_MARGIN)
     if self.arch.head == "classify":
       probs_BC = jax.nn.softmax(out_BC, axis=-1)
       return probs_BC, jnp.argmax(probs_BC, axis=-1).astype(jnp.int32)
