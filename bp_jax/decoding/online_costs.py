@@ -404,9 +404,9 @@ SIZE_PRICE_CALLS = 8
 # a half-life of ~140 calls, where the fit's own `forget` (0.8) keeps ~3. The lengths' ratios are a
 # property of their programs and move little with the machine's load, while a rare length's own
 # fitted price is its last call or two: on the 2-core Xeon (model 207) the learned default's price
-# of sizes 9-11 at the moment it ran them read 6-50% under their ratio to b = 8 over the whole run
-# (median, seven batch-1 runs; the picks came where noise made them cheap), these ratios 1-17%
-# (docs/cpu_amx/size_prices_2026-12-07).
+# of sizes 9-11 before each call that ran them was 16-28% off their ratio to b = 8 over the whole
+# run (median log error, seven batch-1 runs replayed; nearly always under it: they ran where noise
+# made them cheap), these ratios 2-8% (docs/cpu_amx/size_prices_2026-12-07).
 SHAPE_FORGET = 0.995
 # Their pull toward zero, relative to each length's own weight: only what keeps the system solvable.
 SHAPE_RIDGE = 1e-6
@@ -701,9 +701,10 @@ class OnlineCosts:
     Not each length's own fitted break-even: the fit forgets fast (it follows the machine), so
     a length run in one call of ten is priced by its last call or two, and a policy runs it
     when their noise makes it cheap. On the 2-core Xeon (model 207) the learned default's fitted
-    price of b = 9, 10, 11 at the moments it ran them read 6-50% (median, seven batch-1 runs)
-    under their ratio to b = 8 over the whole run, and its picks of 10 and 11 ran at 0.96x and
-    0.92x b = 8's speed on their requests (docs/cpu_amx/b1_host_2026-12-07). Not the start-up
+    price of b = 9, 10, 11 before each call that ran them was 16-28% off (median log error, seven
+    batch-1 runs replayed; nearly always under) their ratio to b = 8 over the whole run, this
+    rule's 2-8%, and its picks of 10 and 11 ran at 0.96x and 0.92x b = 8's speed on their
+    requests (docs/cpu_amx/b1_host_2026-12-07, docs/cpu_amx/size_prices_2026-12-07). Not the start-up
     shape alone either (isolated forwards and one drafter pass at the largest block): it priced
     a b = 11 cycle 8% above a b = 8 one where the loops' own calls then measured 26%, and a
     policy sent 66 of 82 requests to b = 11 (0.97x b = 8's decode speed). A length priced too

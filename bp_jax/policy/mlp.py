@@ -22,8 +22,10 @@ Three heads read `out` (`PolicyArch.head`):
             measures, `Engine.policy_prices`; until then the labelling machine's):
               cost_k = lam * (a_k p_k + s_k q_k) + (1 - lam) * (abar_k p_k + sbar_k q_k)
             (abar, sbar: the labelling set's counts per new token) and picks argmin cost
-            (scores: 1 / cost_k, tokens per AR step's time). lam = 0 picks the best static size
-            for those costs; on a machine where a long verify costs about an AR step (an
+            (scores: 1 / cost_k, tokens per AR step's time), except that it leaves the best
+            static size for those costs (argmin of abar_k p_k + sbar_k q_k) only for a size
+            more than `PRICED_DEPART_MARGIN` cheaper. lam = 0 picks the best static size for
+            those costs; on a machine where a long verify costs about an AR step (an
             accelerator) the choice moves to long verifies without retraining.
 
 The published policy is depth 2 (two hidden layers of 2048, the second residual), ReLU, dropout
