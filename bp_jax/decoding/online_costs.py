@@ -164,7 +164,7 @@ class _Fit:
     self.calls_with: dict[int, int] = {}  # verify length -> fitted calls that ran it
     # The long-memory sums of the fitted calls' relative equations (x / seconds against 1,
     # forgetting `SHAPE_FORGET` per call, never restarted): the lengths' prices relative to one
-    # another (`size_ratio`), which a policy weighs sizes by.
+    # another (`size_ratios`), which a policy weighs sizes by.
     self.shape_A = np.zeros((1, 1))
     self.shape_b = np.zeros(1)
     self.noise = 0.0  # mean relative misprediction of the calls that were not off (`update`)
@@ -314,20 +314,23 @@ class _Fit:
     i = self.lengths.index(n) - 1
     return float(max(theta[i], 1e-3 * current[i]))
 
-  def size_ratio(self, n: int, ref: int) -> float | None:
-    """A cycle verifying n tokens over one verifying `ref`, in seconds, from every call the fit
-    took (the long-memory sums: `SHAPE_FORGET`, weighted by each call's own time, so a slow spell
-    weighs no more than a quick one); None where either length was never run or the calls do
-    not tell it (not positive and finite)."""
-    if n not in self.lengths or ref not in self.lengths:
-      return None
+  def size_ratios(self, ref: int) -> dict[int, float]:
+    """{verify length n: a cycle verifying n tokens over one verifying `ref`, in seconds}, from
+    every call the fit took (the long-memory sums: `SHAPE_FORGET`, weighted by each call's own
+    time, so a slow spell weighs no more than a quick one), one solve for every length; a
+    length the calls do not tell (a ratio not positive and finite) is left out, and every one
+    where `ref` was never run."""
+    if ref not in self.lengths:
+      return {}
     try:
       theta = np.linalg.solve(self.shape_A + _ridge(self.shape_A, SHAPE_RIDGE), self.shape_b)
     except np.linalg.LinAlgError:
-      return None
-    top, bottom = theta[self.lengths.index(n)], theta[self.lengths.index(ref)]
-    ratio = top / bottom if bottom > 0 and top > 0 else math.nan
-    return float(ratio) if math.isfinite(ratio) else None
+      return {}
+    bottom = theta[self.lengths.index(ref)]
+    if not (bottom > 0 and math.isfinite(bottom)):
+      return {}
+    return {n: float(t / bottom) for n, t in zip(self.lengths, theta)
+            if t > 0 and math.isfinite(t / bottom)}
 
   def _x(self, counts: Mapping[int, int]) -> np.ndarray:
     x = np.zeros(len(self.lengths))
@@ -400,7 +403,7 @@ MIN_CALLS = 3
 # start-up costs' shape.
 SIZE_PRICE_CALLS = 8
 
-# The weight an older call keeps per newer one in the lengths' relative prices (`_Fit.size_ratio`):
+# The weight an older call keeps per newer one in the lengths' relative prices (`_Fit.size_ratios`):
 # a half-life of ~140 calls, where the fit's own `forget` (0.8) keeps ~3. The lengths' ratios are a
 # property of their programs and move little with the machine's load, while a rare length's own
 # fitted price is its last call or two: on the 2-core Xeon (model 207) the learned default's price
@@ -695,7 +698,7 @@ class OnlineCosts:
     `Engine.policy_prices`): priced relative to the length run in the most calls (the
     reference), at that length's own break-even. A length that ran in at least
     `SIZE_PRICE_CALLS` of the fit's calls at its ratio to the reference over every call the fit
-    took (`_Fit.size_ratio`: long memory, `SHAPE_FORGET`); any other at the start-up costs'
+    took (`_Fit.size_ratios`: long memory, `SHAPE_FORGET`); any other at the start-up costs'
     shape (every start-up length measured in one pass, alike).
 
     Not each length's own fitted break-even: the fit forgets fast (it follows the machine), so
@@ -719,9 +722,10 @@ class OnlineCosts:
     ref = max(runs, key=lambda n: (runs[n], n))
     ref_price = self.break_even(ref, rows)
     scale = ref_price / float(shape(ref))
+    ratios = fit.size_ratios(ref)
     prices = []
     for n in map(int, lengths):
-      ratio = fit.size_ratio(n, ref) if runs.get(n, 0) >= SIZE_PRICE_CALLS else None
+      ratio = ratios.get(n) if runs.get(n, 0) >= SIZE_PRICE_CALLS else None
       prices.append(ref_price if n == ref else
                     self.clip(n, ref_price * ratio, int(rows)) if ratio is not None else
                     self.clip(n, scale * float(shape(n)), int(rows), shape))
