@@ -164,6 +164,8 @@ Methods (`--methods`, comma-separated):
   ar_twin           a second engine identical to ar, interleaved like any method: its ratio
                     to ar and that ratio's interval are what two identical programs read on
                     this machine in this run (the noise floor of every other row's interval);
+                    with it the defaults' speedups over both AR engines are reported too
+                    (`ar_both`: per unit their mean seconds per new token);
   priced_default_twin
                     a second engine identical to priced_default, with its own prices and
                     start rule: its ratio to priced_default is what two such engines read in
@@ -207,7 +209,8 @@ method's first timed call against its later calls of the same forwards (`first_c
 of the run's start shows there).
 
 Intervals: each method's speedup over AR, and those of `PAIRS` where both methods ran (e.g.
-`priced`'s over `backoff`, `priced_default`'s over `priced_default_every8`), with a 95% paired
+`priced`'s over `backoff`, `priced_default`'s over `priced_default_every8`; a default's over
+`ar_both`, our AR measured twice, where ar_twin ran), with a 95% paired
 bootstrap interval over the requests (batch 1) or the groups (batches) of the fastest decodes
 (bp_jax/eval/bootstrap), and the same from the mean of the repeats
 (`intervals_mean_of_repeats`): the fastest repeat flatters
@@ -271,7 +274,7 @@ from __future__ import annotations
 import collections
 import os
 import time
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import numpy as np
 from absl import flags
@@ -761,10 +764,31 @@ PAIRS = (("priced", "backoff"), ("priced_online", "priced"), ("priced_long", "pr
          ("learned_default", "learned_fixed"), ("learned_fixed", "priced_default"))
 
 
+# Our AR measured twice (`ar` and `ar_twin`, identical engines): per unit, their mean seconds per
+# new token. A default's speedup over it is the mean of its speedups over each, and does not take
+# the faster or the slower of two engines that differ only by the run's luck.
+AR_BOTH = "ar_both"
+DEFAULTS = ("priced_default", "learned_default")
+
+
 def method_pairs(methods: list[str]) -> list[tuple[str, str]]:
-  """(a, b) for each speedup a / b reported: every method over AR, then the `PAIRS` that ran."""
+  """(a, b) for each speedup a / b reported: every method over AR, then the `PAIRS` that ran,
+  then each default's over both AR engines (`AR_BOTH`) where ar_twin ran."""
+  both = [(m, AR_BOTH) for m in DEFAULTS if m in methods and "ar_twin" in methods]
   return ([(m, "ar") for m in methods if m != "ar"]
-          + [(a, b) for a, b in PAIRS if a in methods and b in methods])
+          + [(a, b) for a, b in PAIRS if a in methods and b in methods] + both)
+
+
+def with_ar_both(fig: Callable[[str], tuple[list, list]]) -> Callable[[str], tuple[list, list]]:
+  """`fig` (method -> its [units] new tokens and seconds) that also gives `AR_BOTH`: ar's tokens
+  at the mean of ar's and ar_twin's seconds per new token, unit by unit."""
+  def both(m: str) -> tuple[list, list]:
+    if m != AR_BOTH:
+      return fig(m)
+    (tokens, secs), (twin_tokens, twin_secs) = fig("ar"), fig("ar_twin")
+    return tokens, [t * (s / max(t, 1) + ts / max(tt, 1)) / 2
+                    for t, s, tt, ts in zip(tokens, secs, twin_tokens, twin_secs)]
+  return both
 
 
 def speedup_entry(a: tuple[list, list], b: tuple[list, list]) -> dict:
@@ -777,7 +801,7 @@ def group_speedups(per_group: dict[str, list[tuple[int, float]]], methods: list[
   """The speedups of `method_pairs` from each method's (new tokens, seconds) per group (e.g.
   the mean of its repeats), with 95% paired bootstrap intervals over the groups (one request
   each at batch 1)."""
-  fig = lambda m: ([t for t, _ in per_group[m]], [s for _, s in per_group[m]])
+  fig = with_ar_both(lambda m: ([t for t, _ in per_group[m]], [s for _, s in per_group[m]]))
   return {f"{a}/{b}": speedup_entry(fig(a), fig(b)) for a, b in method_pairs(methods)}
 
 
@@ -796,6 +820,7 @@ def intervals(groups: dict[str, list[list[Generation]]], methods: list[str],
   else:
     fig = lambda m: ([g.new_tokens for grp in groups[m] for g in grp],
                      [g.decode_s for grp in groups[m] for g in grp])
+  fig = with_ar_both(fig)
   return {f"{a}/{b}": speedup_entry(fig(a), fig(b)) for a, b in method_pairs(methods)}
 
 

@@ -103,7 +103,12 @@ def test_simulated_drafts_at_a_model_shape_with_an_identical_twin(tmp_path):
   assert set(report["intervals"]) == {"none/ar", "priced_default/ar", "ar_twin/ar",
                                       "priced_default_twin/ar", "priced_default/none",
                                       "priced_default/ar_twin",
-                                      "priced_default_twin/priced_default"}
+                                      "priced_default_twin/priced_default",
+                                      "priced_default/ar_both"}
+  # Over our AR measured twice (each unit at the two AR engines' mean seconds per new token, the
+  # same tokens at T = 0): the mean of its speedups over each.
+  pair = [report["intervals"][f"priced_default/{ar}"]["ratio"] for ar in ("ar", "ar_twin")]
+  assert abs(report["intervals"]["priced_default/ar_both"]["ratio"] - sum(pair) / 2) <= 2e-4
   # The twin: the default's engine again (its blind first run drafts too), its own prices.
   assert report["repeats_per_group"]["priced_default_twin"][0][0][2] == 2
   assert report["cost_estimates"]["priced_default_twin"] != {}

@@ -365,6 +365,42 @@ def test_engine_prices_a_policy_by_its_priced_controllers_costs(models):
   assert len(priced) == 2
 
 
+def test_a_rare_sizes_loop_prices_its_cycles_as_the_policy_weighed_that_size(models):
+  """`Engine.break_even_N` of a policy's size: its full cycle (entry b) at the price the policy
+  weighed the size by (`policy_prices`: a size run in few calls at its long-memory ratio to the
+  most-run one, `OnlineCosts.size_prices`), not the fast fit's own price of its last calls,
+  which a cheap last call pulled down; a request's start weighs the same price. The most-run
+  size's entry and every other entry are the fit's."""
+  from bp_jax.decoding.options import LoopOptions
+
+  target, drafter = models
+  eng = Engine(target, drafter=drafter, policy=_priced_policy(PRICED_COUNTS), policy_sizes=SIZES,
+               shapes=ShapeOptions(max_len=MAX_LEN, length_buckets=BUCKETS,
+                                   block_sizes=(2, 3, 4, 5)),
+               loop=LoopOptions(controller="priced", ar_fallback=16, controller_costs="1,2,3,4",
+                                controller_draft_cost=0.5, online_costs=False))
+  # Calls of AR steps (1 ms) and b = 5 cycles (3 ms); every third one also 2 cycles of b = 3
+  # (2 ms each), the last of them timed at 0.3 of their cost (a quiet moment of the machine).
+  step_s, cycle_s = 1e-3, {3: 2e-3, 5: 3e-3}
+  for i in range(30):
+    counts = [4, 0, 0, 0, 0, 3 + i % 2]
+    seconds = 4 * step_s + counts[5] * cycle_s[5]
+    if i % 3 == 2:
+      counts[3] = 2
+      seconds += 2 * cycle_s[3] * (0.3 if i == 29 else 1.0)
+    eng.prices.observe(seconds, counts, 1)
+  fitted = eng.prices.break_even_N(5, 1)
+  weighed = dict(zip(SIZES, eng.policy_prices()[0]))
+  assert weighed[3] / weighed[5] == pytest.approx(2 / 3, rel=0.05)  # the run's ratio
+  assert fitted[3] < 0.85 * weighed[3]  # the fit's own: pulled down by the cheap last call
+  for b in (3, 5):
+    price_N = eng.break_even_N(b, 1)
+    assert price_N[b] == pytest.approx(weighed[b], rel=1e-6)
+    np.testing.assert_array_equal(np.delete(price_N, b), np.delete(fitted, b))
+    assert eng._start_price(b, 1) == (pytest.approx(weighed[b], rel=1e-6), False)
+  assert weighed[5] == pytest.approx(fitted[5], rel=1e-6)
+
+
 def test_a_batchs_joint_size_is_the_cheapest_by_the_priors_counts_at_the_engines_prices(models):
   """`Engine.joint_size` with a priced policy: the speculative size its prior expects cheapest
   per new token at the engine's prices (a CPU's dear long verifies: the shortest; an
