@@ -401,6 +401,30 @@ def test_a_rare_sizes_loop_prices_its_cycles_as_the_policy_weighed_that_size(mod
   assert weighed[5] == pytest.approx(fitted[5], rel=1e-6)
 
 
+def test_a_joined_batch_prices_its_joint_size_by_the_fit_without_repricing_the_sizes(models):
+  """In a joined batch every drafting row runs the joint size, the most-run length of the
+  batch's fit: `Engine.break_even_N` gives the fit's own prices there, and a loop call prices no
+  policy size (`OnlineCosts.size_prices` is not called)."""
+  from bp_jax.decoding.options import BatchOptions, LoopOptions
+
+  target, drafter = models
+  eng = Engine(target, drafter=drafter, policy=_priced_policy(PRICED_COUNTS), policy_sizes=SIZES,
+               shapes=ShapeOptions(max_len=MAX_LEN, length_buckets=BUCKETS,
+                                   block_sizes=(2, 3, 4, 5)),
+               loop=LoopOptions(controller="priced", ar_fallback=16, controller_costs="1,2,3,4",
+                                controller_draft_cost=0.5, online_costs=False),
+               batching=BatchOptions(batch_size=2))
+  joint = eng.joint_size
+  assert joint in SIZES
+  for i in range(12):
+    eng.prices.observe(0.004 + 0.003 * (3 + i % 2), [4] + [0] * (joint - 1) + [3 + i % 2], 2)
+  priced = []
+  size_prices = eng.prices.size_prices
+  eng.prices.size_prices = lambda *a: priced.append(a) or size_prices(*a)
+  np.testing.assert_array_equal(eng.break_even_N(joint, 2), eng.prices.break_even_N(5, 2))
+  assert not priced
+
+
 def test_a_batchs_joint_size_is_the_cheapest_by_the_priors_counts_at_the_engines_prices(models):
   """`Engine.joint_size` with a priced policy: the speculative size its prior expects cheapest
   per new token at the engine's prices (a CPU's dear long verifies: the shortest; an

@@ -352,8 +352,10 @@ class Engine:
     the decline) and a request's start at the price that picked it: the fit forgets fast, so
     its own price of a rare size is its last call or two (16-28% off the run's ratio on the
     2-core Xeon, model 207, docs/cpu_amx/size_prices_2026-12-07); the most-run size's price
-    is the fit's either way."""
-    if rows == self.batch_size and block_size in self.policy_sizes:
+    is the fit's either way, and in a joined batch (`joint_size`) every drafting row runs the
+    joint size, the most-run one: its price is not repriced there."""
+    if (rows == self.batch_size and block_size in self.policy_sizes
+        and self.joint_size is None):
       got = self.policy_prices()
       if got is not None:
         return float(np.float32(got[0][self.policy_sizes.index(block_size)]))
