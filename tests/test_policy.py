@@ -369,8 +369,8 @@ def test_a_rare_sizes_loop_prices_its_cycles_as_the_policy_weighed_that_size(mod
   """`Engine.break_even_N` of a policy's size: its full cycle (entry b) at the price the policy
   weighed the size by (`policy_prices`: a size run in few calls at its long-memory ratio to the
   most-run one, `OnlineCosts.size_prices`), not the fast fit's own price of its last calls,
-  which a cheap last call pulled down; a request's start weighs the same price. The most-run
-  size's entry and every other entry are the fit's."""
+  which a cheap last call pulled down; a request's start weighs the same price. The size
+  requests are routed as (`route_size`) keeps the fit's own price, every other entry too."""
   from bp_jax.decoding.options import LoopOptions
 
   target, drafter = models
@@ -379,26 +379,43 @@ def test_a_rare_sizes_loop_prices_its_cycles_as_the_policy_weighed_that_size(mod
                                    block_sizes=(2, 3, 4, 5)),
                loop=LoopOptions(controller="priced", ar_fallback=16, controller_costs="1,2,3,4",
                                 controller_draft_cost=0.5, online_costs=False))
-  # Calls of AR steps (1 ms) and b = 5 cycles (3 ms); every third one also 2 cycles of b = 3
-  # (2 ms each), the last of them timed at 0.3 of their cost (a quiet moment of the machine).
+  # The size requests are routed as (chosen at its first use, kept) runs in most calls: AR
+  # steps (1 ms) and its cycles; every third call also 2 cycles of the other size, the last of
+  # them timed at 0.3 of their cost (a quiet moment of the machine).
+  common = eng.route_size
+  rare = {3: 5, 5: 3}[common]
   step_s, cycle_s = 1e-3, {3: 2e-3, 5: 3e-3}
   for i in range(30):
-    counts = [4, 0, 0, 0, 0, 3 + i % 2]
-    seconds = 4 * step_s + counts[5] * cycle_s[5]
+    counts = [4, 0, 0, 0, 0, 0]
+    counts[common] = 3 + i % 2
+    seconds = 4 * step_s + counts[common] * cycle_s[common]
     if i % 3 == 2:
-      counts[3] = 2
-      seconds += 2 * cycle_s[3] * (0.3 if i == 29 else 1.0)
+      counts[rare] = 2
+      seconds += 2 * cycle_s[rare] * (0.3 if i == 29 else 1.0)
     eng.prices.observe(seconds, counts, 1)
   fitted = eng.prices.break_even_N(5, 1)
   weighed = dict(zip(SIZES, eng.policy_prices()[0]))
-  assert weighed[3] / weighed[5] == pytest.approx(2 / 3, rel=0.05)  # the run's ratio
-  assert fitted[3] < 0.85 * weighed[3]  # the fit's own: pulled down by the cheap last call
+  ratio = cycle_s[rare] / cycle_s[common]
+  assert weighed[rare] / weighed[common] == pytest.approx(ratio, rel=0.06)  # the run's ratio
+  assert fitted[rare] < 0.85 * weighed[rare]  # the fit's own: pulled down by the cheap last call
+  assert weighed[common] == pytest.approx(fitted[common], rel=1e-6)
   for b in (3, 5):
     price_N = eng.break_even_N(b, 1)
-    assert price_N[b] == pytest.approx(weighed[b], rel=1e-6)
+    want = weighed[b] if b != eng.route_size else fitted[b]
+    assert price_N[b] == pytest.approx(want, rel=1e-6)
     np.testing.assert_array_equal(np.delete(price_N, b), np.delete(fitted, b))
-    assert eng._start_price(b, 1) == (pytest.approx(weighed[b], rel=1e-6), False)
-  assert weighed[5] == pytest.approx(fitted[5], rel=1e-6)
+    assert eng._start_price(b, 1) == (pytest.approx(want, rel=1e-6), False)
+  # Another length now run in more calls (a request's shorter last cycles: 4 tokens): the policy
+  # weighs the routed size by its ratio to that one, its loop still by the fit's own price.
+  for i in range(80):
+    counts = [4, 0, 0, 0, 3, 0]
+    counts[common] = 2 if i % 4 == 0 else 0
+    quiet = 0.5 if i >= 70 else 1.0  # the routed size's last calls cheap: its own fit follows
+    eng.prices.observe(4 * step_s + 3 * 1.7e-3 + counts[common] * cycle_s[common] * quiet,
+                       counts, 1)
+  own = eng.prices.break_even_N(5, 1)[common]
+  assert abs(eng.policy_prices()[0][SIZES.index(common)] / own - 1) > 0.05
+  assert eng.break_even_N(common, 1)[common] == own
 
 
 def test_a_joined_batch_prices_its_joint_size_by_the_fit_without_repricing_the_sizes(models):

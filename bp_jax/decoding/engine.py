@@ -352,10 +352,14 @@ class Engine:
     the decline) and a request's start at the price that picked it: the fit forgets fast, so
     its own price of a rare size is its last call or two (16-28% off the run's ratio on the
     2-core Xeon, model 207, docs/cpu_amx/size_prices_2026-12-07); the most-run size's price
-    is the fit's either way, and in a joined batch (`joint_size`) every drafting row runs the
-    joint size, the most-run one: its price is not repriced there."""
+    is the fit's either way. The size requests are routed as (`route_size`: alone the prior's
+    cheapest, in a joined batch the joint size every drafting row runs) keeps the fit's own
+    price: early in a run, and at T = 1 where most requests decode plain, the most-run length
+    the ratios are taken against can be another one (a request's last, shorter cycle), and the
+    static size's ratio price then read 0.39-2.2x its own fitted price (batch 1, T = 1, the
+    2-core Xeon, model 207; docs/cpu_amx/repeats5_2026-12-07)."""
     if (rows == self.batch_size and block_size in self.policy_sizes
-        and self.joint_size is None):
+        and block_size != self.route_size):
       got = self.policy_prices()
       if got is not None:
         return float(np.float32(got[0][self.policy_sizes.index(block_size)]))
