@@ -340,14 +340,17 @@ class Engine:
     if self.prices is None or block_size == 1:
       return None
     price_N = self.prices.break_even_N(max(self.block_sizes), rows)
-    price_N[block_size] = self._cycle_price(block_size, rows)
+    weighed = self._policy_cycle_price(block_size, rows)
+    if weighed is not None:
+      price_N[block_size] = weighed
     return price_N
 
-  def _cycle_price(self, block_size: int, rows: int) -> float:
-    """A full cycle of `block_size` at `rows` slots in AR steps, as `break_even_N`'s entry
-    (float32) holds it: where a block-size policy weighs this size at this batch size
-    (`policy_prices`), the price it weighed it by (`OnlineCosts.size_prices`: a size the loops
-    run rarely at its long-memory ratio to the most-run one), else the fit's own break-even.
+  def _policy_cycle_price(self, block_size: int, rows: int) -> float | None:
+    """A full cycle of `block_size` at `rows` slots in AR steps (float32, as `break_even_N`'s
+    entry holds it) where a block-size policy weighs this size at this batch size
+    (`policy_prices`): the price it weighed it by (`OnlineCosts.size_prices`: a size the loops
+    run rarely at its long-memory ratio to the most-run one); None where the fit's own
+    break-even stands.
     The loop of a size the policy picked then judges its cycles (misses, the back-off gate,
     the decline) and a request's start at the price that picked it: the fit forgets fast, so
     its own price of a rare size is its last call or two (16-28% off the run's ratio on the
@@ -363,7 +366,7 @@ class Engine:
       got = self.policy_prices()
       if got is not None:
         return float(np.float32(got[0][self.policy_sizes.index(block_size)]))
-    return float(np.float32(self.prices.break_even(block_size, rows)))
+    return None
 
   def loop_ran(self, t0: float, counts_N, rows: int, block_size: int,
                decoding: int | None = None) -> float:
@@ -805,8 +808,10 @@ class Engine:
     break-even at `rows` slots)."""
     if rows > 1 and self.may_start_plain:
       return self.prices.start_break_even(block_size, rows, self._forward_prior), True
-    # `break_even_N`'s entry without pricing every other length
-    return self._cycle_price(block_size, rows), False
+    # `break_even_N`'s entry (float32) without pricing every other length
+    weighed = self._policy_cycle_price(block_size, rows)
+    return (float(np.float32(self.prices.break_even(block_size, rows))) if weighed is None
+            else weighed), False
 
   @property
   def _forward_prior(self) -> bool:

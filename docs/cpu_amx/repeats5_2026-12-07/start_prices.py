@@ -5,6 +5,7 @@ moment, and prints how they differ by size and by whether the fit had timed 3 ca
 fitted price, 85 of its 90 calls once the fit priced), which the commit after it keeps at the
 fit's own.
 
+  # in a worktree of 0a759af (`Engine._cycle_price` is `_policy_cycle_price` after it):
   PYTHONPATH=. python docs/cpu_amx/repeats5_2026-12-07/start_prices.py --num_prompts 0 \
       --half eval --methods learned_default --precompile --repeats 1 --batch_size 1 \
       --temperature 1 --drafter demo/drafter_sampling --verify rejection --out DIR
