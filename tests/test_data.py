@@ -4,6 +4,7 @@ import importlib.util
 import json
 import os
 import sys
+import tempfile
 
 import numpy as np
 import pytest
@@ -49,6 +50,18 @@ def test_prompt_set_round_trip_keeps_ids_texts_and_order(tmp_path, capsys):
   # Plain TFDS reads it too (bytes, as TFDS gives them).
   raw = tfds.data_source("prompt_set/prompts_all", data_dir=str(tmp_path / "d"), split="train")
   assert raw[2]["text"].decode() == texts[2]
+
+
+def test_building_a_dataset_leaves_nothing_in_the_temp_folder(tmp_path, monkeypatch):
+  # TFDS's own builder makes an empty mkdtemp("tfds") folder per unprepared dataset and never
+  # removes it (its GCS lookup); ours skips that lookup and removes its scratch folder.
+  scratch = tmp_path / "tmp"
+  scratch.mkdir()
+  monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+  ds = data.write_prompts(tmp_path / "d", "prompts_all", _jsonl(tmp_path, ["a", "b"]))
+  assert len(ds) == 2
+  data.write_sequences(tmp_path / "d", "tiny", _records([3, 2]))
+  assert sorted(os.listdir(scratch)) == []
 
 
 def test_one_builder_class_makes_several_named_sets(tmp_path):

@@ -104,15 +104,13 @@ class LabelSetBuilder(tfds_io.OrderedArrayRecordBuilder):
     self._cost_table = dict(cost_table) if cost_table else None
     super().__init__(data_dir=data_dir, name=name, description=description, overwrite=overwrite)
 
-  def _info(self) -> tfds.core.DatasetInfo:
-    # The base builder's info plus the decode settings (and the cost table the labels are
-    # priced with), saved as metadata.json with the data.
-    meta = {SETTINGS_KEY: self._settings}
+  def _metadata(self) -> dict[str, Any]:
+    # The decode settings (and the cost table the labels are priced with), saved as
+    # metadata.json with the data.
+    meta: dict[str, Any] = {SETTINGS_KEY: self._settings}
     if self._cost_table:
       meta[COST_KEY] = self._cost_table
-    return tfds.core.DatasetInfo(
-        builder=self, description=self.builder_config.description, features=self._features(),
-        disable_shuffling=True, metadata=tfds.core.MetadataDict(meta))
+    return meta
 
   def _features(self) -> tfds.features.FeaturesDict:
     K = self._K

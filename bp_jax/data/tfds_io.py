@@ -40,6 +40,18 @@ def check_name(name: str) -> None:
         f"dataset name {name!r}: use a letter followed by letters, digits, '_' or '-'")
 
 
+class _LocalDatasetInfo(tfds.core.DatasetInfo):
+  """DatasetInfo for datasets built here: nothing is looked up in TFDS's GCS bucket.
+
+  TFDS calls `initialize_from_bucket` whenever a builder is made for a dataset not yet
+  prepared; with GCS disabled (the default) its only effect is an empty `tempfile.mkdtemp("tfds")`
+  folder that is never removed, one per dataset built.
+  """
+
+  def initialize_from_bucket(self) -> None:
+    _log.debug("%s: built locally, no bucket lookup", self.full_name)
+
+
 class OrderedArrayRecordBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
   """Base of this package's builders: one ordered split, ArrayRecord files, a named config.
 
@@ -74,10 +86,15 @@ class OrderedArrayRecordBuilder(tfds.core.GeneratorBasedBuilder, skip_registrati
   def _examples(self) -> Iterator[dict[str, Any]]:
     """Yields the examples, in the order they are to be stored."""
 
+  def _metadata(self) -> dict[str, Any] | None:
+    """Entries saved with the data as metadata.json (none by default)."""
+    return None
+
   def _info(self) -> tfds.core.DatasetInfo:
-    return tfds.core.DatasetInfo(
-        builder=self, description=self.builder_config.description,
-        features=self._features(), disable_shuffling=True)
+    meta = self._metadata()
+    return _LocalDatasetInfo(
+        builder=self, description=self.builder_config.description, features=self._features(),
+        disable_shuffling=True, metadata=tfds.core.MetadataDict(meta) if meta else None)
 
   def _split_generators(self, dl_manager: Any) -> dict[str, Iterator[tuple[int, dict]]]:
     del dl_manager  # Nothing is downloaded.
