@@ -405,6 +405,14 @@ def test_a_rare_sizes_loop_prices_its_cycles_as_the_policy_weighed_that_size(mod
     assert price_N[b] == pytest.approx(want, rel=1e-6)
     np.testing.assert_array_equal(np.delete(price_N, b), np.delete(fitted, b))
     assert eng._start_price(b, 1) == (pytest.approx(want, rel=1e-6), False)
+  # A loop call's log entry gives the price its own size's loop weighed cycles at.
+  eng.call_log = []
+  for b in (3, 5, 1):
+    eng.loop_ran(eng.clock(), [4, 0, 0, 0, 0, 0], 1, b)
+  assert [c.break_even for c in eng.call_log] == [
+      pytest.approx(eng.break_even_N(b, 1)[b], rel=1e-6) for b in (3, 5)] + [
+          pytest.approx(fitted[5], rel=1e-6)]
+  eng.call_log = None
   # Another length now run in more calls (a request's shorter last cycles: 4 tokens): the policy
   # weighs the routed size by its ratio to that one, its loop still by the fit's own price.
   for i in range(80):

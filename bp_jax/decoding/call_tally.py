@@ -36,10 +36,12 @@ class LoopCall:
   """One loop call as the engine booked it (`Engine.loop_ran`): when it ended (`end_s`, the
   engine's clock), its wall `seconds`, its shape, the target forwards it ran per verify length
   (`forwards_N[0]` AR steps, `forwards_N[n]` cycles verifying n tokens), and what the priced
-  controller weighed drafting against once the call was booked, for a full cycle of the
-  engine's largest block size at these slots: `break_even` (the speculative loop's cycle in its
-  own AR steps: a cycle's miss rule and a request's start alone) and `start_break_even` (in
-  steps of the plain AR loop: a batch's request's start); None without the priced controller."""
+  controller weighed drafting against once the call was booked, for a full cycle of the call's
+  block size (a plain call's: the engine's largest) at these slots: `break_even` (the
+  speculative loop's cycle in its own AR steps, a block-size policy's size at the price the
+  policy weighed it by: a cycle's miss rule and a request's start alone) and `start_break_even`
+  (in steps of the plain AR loop: a batch's request's start); None without the priced
+  controller."""
   end_s: float
   seconds: float
   block_size: int

@@ -405,11 +405,14 @@ class Engine:
   def _booked(self, end: float, secs: float, counts_N: np.ndarray, rows: int,
               block_size: int) -> LoopCall:
     """The `call_log` entry of a call just booked (ended at clock time `end`), with the prices
-    in effect after it."""
+    in effect after it for a cycle of the call's block size (a plain call's: the largest):
+    the loop's as its miss rule weighs it (a policy's size at the policy's price,
+    `_policy_cycle_price`), and a batch start's."""
     prices = None
     if self.prices is not None:
-      b = max(self.block_sizes)
-      prices = (self.prices.break_even(b, rows),
+      b = block_size if block_size > 1 else max(self.block_sizes)
+      weighed = self._policy_cycle_price(b, rows)
+      prices = (self.prices.break_even(b, rows) if weighed is None else weighed,
                 self.prices.start_break_even(b, rows, self._forward_prior))
     return LoopCall(end, secs, int(block_size), int(rows),
                     tuple(int(c) for c in counts_N), *(prices or (None, None)))
