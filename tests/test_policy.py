@@ -426,27 +426,37 @@ def test_a_rare_sizes_loop_prices_its_cycles_as_the_policy_weighed_that_size(mod
   assert eng.break_even_N(common, 1)[common] == own
 
 
-def test_a_joined_batch_prices_its_joint_size_by_the_fit_without_repricing_the_sizes(models):
+@pytest.mark.parametrize("counts, joint_want", [(PRICED_COUNTS, 5),
+                                                 (np.r_[0.5, 0.3, 0.3, 0.0, 0.0, 0.0], 3)])
+def test_a_joined_batch_prices_its_joint_size_by_the_fit_without_repricing_the_sizes(
+    models, counts, joint_want):
   """In a joined batch every drafting row runs the joint size, the most-run length of the
   batch's fit: `Engine.break_even_N` gives the fit's own prices there, and a loop call prices no
-  policy size (`OnlineCosts.size_prices` is not called)."""
+  policy size (`OnlineCosts.size_prices` is not called), nor does its log entry (a plain call's
+  prices the largest size, here the joint one or another of the policy's)."""
   from bp_jax.decoding.options import BatchOptions, LoopOptions
 
   target, drafter = models
-  eng = Engine(target, drafter=drafter, policy=_priced_policy(PRICED_COUNTS), policy_sizes=SIZES,
+  eng = Engine(target, drafter=drafter, policy=_priced_policy(counts), policy_sizes=SIZES,
                shapes=ShapeOptions(max_len=MAX_LEN, length_buckets=BUCKETS,
                                    block_sizes=(2, 3, 4, 5)),
                loop=LoopOptions(controller="priced", ar_fallback=16, controller_costs="1,2,3,4",
                                 controller_draft_cost=0.5, online_costs=False),
                batching=BatchOptions(batch_size=2))
   joint = eng.joint_size
-  assert joint in SIZES
+  assert joint == joint_want
   for i in range(12):
     eng.prices.observe(0.004 + 0.003 * (3 + i % 2), [4] + [0] * (joint - 1) + [3 + i % 2], 2)
   priced = []
   size_prices = eng.prices.size_prices
   eng.prices.size_prices = lambda *a: priced.append(a) or size_prices(*a)
   np.testing.assert_array_equal(eng.break_even_N(joint, 2), eng.prices.break_even_N(5, 2))
+  # Nor does a logged call's entry: the joint size's, or a plain call's (the largest size).
+  eng.call_log = []
+  for b in (joint, 1):
+    eng.loop_ran(eng.clock(), [4] + [0] * (joint - 1) + [3 if b > 1 else 0], 2, b)
+  assert [c.break_even for c in eng.call_log] == [
+      pytest.approx(eng.prices.break_even(b, 2), rel=1e-6) for b in (joint, 5)]
   assert not priced
 
 

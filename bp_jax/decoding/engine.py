@@ -405,13 +405,15 @@ class Engine:
   def _booked(self, end: float, secs: float, counts_N: np.ndarray, rows: int,
               block_size: int) -> LoopCall:
     """The `call_log` entry of a call just booked (ended at clock time `end`), with the prices
-    in effect after it for a cycle of the call's block size (a plain call's: the largest):
-    the loop's as its miss rule weighs it (a policy's size at the policy's price,
-    `_policy_cycle_price`), and a batch start's."""
+    in effect after it for a cycle of the call's block size (a plain call's: the largest,
+    as the fit prices it): the loop's as its miss rule weighs it (a policy's size at the
+    policy's price, `_policy_cycle_price`), and a batch start's. A plain call prices no
+    policy size: a batch's plain calls would each solve them (`OnlineCosts.size_prices`),
+    host work the engine does not do without a log."""
     prices = None
     if self.prices is not None:
       b = block_size if block_size > 1 else max(self.block_sizes)
-      weighed = self._policy_cycle_price(b, rows)
+      weighed = self._policy_cycle_price(b, rows) if block_size > 1 else None
       prices = (self.prices.break_even(b, rows) if weighed is None else weighed,
                 self.prices.start_break_even(b, rows, self._forward_prior))
     return LoopCall(end, secs, int(block_size), int(rows),
