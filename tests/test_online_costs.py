@@ -396,6 +396,42 @@ def test_one_requests_stall_is_held_out():
     assert est.estimate(1).calls == 40  # the held call is still counted
 
 
+def test_one_requests_young_fit_keeps_its_shape_where_its_first_calls_price_no_ar_step():
+  """A batch-1 run's first speculative calls (the 2-core Xeon, model 207; prior from its start-up
+  costs, b = 8): three of 8 AR steps and 21 cycles, the first slower (a loop's first timed
+  call), then 2 and 17. The free fit put the AR step near zero and the cycle at the cap (32 AR
+  steps; the next request decoded plain); a young fit keeps its shape there. The calls after
+  it, which tell the two prices apart, are priced as by the free fit once it settles, and
+  cycles turned 4x dearer later are followed alike."""
+  from bp_jax.decoding import controller as control
+
+  costs, draft = (1.0, 1.0098, 1.1576, 1.4322), 0.8594
+  prior = lambda n: control.break_even(n - 1, costs, draft)
+  counts = lambda n_ar, n_cycle: [n_ar] + [0] * 7 + [n_cycle]  # b = 8: 8 tokens verified
+  first = [(0.09612, 8, 21), (0.07045, 8, 21), (0.06787, 8, 21), (0.05831, 2, 17)]
+  rng = np.random.default_rng(0)
+  later = []  # 1.1 ms an AR step and 3.3 ms a cycle (3 AR steps), then cycles of 13.2 ms (12)
+  for cycle_s in [3.3e-3] * 30 + [13.2e-3] * 12:
+    n_ar, n_cycle = int(rng.integers(2, 60)), int(rng.integers(12, 22))
+    later.append((n_ar * 1.1e-3 + n_cycle * cycle_s, n_ar, n_cycle))
+  est = OnlineCosts(prior)
+  assert est._fit(1).early_shape and not est._fit(2).early_shape  # one request's fit only
+  seen = {}
+  for young in (False, True):
+    est = OnlineCosts(prior, one_prior_floor=0.5)
+    est._fit(1).early_shape = young
+    seen[young] = []
+    for secs, n_ar, n_cycle in first + later:
+      est.observe(secs, counts(n_ar, n_cycle), 1)
+      seen[young].append(est.break_even(8, 1))
+  assert seen[False][3] == pytest.approx(32.0)  # the cap: what the run priced
+  assert seen[True][3] == pytest.approx(prior(8), rel=0.01)  # its shape, on the calls' scale
+  assert seen[True][:3] == seen[False][:3]
+  np.testing.assert_allclose(seen[True][8:], seen[False][8:], rtol=0.01)
+  assert seen[True][33] == pytest.approx(3.0, rel=0.02)
+  assert seen[True][-1] == pytest.approx(12.0, rel=0.05)
+
+
 def test_a_batchs_cycle_held_at_its_floor_is_priced_by_the_calls_that_timed_it():
   """Where a batch's fitted cycle falls below its floor (the start-up price in AR steps), the
   fit is redone with the cycle held at the floor times the AR step, so the cycle's seconds are

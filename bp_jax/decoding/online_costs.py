@@ -143,9 +143,12 @@ class _Fit:
   """The forgetting least-squares fit of one batch size (see the module doc)."""
 
   def __init__(self, prior: Callable[[int], float], min_calls: int, hold: bool,
-               hold_any: bool = True):
+               hold_any: bool = True, early_shape: bool = False):
     self.prior = lambda n: 1.0 if n == 0 else float(prior(n))  # an AR step is the unit
     self.min_calls = min_calls  # calls before the fit prices (`OnlineCosts.min_calls`)
+    # Whether the fit's first `EARLY_CALLS` calls keep the current shape where they would price
+    # the AR step under `EARLY_STEP_SHARE` of it (one request's; see `EARLY_CALLS`).
+    self.early_shape = early_shape
     self.hold = hold  # whether a call off alone is held (module doc)
     # Whether any call off alone is held (a batch's); else only one that, fitted, would price
     # the AR step at or below zero (one request's: a stall, `_prices_no_step`).
@@ -227,6 +230,9 @@ class _Fit:
     if len(self.recent) == restart_calls and abs(sum(c[4] for c in self.recent)) == restart_calls:
       self._restart(forget)
     theta, prior, M, rhs = self._solved(self.A, self.b, x, seconds, ridge)
+    if (self.early_shape and self.calls <= EARLY_CALLS
+        and not theta[0] > EARLY_STEP_SHARE * prior[0]):
+      theta = prior  # a young fit's few, alike calls: the shape on their scale (`EARLY_CALLS`)
     if np.all(np.isfinite(theta)) and theta[0] > 0:
       theta = self._within_bounds(M, rhs, theta, clip)
     if not (np.all(np.isfinite(theta)) and theta[0] > 0):  # no AR step priced: the last shape
@@ -398,6 +404,21 @@ NOISE_WEIGHT = 0.2
 # docs/results/controller.md).
 MIN_CALLS = 3
 
+# One request's fit over its first EARLY_CALLS calls keeps its current shape (the start-up
+# costs', on the calls' scale) where a call would price the AR step under EARLY_STEP_SHARE of
+# that shape's: its first calls run alike mixes of AR steps and cycles (8 and 21, 8 and 21, 8
+# and 21, then 2 and 17), the first of them slower (a loop's first timed call: 96 ms against
+# 68-70), and the free fit put the AR step near zero and a b = 8 cycle at the cap, 32 AR steps:
+# the next request decoded plain. On the 2-core Xeon (model 207) 7 of 30 batch-1, T = 0 runs'
+# prices did so, replayed, at their 3rd-5th speculative call (11.5-32 AR steps against medians
+# of 2.2-4.3); kept at the shape, 2.3-7.4 there, and the later calls' prices within 0.18 AR steps
+# of the free fit's while it settles (2.2 in one older run's), the same from ~20 calls on
+# (docs/cpu_amx/current_2026-12-07/early_fit.txt). Only early: a fit that has seen the calls
+# follows a real change of the step's share. A batch's AR step is bounded by its start-up
+# forward instead (`OnlineCosts.break_even`).
+EARLY_CALLS = 8
+EARLY_STEP_SHARE = 0.25
+
 # A verify length that ran in at least this many of a fit's calls weighs against others at its
 # price relative to theirs over the fit's calls (`OnlineCosts.size_prices`); rarer ones at the
 # start-up costs' shape.
@@ -498,7 +519,8 @@ class OnlineCosts:
 
   def _fit(self, rows: int) -> _Fit:
     if rows not in self._fits:
-      self._fits[rows] = _Fit(self.prior, self.min_calls, self.hold_outliers, rows > 1)
+      self._fits[rows] = _Fit(self.prior, self.min_calls, self.hold_outliers, rows > 1,
+                              early_shape=rows == 1)
     return self._fits[rows]
 
   def observe(self, seconds: float, counts_N: Sequence[int] | np.ndarray, rows: int) -> bool:
