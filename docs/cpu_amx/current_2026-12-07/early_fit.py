@@ -9,42 +9,29 @@ replay the last column says so (reports of older code, or with the decline on, d
     PYTHONPATH=. python docs/cpu_amx/current_2026-12-07/early_fit.py /tmp/oc_before.py \
         docs/cpu_amx/*/b1_t*.json docs/cpu_amx/*/controllers.json
 """
-import importlib.util
 import json
+import os
 import sys
 
 import numpy as np
 
 from bp_jax.decoding import controller as control
 
-
-def load(path: str, name: str):
-  spec = importlib.util.spec_from_file_location(name, path)
-  module = importlib.util.module_from_spec(spec)
-  sys.modules[name] = module
-  spec.loader.exec_module(module)
-  return module
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
+                                "fit_spike_2026-12-07"))
+from replay import b8_prices, online_costs_class  # noqa: E402
 
 
-def replay(module, run: dict) -> np.ndarray:
+def replay(online_costs, run: dict) -> np.ndarray:
   given = run["controller_costs"]
   costs, draft = tuple(given["controller_costs"]), given["controller_draft_cost"]
-  prices = module.OnlineCosts(lambda n: control.break_even(n - 1, costs, draft),
-                              batch_prior_floor=1.0, one_prior_floor=0.5)
-  out = []
-  for call in run["call_logs"]["priced_default"]:
-    counts = call["forwards_N"]
-    if call["block_size"] == 1:
-      prices.observe_plain(call["seconds"], counts[0], call["rows"])
-      continue
-    prices.observe(call["seconds"], counts, call["rows"])
-    out.append(prices.break_even(8, 1))
-  return np.asarray(out)
+  prices = online_costs(lambda n: control.break_even(n - 1, costs, draft),
+                        batch_prior_floor=1.0, one_prior_floor=0.5)
+  return np.asarray(list(b8_prices(prices, run["call_logs"]["priced_default"])))
 
 
 def main(before: str, paths: list[str]) -> None:
-  old, new = load(before, "online_costs_before"), load("bp_jax/decoding/online_costs.py",
-                                                       "online_costs_now")
+  old, new = online_costs_class(before), online_costs_class(None)
   for path in sorted(set(paths)):
     run = json.load(open(path))
     if run.get("batch_size") != 1 or "priced_default" not in run.get("call_logs", {}):

@@ -30,6 +30,18 @@ def online_costs_class(path: str | None):
   return module.OnlineCosts
 
 
+def b8_prices(prices, calls: list[dict]):
+  """Feeds a report's logged loop calls to `prices` (an OnlineCosts); yields the price of a
+  b = 8 cycle at batch 1 after each speculative call."""
+  for call in calls:
+    counts = call["forwards_N"]
+    if call["block_size"] == 1:
+      prices.observe_plain(call["seconds"], counts[0], call["rows"])
+      continue
+    prices.observe(call["seconds"], counts, call["rows"])
+    yield prices.break_even(8, 1)
+
+
 def main(report: str, costs_file: str, other: str | None = None) -> None:
   run = json.load(open(report))
   measured = ForwardCosts.from_json(json.load(open(costs_file))["costs"])
@@ -41,15 +53,8 @@ def main(report: str, costs_file: str, other: str | None = None) -> None:
                                      size_shape=shape)
   prices.set_ar_step_floor(measured.verify_s[0], measured.batch_size)
   bins: dict[int, list[float]] = {}
-  spec_calls = 0
-  for call in run["call_logs"]["learned_default"]:
-    counts = call["forwards_N"]
-    if call["block_size"] == 1:
-      prices.observe_plain(call["seconds"], counts[0], call["rows"])
-      continue
-    prices.observe(call["seconds"], counts, call["rows"])
-    bins.setdefault(spec_calls // 20, []).append(prices.break_even(8, 1))
-    spec_calls += 1
+  for spec_calls, price in enumerate(b8_prices(prices, run["call_logs"]["learned_default"])):
+    bins.setdefault(spec_calls // 20, []).append(price)
   print("speculative calls  price of a b = 8 cycle (AR steps, mean over the bin)")
   for k, seen in sorted(bins.items()):
     print(f"  {20 * k:4d}-{20 * k + len(seen) - 1:4d}  {sum(seen) / len(seen):6.2f}")
