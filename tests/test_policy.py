@@ -325,23 +325,30 @@ def test_priced_policy_decides_inside_the_prefill_by_the_engines_prices(engine, 
     engine.set_policy(_policy(), SIZES)
 
 
+def _priced_engine(models, counts=PRICED_COUNTS, costs: str = "1,2,3,4", draft: float = 0.5,
+                   batch_size: int = 1) -> Engine:
+  """An engine of sizes 2-5 whose priced policy (`counts`) picks among SIZES, its priced
+  controller at the given start-up `costs` and `draft` pass, no online update."""
+  from bp_jax.decoding.options import BatchOptions, LoopOptions
+
+  target, drafter = models
+  return Engine(target, drafter=drafter, policy=_priced_policy(counts), policy_sizes=SIZES,
+                shapes=ShapeOptions(max_len=MAX_LEN, length_buckets=BUCKETS,
+                                    block_sizes=(2, 3, 4, 5)),
+                loop=LoopOptions(controller="priced", ar_fallback=16, controller_costs=costs,
+                                 controller_draft_cost=draft, online_costs=False),
+                batching=BatchOptions(batch_size=batch_size))
+
+
 def test_engine_prices_a_policy_by_its_priced_controllers_costs(models):
   """`Engine.policy_prices`: a size-b cycle at the priced controller's price of a b-token
   verify (drafter pass included; before any loop call, its break-even) at the engine's batch
   size, a step at one AR step; a cheap
   verify (an accelerator's costs) makes the longest size the priced choice, a dear one (a
   CPU's) the shortest."""
-  from bp_jax.decoding.options import LoopOptions
-
-  target, drafter = models
   picks = []
   for costs, draft in (("1,4,8,16", 2.0), ("1,1.02,1.05,1.1", 0.05)):
-    eng = Engine(target, drafter=drafter, policy=_priced_policy(PRICED_COUNTS),
-                 policy_sizes=SIZES,
-                 shapes=ShapeOptions(max_len=MAX_LEN, length_buckets=BUCKETS,
-                                     block_sizes=(2, 3, 4, 5)),
-                 loop=LoopOptions(controller="priced", ar_fallback=16, controller_costs=costs,
-                                  controller_draft_cost=draft, online_costs=False))
+    eng = _priced_engine(models, costs=costs, draft=draft)
     cycle, step = eng.policy_prices()
     np.testing.assert_allclose(cycle, [eng.prices.break_even(b, 1) for b in SIZES], rtol=1e-6)
     assert step.tolist() == [1.0] * 3
@@ -371,14 +378,7 @@ def test_a_rare_sizes_loop_prices_its_cycles_as_the_policy_weighed_that_size(mod
   most-run one, `OnlineCosts.size_prices`), not the fast fit's own price of its last calls,
   which a cheap last call pulled down; a request's start weighs the same price. The size
   requests are routed as (`route_size`) keeps the fit's own price, every other entry too."""
-  from bp_jax.decoding.options import LoopOptions
-
-  target, drafter = models
-  eng = Engine(target, drafter=drafter, policy=_priced_policy(PRICED_COUNTS), policy_sizes=SIZES,
-               shapes=ShapeOptions(max_len=MAX_LEN, length_buckets=BUCKETS,
-                                   block_sizes=(2, 3, 4, 5)),
-               loop=LoopOptions(controller="priced", ar_fallback=16, controller_costs="1,2,3,4",
-                                controller_draft_cost=0.5, online_costs=False))
+  eng = _priced_engine(models)
   # The size requests are routed as (chosen at its first use, kept) runs in most calls: AR
   # steps (1 ms) and its cycles; every third call also 2 cycles of the other size, the last of
   # them timed at 0.3 of their cost (a quiet moment of the machine).
@@ -434,15 +434,7 @@ def test_a_joined_batch_prices_its_joint_size_by_the_fit_without_repricing_the_s
   batch's fit: `Engine.break_even_N` gives the fit's own prices there, and a loop call prices no
   policy size (`OnlineCosts.size_prices` is not called), nor does its log entry (a plain call's
   prices the largest size, here the joint one or another of the policy's)."""
-  from bp_jax.decoding.options import BatchOptions, LoopOptions
-
-  target, drafter = models
-  eng = Engine(target, drafter=drafter, policy=_priced_policy(counts), policy_sizes=SIZES,
-               shapes=ShapeOptions(max_len=MAX_LEN, length_buckets=BUCKETS,
-                                   block_sizes=(2, 3, 4, 5)),
-               loop=LoopOptions(controller="priced", ar_fallback=16, controller_costs="1,2,3,4",
-                                controller_draft_cost=0.5, online_costs=False),
-               batching=BatchOptions(batch_size=2))
+  eng = _priced_engine(models, counts, batch_size=2)
   joint = eng.joint_size
   assert joint == joint_want
   for i in range(12):

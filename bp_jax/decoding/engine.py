@@ -368,6 +368,12 @@ class Engine:
         return float(np.float32(got[0][self.policy_sizes.index(block_size)]))
     return None
 
+  def _loop_cycle_price(self, block_size: int, rows: int) -> float:
+    """A full cycle of `block_size` at `rows` slots in AR steps as that size's loop weighs it:
+    the policy's price where it applies (`_policy_cycle_price`), else the fit's break-even."""
+    weighed = self._policy_cycle_price(block_size, rows)
+    return self.prices.break_even(block_size, rows) if weighed is None else weighed
+
   def loop_ran(self, t0: float, counts_N, rows: int, block_size: int,
                decoding: int | None = None) -> float:
     """Books a loop call that started at `clock()` time t0 and ran `counts_N` target forwards
@@ -413,8 +419,8 @@ class Engine:
     prices = None
     if self.prices is not None:
       b = block_size if block_size > 1 else max(self.block_sizes)
-      weighed = self._policy_cycle_price(b, rows) if block_size > 1 else None
-      prices = (self.prices.break_even(b, rows) if weighed is None else weighed,
+      prices = (self._loop_cycle_price(b, rows) if block_size > 1
+                else self.prices.break_even(b, rows),
                 self.prices.start_break_even(b, rows, self._forward_prior))
     return LoopCall(end, secs, int(block_size), int(rows),
                     tuple(int(c) for c in counts_N), *(prices or (None, None)))
@@ -814,9 +820,7 @@ class Engine:
     if rows > 1 and self.may_start_plain:
       return self.prices.start_break_even(block_size, rows, self._forward_prior), True
     # `break_even_N`'s entry (float32) without pricing every other length
-    weighed = self._policy_cycle_price(block_size, rows)
-    return (float(np.float32(self.prices.break_even(block_size, rows))) if weighed is None
-            else weighed), False
+    return float(np.float32(self._loop_cycle_price(block_size, rows))), False
 
   @property
   def _forward_prior(self) -> bool:
