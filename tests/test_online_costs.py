@@ -17,7 +17,7 @@ import re
 import numpy as np
 import pytest
 
-from bp_jax.decoding.online_costs import SIZE_PRICE_CALLS, OnlineCosts
+from bp_jax.decoding.online_costs import MIN_CALLS, SIZE_PRICE_CALLS, OnlineCosts
 from bp_jax.errors import BadInputError
 from compile_counting import BackendCompiles
 from toy_models import toy_engine, toy_requests, zeros_drafter_pair
@@ -555,10 +555,13 @@ def test_one_requests_ar_step_costs_at_least_its_plain_loops_step():
   est, off, plain_cheaper = (OnlineCosts(lambda n: 3.0),
                              OnlineCosts(lambda n: 3.0, one_plain_floor=False),
                              OnlineCosts(lambda n: 3.0))
+  # The plain loop timed again every 5 speculative calls (a bound lapses past
+  # `PLAIN_FLOOR_CALLS` of them: the next test).
   calls = _calls(20)
   for e, plain_s in ((est, 1e-3), (off, 1e-3), (plain_cheaper, 0.5e-3)):
-    e.observe_plain(64 * plain_s, 64, rows=1)
-    for n_ar, n_cycle in calls:
+    for i, (n_ar, n_cycle) in enumerate(calls):
+      if i % 5 == 0:
+        e.observe_plain(64 * plain_s, 64, rows=1)
       e.observe(0.8e-3 * n_ar + 6e-3 * n_cycle, _counts(n_ar, n_cycle), rows=1)
   assert off.break_even(N, rows=1) == pytest.approx(7.5, rel=0.01)
   w = 0.8 ** np.arange(len(calls))[::-1]
@@ -600,6 +603,39 @@ def test_one_requests_ar_step_costs_at_least_its_plain_loops_step():
           errors[held].append(abs(np.log(price / 4.27)))
   assert np.mean(errors[True]) < 0.9 * np.mean(errors[False]), errors
   assert OnlineCosts(lambda n: 3.0).break_even(N, rows=1) == 3.0  # no call: the prior
+
+
+def test_one_requests_plain_step_bounds_its_ar_step_only_while_timed_lately():
+  """Where every request drafts, no plain call renews the plain loop's step, and one timed at
+  a slow moment held one request's AR step there for the rest of a run, its cycles priced in
+  that too-dear step (batch 1, T = 0 on the 2-core EPYC VM, model 17: the learned default's one
+  plain call at 1.29 ms a step where the plain loop then ran 0.65 ms; a b = 8 cycle priced 2.15
+  AR steps where its calls timed 4.4, every request drafting at 0.93x our AR). The plain step
+  bounds the fit's step only while timed within the last `PLAIN_FLOOR_CALLS` speculative calls."""
+  from bp_jax.decoding.online_costs import PLAIN_FLOOR_CALLS
+  calls = _calls(3 * PLAIN_FLOOR_CALLS, seed=1)
+  secs = lambda n_ar, n_cycle: 0.8e-3 * n_ar + 6e-3 * n_cycle  # a step 0.8 ms, a cycle 6 ms
+  est, free = OnlineCosts(lambda n: 3.0), OnlineCosts(lambda n: 3.0, one_plain_floor=False)
+  for e in (est, free):
+    e.observe_plain(64 * 2e-3, 64, rows=1)  # a slow moment: 2 ms a plain step
+  prices = []
+  for i, (n_ar, n_cycle) in enumerate(calls):
+    for e in (est, free):
+      e.observe(secs(n_ar, n_cycle), _counts(n_ar, n_cycle), rows=1)
+    prices.append((est.break_even(N, rows=1), free.break_even(N, rows=1)))
+  # Held at the stale step while it is recent (the cycle's price far under its 7.5 AR steps),
+  # the fit's own price once it is not.
+  held = [p for p, q in prices[MIN_CALLS - 1:PLAIN_FLOOR_CALLS]]
+  assert max(held) < 0.6 * 7.5, prices
+  for p, q in prices[PLAIN_FLOOR_CALLS:]:
+    assert p == q == pytest.approx(7.5, rel=0.01)
+  # A plain call timed now bounds the step again, at its own time: the forgetting fit of what the
+  # calls leave after steps of 1 ms (a price under the fit's own 7.5).
+  est.observe_plain(64 * 1e-3, 64, rows=1)
+  n_ar, n_cycle = calls[0]
+  est.observe(secs(n_ar, n_cycle), _counts(n_ar, n_cycle), rows=1)
+  assert est.break_even(N, rows=1) < 7.4
+  assert est.start_break_even(N, rows=1) == pytest.approx(est.break_even(N, rows=1))
 
 
 def test_keeps_its_prior_on_degenerate_calls():

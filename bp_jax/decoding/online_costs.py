@@ -24,9 +24,10 @@ demo settled above it, at 3.6-5 against 2.8-3.1, except one that sank to the flo
 One request backs off after every miss, so its calls keep running AR steps; its fit is
 bounded only at half the prior (`one_prior_floor` 0.5: at T = 0 on the demo it settled at 2.5
 AR steps per cycle against a start-up 4.8 and ran as fast as back-off; bounded at 4.8 it ran 4%
-slower than back-off, in another run), and its AR step at the plain AR loop's step once that
-loop has been timed (`one_plain_floor`, `break_even`): its calls mix their forwards in like
-proportions, and within their noise the fit moved time from AR steps to cycles. That lower
+slower than back-off, in another run), and its AR step at the plain AR loop's step while that
+loop was timed lately (`one_plain_floor`, `PLAIN_FLOOR_CALLS`, `break_even`): its calls mix
+their forwards in like proportions, and within their noise the fit moved time from AR steps to
+cycles. That lower
 bound is for a VM whose speed moves by a third between calls: a call slower than the ones
 before prices the AR step above what the older calls took in all, their cycles near zero, and
 the break-even fell to 1 (every cycle then pays: batch 1, T = 1, the next requests drafted
@@ -440,6 +441,17 @@ SHAPE_RIDGE = 1e-6
 # the calls after it do not tell apart (e.g. calls that all run about as many cycles).
 RESTART_WEIGHT = 0.05
 
+# One request's AR step is held at the plain AR loop's step (`one_plain_floor`) only while that
+# step was timed within this many of its speculative calls: a plain step timed at another moment
+# of the machine is no bound. Where every request drafts, no plain call renews it, and one timed
+# slow held the step there for the rest of the run: a batch-1 run at T = 0 on the 2-core EPYC VM
+# (model 17) timed its one plain call at 1.29 ms a step where the plain loop then ran 0.65 ms,
+# and the learned default priced a b = 8 cycle at 2.15 AR steps (median of 491 calls) where its
+# calls timed 4.4 of its own AR steps (5.2 plain ones): every request drafted, at 0.93x our AR
+# (docs/cpu_epyc/model17_2026-12-08). Unbounded past this many calls, the same calls replayed
+# price it at 4.12.
+PLAIN_FLOOR_CALLS = 8
+
 
 class OnlineCosts:
   """Per-forward seconds and the priced controller's break-even, kept current from timed loop
@@ -460,8 +472,9 @@ class OnlineCosts:
   `hold_outliers`: a batch's call off alone is held out of its fit until a call like it
   confirms a change or refutes it (module doc), one request's only where fitting it would price
   the AR step at or below zero (a stall); False: every call fitted at once.
-  `one_plain_floor`: one request's AR step costs at least the plain AR loop's step, once that
-  loop has been timed (`break_even`); False: the fit's own step."""
+  `one_plain_floor`: one request's AR step costs at least the plain AR loop's step, while that
+  loop was timed within its last `PLAIN_FLOOR_CALLS` speculative calls (`break_even`); False:
+  the fit's own step."""
 
   def __init__(self, prior: Callable[[int], float], *, forget: float = 0.8, ridge: float = 0.03,
                min_break_even: float = 1.0, max_break_even_per_token: float = 4.0,
@@ -500,6 +513,9 @@ class OnlineCosts:
     # Per batch size: the plain step's seconds when the speculative loop's fit last took a
     # call (None: none timed then), which `start_break_even` divides the cycle's seconds by.
     self._plain_at_fit: dict[int, float | None] = {}
+    # Per batch size: speculative calls taken since the plain loop was last timed there
+    # (`PLAIN_FLOOR_CALLS`).
+    self._calls_since_plain: dict[int, int] = {}
     # Per batch size: the start-up one-token forward's seconds (`set_ar_step_floor`).
     self._ar_step_floor_s: dict[int, float] = {}
 
@@ -544,6 +560,7 @@ class OnlineCosts:
     self._fit(int(rows)).update(seconds, used, self.forget, self.ridge, self._clip_of(rows),
                                 self.restart_error, self.restart_calls)
     self._plain_at_fit[int(rows)] = self.plain_step_s(rows)
+    self._calls_since_plain[int(rows)] = self._calls_since_plain.get(int(rows), 0) + 1
     self.version += 1
     return True
 
@@ -558,6 +575,7 @@ class OnlineCosts:
       return False
     secs, n = self._plain.get(int(rows), (0.0, 0.0))
     self._plain[int(rows)] = (self.forget * secs + seconds, self.forget * n + int(steps))
+    self._calls_since_plain[int(rows)] = 0
     self.version += 1
     return True
 
@@ -698,14 +716,16 @@ class OnlineCosts:
     """(a cycle's seconds, an AR step's) for one request whose fit prices its AR step below
     the plain AR loop's step (`plain_step_s`): the step held at the plain loop's, the cycles
     refitted to the same calls with it (`break_even`); None where that does not apply (a
-    batch, `one_plain_floor` off, no plain call timed, the fit not pricing, or its step at
-    least the plain one). The plain step is the one that stood when the fit last took a call
+    batch, `one_plain_floor` off, no plain call timed within the last `PLAIN_FLOOR_CALLS`
+    speculative calls, the fit not pricing, or its step at least the plain one). The plain
+    step is the one that stood when the fit last took a call
     (`start_break_even`'s reason): renewed by every plain call while no cycle is timed, it
     moved the price of cycles timed at another moment of the machine (batch 1 on the 2-core
     Xeon VM, model 207: cycles fitted during a slow spell, then plain steps timed 15% faster
     raised the learned engine's price of a full cycle, its largest size (11), from 6.0 to 7.3 AR
     steps over 40 plain requests; docs/cpu_amx/fit_spike_2026-12-07)."""
-    if rows != 1 or not self.one_plain_floor:
+    if (rows != 1 or not self.one_plain_floor
+        or self._calls_since_plain.get(1, 0) > PLAIN_FLOOR_CALLS):
       return None
     fit, plain = self._fit(1), self._plain_at_fit.get(1) or self.plain_step_s(1)
     step = fit.seconds(0)
