@@ -17,7 +17,8 @@ import re
 import numpy as np
 import pytest
 
-from bp_jax.decoding.online_costs import MIN_CALLS, SIZE_PRICE_CALLS, OnlineCosts
+from bp_jax.decoding.online_costs import (MIN_CALLS, PLAIN_FLOOR_CALLS, SIZE_PRICE_CALLS,
+                                           OnlineCosts)
 from bp_jax.errors import BadInputError
 from compile_counting import BackendCompiles
 from toy_models import toy_engine, toy_requests, zeros_drafter_pair
@@ -612,7 +613,6 @@ def test_one_requests_plain_step_bounds_its_ar_step_only_while_timed_lately():
   plain call at 1.29 ms a step where the plain loop then ran 0.65 ms; a b = 8 cycle priced 2.15
   AR steps where its calls timed 4.4, every request drafting at 0.93x our AR). The plain step
   bounds the fit's step only while timed within the last `PLAIN_FLOOR_CALLS` speculative calls."""
-  from bp_jax.decoding.online_costs import PLAIN_FLOOR_CALLS
   calls = _calls(3 * PLAIN_FLOOR_CALLS, seed=1)
   secs = lambda n_ar, n_cycle: 0.8e-3 * n_ar + 6e-3 * n_cycle  # a step 0.8 ms, a cycle 6 ms
   est, free = OnlineCosts(lambda n: 3.0), OnlineCosts(lambda n: 3.0, one_plain_floor=False)

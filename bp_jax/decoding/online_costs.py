@@ -27,11 +27,10 @@ AR steps per cycle against a start-up 4.8 and ran as fast as back-off; bounded a
 slower than back-off, in another run), and its AR step at the plain AR loop's step while that
 loop was timed lately (`one_plain_floor`, `PLAIN_FLOOR_CALLS`, `break_even`): its calls mix
 their forwards in like proportions, and within their noise the fit moved time from AR steps to
-cycles. That lower
-bound is for a VM whose speed moves by a third between calls: a call slower than the ones
-before prices the AR step above what the older calls took in all, their cycles near zero, and
-the break-even fell to 1 (every cycle then pays: batch 1, T = 1, the next requests drafted
-every cycle; /tmp/s30/fit.py).
+cycles. That lower bound is for a VM whose speed moves by a third between calls: a call slower
+than the ones before prices the AR step above what the older calls took in all, their cycles
+near zero, and the break-even fell to 1 (every cycle then pays: batch 1, T = 1, the next
+requests drafted every cycle; /tmp/s30/fit.py).
 
 A change of the costs shows as calls the estimate mispredicts, all the same way: after
 `restart_calls` (2) such calls in a row, each off by more than `restart_error` (20%), the calls
